@@ -1,0 +1,102 @@
+"""``SortConv2d``: a drop-in ``nn.Conv2d`` whose windows are sampled and sorted before the product."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from .ops.backends import check_backend_name
+from .ops.functional import sort_conv2d
+from .ops.geometry import check_kernel_size, check_variant
+
+__all__ = ["SortConv2d"]
+
+
+class SortConv2d(nn.Conv2d):
+    """Sorting Convolution (Mo & Zhao): rotation-invariant windows, ``nn.Conv2d``'s weights.
+
+    It *is* an ``nn.Conv2d`` (same constructor, parameters, state-dict keys, initialisation and
+    ``extra_repr``), so code that initialises, counts or loads convolutions treats it as one. Only the
+    product differs: each ``k x k`` window is sampled (``sampling``), its values sorted (``sorting``) and
+    laid back on the grid in row-major order before the usual multiply-add with ``weight``.
+
+    Args:
+        in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode,
+        device, dtype: as :class:`torch.nn.Conv2d`; ``kernel_size`` must be odd and square.
+        sampling: ``"polar"`` (bilinear samples on circles, near-invariant to any angle) or
+            ``"square"`` (the grid itself, exact only at multiples of 90 degrees).
+        sorting: ``"ring"`` (sort each Chebyshev ring, keeps radial structure) or ``"global"``.
+        backend: ``"auto"``, ``"reference"`` or a fast backend's name.
+
+    Shape:
+        Input ``(N, C_in, H, W)`` or ``(C_in, H, W)``; output as ``nn.Conv2d``.
+
+    Example:
+        >>> conv = SortConv2d(3, 16, 7, padding=3)
+        >>> conv(torch.randn(2, 3, 32, 32)).shape
+        torch.Size([2, 16, 32, 32])
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size,
+        stride=1,
+        padding=0,
+        dilation=1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: str = "zeros",
+        device=None,
+        dtype=None,
+        *,
+        sampling: str = "polar",
+        sorting: str = "ring",
+        backend: str = "auto",
+    ) -> None:
+        check_kernel_size(kernel_size)
+        check_variant(sampling, sorting)
+        super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
+                         padding_mode, device, dtype)
+        self.sampling = sampling
+        self.sorting = sorting
+        self.backend = check_backend_name(backend)
+
+    def _conv_forward(self, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        unbatched = isinstance(input, torch.Tensor) and input.dim() == 3
+        if unbatched:
+            input = input.unsqueeze(0)
+        out = sort_conv2d(input, weight, bias, self.stride, self.padding, self.dilation, self.groups,
+                          self.padding_mode, sampling=self.sampling, sorting=self.sorting, backend=self.backend)
+        return out.squeeze(0) if unbatched else out
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, sampling={self.sampling}, sorting={self.sorting}, backend={self.backend}"
+
+    @classmethod
+    def from_conv(cls, conv: nn.Conv2d, *, sampling: str = "polar", sorting: str = "ring",
+                  backend: str = "auto") -> "SortConv2d":
+        """A ``SortConv2d`` with ``conv``'s configuration, a copy of its weights, device and dtype.
+
+        Example:
+            >>> conv = nn.Conv2d(8, 8, 3, padding=1, groups=2)
+            >>> sc = SortConv2d.from_conv(conv, sampling="square")
+            >>> torch.equal(sc.weight, conv.weight), sc.groups
+            (True, 2)
+        """
+        if not isinstance(conv, nn.Conv2d):
+            raise TypeError(f"from_conv expects an nn.Conv2d, got {type(conv).__name__}")
+        new = cls(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding, conv.dilation,
+                  conv.groups, conv.bias is not None, conv.padding_mode, device=conv.weight.device,
+                  dtype=conv.weight.dtype, sampling=sampling, sorting=sorting, backend=backend)
+        with torch.no_grad():
+            new.weight.copy_(conv.weight)
+            if conv.bias is not None:
+                new.bias.copy_(conv.bias)
+        new.train(conv.training)
+        new.weight.requires_grad_(conv.weight.requires_grad)
+        if conv.bias is not None:
+            new.bias.requires_grad_(conv.bias.requires_grad)
+        return new

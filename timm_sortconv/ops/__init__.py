@@ -1,0 +1,15 @@
+"""The Sorting Convolution operator: geometry, functional op and backends."""
+from .backends import available_backends, register_backend
+from .functional import PADDING_MODES, sort_conv2d
+from .geometry import SAMPLINGS, SORTINGS, SortGeometry, get_geometry
+
+__all__ = [
+    "PADDING_MODES",
+    "SAMPLINGS",
+    "SORTINGS",
+    "SortGeometry",
+    "available_backends",
+    "get_geometry",
+    "register_backend",
+    "sort_conv2d",
+]

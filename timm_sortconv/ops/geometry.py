@@ -1,0 +1,227 @@
+"""Sampling geometry of Sorting Convolution, computed from first principles for any odd kernel size.
+
+A ``k x k`` window (``k = 2n + 1``) is split into the centre and ``n`` Chebyshev rings; ring ``r``
+holds the ``8r`` grid positions ``(dy, dx)`` with ``max(|dy|, |dx|) = r``. Every SC variant works on
+a vector of ``k*k`` *samples* laid out in **ring order**: the centre first, then ring 1's eight
+samples, then ring 2's sixteen, and so on. Ring ``r`` occupies slots ``[(2r-1)^2, (2r+1)^2)``.
+
+* ``sampling="square"``: the samples of ring ``r`` are the window's values at ring ``r``'s grid
+  positions (so each sample has a single tap of weight 1).
+* ``sampling="polar"``: the samples of ring ``r`` are the ``8r`` points on the circle of radius ``r``
+  at angles ``2*pi*j/(8r)``, angle 0 on the +x (column) axis, each read by bilinear interpolation
+  from the (at most four) grid positions around it. Since ``|x|, |y| <= r <= n`` every tap lies
+  inside the window. The points of the first quadrant are computed with ``cos``/``sin`` and the other
+  three quadrants are exact 90-degree rotations of them, so the tap tables are exactly symmetric under
+  ``torch.rot90`` and 90-degree equivariance holds to the last bit of the weights.
+
+Sorting then rearranges the samples (``sorting="ring"``: each ring's slots among themselves;
+``sorting="global"``: all slots) and the sorted value in slot ``s`` is multiplied by the kernel weight
+at grid position :attr:`SortGeometry.slot_to_grid` ``[s]``: for ring sorting, ring ``r``'s sorted
+values are written to ring ``r``'s positions in row-major order (the centre stays in the centre);
+for global sorting, the ``k*k`` sorted values are written row-major over the whole window.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import List, Tuple
+
+import torch
+
+__all__ = [
+    "SAMPLINGS",
+    "SORTINGS",
+    "SortGeometry",
+    "get_geometry",
+    "ring_grid_offsets",
+    "row_major_offsets",
+    "polar_points",
+    "batcher_comparators",
+    "check_kernel_size",
+    "check_variant",
+]
+
+SAMPLINGS = ("square", "polar")
+SORTINGS = ("ring", "global")
+
+# Tap weights closer than this to 0 or 1 are snapped: cos(pi/2) is 6e-17, not 0, and a tap of weight
+# 6e-17 one step outside the circle's bounding box would leave the window.
+_SNAP = 1e-12
+
+
+def ring_grid_offsets(kernel_size: int) -> List[Tuple[int, int]]:
+    """Grid offsets ``(dy, dx)`` of the window in ring order: centre, then each Chebyshev ring in
+    row-major order."""
+    n = kernel_size // 2
+    offsets = [(0, 0)]
+    for r in range(1, n + 1):
+        offsets += [(dy, dx) for dy in range(-r, r + 1) for dx in range(-r, r + 1) if max(abs(dy), abs(dx)) == r]
+    return offsets
+
+
+def row_major_offsets(kernel_size: int) -> List[Tuple[int, int]]:
+    """Grid offsets ``(dy, dx)`` of the window in row-major order."""
+    n = kernel_size // 2
+    return [(dy, dx) for dy in range(-n, n + 1) for dx in range(-n, n + 1)]
+
+
+def polar_points(radius: int) -> List[Tuple[float, float]]:
+    """The ``8 * radius`` points ``(y, x)`` on the circle of that radius, angle ``2*pi*j/(8r)`` from the
+    +x axis, in order of ``j``. The first quadrant is computed; the others are its exact rotations
+    ``(y, x) -> (x, -y)`` by 90 degrees."""
+    quarter = 2 * radius
+    first = []
+    for j in range(quarter):
+        angle = 2.0 * math.pi * j / (8 * radius)
+        first.append((radius * math.sin(angle), radius * math.cos(angle)))
+    points = list(first)
+    for _ in range(3):
+        points += [(x, -y) for y, x in points[-quarter:]]
+    return points
+
+
+def _snap(value: float) -> float:
+    nearest = round(value)
+    return float(nearest) if abs(value - nearest) < _SNAP else value
+
+
+def _bilinear_taps(y: float, x: float) -> List[Tuple[int, int, float]]:
+    """Taps ``(dy, dx, weight)`` of bilinear interpolation at ``(y, x)``; zero-weight taps are dropped."""
+    y, x = _snap(y), _snap(x)
+    y0, x0 = math.floor(y), math.floor(x)
+    fy, fx = y - y0, x - x0
+    taps = []
+    for dy, wy in ((y0, 1.0 - fy), (y0 + 1, fy)):
+        for dx, wx in ((x0, 1.0 - fx), (x0 + 1, fx)):
+            if wy * wx > _SNAP:
+                taps.append((dy, dx, wy * wx))
+    return taps
+
+
+def batcher_comparators(size: int) -> List[Tuple[int, int]]:
+    """Batcher's odd-even merge sort network for ``size`` values, as comparator pairs ``(i, j)``,
+    ``i < j``: after ``a[i], a[j] = min, max`` for every pair in order, ``a`` is sorted ascending.
+
+    Built for the next power of two; comparators touching an index ``>= size`` are dropped, which is
+    exact because the missing values can be taken as ``+inf`` at the end and never move."""
+    padded = 1
+    while padded < size:
+        padded *= 2
+    pairs: List[Tuple[int, int]] = []
+    p = 1
+    while p < padded:
+        k = p
+        while k >= 1:
+            for j in range(k % p, padded - k, 2 * k):
+                for i in range(min(k, padded - j - k)):
+                    a, b = i + j, i + j + k
+                    if a // (2 * p) == b // (2 * p) and a < size and b < size:
+                        pairs.append((a, b))
+            k //= 2
+        p *= 2
+    return pairs
+
+
+@dataclass(frozen=True)
+class SortGeometry:
+    """Everything an SC implementation needs for one ``(kernel_size, sampling, sorting)``.
+
+    Attributes:
+        kernel_size: odd ``k``.
+        sampling: ``"square"`` or ``"polar"``.
+        sorting: ``"ring"`` or ``"global"``.
+        segments: ``(start, end)`` slot ranges sorted independently, in ring order.
+        tap_offsets: ``(k*k, T, 2)`` int64 grid offsets ``(dy, dx)`` of each sample's taps (unused taps
+            repeat the first one with weight 0).
+        tap_weights: ``(k*k, T)`` float64 bilinear weights; each row sums to 1.
+        interpolation: ``(k*k, k*k)`` float64 matrix mapping the row-major window to ring-order samples.
+        slot_to_grid: ``(k*k,)`` int64 row-major kernel position that multiplies each sorted slot.
+    """
+
+    kernel_size: int
+    sampling: str
+    sorting: str
+    segments: Tuple[Tuple[int, int], ...]
+    tap_offsets: torch.Tensor
+    tap_weights: torch.Tensor
+    interpolation: torch.Tensor
+    slot_to_grid: torch.Tensor
+
+    @property
+    def num_slots(self) -> int:
+        return self.kernel_size * self.kernel_size
+
+    @property
+    def grid_order(self) -> torch.Tensor:
+        """Row-major window index of each ring-order grid position (a permutation of ``k*k``)."""
+        k, n = self.kernel_size, self.kernel_size // 2
+        return torch.tensor([(dy + n) * k + (dx + n) for dy, dx in ring_grid_offsets(k)], dtype=torch.long)
+
+    def comparators(self) -> List[Tuple[int, int]]:
+        """The sorting network over ring-order slots: one Batcher network per segment, shifted."""
+        return [(a + s, b + s) for s, e in self.segments for a, b in batcher_comparators(e - s)]
+
+
+def check_kernel_size(kernel_size) -> int:
+    """Returns the odd square kernel size ``k`` or raises ``ValueError`` naming what was given."""
+    if isinstance(kernel_size, (tuple, list)):
+        if len(kernel_size) != 2 or kernel_size[0] != kernel_size[1]:
+            raise ValueError(
+                f"SortConv2d needs a square kernel, got kernel_size={tuple(kernel_size)}; "
+                "pass one odd int k >= 1 or a pair (k, k)"
+            )
+        kernel_size = kernel_size[0]
+    if isinstance(kernel_size, bool) or not isinstance(kernel_size, int) or kernel_size < 1 or kernel_size % 2 == 0:
+        raise ValueError(
+            f"SortConv2d needs an odd kernel size k >= 1 (1, 3, 5, 7, ...), got kernel_size={kernel_size!r}"
+        )
+    return kernel_size
+
+
+def check_variant(sampling: str, sorting: str) -> None:
+    if sampling not in SAMPLINGS:
+        raise ValueError(f"unknown sampling={sampling!r}; accepted: {', '.join(map(repr, SAMPLINGS))}")
+    if sorting not in SORTINGS:
+        raise ValueError(f"unknown sorting={sorting!r}; accepted: {', '.join(map(repr, SORTINGS))}")
+
+
+@lru_cache(maxsize=None)
+def get_geometry(kernel_size: int, sampling: str = "polar", sorting: str = "ring") -> SortGeometry:
+    """The cached :class:`SortGeometry` for an odd ``kernel_size`` and a variant.
+
+    Example:
+        >>> g = get_geometry(3, "polar", "ring")
+        >>> g.segments
+        ((0, 1), (1, 9))
+        >>> g.tap_weights.sum(1).allclose(torch.ones(9, dtype=torch.float64))
+        True
+    """
+    k = check_kernel_size(kernel_size)
+    check_variant(sampling, sorting)
+    n = k // 2
+    grid = ring_grid_offsets(k)
+    if sampling == "square":
+        taps = [[(dy, dx, 1.0)] for dy, dx in grid]
+    else:
+        taps = [[(0, 0, 1.0)]]
+        for r in range(1, n + 1):
+            taps += [_bilinear_taps(y, x) for y, x in polar_points(r)]
+    width = max(len(t) for t in taps)
+    offsets = torch.zeros(k * k, width, 2, dtype=torch.long)
+    weights = torch.zeros(k * k, width, dtype=torch.float64)
+    interpolation = torch.zeros(k * k, k * k, dtype=torch.float64)
+    for s, sample_taps in enumerate(taps):
+        for t in range(width):
+            dy, dx, w = sample_taps[t] if t < len(sample_taps) else (*sample_taps[0][:2], 0.0)
+            assert max(abs(dy), abs(dx)) <= n, "a bilinear tap left the window"
+            offsets[s, t, 0], offsets[s, t, 1], weights[s, t] = dy, dx, w
+            interpolation[s, (dy + n) * k + (dx + n)] += w
+    ring_bounds = [(0, 1)] + [((2 * r - 1) ** 2, (2 * r + 1) ** 2) for r in range(1, n + 1)]
+    if sorting == "ring":
+        segments = tuple(ring_bounds)
+        slot_to_grid = torch.tensor([(dy + n) * k + (dx + n) for dy, dx in grid], dtype=torch.long)
+    else:
+        segments = ((0, k * k),)
+        slot_to_grid = torch.arange(k * k)
+    return SortGeometry(k, sampling, sorting, segments, offsets, weights, interpolation, slot_to_grid)
