@@ -1,0 +1,124 @@
+"""Rotated copies of a data set, generated on the fly: the paper's MNIST-rot protocol.
+
+MNIST-rot (Mo & Zhao, section III) is the MNIST test set with every image rotated by 0, 10, ..., 350
+degrees: 36 subsets of 10,000 images, 360,000 in all. :class:`RotatedDataset` builds it (or the same
+protocol for any image data set and any list of angles) without storing anything: item ``i`` is
+image ``i % N`` of the base data set rotated by angle ``i // N``, so each angle's subset is one
+contiguous block of indices. Rotation is :func:`timm_sortconv.invariance.rotate` (bilinear about the
+image centre, zero fill, the same operation the invariance sweeps use), applied to the image's 8-bit
+values and rounded back to 8 bits, so an item is an ordinary image that any timm transform accepts.
+Angle 0 returns the base image unchanged.
+"""
+from __future__ import annotations
+
+from typing import Iterable, List, Sequence, Union
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import Dataset
+
+__all__ = ["RotatedDataset", "MNIST_ROT_ANGLES", "parse_rotations", "rotate_image"]
+
+MNIST_ROT_ANGLES = tuple(range(0, 360, 10))
+
+
+def parse_rotations(spec: Union[str, Sequence[float]]) -> List[float]:
+    """Angles in degrees from ``"START:STOP:STEP"`` (stop excluded, like ``range``), ``"a,b,c"`` or a list.
+
+    >>> parse_rotations("0:360:90")
+    [0.0, 90.0, 180.0, 270.0]
+    >>> parse_rotations("0,45")
+    [0.0, 45.0]
+    """
+    if not isinstance(spec, str):
+        return [float(a) for a in spec]
+    accepted = "accepted: 'START:STOP:STEP' (e.g. '0:360:10') or a comma-separated list (e.g. '0,45,90')"
+    try:
+        if ":" in spec:
+            parts = [float(p) for p in spec.split(":")]
+            if len(parts) != 3 or parts[2] <= 0 or parts[1] <= parts[0]:
+                raise ValueError
+            start, stop, step = parts
+            return [float(a) for a in np.arange(start, stop - step * 1e-9, step)]
+        angles = [float(p) for p in spec.split(",") if p.strip()]
+    except ValueError:
+        raise ValueError(f"cannot read rotations {spec!r}; {accepted}") from None
+    if not angles:
+        raise ValueError(f"no rotation angles in {spec!r}; {accepted}")
+    return angles
+
+
+def rotate_image(image: Image.Image, angle: float) -> Image.Image:
+    """``image`` rotated by ``angle`` degrees about its centre (bilinear, zero fill), same mode and size."""
+    if angle % 360 == 0:
+        return image
+    from ..invariance import rotate  # imported here: the data package must not import the model zoo
+
+    array = np.asarray(image)
+    pixels = torch.from_numpy(np.array(array, dtype=np.float32))
+    pixels = pixels.unsqueeze(0) if pixels.ndim == 2 else pixels.permute(2, 0, 1)
+    rotated = rotate(pixels.unsqueeze(0), float(angle))[0]
+    rotated = rotated.round().clamp(0, 255).to(torch.uint8)
+    rotated = rotated[0] if array.ndim == 2 else rotated.permute(1, 2, 0)
+    return Image.fromarray(rotated.numpy())
+
+
+class RotatedDataset(Dataset):
+    """Every image of ``base`` at every angle of ``angles``; item ``i`` is image ``i % N`` at angle ``i // N``.
+
+    Args:
+        base: a data set of ``(PIL image, label)`` pairs with ``transform`` unset (rotation comes first).
+        angles: rotation angles in degrees; the default is MNIST-rot's 0, 10, ..., 350.
+        transform: applied to each rotated image (timm's loaders set it).
+
+    Example:
+        >>> mnist_rot = RotatedDataset(MNIST(root, split="test"))  # doctest: +SKIP
+        >>> len(mnist_rot), mnist_rot.angle_of(10000)               # doctest: +SKIP
+        (360000, 10.0)
+        >>> at_90 = mnist_rot.with_angles([90])                     # doctest: +SKIP
+    """
+
+    def __init__(self, base: Dataset, angles: Iterable[float] = MNIST_ROT_ANGLES, transform=None):
+        if getattr(base, "transform", None) is not None:
+            raise ValueError("RotatedDataset needs the base data set's transform unset: set the transform on the "
+                             "RotatedDataset, so images are rotated before they are cropped and normalised")
+        self.base = base
+        self.angles = [float(a) for a in angles]
+        if not self.angles:
+            raise ValueError("RotatedDataset needs at least one angle")
+        self.transform = transform
+
+    @property
+    def num_images(self) -> int:
+        """Images of the base data set (each one appears once per angle)."""
+        return len(self.base)
+
+    def __len__(self) -> int:
+        return len(self.base) * len(self.angles)
+
+    def angle_of(self, index: int) -> float:
+        """The rotation angle of item ``index``."""
+        if not 0 <= index < len(self):
+            raise IndexError(f"index {index} out of range for {len(self)} items")
+        return self.angles[index // len(self.base)]
+
+    @property
+    def item_angles(self) -> torch.Tensor:
+        """The angle of every item, in item order (a float64 tensor of length ``len(self)``)."""
+        return torch.tensor(self.angles, dtype=torch.float64).repeat_interleave(len(self.base))
+
+    def with_angles(self, angles: Iterable[float]) -> "RotatedDataset":
+        """The same protocol restricted to (or extended to) ``angles``, sharing the base data set."""
+        return RotatedDataset(self.base, angles, transform=self.transform)
+
+    def __getitem__(self, index: int):
+        angle = self.angle_of(index)
+        image, target = self.base[index % len(self.base)]
+        image = rotate_image(image, angle)
+        if self.transform is not None:
+            image = self.transform(image)
+        return image, target
+
+    def __repr__(self) -> str:
+        return f"RotatedDataset({len(self.angles)} angles x {len(self.base)} images of {self.base!r})"
