@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import yaml
 from timm import utils
-from timm.data import create_loader, resolve_data_config
+from timm.data import create_loader
 from timm.models import create_model, safe_model_name
 from timm.optim import create_optimizer_v2, optimizer_kwargs
 from timm.scheduler import create_scheduler_v2, scheduler_kwargs
@@ -46,7 +46,8 @@ from timm.task import ClassificationTask, evaluation_sample_limit, resume_task_c
 from timm.utils import load_checkpoint_metadata
 
 import timm_sortconv  # noqa: F401  (registers the SC models with timm)
-from timm_sortconv.data import cap_samples, create_dataset, create_train_loader, is_sortconv_dataset
+from timm_sortconv.data import (cap_samples, create_dataset, create_train_loader, is_sortconv_dataset,
+                                resolve_data_config)
 
 _logger = logging.getLogger("train")
 
@@ -242,24 +243,6 @@ def build_datasets(args, data_config):
     return dataset_train, dataset_eval
 
 
-def fit_channels(data_config: dict, in_chans) -> dict:
-    """The data config for ``in_chans`` channels when they were set without ``--input-size``.
-
-    timm takes the input size, channels included, from the model's ``pretrained_cfg`` unless
-    ``--input-size`` is given, and a 3-value mean/std from it too; a model built with
-    ``--in-chans 1`` needs 1-channel input and 1-value statistics (the mean of the 3, as timm's
-    prefetcher does).
-    """
-    if in_chans is None:
-        return data_config
-    fitted = dict(data_config, input_size=(in_chans, *data_config["input_size"][1:]))
-    for key in ("mean", "std"):
-        values = tuple(data_config[key])
-        if len(values) != in_chans:
-            fitted[key] = values * in_chans if len(values) == 1 else (sum(values) / len(values),) * in_chans
-    return fitted
-
-
 def check_channels(dataset, channels: int, name: str) -> None:
     """Fails early, and clearly, when the data's channels differ from the model's input channels."""
     image = dataset[0][0]
@@ -394,9 +377,8 @@ def main(argv=None):
         args.num_classes = model.num_classes
     if args.grad_checkpointing:
         model.set_grad_checkpointing(enable=True)
-    if args.crop_pct is None and is_sortconv_dataset(args.dataset):
-        args.crop_pct = 1.0  # the paper's data sets come at the protocol's size: no crop
-    data_config = fit_channels(resolve_data_config(vars(args), model=model, verbose=utils.is_primary(args)), in_chans)
+    data_config = resolve_data_config(vars(args) | {"in_chans": in_chans}, model=model, dataset=args.dataset,
+                                      verbose=utils.is_primary(args))
     if utils.is_primary(args):
         _logger.info(f"Model {safe_model_name(args.model)} created, "
                      f"param count: {sum(p.numel() for p in model.parameters())}")

@@ -26,6 +26,7 @@ import os
 from typing import Optional
 
 from .common import DatasetLayoutError, SubsetDataset, cap_samples
+from .config import resolve_data_config
 from .loader import ResumableSampler, create_train_loader
 from .mnist import MNIST, read_idx
 from .nwpu import NWPU45
@@ -50,6 +51,7 @@ __all__ = [
     "is_sortconv_dataset",
     "parse_rotations",
     "read_idx",
+    "resolve_data_config",
     "rotate_image",
 ]
 
