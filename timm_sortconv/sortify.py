@@ -37,7 +37,7 @@ from timm.layers.conv2d_same import Conv2dSameExport
 from .layers import SortConv2d
 from .ops.geometry import check_variant
 
-__all__ = ["SortConv2dSame", "SortifyReport", "get_conv_layer", "sortify"]
+__all__ = ["SortConv2dSame", "SortifyReport", "fixed_variant_args", "get_conv_layer", "sortify"]
 
 _logger = logging.getLogger(__name__)
 
@@ -104,6 +104,19 @@ def get_conv_layer(sampling: Optional[str] = None, sorting: Optional[str] = None
                          f"got sampling={sampling!r}, sorting={sorting!r}")
     check_variant(sampling, sorting)
     return partial(SortConv2d, sampling=sampling, sorting=sorting)
+
+
+def fixed_variant_args(model_name: str, kwargs: dict, sampling: Optional[str], sorting: Optional[str]) -> dict:
+    """``kwargs`` plus the conv variant that ``model_name`` stands for (``None, None``: plain convolutions).
+
+    Entrypoints whose name fixes the variant (``scnn_p_rs_7``, the ``*_baseline`` twins) use this so that
+    a conflicting ``sampling``/``sorting`` keyword is an error instead of a model whose name lies.
+    """
+    for key, value in (("sampling", sampling), ("sorting", sorting)):
+        if key in kwargs and kwargs[key] != value:
+            raise ValueError(f"{model_name} is defined by sampling={sampling!r}, sorting={sorting!r}, got "
+                             f"{key}={kwargs[key]!r}; create the model registered for that variant instead")
+    return dict(kwargs, sampling=sampling, sorting=sorting)
 
 
 @dataclass

@@ -1,0 +1,304 @@
+"""SCNN: the MNIST network of the Sorting Convolution paper, in its 12 SC variants and its plain baseline.
+
+Six convolutions with 32, 32, 64, 64, 128, 128 channels, each followed by BatchNorm and ReLU; 2x2 max
+pooling after the second and the fourth; the first four have a ``K x K`` kernel (K = 3, 5 or 7), the
+last two ``3 x 3``; padding ``k // 2``; global average pooling (the paper's 7x7 average pooling of the
+7x7 map of a 28x28 input); one linear layer.
+
+``scnn_{s,p}_{gs,rs}_{K}`` use ``SortConv2d`` in all six layers: ``s``/``p`` = square/polar sampling,
+``gs``/``rs`` = global/ring sorting. ``scnn_baseline_{K}`` uses ``nn.Conv2d`` and has exactly the same
+parameters. On a 28x28 input every pooling window tiles the map, so an SCNN's logits are exactly
+invariant to rotations by multiples of 90 degrees, and polar sampling keeps them close for any angle.
+
+Paper: `Sorted Convolutional Network for Achieving Continuous Rotational Invariance` (Mo & Zhao, IEEE SPL 2024)
+- https://arxiv.org/abs/2305.14462
+"""
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn as nn
+
+from timm.layers import ClassifierHead, get_device_dtype
+from timm.models import build_model_with_cfg, checkpoint_seq, generate_default_cfgs, register_model
+from timm.models._features import feature_take_indices
+
+from ..sortify import fixed_variant_args, get_conv_layer
+
+__all__ = ['SCNN']
+
+
+class SCNN(nn.Module):
+    """The paper's MNIST network with sorting (``sampling``/``sorting`` given) or plain convolutions (both ``None``).
+
+    Args:
+        kernel_size: kernel of the first four convolutions (odd).
+        sampling: ``'polar'`` or ``'square'``, or ``None`` with ``sorting=None`` for ``nn.Conv2d``.
+        sorting: ``'ring'`` or ``'global'``, or ``None``.
+        num_classes: classifier outputs (0: no classifier).
+        in_chans: input channels.
+        channels: widths of the six convolutions.
+        global_pool: timm pooling type (``'avg'``, ``'max'``, ``'avgmax'``, ``'catavgmax'``; all keep invariance).
+        drop_rate: dropout before the classifier.
+        bn_momentum, bn_eps: BatchNorm settings (timm's ``train.py`` passes them when asked).
+    """
+
+    def __init__(
+            self,
+            kernel_size: int = 7,
+            sampling: Optional[str] = 'polar',
+            sorting: Optional[str] = 'ring',
+            num_classes: int = 10,
+            in_chans: int = 1,
+            channels: Sequence[int] = (32, 32, 64, 64, 128, 128),
+            global_pool: str = 'avg',
+            drop_rate: float = 0.,
+            bn_momentum: float = 0.1,
+            bn_eps: float = 1e-5,
+            device=None,
+            dtype=None,
+    ) -> None:
+        super().__init__()
+        dd = {'device': device, 'dtype': dtype}
+        if len(channels) != 6:
+            raise ValueError(f"SCNN has six convolutions, got channels={tuple(channels)}")
+        conv_layer = get_conv_layer(sampling, sorting)
+        self.num_classes = num_classes
+        self.in_chans = in_chans
+        self.sampling = sampling
+        self.sorting = sorting
+        self.drop_rate = drop_rate
+        self.grad_checkpointing = False
+        self.feature_info = []
+        self.feature_ends = []  # index into self.features of each feature_info tap
+
+        kernel_sizes = (kernel_size,) * 4 + (3, 3)
+        layers: List[nn.Module] = []
+        prev_chs = in_chans
+        net_stride = 1
+        for idx, (chs, k) in enumerate(zip(channels, kernel_sizes)):
+            if idx in (2, 4):
+                self.feature_info.append(dict(num_chs=prev_chs, reduction=net_stride, module=f'features.{len(layers) - 1}'))
+                self.feature_ends.append(len(layers) - 1)
+                layers.append(nn.MaxPool2d(kernel_size=2, stride=2))
+                net_stride *= 2
+            layers += [
+                conv_layer(prev_chs, chs, k, padding=k // 2, bias=False, **dd),
+                nn.BatchNorm2d(chs, eps=bn_eps, momentum=bn_momentum, **dd),
+                nn.ReLU(inplace=True),
+            ]
+            prev_chs = chs
+        self.features = nn.Sequential(*layers)
+        self.feature_info.append(dict(num_chs=prev_chs, reduction=net_stride, module=f'features.{len(layers) - 1}'))
+        self.feature_ends.append(len(layers) - 1)
+
+        self.num_features = self.head_hidden_size = prev_chs
+        self.head = ClassifierHead(prev_chs, num_classes, pool_type=global_pool, drop_rate=drop_rate, **dd)
+        # PyTorch's default initialisation, as the paper's code.
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
+        return dict(stem=r'^features\.[012]\.', blocks=r'^features\.(\d+)')
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.grad_checkpointing = enable
+
+    @torch.jit.ignore
+    def get_classifier(self) -> nn.Module:
+        return self.head.fc
+
+    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
+        self.num_classes = num_classes
+        self.head.reset(num_classes, global_pool, **get_device_dtype(self))
+        self.head_hidden_size = self.head.num_features
+
+    def forward_intermediates(
+            self,
+            x: torch.Tensor,
+            indices: Optional[Union[int, List[int]]] = None,
+            norm: bool = False,
+            stop_early: bool = False,
+            output_fmt: str = 'NCHW',
+            intermediates_only: bool = False,
+    ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
+        """Features and the outputs of the three stages (before each max pooling, and the last one).
+
+        Args:
+            x: input images.
+            indices: last n taps if int, all if None, these ones if a sequence.
+            norm: unused (no final norm).
+            stop_early: stop after the last requested tap.
+            output_fmt: ``'NCHW'`` only.
+            intermediates_only: return only the intermediates.
+        """
+        assert output_fmt == 'NCHW', 'Output shape must be NCHW.'
+        intermediates = []
+        take_indices, max_index = feature_take_indices(len(self.feature_ends), indices)
+        layers = self.features if torch.jit.is_scripting() or not stop_early else (
+            self.features[:self.feature_ends[max_index] + 1])
+        feat_idx = 0
+        for i, layer in enumerate(layers):
+            x = layer(x)
+            if feat_idx < len(self.feature_ends) and i == self.feature_ends[feat_idx]:
+                if feat_idx in take_indices:
+                    intermediates.append(x)
+                feat_idx += 1
+        if intermediates_only:
+            return intermediates
+        return x, intermediates
+
+    def prune_intermediate_layers(
+            self,
+            indices: Union[int, List[int]] = 1,
+            prune_norm: bool = False,
+            prune_head: bool = True,
+    ) -> List[int]:
+        """Drops the layers after the last tap in ``indices`` (and the classifier if ``prune_head``)."""
+        take_indices, max_index = feature_take_indices(len(self.feature_ends), indices)
+        prune_end = max_index < len(self.feature_ends) - 1
+        self.features = self.features[:self.feature_ends[max_index] + 1]
+        if prune_end:
+            # the features now end at the last kept tap; the head, sized for the final features, goes too
+            self.num_features = self.feature_info[max_index]['num_chs']
+        if prune_head or prune_end:
+            self.num_classes = 0
+            self.head.reset(0, '', in_features=self.num_features, **get_device_dtype(self))
+            self.head_hidden_size = self.num_features
+        return take_indices
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        if self.grad_checkpointing and not torch.jit.is_scripting():
+            return checkpoint_seq(self.features, x)
+        return self.features(x)
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        return self.head(x, pre_logits=pre_logits)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.forward_features(x)
+        return self.forward_head(x)
+
+
+def _create_scnn(variant: str, kernel_size: int, sampling: Optional[str], sorting: Optional[str],
+                 pretrained: bool = False, /, **kwargs: Any) -> SCNN:
+    # Positional-only, so that a user's sampling/sorting keyword reaches the check below.
+    kwargs = fixed_variant_args(variant, kwargs, sampling, sorting)
+    return build_model_with_cfg(
+        SCNN,
+        variant,
+        pretrained,
+        kernel_size=kernel_size,
+        feature_cfg=dict(flatten_sequential=True, out_indices=(0, 1, 2)),
+        **kwargs,
+    )
+
+
+def _cfg(url: str = '', **kwargs) -> Dict[str, Any]:
+    return {
+        'url': url,
+        'num_classes': 10, 'input_size': (1, 28, 28), 'pool_size': (7, 7),
+        'crop_pct': 1.0, 'interpolation': 'bilinear',
+        # MNIST training-set statistics of pixel values in [0, 1].
+        'mean': (0.1307,), 'std': (0.3081,),
+        'first_conv': 'features.0', 'classifier': 'head.fc',
+        'license': 'apache-2.0',
+        'paper_ids': 'arXiv:2305.14462',
+        'paper_name': 'Sorted Convolutional Network for Achieving Continuous Rotational Invariance',
+        **kwargs,
+    }
+
+
+default_cfgs = generate_default_cfgs({
+    f'scnn_{variant}_{k}.mnist': _cfg()
+    for variant in ('s_gs', 's_rs', 'p_gs', 'p_rs', 'baseline') for k in (3, 5, 7)
+})
+
+
+@register_model
+def scnn_s_gs_3(pretrained: bool = False, **kwargs: Any) -> SCNN:
+    """SCNN, square sampling, global sorting, 3x3 kernels."""
+    return _create_scnn('scnn_s_gs_3', 3, 'square', 'global', pretrained, **kwargs)
+
+
+@register_model
+def scnn_s_gs_5(pretrained: bool = False, **kwargs: Any) -> SCNN:
+    """SCNN, square sampling, global sorting, 5x5 kernels in the first four layers."""
+    return _create_scnn('scnn_s_gs_5', 5, 'square', 'global', pretrained, **kwargs)
+
+
+@register_model
+def scnn_s_gs_7(pretrained: bool = False, **kwargs: Any) -> SCNN:
+    """SCNN, square sampling, global sorting, 7x7 kernels in the first four layers."""
+    return _create_scnn('scnn_s_gs_7', 7, 'square', 'global', pretrained, **kwargs)
+
+
+@register_model
+def scnn_s_rs_3(pretrained: bool = False, **kwargs: Any) -> SCNN:
+    """SCNN, square sampling, ring sorting, 3x3 kernels."""
+    return _create_scnn('scnn_s_rs_3', 3, 'square', 'ring', pretrained, **kwargs)
+
+
+@register_model
+def scnn_s_rs_5(pretrained: bool = False, **kwargs: Any) -> SCNN:
+    """SCNN, square sampling, ring sorting, 5x5 kernels in the first four layers."""
+    return _create_scnn('scnn_s_rs_5', 5, 'square', 'ring', pretrained, **kwargs)
+
+
+@register_model
+def scnn_s_rs_7(pretrained: bool = False, **kwargs: Any) -> SCNN:
+    """SCNN, square sampling, ring sorting, 7x7 kernels in the first four layers."""
+    return _create_scnn('scnn_s_rs_7', 7, 'square', 'ring', pretrained, **kwargs)
+
+
+@register_model
+def scnn_p_gs_3(pretrained: bool = False, **kwargs: Any) -> SCNN:
+    """SCNN, polar sampling, global sorting, 3x3 kernels."""
+    return _create_scnn('scnn_p_gs_3', 3, 'polar', 'global', pretrained, **kwargs)
+
+
+@register_model
+def scnn_p_gs_5(pretrained: bool = False, **kwargs: Any) -> SCNN:
+    """SCNN, polar sampling, global sorting, 5x5 kernels in the first four layers."""
+    return _create_scnn('scnn_p_gs_5', 5, 'polar', 'global', pretrained, **kwargs)
+
+
+@register_model
+def scnn_p_gs_7(pretrained: bool = False, **kwargs: Any) -> SCNN:
+    """SCNN, polar sampling, global sorting, 7x7 kernels in the first four layers."""
+    return _create_scnn('scnn_p_gs_7', 7, 'polar', 'global', pretrained, **kwargs)
+
+
+@register_model
+def scnn_p_rs_3(pretrained: bool = False, **kwargs: Any) -> SCNN:
+    """SCNN, polar sampling, ring sorting, 3x3 kernels."""
+    return _create_scnn('scnn_p_rs_3', 3, 'polar', 'ring', pretrained, **kwargs)
+
+
+@register_model
+def scnn_p_rs_5(pretrained: bool = False, **kwargs: Any) -> SCNN:
+    """SCNN, polar sampling, ring sorting, 5x5 kernels in the first four layers."""
+    return _create_scnn('scnn_p_rs_5', 5, 'polar', 'ring', pretrained, **kwargs)
+
+
+@register_model
+def scnn_p_rs_7(pretrained: bool = False, **kwargs: Any) -> SCNN:
+    """SCNN, polar sampling, ring sorting, 7x7 kernels in the first four layers (the paper's best, P-RS-7)."""
+    return _create_scnn('scnn_p_rs_7', 7, 'polar', 'ring', pretrained, **kwargs)
+
+
+@register_model
+def scnn_baseline_3(pretrained: bool = False, **kwargs: Any) -> SCNN:
+    """The plain-convolution baseline of the SCNNs with 3x3 kernels."""
+    return _create_scnn('scnn_baseline_3', 3, None, None, pretrained, **kwargs)
+
+
+@register_model
+def scnn_baseline_5(pretrained: bool = False, **kwargs: Any) -> SCNN:
+    """The plain-convolution baseline of the SCNNs with 5x5 kernels in the first four layers."""
+    return _create_scnn('scnn_baseline_5', 5, None, None, pretrained, **kwargs)
+
+
+@register_model
+def scnn_baseline_7(pretrained: bool = False, **kwargs: Any) -> SCNN:
+    """The plain-convolution baseline of the SCNNs with 7x7 kernels in the first four layers."""
+    return _create_scnn('scnn_baseline_7', 7, None, None, pretrained, **kwargs)
