@@ -45,7 +45,7 @@ from timm.scheduler import create_scheduler_v2, scheduler_kwargs
 from timm.task import ClassificationTask, evaluation_sample_limit, resume_task_checkpoint
 from timm.utils import load_checkpoint_metadata
 
-import timm_sortconv  # noqa: F401  (registers the SC models with timm)
+import timm_sortconv.models  # noqa: F401  (registers the SC models with timm)
 from timm_sortconv.data import (cap_samples, create_dataset, create_train_loader, is_sortconv_dataset,
                                 resolve_data_config)
 

@@ -30,7 +30,7 @@ from timm import utils
 from timm.data import create_loader
 from timm.models import create_model
 
-import timm_sortconv  # noqa: F401  (registers the SC models with timm)
+import timm_sortconv.models  # noqa: F401  (registers the SC models with timm)
 from timm_sortconv.data import (RotatedDataset, cap_samples, create_dataset, is_sortconv_dataset, parse_rotations,
                                 resolve_data_config)
 
