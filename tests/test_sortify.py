@@ -1,0 +1,185 @@
+"""sortify: which convolutions it replaces, that it keeps weights and checkpoints, and that it makes
+real networks rotation invariant."""
+import logging
+
+import pytest
+import timm
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torchvision
+from timm.layers import Conv2dSame, StdConv2d, create_conv2d
+
+from timm_sortconv import SortConv2d, SortConv2dSame, sort_conv2d, sortify
+
+NETWORKS = {
+    "resnet18": lambda: timm.create_model("resnet18", pretrained=False),
+    "resnet50": lambda: timm.create_model("resnet50", pretrained=False),
+    # vgg16's 13 convolutions and 7x7 head convolution, with a 64-wide instead of 4096-wide head (0.5 GB less)
+    "vgg16": lambda: timm.create_model("vgg16", pretrained=False, mlp_ratio=1 / 64),
+    "densenet121": lambda: timm.create_model("densenet121", pretrained=False),
+    "efficientnet_b0": lambda: timm.create_model("efficientnet_b0", pretrained=False),
+    "tv_resnet18": lambda: torchvision.models.resnet18(weights=None),
+}
+
+
+def _convs(model):
+    return {name: m for name, m in model.named_modules() if isinstance(m, nn.Conv2d)}
+
+
+def _randomise_batchnorm(model, seed=0):
+    """Eval-mode BatchNorm with non-trivial statistics, so it cannot hide anything."""
+    gen = torch.Generator().manual_seed(seed)
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.copy_(torch.rand(m.num_features, generator=gen) - 0.5)
+            m.running_var.copy_(torch.rand(m.num_features, generator=gen) + 0.5)
+
+
+@pytest.mark.parametrize("name", list(NETWORKS))
+def test_replaces_exactly_the_odd_square_convolutions_and_keeps_weights(name):
+    original = NETWORKS[name]()
+    expected_replaced = {n for n, m in _convs(original).items() if m.kernel_size[0] == m.kernel_size[1] >= 3}
+    expected_kept = {n for n, m in _convs(original).items() if m.kernel_size == (1, 1)}
+    assert expected_replaced and set(_convs(original)) == expected_replaced | expected_kept
+    before = {n: (m.stride, m.padding, m.dilation, m.groups, m.bias is not None) for n, m in _convs(original).items()}
+    state = {k: v.clone() for k, v in original.state_dict().items()}
+    num_params = sum(p.numel() for p in original.parameters())
+
+    model, report = sortify(original, return_report=True)
+
+    assert model is original
+    assert set(report.replaced) == expected_replaced and set(report.kept) == expected_kept
+    assert not report.skipped and not report.already and not report.excluded
+    convs = _convs(model)
+    for n in expected_replaced:
+        assert type(convs[n]) is SortConv2d and (convs[n].sampling, convs[n].sorting) == ("polar", "ring")
+        assert (convs[n].stride, convs[n].padding, convs[n].dilation, convs[n].groups,
+                convs[n].bias is not None) == before[n]
+    for n in expected_kept:
+        assert type(convs[n]) is nn.Conv2d
+    if name == "efficientnet_b0":
+        assert any(convs[n].groups == convs[n].in_channels > 1 for n in expected_replaced), "depthwise convs"
+
+    assert sum(p.numel() for p in model.parameters()) == num_params
+    new_state = model.state_dict()
+    assert new_state.keys() == state.keys()
+    assert all(torch.equal(new_state[k], state[k]) for k in state)
+    fresh = NETWORKS[name]()
+    fresh.load_state_dict(new_state)  # a sortified checkpoint loads into the original network ...
+    sortify(fresh).load_state_dict(state)  # ... and an original checkpoint into a sortified one
+
+    model, again = sortify(model, return_report=True)
+    assert not again.replaced and set(again.already) == expected_replaced and set(again.kept) == expected_kept
+    assert {n: type(m) for n, m in _convs(model).items()} == {n: type(m) for n, m in convs.items()}
+
+
+@pytest.mark.parametrize("name, size", [("resnet18", 33), ("tv_resnet18", 33), ("efficientnet_b0", 65)])
+def test_sortified_network_is_invariant_to_quarter_turns(name, size):
+    # Every stride-2 layer and pooling of these networks samples a grid that a quarter turn maps onto
+    # itself at these input sizes, so the sorted network's logits are exactly invariant (and the plain
+    # network's are not): the property sortify exists for, through depthwise, strided and dilated-free convs.
+    torch.manual_seed(0)
+    model = NETWORKS[name]().double().eval()
+    _randomise_batchnorm(model)
+    x = torch.randn(1, 3, size, size, dtype=torch.float64)
+    plain = [model(torch.rot90(x, k, (2, 3))) for k in range(4)]
+    assert max((p - plain[0]).abs().max().item() for p in plain[1:]) > 1e-4
+    sortify(model)
+    out = [model(torch.rot90(x, k, (2, 3))) for k in range(4)]
+    scale = out[0].abs().max().item()
+    assert max((o - out[0]).abs().max().item() for o in out[1:]) < 1e-10 * scale
+
+
+def test_backward_reaches_the_sortified_parameters():
+    model = sortify(NETWORKS["tv_resnet18"]())
+    model(torch.randn(2, 3, 24, 24)).logsumexp(1).sum().backward()
+    for name, conv in _convs(model).items():
+        assert conv.weight.grad is not None and conv.weight.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize("kernel_size, stride, dilation, size", [
+    (3, 2, 1, 15), (3, 2, 1, 16), (5, 2, 1, 17), (3, 2, 2, 16), (5, 1, 1, 12), (3, 3, 1, 14)])
+def test_conv2d_same_becomes_a_sort_conv_with_the_same_dynamic_padding(kernel_size, stride, dilation, size):
+    torch.manual_seed(0)
+    conv = create_conv2d(3, 4, kernel_size, stride=stride, dilation=dilation, padding="same", bias=True)
+    assert isinstance(conv, Conv2dSame) or stride == 1  # static padding is used when it is symmetric
+    x = torch.randn(2, 3, size, size + 1, dtype=torch.float64)
+    conv = conv.double()
+    # TensorFlow SAME padding, computed here from its definition: output ceil(n / s), extra pixel at the end.
+    pads = []
+    for n in (size + 1, size):
+        total = max((-(-n // stride) - 1) * stride + dilation * (kernel_size - 1) + 1 - n, 0)
+        pads += [total // 2, total - total // 2]
+    padded = F.pad(x, pads)
+    assert torch.allclose(conv(x), F.conv2d(padded, conv.weight, conv.bias, stride, 0, dilation))
+
+    sc = sortify(nn.Sequential(conv), sampling="square", sorting="global")[0]
+    assert isinstance(sc, SortConv2dSame if isinstance(conv, Conv2dSame) else SortConv2d)
+    expected = sort_conv2d(padded, conv.weight, conv.bias, stride, 0, dilation, sampling="square", sorting="global")
+    assert torch.allclose(sc(x), expected, atol=1e-12)
+
+
+def test_unsupported_convolutions_are_reported_and_left_alone(caplog):
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, (1, 3), padding=(0, 1)),
+        nn.Conv2d(4, 4, 2),
+        StdConv2d(4, 4, 5),
+        nn.ConvTranspose2d(4, 4, 3),
+        nn.Conv1d(4, 4, 3),
+        nn.Conv2d(4, 4, 5, padding=2),
+        nn.Conv2d(4, 4, 3, padding=1),
+        nn.Conv2d(4, 4, 1),
+    )
+    originals = list(model)
+    with caplog.at_level(logging.INFO, logger="timm_sortconv.sortify"):
+        model, report = sortify(model, min_kernel_size=5, return_report=True)
+    reasons = dict(report.skipped)
+    assert set(reasons) == {"0", "1", "2", "3", "4"}
+    assert "non-square" in reasons["0"] and "even" in reasons["1"] and "StdConv2d" in reasons["2"]
+    assert "transposed" in reasons["3"] and "2-D" in reasons["4"]
+    assert report.replaced == ["5"] and report.kept == ["6", "7"]
+    assert isinstance(model[5], SortConv2d)
+    assert all(model[i] is originals[i] for i in (0, 1, 2, 3, 4, 6, 7))
+    records = [r for r in caplog.records if r.name == "timm_sortconv.sortify"]
+    assert len(records) == 1 and records[0].levelno == logging.WARNING
+    assert "replaced 1" in records[0].getMessage() and "StdConv2d" in records[0].getMessage()
+    text = str(report)
+    assert "skipped 2: StdConv2d overrides" in text and "replaced: 5" in text
+
+
+def test_include_and_exclude_patterns_select_by_module_name():
+    model, report = sortify(NETWORKS["resnet18"](), include="layer1.*", return_report=True)
+    assert report.replaced == ["layer1.0.conv1", "layer1.0.conv2", "layer1.1.conv1", "layer1.1.conv2"]
+    assert "conv1" in report.excluded and type(model.conv1) is nn.Conv2d
+
+    model, report = sortify(NETWORKS["resnet18"](), exclude=["conv1", "layer[34].*"], return_report=True)
+    assert all(n.startswith(("layer1.", "layer2.")) for n in report.replaced) and len(report.replaced) == 8
+    assert "layer4.0.downsample.0" in report.excluded and "layer2.0.downsample.0" in report.kept
+
+
+def test_shared_and_root_modules():
+    shared = nn.Conv2d(2, 2, 3, padding=1)
+    model = sortify(nn.Sequential(shared, nn.ReLU(), shared))
+    assert isinstance(model[0], SortConv2d) and model[0] is model[2]
+    conv = nn.Conv2d(2, 3, 3)
+    new, report = sortify(conv, sampling="square", return_report=True)
+    assert isinstance(new, SortConv2d) and report.replaced == ["<root>"] and torch.equal(new.weight, conv.weight)
+
+
+def test_replacements_keep_device_dtype_mode_and_frozen_parameters():
+    conv = nn.Conv2d(2, 3, 3, bias=False, dtype=torch.float64).eval().requires_grad_(False)
+    sc = sortify(nn.Sequential(conv))[0]
+    assert sc.weight.dtype == torch.float64 and not sc.training and not sc.weight.requires_grad and sc.bias is None
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    (dict(sampling="hexagonal"), ValueError),
+    (dict(sorting="median"), ValueError),
+    (dict(min_kernel_size=0), ValueError),
+    (dict(include=3), TypeError),
+    (dict(exclude=["conv*", 1]), TypeError),
+])
+def test_bad_arguments_are_rejected(kwargs, error):
+    with pytest.raises(error):
+        sortify(nn.Sequential(nn.Conv2d(1, 1, 3)), **kwargs)
