@@ -1,0 +1,137 @@
+"""Saving, publishing and loading SC weights in timm's Hugging Face Hub format.
+
+A published model folder holds exactly what :func:`timm.models.save_for_hf` writes
+(``model.safetensors`` and ``config.json`` with ``architecture``, ``model_args`` and the
+``pretrained_cfg``) plus the model card as ``README.md``. ``timm.create_model("hf-hub:ORG/NAME")`` and
+``timm.create_model("local-dir:/path")`` load such a folder; :func:`load_pretrained` does the same
+with errors that say what is wrong with the folder.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Optional, Union
+
+import timm
+import torch
+from timm.models import save_for_hf
+
+__all__ = ["PretrainedLoadError", "bundled_weights_dir", "save_pretrained", "push_folder", "fill_hf_cache",
+           "load_pretrained"]
+
+WEIGHTS_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+README_NAME = "README.md"
+
+
+class PretrainedLoadError(RuntimeError):
+    """A model folder or Hub repository that cannot be loaded, with the reason and the fix."""
+
+
+def bundled_weights_dir() -> Path:
+    """Folder inside the package holding the shipped MNIST SCNN weights (``<model>.safetensors``)."""
+    return Path(__file__).resolve().parent / "weights"
+
+
+def save_pretrained(model: torch.nn.Module, out_dir: Union[str, Path], model_card: Optional[Union[str, Path]] = None,
+                    data_config: Optional[dict] = None) -> Path:
+    """Writes ``model.safetensors``, ``config.json`` and (if given) the model card as ``README.md``.
+
+    This folder is exactly what :func:`push_folder` uploads, and ``local-dir:<out_dir>`` loads it.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_for_hf(model, out_dir, safe_serialization=True, data_config=data_config)
+    if model_card is not None:
+        card = Path(model_card)
+        if not card.is_file():
+            raise FileNotFoundError(f"model card {card} does not exist; expected a Markdown file in model_cards/")
+        shutil.copyfile(card, out_dir / README_NAME)
+    return out_dir
+
+
+def push_folder(folder: Union[str, Path], repo_id: str, *, token: Optional[str] = None, private: bool = False,
+                commit_message: str = "Add model", revision: Optional[str] = None):
+    """Uploads a folder made by :func:`save_pretrained` to ``repo_id`` (token from ``HF_TOKEN`` if not given)."""
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=token or os.environ.get("HF_TOKEN"), library_name="timm", library_version=timm.__version__)
+    repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+    return api.upload_folder(repo_id=repo_id, folder_path=str(folder), revision=revision, commit_message=commit_message)
+
+
+def fill_hf_cache(folder: Union[str, Path], repo_id: str, cache_dir: Union[str, Path],
+                  revision: str = "main", commit: str = "0" * 40) -> Path:
+    """Lays ``folder`` out as the Hugging Face cache would after downloading ``repo_id``.
+
+    With ``HF_HUB_CACHE=cache_dir`` and ``HF_HUB_OFFLINE=1``, ``timm.create_model("hf-hub:" + repo_id)``
+    then loads it without a network: for air-gapped machines, mirrors and tests.
+    """
+    repo_dir = Path(cache_dir) / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo_dir / "snapshots" / commit
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for item in Path(folder).iterdir():
+        if item.is_file():
+            shutil.copyfile(item, snapshot / item.name)
+    (repo_dir / "refs").mkdir(exist_ok=True)
+    (repo_dir / "refs" / revision).write_text(commit)
+    return snapshot
+
+
+def _check_folder(folder: Path) -> dict:
+    if not folder.is_dir():
+        raise PretrainedLoadError(f"{folder} is not a folder; expected one holding {CONFIG_NAME} and {WEIGHTS_NAME}")
+    config_file = folder / CONFIG_NAME
+    if not config_file.is_file():
+        raise PretrainedLoadError(f"{config_file} is missing; a model folder holds {CONFIG_NAME} (timm's format, "
+                                  f"written by save_pretrained) and {WEIGHTS_NAME}")
+    try:
+        config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise PretrainedLoadError(f"{config_file} is not valid JSON: {e}") from e
+    arch = config.get("architecture")
+    if arch is None:
+        raise PretrainedLoadError(f"{config_file} names no 'architecture'; expected a registered timm model name")
+    if arch not in timm.list_models():
+        raise PretrainedLoadError(f"{config_file} names architecture {arch!r}, which is not a registered model; "
+                                  f"timm_sortconv registers e.g. {', '.join(timm.list_models('scnn_p_rs_*'))}")
+    if not (folder / WEIGHTS_NAME).is_file():
+        raise PretrainedLoadError(f"{folder / WEIGHTS_NAME} is missing; the folder must hold the weights "
+                                  f"as safetensors next to {CONFIG_NAME}")
+    return config
+
+
+def load_pretrained(folder: Union[str, Path], **kwargs) -> torch.nn.Module:
+    """Builds the model a ``save_pretrained`` folder describes and loads its weights, checking the folder.
+
+    Equivalent to ``timm.create_model("local-dir:" + folder, **kwargs)``, but a missing file, an unknown
+    architecture, a corrupted safetensors file or weights of the wrong shape raise
+    :class:`PretrainedLoadError` saying which.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    config = _check_folder(folder)
+    try:
+        state_dict = load_file(folder / WEIGHTS_NAME)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise PretrainedLoadError(f"{folder / WEIGHTS_NAME} is not a readable safetensors file ({e}); "
+                                  "re-download or re-export it") from e
+    model_args = {"num_classes": config.get("num_classes"), **config.get("model_args", {}), **kwargs}
+    model = timm.create_model(config["architecture"], pretrained=False, **model_args)
+    model_sd = model.state_dict()
+    problems = [f"{k}: file {tuple(v.shape)} vs model {tuple(model_sd[k].shape)}"
+                for k, v in state_dict.items() if k in model_sd and model_sd[k].shape != v.shape]
+    missing = sorted(set(model_sd) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(model_sd))
+    if problems or missing or unexpected:
+        raise PretrainedLoadError(
+            f"weights in {folder / WEIGHTS_NAME} do not fit architecture {config['architecture']!r} "
+            f"({config.get('model_args', {})}): shape mismatches {problems[:5]}, missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}")
+    model.load_state_dict(state_dict)
+    model.pretrained_cfg = {**model.pretrained_cfg, **config.get("pretrained_cfg", {})}
+    return model
