@@ -1,0 +1,878 @@
+// Fused Sorting Convolution for CPU.
+//
+// Works on an already padded input (B, C, Hp, Wp) and computes 'valid' windows with stride and
+// dilation. The output positions of one image are processed in blocks of kLanes (two SIMD vectors):
+// a block is a piece of one output row, or several whole rows when rows are short. Per block and
+// input channel the forward pass
+//   1. gathers the k*k samples of every window in ring order (square sampling: the grid values;
+//      polar sampling: bilinear interpolation of the staged k x k grid), as value[sample][lane];
+//   2. sorts every segment (a ring, or the whole window) with Batcher's odd-even merge network,
+//      each comparator a compare-exchange of whole vectors; the common sizes are unrolled at
+//      compile time so the values stay in registers;
+//   3. multiplies the sorted panel with the weight (already in slot order) in a register-tiled
+//      micro-GEMM that accumulates the block's outputs for all output channels.
+// No column buffer is materialised: the sorted values stay in L1 between steps 2 and 3. A general
+// BLAS is avoided on purpose: on AMD CPUs MKL's sgemm runs well below the direct convolution that
+// nn.Conv2d uses (oneDNN), and the goal is a cost near that convolution.
+//
+// The compare-exchange is a swap decided by `b < a`: the pair is always permuted, never
+// overwritten, so a NaN stays exactly one value (it is not duplicated or dropped; it only leaves the
+// values around it unsorted, and every output whose window holds it is NaN anyway).
+//
+// Backward saves nothing but the padded input: per block and channel it gathers and sorts again,
+// recording each comparator's swap decision (a vector mask, in L1), uses the sorted panel for the
+// weight gradient, and sends the panel's gradient back to sample order by replaying the recorded
+// swaps in reverse (the transpose of the permutation), then through the bilinear taps to the input.
+// Re-sorting was measured cheaper than storing a uint8 permutation (k*k bytes per input value,
+// written, page-faulted and read back) and it keeps the memory saved for backward to the input.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+namespace {
+
+typedef float vfloat __attribute__((vector_size(64)));
+typedef double vdouble __attribute__((vector_size(64)));
+
+template <typename scalar_t>
+struct Simd;
+template <>
+struct Simd<float> {
+  using vec = vfloat;
+};
+template <>
+struct Simd<double> {
+  using vec = vdouble;
+};
+
+template <typename scalar_t>
+constexpr int64_t kVecLanes = 64 / sizeof(scalar_t);
+
+// Output positions per block: two vectors.
+template <typename scalar_t>
+constexpr int64_t kLanes = 2 * kVecLanes<scalar_t>;
+// Micro-GEMM register tile: kTileRows rows by kLanes columns of accumulators (24 vectors).
+constexpr int kTileRows = 12;
+// Input channels whose sorted samples are multiplied together, up to this many samples.
+constexpr int64_t kPanelSlots = 128;
+
+template <typename scalar_t>
+inline typename Simd<scalar_t>::vec load(const scalar_t* p) {
+  typename Simd<scalar_t>::vec v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+template <typename scalar_t>
+inline void store(scalar_t* p, typename Simd<scalar_t>::vec v) {
+  std::memcpy(p, &v, sizeof(v));
+}
+
+template <typename scalar_t>
+inline typename Simd<scalar_t>::vec splat(scalar_t x) {
+  return typename Simd<scalar_t>::vec{} + x;
+}
+
+// A range of ring-order slots sorted together, and where its comparators are.
+struct Segment {
+  int64_t start = 0, size = 0, first_pair = 0, pairs = 0;
+  bool fixed = false;  // an unrolled network of this size exists and equals the given comparators
+};
+
+template <typename scalar_t>
+struct Plan {
+  int64_t slots = 0;
+  int64_t max_taps = 0;
+  bool single_tap = true;            // square sampling: every sample is one grid value, weight 1
+  std::vector<int64_t> sample_offset;  // per sample, the flat offset of its first tap
+  std::vector<int64_t> grid_offset;  // per row-major window position, its flat offset
+  std::vector<int64_t> tap_count;    // per sample: its taps with a nonzero weight
+  std::vector<int64_t> tap_offset;   // slots * max_taps flat offsets from the window's top-left
+  std::vector<int64_t> tap_grid;     // slots * max_taps row-major window positions
+  std::vector<scalar_t> tap_weight;  // slots * max_taps
+  std::vector<int32_t> comparators;  // pairs (i, j), i < j, over ring-order slots, segment by segment
+  std::vector<Segment> segments;
+  int64_t in_h = 0, in_w = 0, out_h = 0, out_w = 0;
+  int64_t stride_h = 1, stride_w = 1;
+  // Blocks of output positions: `block_rows` rows of up to `block_cols` columns.
+  int64_t block_rows = 1, block_cols = 1, row_blocks = 1, col_blocks = 1;
+
+  int64_t blocks() const { return row_blocks * col_blocks; }
+};
+
+// A block of output positions: rows [row0, row0 + rows), columns [col0, col0 + cols); lane
+// r * cols + j holds position (row0 + r, col0 + j).
+struct Block {
+  int64_t row0, col0, rows, cols;
+  int64_t count() const { return rows * cols; }
+};
+
+template <typename scalar_t>
+Block block_at(const Plan<scalar_t>& plan, int64_t index) {
+  const int64_t rb = index / plan.col_blocks, cb = index % plan.col_blocks;
+  const int64_t row0 = rb * plan.block_rows, col0 = cb * plan.block_cols;
+  return {row0, col0, std::min(plan.block_rows, plan.out_h - row0), std::min(plan.block_cols, plan.out_w - col0)};
+}
+
+bool matches_fixed_network(int64_t size, const int32_t* pairs, int64_t count, int64_t start);
+
+template <typename scalar_t>
+Plan<scalar_t> make_plan(const at::Tensor& input, const at::Tensor& tap_offsets, const at::Tensor& tap_weights,
+                         const at::Tensor& segments, const at::Tensor& comparators, int64_t kernel_size, int64_t stride_h, int64_t stride_w,
+                         int64_t dilation_h, int64_t dilation_w) {
+  Plan<scalar_t> plan;
+  const int64_t slots = kernel_size * kernel_size;
+  TORCH_CHECK(kernel_size >= 1 && kernel_size % 2 == 1, "sort_conv_cpu: kernel_size must be odd, got ", kernel_size);
+  TORCH_CHECK(stride_h >= 1 && stride_w >= 1 && dilation_h >= 1 && dilation_w >= 1,
+              "sort_conv_cpu: stride and dilation must be >= 1");
+  TORCH_CHECK(tap_offsets.dim() == 3 && tap_offsets.size(0) == slots && tap_offsets.size(2) == 2,
+              "sort_conv_cpu: tap_offsets must be (k*k, T, 2)");
+  TORCH_CHECK(tap_weights.dim() == 2 && tap_weights.size(0) == slots && tap_weights.size(1) == tap_offsets.size(1),
+              "sort_conv_cpu: tap_weights must be (k*k, T)");
+  TORCH_CHECK(comparators.dim() == 2 && comparators.size(1) == 2, "sort_conv_cpu: comparators must be (n, 2)");
+  plan.slots = slots;
+  plan.max_taps = tap_offsets.size(1);
+  plan.in_h = input.size(2);
+  plan.in_w = input.size(3);
+  plan.stride_h = stride_h;
+  plan.stride_w = stride_w;
+  plan.out_h = (plan.in_h - dilation_h * (kernel_size - 1) - 1) / stride_h + 1;
+  plan.out_w = (plan.in_w - dilation_w * (kernel_size - 1) - 1) / stride_w + 1;
+  TORCH_CHECK(plan.in_h >= dilation_h * (kernel_size - 1) + 1 && plan.in_w >= dilation_w * (kernel_size - 1) + 1,
+              "sort_conv_cpu: padded input (", plan.in_h, ", ", plan.in_w, ") is smaller than the dilated kernel");
+  constexpr int64_t lanes = kLanes<scalar_t>;
+  plan.block_cols = std::min(plan.out_w, lanes);
+  plan.block_rows = plan.out_w >= lanes ? 1 : lanes / plan.out_w;
+  plan.col_blocks = (plan.out_w + plan.block_cols - 1) / plan.block_cols;
+  plan.row_blocks = (plan.out_h + plan.block_rows - 1) / plan.block_rows;
+
+  const auto offsets = tap_offsets.to(at::kLong).contiguous();
+  const auto weights = tap_weights.to(at::kDouble).contiguous();
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  const double* wgt = weights.data_ptr<double>();
+  const int64_t half = kernel_size / 2;
+  plan.grid_offset.resize(slots);
+  for (int64_t q = 0; q < slots; ++q) {
+    plan.grid_offset[q] = (q / kernel_size) * dilation_h * plan.in_w + (q % kernel_size) * dilation_w;
+  }
+  plan.tap_count.assign(slots, 0);
+  plan.tap_offset.assign(slots * plan.max_taps, 0);
+  plan.tap_grid.assign(slots * plan.max_taps, 0);
+  plan.tap_weight.assign(slots * plan.max_taps, scalar_t(0));
+  for (int64_t s = 0; s < slots; ++s) {
+    int64_t used = 0;
+    for (int64_t t = 0; t < plan.max_taps; ++t) {
+      const double w = wgt[s * plan.max_taps + t];
+      if (w == 0.0) {
+        continue;
+      }
+      const int64_t dy = off[(s * plan.max_taps + t) * 2];
+      const int64_t dx = off[(s * plan.max_taps + t) * 2 + 1];
+      TORCH_CHECK(dy >= -half && dy <= half && dx >= -half && dx <= half, "sort_conv_cpu: a tap leaves the window");
+      plan.tap_offset[s * plan.max_taps + used] = (dy + half) * dilation_h * plan.in_w + (dx + half) * dilation_w;
+      plan.tap_grid[s * plan.max_taps + used] = (dy + half) * kernel_size + (dx + half);
+      plan.tap_weight[s * plan.max_taps + used] = static_cast<scalar_t>(w);
+      ++used;
+    }
+    TORCH_CHECK(used >= 1, "sort_conv_cpu: sample ", s, " has no tap");
+    plan.tap_count[s] = used;
+    plan.sample_offset.push_back(plan.tap_offset[s * plan.max_taps]);
+    if (used != 1 || wgt[s * plan.max_taps] != 1.0) {
+      plan.single_tap = false;
+    }
+  }
+
+  const auto pairs = comparators.to(at::kInt).contiguous();
+  const int32_t* pair = pairs.data_ptr<int32_t>();
+  plan.comparators.assign(pair, pair + pairs.numel());
+  const auto bounds = segments.to(at::kLong).contiguous();
+  TORCH_CHECK(bounds.dim() == 2 && bounds.size(1) == 2, "sort_conv_cpu: segments must be (n, 2)");
+  const int64_t* bound = bounds.data_ptr<int64_t>();
+  int64_t next_pair = 0, next_slot = 0;
+  for (int64_t i = 0; i < bounds.size(0); ++i) {
+    Segment segment;
+    segment.start = bound[2 * i];
+    segment.size = bound[2 * i + 1] - segment.start;
+    TORCH_CHECK(segment.start == next_slot && segment.size >= 1, "sort_conv_cpu: segments must tile the slots in order");
+    next_slot += segment.size;
+    segment.first_pair = next_pair;
+    while (next_pair < comparators.size(0) && pair[2 * next_pair] >= segment.start
+           && pair[2 * next_pair + 1] < segment.start + segment.size) {
+      TORCH_CHECK(pair[2 * next_pair] < pair[2 * next_pair + 1], "sort_conv_cpu: a comparator is not (lo, hi)");
+      ++next_pair;
+    }
+    segment.pairs = next_pair - segment.first_pair;
+    segment.fixed = matches_fixed_network(segment.size, pair + 2 * segment.first_pair, segment.pairs, segment.start);
+    plan.segments.push_back(segment);
+  }
+  TORCH_CHECK(bounds.size(0) == 0 || next_slot == slots, "sort_conv_cpu: segments must cover all k*k slots");
+  TORCH_CHECK(next_pair == comparators.size(0), "sort_conv_cpu: comparator ", next_pair, " lies outside its segment");
+  return plan;
+}
+
+// Copies the window values at `offsets[e]` (flat, from a window's top-left corner) of every lane of
+// the block into dest[e][lanes]; lanes past the block are zero.
+template <typename scalar_t, bool kUnitStride>
+void stage_windows(const Plan<scalar_t>& plan, const scalar_t* plane, const Block& block, const int64_t* offsets,
+                   int64_t entries, scalar_t* dest) {
+  constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
+  const int64_t step = kUnitStride ? 1 : plan.stride_w;
+  const scalar_t* base = plane + block.row0 * plan.stride_h * plan.in_w + block.col0 * plan.stride_w;
+  if (kUnitStride && block.rows == 1 && block.cols == lanes) {
+    for (int64_t e = 0; e < entries; ++e) {
+      const scalar_t* src = base + offsets[e];
+      store(dest + e * lanes, load(src));
+      store(dest + e * lanes + half, load(src + half));
+    }
+    return;
+  }
+  const int64_t count = block.count();
+  for (int64_t e = 0; e < entries; ++e) {
+    scalar_t* d = dest + e * lanes;
+    for (int64_t r = 0; r < block.rows; ++r) {
+      const scalar_t* __restrict src = base + r * plan.stride_h * plan.in_w + offsets[e];
+      scalar_t* __restrict dr = d + r * block.cols;
+#pragma omp simd
+      for (int64_t j = 0; j < block.cols; ++j) {
+        dr[j] = src[j * step];
+      }
+    }
+    std::fill(d + count, d + lanes, scalar_t(0));
+  }
+}
+
+// value[s][lanes] = sample s of every lane's window, in ring order. Square samples are staged
+// straight from the input; polar samples are interpolated from the staged k x k grid.
+template <typename scalar_t, bool kUnitStride>
+void gather_samples(const Plan<scalar_t>& plan, const scalar_t* plane, const Block& block, scalar_t* grid,
+                    scalar_t* value) {
+  using vec = typename Simd<scalar_t>::vec;
+  constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
+  if (plan.single_tap) {
+    stage_windows<scalar_t, kUnitStride>(plan, plane, block, plan.sample_offset.data(), plan.slots, value);
+    return;
+  }
+  stage_windows<scalar_t, kUnitStride>(plan, plane, block, plan.grid_offset.data(), plan.slots, grid);
+  for (int64_t s = 0; s < plan.slots; ++s) {
+    const int64_t* tap = plan.tap_grid.data() + s * plan.max_taps;
+    const scalar_t* wgt = plan.tap_weight.data() + s * plan.max_taps;
+    vec w = splat(wgt[0]);
+    vec acc0 = w * load(grid + tap[0] * lanes), acc1 = w * load(grid + tap[0] * lanes + half);
+    for (int64_t t = 1; t < plan.tap_count[s]; ++t) {
+      w = splat(wgt[t]);
+      acc0 += w * load(grid + tap[t] * lanes);
+      acc1 += w * load(grid + tap[t] * lanes + half);
+    }
+    store(value + s * lanes, acc0);
+    store(value + s * lanes + half, acc1);
+  }
+}
+
+// A comparator network as (lo, hi) pairs: after lo, hi = min, max for every pair in order, the
+// values are sorted ascending.
+struct Pair {
+  int lo, hi;
+};
+
+// Batcher's odd-even merge sort for N values: geometry.batcher_comparators, rebuilt at compile time
+// so that the common sizes run unrolled with the values in registers. make_plan only uses it for a
+// segment whose comparators from Python are exactly these.
+template <int N>
+constexpr int batcher_count() {
+  int padded = 1, count = 0;
+  while (padded < N) padded *= 2;
+  for (int p = 1; p < padded; p *= 2)
+    for (int k = p; k >= 1; k /= 2)
+      for (int j = k % p; j < padded - k; j += 2 * k)
+        for (int i = 0; i < std::min(k, padded - j - k); ++i)
+          if ((i + j) / (2 * p) == (i + j + k) / (2 * p) && i + j + k < N) ++count;
+  return count;
+}
+
+template <int N>
+constexpr std::array<Pair, batcher_count<N>()> batcher_network() {
+  std::array<Pair, batcher_count<N>()> pairs{};
+  int padded = 1, count = 0;
+  while (padded < N) padded *= 2;
+  for (int p = 1; p < padded; p *= 2)
+    for (int k = p; k >= 1; k /= 2)
+      for (int j = k % p; j < padded - k; j += 2 * k)
+        for (int i = 0; i < std::min(k, padded - j - k); ++i)
+          if ((i + j) / (2 * p) == (i + j + k) / (2 * p) && i + j + k < N) pairs[count++] = {i + j, i + j + k};
+  return pairs;
+}
+
+template <typename vec>
+using SwapMask = decltype(vec{} < vec{});
+
+// The swap is decided by `b < a` and always permutes the pair (see the file comment on NaN).
+template <typename vec>
+inline SwapMask<vec> compare_exchange(vec& a, vec& b) {
+  const auto swap = b < a;
+  const vec lo = swap ? b : a, hi = swap ? a : b;
+  a = lo;
+  b = hi;
+  return swap;
+}
+
+template <typename vec>
+inline void apply_swap(const SwapMask<vec>& swap, vec& a, vec& b) {
+  const vec lo = swap ? b : a, hi = swap ? a : b;
+  a = lo;
+  b = hi;
+}
+
+template <int N, bool kRecord, typename vec, size_t... I>
+inline void run_network(vec* v, SwapMask<vec>* swaps, std::index_sequence<I...>) {
+  static constexpr auto pairs = batcher_network<N>();
+  if (kRecord) {
+    ((swaps[I] = compare_exchange(v[pairs[I].lo], v[pairs[I].hi])), ...);
+  } else {
+    (compare_exchange(v[pairs[I].lo], v[pairs[I].hi]), ...);
+  }
+}
+
+template <int N, typename vec, size_t... I>
+inline void replay_reversed(const SwapMask<vec>* swaps, vec* v, std::index_sequence<I...>) {
+  static constexpr auto pairs = batcher_network<N>();
+  constexpr size_t last = sizeof...(I) - 1;
+  (apply_swap(swaps[last - I], v[pairs[last - I].lo], v[pairs[last - I].hi]), ...);
+}
+
+// Sorts N consecutive sample rows, one vector of lanes at a time so that the rows fit in registers;
+// with kRecord the swap decisions go to swaps[half * count + comparator].
+template <typename scalar_t, int N, bool kRecord>
+void sort_fixed(scalar_t* value, SwapMask<typename Simd<scalar_t>::vec>* swaps) {
+  using vec = typename Simd<scalar_t>::vec;
+  constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>, count = batcher_count<N>();
+  for (int64_t h = 0; h < lanes; h += half) {
+    vec v[N];
+    for (int i = 0; i < N; ++i) v[i] = load(value + i * lanes + h);
+    run_network<N, kRecord>(v, kRecord ? swaps + (h / half) * count : nullptr, std::make_index_sequence<count>{});
+    for (int i = 0; i < N; ++i) store(value + i * lanes + h, v[i]);
+  }
+}
+
+// The transpose of sort_fixed's permutation: moves gradients of sorted slots back to their samples.
+template <typename scalar_t, int N>
+void unsort_fixed(scalar_t* grad, const SwapMask<typename Simd<scalar_t>::vec>* swaps) {
+  using vec = typename Simd<scalar_t>::vec;
+  constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>, count = batcher_count<N>();
+  for (int64_t h = 0; h < lanes; h += half) {
+    vec v[N];
+    for (int i = 0; i < N; ++i) v[i] = load(grad + i * lanes + h);
+    replay_reversed<N>(swaps + (h / half) * count, v, std::make_index_sequence<count>{});
+    for (int i = 0; i < N; ++i) store(grad + i * lanes + h, v[i]);
+  }
+}
+
+// The segment sizes with an unrolled network: rings (8r) and whole windows (k*k) for k <= 7, and
+// the ring of k = 9. Other sizes run the comparators from Python over rows in memory.
+#define TIMM_SORTCONV_FIXED_SIZES(X) X(8) X(9) X(16) X(24) X(25) X(32) X(49)
+
+template <int N>
+bool same_network(const int32_t* pairs, int64_t count, int64_t start) {
+  static constexpr auto network = batcher_network<N>();
+  if (count != static_cast<int64_t>(network.size())) return false;
+  for (int64_t c = 0; c < count; ++c) {
+    if (pairs[2 * c] - start != network[c].lo || pairs[2 * c + 1] - start != network[c].hi) return false;
+  }
+  return true;
+}
+
+bool matches_fixed_network(int64_t size, const int32_t* pairs, int64_t count, int64_t start) {
+#define TIMM_SORTCONV_CASE(n) \
+  case n:                     \
+    return same_network<n>(pairs, count, start);
+  switch (size) {
+    TIMM_SORTCONV_FIXED_SIZES(TIMM_SORTCONV_CASE)
+    default:
+      return false;
+  }
+#undef TIMM_SORTCONV_CASE
+}
+
+template <typename scalar_t, bool kRecord>
+void sort_segment(const Segment& segment, const int32_t* pairs, scalar_t* value,
+                  SwapMask<typename Simd<scalar_t>::vec>* swaps) {
+  using vec = typename Simd<scalar_t>::vec;
+  constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
+  if (segment.fixed) {
+#define TIMM_SORTCONV_CASE(n)                                                       \
+  case n:                                                                           \
+    return sort_fixed<scalar_t, n, kRecord>(value + segment.start * lanes, swaps);
+    switch (segment.size) { TIMM_SORTCONV_FIXED_SIZES(TIMM_SORTCONV_CASE) }
+#undef TIMM_SORTCONV_CASE
+  }
+  for (int64_t c = 0; c < segment.pairs; ++c) {
+    for (int64_t h = 0; h < lanes; h += half) {
+      scalar_t* lo = value + pairs[2 * c] * lanes + h;
+      scalar_t* hi = value + pairs[2 * c + 1] * lanes + h;
+      vec a = load(lo), b = load(hi);
+      const auto swap = compare_exchange(a, b);
+      if (kRecord) swaps[(h / half) * segment.pairs + c] = swap;
+      store(lo, a);
+      store(hi, b);
+    }
+  }
+}
+
+template <typename scalar_t>
+void unsort_segment(const Segment& segment, const int32_t* pairs, scalar_t* grad,
+                    const SwapMask<typename Simd<scalar_t>::vec>* swaps) {
+  using vec = typename Simd<scalar_t>::vec;
+  constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
+  if (segment.fixed) {
+#define TIMM_SORTCONV_CASE(n)                                                  \
+  case n:                                                                      \
+    return unsort_fixed<scalar_t, n>(grad + segment.start * lanes, swaps);
+    switch (segment.size) { TIMM_SORTCONV_FIXED_SIZES(TIMM_SORTCONV_CASE) }
+#undef TIMM_SORTCONV_CASE
+  }
+  for (int64_t c = segment.pairs - 1; c >= 0; --c) {
+    for (int64_t h = 0; h < lanes; h += half) {
+      scalar_t* lo = grad + pairs[2 * c] * lanes + h;
+      scalar_t* hi = grad + pairs[2 * c + 1] * lanes + h;
+      vec a = load(lo), b = load(hi);
+      apply_swap(swaps[(h / half) * segment.pairs + c], a, b);
+      store(lo, a);
+      store(hi, b);
+    }
+  }
+}
+
+// Sorts every segment of value[slots][lanes]; with kRecord the swap decisions are kept in `swaps`
+// (two masks per comparator) for unsort_gradients.
+template <typename scalar_t, bool kRecord>
+void sort_samples(const Plan<scalar_t>& plan, scalar_t* value, SwapMask<typename Simd<scalar_t>::vec>* swaps) {
+  for (const auto& segment : plan.segments) {
+    if (segment.pairs > 0) {
+      sort_segment<scalar_t, kRecord>(segment, plan.comparators.data() + 2 * segment.first_pair, value,
+                                      kRecord ? swaps + 2 * segment.first_pair : nullptr);
+    }
+  }
+}
+
+template <typename scalar_t>
+void unsort_gradients(const Plan<scalar_t>& plan, scalar_t* grad,
+                      const SwapMask<typename Simd<scalar_t>::vec>* swaps) {
+  for (const auto& segment : plan.segments) {
+    if (segment.pairs > 0) {
+      unsort_segment<scalar_t>(segment, plan.comparators.data() + 2 * segment.first_pair, grad,
+                               swaps + 2 * segment.first_pair);
+    }
+  }
+}
+
+// tile[m][lanes] (+)= sum_k w[k * ldw + m] * panel[k][lanes] for m < kRows: `panel` holds `depth`
+// rows of kLanes values, `w` is read as depth rows of kRows consecutive values.
+template <typename scalar_t, int kRows>
+void micro_gemm(const scalar_t* panel, int64_t depth, const scalar_t* w, int64_t ldw, scalar_t* tile,
+                bool accumulate) {
+  using vec = typename Simd<scalar_t>::vec;
+  constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
+  vec acc0[kRows], acc1[kRows];
+  for (int m = 0; m < kRows; ++m) {
+    acc0[m] = accumulate ? load(tile + m * lanes) : vec{};
+    acc1[m] = accumulate ? load(tile + m * lanes + half) : vec{};
+  }
+  for (int64_t k = 0; k < depth; ++k) {
+    const vec p0 = load(panel + k * lanes), p1 = load(panel + k * lanes + half);
+    const scalar_t* wk = w + k * ldw;
+    for (int m = 0; m < kRows; ++m) {
+      const vec wm = splat(wk[m]);
+      acc0[m] += wm * p0;
+      acc1[m] += wm * p1;
+    }
+  }
+  for (int m = 0; m < kRows; ++m) {
+    store(tile + m * lanes, acc0[m]);
+    store(tile + m * lanes + half, acc1[m]);
+  }
+}
+
+template <typename scalar_t>
+using MicroGemm = void (*)(const scalar_t*, int64_t, const scalar_t*, int64_t, scalar_t*, bool);
+
+template <typename scalar_t, int... kRows>
+constexpr std::array<MicroGemm<scalar_t>, sizeof...(kRows)> micro_gemm_table(std::integer_sequence<int, kRows...>) {
+  return {&micro_gemm<scalar_t, kRows + 1>...};
+}
+
+// tile[rows][lanes] (+)= w^T panel for any number of rows, in register tiles of kTileRows.
+template <typename scalar_t>
+void gemm_rows(const scalar_t* panel, int64_t depth, const scalar_t* w, int64_t ldw, int64_t rows, scalar_t* tile,
+               bool accumulate) {
+  static constexpr auto table = micro_gemm_table<scalar_t>(std::make_integer_sequence<int, kTileRows>{});
+  constexpr int64_t lanes = kLanes<scalar_t>;
+  for (int64_t m0 = 0; m0 < rows; m0 += kTileRows) {
+    const int64_t m = std::min<int64_t>(kTileRows, rows - m0);
+    table[m - 1](panel, depth, w + m0, ldw, tile + m0 * lanes, accumulate);
+  }
+}
+
+// grad[s][o] += sum_{lane < count} columns[s][lane] * grad_out_t[lane][o] for s < kRows and the
+// kVectors * kVecLanes outputs starting at `grad`; grad_out_t rows have `ldg` entries, grad rows `ldw`.
+template <typename scalar_t, int kRows, int kVectors>
+void micro_gemm_reduce(const scalar_t* columns, int64_t count, const scalar_t* grad_out_t, int64_t ldg,
+                       scalar_t* grad, int64_t ldw) {
+  using vec = typename Simd<scalar_t>::vec;
+  constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
+  vec acc[kRows][kVectors];
+  for (int m = 0; m < kRows; ++m) {
+    for (int v = 0; v < kVectors; ++v) {
+      acc[m][v] = vec{};
+    }
+  }
+  for (int64_t lane = 0; lane < count; ++lane) {
+    vec g[kVectors];
+    for (int v = 0; v < kVectors; ++v) {
+      g[v] = load(grad_out_t + lane * ldg + v * half);
+    }
+    for (int m = 0; m < kRows; ++m) {
+      const vec c = splat(columns[m * lanes + lane]);
+      for (int v = 0; v < kVectors; ++v) {
+        acc[m][v] += c * g[v];
+      }
+    }
+  }
+  for (int m = 0; m < kRows; ++m) {
+    for (int v = 0; v < kVectors; ++v) {
+      scalar_t* dst = grad + m * ldw + v * half;
+      store(dst, load(dst) + acc[m][v]);
+    }
+  }
+}
+
+template <typename scalar_t>
+using MicroGemmReduce = void (*)(const scalar_t*, int64_t, const scalar_t*, int64_t, scalar_t*, int64_t);
+
+template <typename scalar_t, int kVectors, int... kRows>
+constexpr std::array<MicroGemmReduce<scalar_t>, sizeof...(kRows)> reduce_table(std::integer_sequence<int, kRows...>) {
+  return {&micro_gemm_reduce<scalar_t, kRows + 1, kVectors>...};
+}
+
+// grad[slots][outputs_padded] += columns^T-weighted sum over the block's lanes (the weight
+// gradient of one channel and block); `outputs_padded` is a multiple of kVecLanes.
+template <typename scalar_t>
+void gemm_reduce(const scalar_t* columns, int64_t slots, int64_t count, const scalar_t* grad_out_t,
+                 int64_t outputs_padded, scalar_t* grad) {
+  static constexpr auto pairs = reduce_table<scalar_t, 2>(std::make_integer_sequence<int, kTileRows>{});
+  static constexpr auto singles = reduce_table<scalar_t, 1>(std::make_integer_sequence<int, kTileRows>{});
+  constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
+  for (int64_t s0 = 0; s0 < slots; s0 += kTileRows) {
+    const int64_t m = std::min<int64_t>(kTileRows, slots - s0);
+    int64_t o0 = 0;
+    for (; o0 + 2 * half <= outputs_padded; o0 += 2 * half) {
+      pairs[m - 1](columns + s0 * lanes, count, grad_out_t + o0, outputs_padded, grad + s0 * outputs_padded + o0,
+                   outputs_padded);
+    }
+    if (o0 < outputs_padded) {
+      singles[m - 1](columns + s0 * lanes, count, grad_out_t + o0, outputs_padded, grad + s0 * outputs_padded + o0,
+                     outputs_padded);
+    }
+  }
+}
+
+// Copies between a block's lanes and its positions in a row-major (out_h, out_w) plane.
+template <typename scalar_t>
+void store_lanes(const Block& block, int64_t out_w, const scalar_t* lanes_in, scalar_t* plane) {
+  for (int64_t r = 0; r < block.rows; ++r) {
+    std::memcpy(plane + (block.row0 + r) * out_w + block.col0, lanes_in + r * block.cols,
+                block.cols * sizeof(scalar_t));
+  }
+}
+
+template <typename scalar_t>
+void load_lanes(const Block& block, int64_t out_w, const scalar_t* plane, scalar_t* lanes_out) {
+  for (int64_t r = 0; r < block.rows; ++r) {
+    std::memcpy(lanes_out + r * block.cols, plane + (block.row0 + r) * out_w + block.col0,
+                block.cols * sizeof(scalar_t));
+  }
+}
+
+struct Shape {
+  int64_t batch, channels, out_channels, groups;
+  int64_t in_per_group() const { return channels / groups; }
+  int64_t out_per_group() const { return out_channels / groups; }
+};
+
+// Splits `items` into one contiguous range per thread; `fn(thread, first, last)`.
+template <typename F>
+void for_each_thread(int64_t items, const F& fn) {
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      fn(t, items * t / threads, items * (t + 1) / threads);
+    }
+  });
+}
+
+template <typename scalar_t, bool kUnitStride>
+void forward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scalar_t* input,
+                    const scalar_t* weight_packed, const scalar_t* bias, scalar_t* output) {
+  using vec = typename Simd<scalar_t>::vec;
+  constexpr int64_t lanes = kLanes<scalar_t>;
+  const int64_t slots = plan.slots, positions = plan.out_h * plan.out_w, plane = plan.in_h * plan.in_w;
+  const int64_t cg = shape.in_per_group(), og = shape.out_per_group();
+  const int64_t panel_channels = std::max<int64_t>(1, std::min(cg, kPanelSlots / slots));
+  const int64_t blocks = plan.blocks();
+  for_each_thread(shape.batch * blocks, [&](int64_t, int64_t first, int64_t last) {
+    std::vector<scalar_t> panel(panel_channels * slots * lanes), grid(slots * lanes);
+    std::vector<scalar_t> tile(shape.out_channels * lanes);
+    for (int64_t item = first; item < last; ++item) {
+      const int64_t image = item / blocks;
+      const Block block = block_at(plan, item % blocks);
+      for (int64_t o = 0; o < shape.out_channels; ++o) {
+        std::fill(tile.begin() + o * lanes, tile.begin() + (o + 1) * lanes, bias != nullptr ? bias[o] : scalar_t(0));
+      }
+      for (int64_t g = 0; g < shape.groups; ++g) {
+        for (int64_t c0 = 0; c0 < cg; c0 += panel_channels) {
+          const int64_t channels = std::min(panel_channels, cg - c0);
+          for (int64_t ci = 0; ci < channels; ++ci) {
+            scalar_t* value = panel.data() + ci * slots * lanes;
+            gather_samples<scalar_t, kUnitStride>(plan, input + (image * shape.channels + g * cg + c0 + ci) * plane,
+                                                  block, grid.data(), value);
+            sort_samples<scalar_t, false>(plan, value, static_cast<SwapMask<vec>*>(nullptr));
+          }
+          // weight_packed is (groups, C/g, k*k, O/g): the rows of these channels' slots.
+          gemm_rows(panel.data(), channels * slots, weight_packed + (g * cg + c0) * slots * og, og, og,
+                    tile.data() + g * og * lanes, true);
+        }
+      }
+      for (int64_t o = 0; o < shape.out_channels; ++o) {
+        store_lanes(block, plan.out_w, tile.data() + o * lanes, output + (image * shape.out_channels + o) * positions);
+      }
+    }
+  });
+}
+
+template <typename scalar_t>
+at::Tensor forward_impl(const at::Tensor& input, const at::Tensor& weight_slots, const c10::optional<at::Tensor>& bias,
+                        const Plan<scalar_t>& plan, const Shape& shape) {
+  at::Tensor output = at::empty({shape.batch, shape.out_channels, plan.out_h, plan.out_w}, input.options());
+  // (O, C/g * k*k) -> (groups, C/g * k*k, O/g): the output channels of one slot side by side.
+  const auto weight_packed = weight_slots.view({shape.groups, shape.out_per_group(), -1}).transpose(1, 2).contiguous();
+  const bool has_bias = bias.has_value() && bias->defined();
+  const auto bias_values = has_bias ? bias->contiguous() : at::Tensor();
+  const scalar_t* in = input.data_ptr<scalar_t>();
+  const scalar_t* w = weight_packed.data_ptr<scalar_t>();
+  const scalar_t* b = has_bias ? bias_values.data_ptr<scalar_t>() : nullptr;
+  scalar_t* out = output.data_ptr<scalar_t>();
+  if (plan.stride_w == 1) {
+    forward_kernel<scalar_t, true>(plan, shape, in, w, b, out);
+  } else {
+    forward_kernel<scalar_t, false>(plan, shape, in, w, b, out);
+  }
+  return output;
+}
+
+template <typename scalar_t, bool kUnitStride>
+void backward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scalar_t* input,
+                     const scalar_t* grad_output, const scalar_t* weight_by_output, scalar_t* grad_input,
+                     std::vector<std::vector<scalar_t>>& grad_input_parts,
+                     std::vector<std::vector<scalar_t>>& grad_weight_parts, int64_t outputs_padded) {
+  using vec = typename Simd<scalar_t>::vec;
+  constexpr int64_t lanes = kLanes<scalar_t>;
+  const int64_t slots = plan.slots, positions = plan.out_h * plan.out_w, plane = plan.in_h * plan.in_w;
+  const int64_t cg = shape.in_per_group(), og = shape.out_per_group();
+  const int64_t blocks = plan.blocks();
+  const int64_t step = kUnitStride ? 1 : plan.stride_w;
+  const bool need_input = grad_input != nullptr || !grad_input_parts.empty();
+  const bool need_weight = !grad_weight_parts.empty();
+  // A thread owns whole images (so its input-gradient scatter races with nobody) unless there are
+  // fewer images than threads; then the blocks are shared out and each thread has a private copy.
+  const int64_t blocks_per_item = need_input && grad_input_parts.empty() ? blocks : 1;
+  for_each_thread(shape.batch * blocks / blocks_per_item, [&](int64_t thread, int64_t first_item, int64_t last_item) {
+    std::vector<scalar_t> grad_tile(shape.out_channels * lanes), grad_tile_t(shape.groups * lanes * outputs_padded);
+    std::vector<scalar_t> value(slots * lanes), grad_samples(slots * lanes), grid(slots * lanes);
+    std::vector<SwapMask<vec>> swaps(std::max<size_t>(1, plan.comparators.size()));
+    scalar_t* grad_in = grad_input_parts.empty() ? grad_input : grad_input_parts[thread].data();
+    scalar_t* grad_weight = need_weight ? grad_weight_parts[thread].data() : nullptr;
+    for (int64_t item = first_item * blocks_per_item; item < last_item * blocks_per_item; ++item) {
+      const int64_t image = item / blocks;
+      const Block block = block_at(plan, item % blocks);
+      const int64_t count = block.count();
+      std::fill(grad_tile.begin(), grad_tile.end(), scalar_t(0));
+      for (int64_t o = 0; o < shape.out_channels; ++o) {
+        load_lanes(block, plan.out_w, grad_output + (image * shape.out_channels + o) * positions,
+                   grad_tile.data() + o * lanes);
+      }
+      if (need_weight) {
+        // Per group, (lanes, O/g padded): the layout the weight-gradient micro-GEMM reads.
+        std::fill(grad_tile_t.begin(), grad_tile_t.end(), scalar_t(0));
+        for (int64_t g = 0; g < shape.groups; ++g) {
+          for (int64_t o = 0; o < og; ++o) {
+            for (int64_t lane = 0; lane < count; ++lane) {
+              grad_tile_t[(g * lanes + lane) * outputs_padded + o] = grad_tile[(g * og + o) * lanes + lane];
+            }
+          }
+        }
+      }
+      for (int64_t channel = 0; channel < shape.channels; ++channel) {
+        const int64_t g = channel / cg;
+        gather_samples<scalar_t, kUnitStride>(plan, input + (image * shape.channels + channel) * plane, block,
+                                              grid.data(), value.data());
+        sort_samples<scalar_t, true>(plan, value.data(), swaps.data());
+        if (need_weight) {
+          gemm_reduce(value.data(), slots, count, grad_tile_t.data() + g * lanes * outputs_padded, outputs_padded,
+                      grad_weight + channel * slots * outputs_padded);
+        }
+        if (!need_input) {
+          continue;
+        }
+        // weight_by_output is (C, O/g, k*k): for each output of the group, this channel's slots.
+        gemm_rows(grad_tile.data() + g * og * lanes, og, weight_by_output + channel * og * slots, slots, slots,
+                  grad_samples.data(), false);
+        unsort_gradients(plan, grad_samples.data(), swaps.data());
+        scalar_t* grad_plane = grad_in + (image * shape.channels + channel) * plane;
+        for (int64_t s = 0; s < slots; ++s) {
+          const int64_t* off = plan.tap_offset.data() + s * plan.max_taps;
+          const scalar_t* wgt = plan.tap_weight.data() + s * plan.max_taps;
+          for (int64_t t = 0; t < plan.tap_count[s]; ++t) {
+            const scalar_t w = wgt[t];
+            for (int64_t r = 0; r < block.rows; ++r) {
+              scalar_t* __restrict dst = grad_plane + (block.row0 + r) * plan.stride_h * plan.in_w
+                                         + block.col0 * plan.stride_w + off[t];
+              const scalar_t* __restrict src = grad_samples.data() + s * lanes + r * block.cols;
+#pragma omp simd
+              for (int64_t j = 0; j < block.cols; ++j) {
+                dst[j * step] += w * src[j];
+              }
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+template <typename scalar_t>
+std::vector<at::Tensor> backward_impl(const at::Tensor& grad_output, const at::Tensor& input,
+                                      const at::Tensor& weight_slots, const Plan<scalar_t>& plan, const Shape& shape,
+                                      bool need_input_grad, bool need_weight_grad) {
+  constexpr int64_t half = kVecLanes<scalar_t>;
+  const int64_t slots = plan.slots, og = shape.out_per_group(), cg = shape.in_per_group();
+  const int64_t outputs_padded = (og + half - 1) / half * half;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), shape.batch * plan.blocks()));
+  const bool private_grad_input = need_input_grad && shape.batch < threads;
+  at::Tensor grad_input = need_input_grad ? at::zeros_like(input) : at::Tensor();
+  at::Tensor grad_weight;
+  if (!need_input_grad && !need_weight_grad) {
+    return {grad_input, grad_weight};
+  }
+  std::vector<std::vector<scalar_t>> grad_input_parts, grad_weight_parts;
+  if (private_grad_input) {
+    grad_input_parts.assign(threads, std::vector<scalar_t>(input.numel(), scalar_t(0)));
+  }
+  if (need_weight_grad) {
+    grad_weight_parts.assign(threads, std::vector<scalar_t>(shape.channels * slots * outputs_padded, scalar_t(0)));
+  }
+  // (O, C/g * k*k) -> (C, O/g, k*k): per channel, the slots of each output of its group.
+  const auto weight_by_output = weight_slots.view({shape.groups, og, cg, slots}).transpose(1, 2).contiguous();
+  const scalar_t* in = input.data_ptr<scalar_t>();
+  const scalar_t* grad_out = grad_output.data_ptr<scalar_t>();
+  const scalar_t* w = weight_by_output.data_ptr<scalar_t>();
+  scalar_t* grad_in = need_input_grad && !private_grad_input ? grad_input.data_ptr<scalar_t>() : nullptr;
+  if (plan.stride_w == 1) {
+    backward_kernel<scalar_t, true>(plan, shape, in, grad_out, w, grad_in, grad_input_parts, grad_weight_parts,
+                                    outputs_padded);
+  } else {
+    backward_kernel<scalar_t, false>(plan, shape, in, grad_out, w, grad_in, grad_input_parts, grad_weight_parts,
+                                     outputs_padded);
+  }
+  if (private_grad_input) {
+    scalar_t* dst = grad_input.data_ptr<scalar_t>();
+    for (const auto& part : grad_input_parts) {
+      for (int64_t i = 0; i < input.numel(); ++i) {
+        dst[i] += part[i];
+      }
+    }
+  }
+  if (need_weight_grad) {
+    grad_weight = at::zeros_like(weight_slots);
+    scalar_t* dst = grad_weight.data_ptr<scalar_t>();
+    const int64_t row = cg * slots;
+    for (const auto& part : grad_weight_parts) {
+      for (int64_t channel = 0; channel < shape.channels; ++channel) {
+        const int64_t g = channel / cg, ci = channel % cg;
+        for (int64_t s = 0; s < slots; ++s) {
+          const scalar_t* src = part.data() + (channel * slots + s) * outputs_padded;
+          for (int64_t o = 0; o < og; ++o) {
+            dst[(g * og + o) * row + ci * slots + s] += src[o];
+          }
+        }
+      }
+    }
+  }
+  return {grad_input, grad_weight};
+}
+
+Shape check_tensors(const at::Tensor& input, const at::Tensor& weight_slots, int64_t groups, int64_t kernel_size) {
+  TORCH_CHECK(input.device().is_cpu() && weight_slots.device().is_cpu(), "sort_conv_cpu: tensors must be on the CPU");
+  TORCH_CHECK(input.dim() == 4 && input.is_contiguous(), "sort_conv_cpu: input must be a contiguous (B, C, H, W) tensor");
+  TORCH_CHECK(weight_slots.dim() == 2 && weight_slots.is_contiguous(),
+              "sort_conv_cpu: weight must be a contiguous (O, C/groups * k*k) matrix in slot order");
+  TORCH_CHECK(input.scalar_type() == weight_slots.scalar_type(), "sort_conv_cpu: input and weight dtypes differ");
+  TORCH_CHECK(groups >= 1 && input.size(1) % groups == 0 && weight_slots.size(0) % groups == 0,
+              "sort_conv_cpu: groups must divide the channels");
+  TORCH_CHECK(weight_slots.size(1) * groups == input.size(1) * kernel_size * kernel_size,
+              "sort_conv_cpu: weight has ", weight_slots.size(1), " columns, expected C/groups * k*k");
+  return {input.size(0), input.size(1), weight_slots.size(0), groups};
+}
+
+at::Tensor sort_conv_forward(const at::Tensor& input, const at::Tensor& weight_slots,
+                             const c10::optional<at::Tensor>& bias, const at::Tensor& tap_offsets,
+                             const at::Tensor& tap_weights, const at::Tensor& segments, const at::Tensor& comparators,
+                             int64_t kernel_size, int64_t stride_h, int64_t stride_w, int64_t dilation_h,
+                             int64_t dilation_w, int64_t groups) {
+  const Shape shape = check_tensors(input, weight_slots, groups, kernel_size);
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == input.scalar_type() && bias->numel() == shape.out_channels,
+                "sort_conv_cpu: bias must have O entries of the input's dtype");
+  }
+  at::Tensor output;
+  AT_DISPATCH_FLOATING_TYPES(input.scalar_type(), "sort_conv_forward", [&] {
+    const auto plan = make_plan<scalar_t>(input, tap_offsets, tap_weights, segments, comparators, kernel_size,
+                                          stride_h, stride_w, dilation_h, dilation_w);
+    output = forward_impl<scalar_t>(input, weight_slots, bias, plan, shape);
+  });
+  return output;
+}
+
+std::vector<at::Tensor> sort_conv_backward(const at::Tensor& grad_output, const at::Tensor& input,
+                                           const at::Tensor& weight_slots, const at::Tensor& tap_offsets,
+                                           const at::Tensor& tap_weights, const at::Tensor& segments,
+                                           const at::Tensor& comparators, int64_t kernel_size, int64_t stride_h,
+                                           int64_t stride_w, int64_t dilation_h, int64_t dilation_w, int64_t groups,
+                                           bool need_input_grad, bool need_weight_grad) {
+  const Shape shape = check_tensors(input, weight_slots, groups, kernel_size);
+  TORCH_CHECK(grad_output.is_contiguous() && grad_output.scalar_type() == input.scalar_type(),
+              "sort_conv_cpu: grad_output must be contiguous with the input's dtype");
+  std::vector<at::Tensor> result;
+  AT_DISPATCH_FLOATING_TYPES(input.scalar_type(), "sort_conv_backward", [&] {
+    const auto plan = make_plan<scalar_t>(input, tap_offsets, tap_weights, segments, comparators, kernel_size,
+                                          stride_h, stride_w, dilation_h, dilation_w);
+    TORCH_CHECK(grad_output.dim() == 4 && grad_output.size(0) == shape.batch
+                    && grad_output.size(1) == shape.out_channels && grad_output.size(2) == plan.out_h
+                    && grad_output.size(3) == plan.out_w,
+                "sort_conv_cpu: grad_output has the wrong shape");
+    result = backward_impl<scalar_t>(grad_output, input, weight_slots, plan, shape, need_input_grad, need_weight_grad);
+  });
+  return result;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "Fused Sorting Convolution on CPU (gather + sorting network + micro-GEMM)";
+  m.def("forward", &sort_conv_forward, "SC forward on a padded input");
+  m.def("backward", &sort_conv_backward, "SC backward; returns (grad_input, grad_weight in slot order)");
+}

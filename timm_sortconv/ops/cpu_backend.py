@@ -1,0 +1,231 @@
+"""The fused CPU backend: a C++ extension (``timm_sortconv/csrc/sort_conv_cpu.cpp``) built on first use.
+
+One pass per (image, channel, output row) gathers the samples of a block of windows, sorts them with
+the Batcher network of :meth:`SortGeometry.comparators` (vectorised compare-exchange across the
+block) and writes them into a column buffer in slot order; one GEMM per image and group finishes the
+convolution. For backward it keeps the padded input and, per sorted value, the uint8 index of the
+sample it came from; the columns are recomputed by gathering (no sorting) and the gradient is sent
+back through the inverse permutation and the same bilinear taps.
+
+The extension is compiled with ``torch.utils.cpp_extension.load`` the first time it is needed
+(``-O3 -march=native``, OpenMP) into PyTorch's extension cache (``TORCH_EXTENSIONS_DIR``, by default
+``~/.cache/torch_extensions``). The build's name carries a hash of the source, the flags, the torch
+version and the CPU's model and feature flags, so a cache is never reused on a different CPU or after
+an edit. If the build fails (no compiler, no ninja), one warning is issued and ``backend="auto"``
+uses the reference path. ``TIMM_SORTCONV_DISABLE_FAST=1`` switches the backend off.
+
+Supported: CPU tensors of float32 or float64 (input, weight and bias of one dtype), odd ``k <= 15``
+(``k*k <= 255`` so a permutation entry fits in a byte), any stride, dilation and groups, outside
+``torch.autocast`` (whose lower-precision matmuls the reference path follows). Double backward is not
+supported (the backward is ``once_differentiable``).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import sys
+import threading
+import warnings
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from .backends import Backend, register_backend
+from .geometry import SortGeometry
+
+__all__ = ["DISABLE_ENV", "MAX_KERNEL_SIZE", "load_extension", "sort_conv2d_cpu", "supports_cpu"]
+
+DISABLE_ENV = "TIMM_SORTCONV_DISABLE_FAST"
+MAX_KERNEL_SIZE = 15
+SUPPORTED_DTYPES = (torch.float32, torch.float64)
+
+_SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "sort_conv_cpu.cpp"
+_CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fno-math-errno",
+           "-fno-trapping-math", "-DNDEBUG"]
+_LDFLAGS = ["-fopenmp"]
+
+_lock = threading.Lock()
+_extension = None
+_build_failed = False
+
+
+def _disabled() -> bool:
+    return os.environ.get(DISABLE_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def _cpu_signature() -> str:
+    """The CPU's model name and feature flags: ``-march=native`` code is only valid on such a CPU."""
+    fields = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "flags", "Features", "CPU implementer", "CPU part") and key not in fields:
+                    fields[key] = value.strip()
+    except OSError:
+        pass
+    return f"{platform.machine()}|{platform.processor()}|{sorted(fields.items())}"
+
+
+def _extension_name() -> str:
+    digest = hashlib.sha256()
+    for part in (_SOURCE.read_bytes(), " ".join(_CFLAGS + _LDFLAGS).encode(), torch.__version__.encode(),
+                 sys.version.encode(), _cpu_signature().encode()):
+        digest.update(part)
+        digest.update(b"\0")
+    return f"timm_sortconv_cpu_{digest.hexdigest()[:16]}"
+
+
+def _ninja_on_path() -> Optional[str]:
+    """A ``PATH`` that reaches ninja: the venv's ``bin`` (where ``pip install ninja`` puts it) is not on
+    ``PATH`` when Python is run by its full path."""
+    path = os.environ.get("PATH", "")
+    if shutil.which("ninja", path=path):
+        return path
+    candidates = [os.path.dirname(sys.executable)]
+    try:
+        import ninja
+
+        candidates.insert(0, ninja.BIN_DIR)
+    except (ImportError, AttributeError):
+        pass
+    for folder in candidates:
+        if shutil.which("ninja", path=folder):
+            return os.pathsep.join([folder, path])
+    return None
+
+
+def load_extension(verbose: bool = False):
+    """The compiled extension module, building it on first call; ``None`` if disabled or the build failed
+    (a single warning says why)."""
+    global _extension, _build_failed
+    if _extension is not None or _build_failed or _disabled():
+        return _extension
+    with _lock:
+        if _extension is not None or _build_failed:
+            return _extension
+        try:
+            from torch.utils import cpp_extension
+
+            path = _ninja_on_path()
+            if path is None:
+                raise RuntimeError("ninja is not installed (pip install ninja)")
+            saved_path = os.environ.get("PATH")
+            os.environ["PATH"] = path
+            try:
+                _extension = cpp_extension.load(name=_extension_name(), sources=[str(_SOURCE)],
+                                                extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS, verbose=verbose)
+            finally:
+                if saved_path is None:
+                    del os.environ["PATH"]
+                else:
+                    os.environ["PATH"] = saved_path
+        except Exception as error:  # a missing compiler raises many different error types
+            _build_failed = True
+            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            warnings.warn(f"timm_sortconv: the fused CPU backend could not be built ({first_line}); "
+                          f"SortConv2d uses the (slower) reference path. Set {DISABLE_ENV}=1 to silence this.",
+                          RuntimeWarning, stacklevel=2)
+    return _extension
+
+
+def _available() -> bool:
+    return load_extension() is not None
+
+
+class _Tables:
+    """Geometry tensors in the layout the extension reads, cached per geometry."""
+
+    def __init__(self, geometry: SortGeometry) -> None:
+        self.tap_offsets = geometry.tap_offsets.contiguous()
+        self.tap_weights = geometry.tap_weights.contiguous()
+        self.segments = torch.tensor(geometry.segments, dtype=torch.int64).reshape(-1, 2)
+        self.comparators = torch.tensor(geometry.comparators() or [], dtype=torch.int32).reshape(-1, 2)
+        self.slot_to_grid = geometry.slot_to_grid
+        self.grid_to_slot = torch.argsort(geometry.slot_to_grid)
+
+
+_tables: Dict[Tuple[int, str, str], _Tables] = {}
+
+
+def _tables_for(geometry: SortGeometry) -> _Tables:
+    key = (geometry.kernel_size, geometry.sampling, geometry.sorting)
+    if key not in _tables:
+        _tables[key] = _Tables(geometry)
+    return _tables[key]
+
+
+def _weight_slots(weight: torch.Tensor, tables: _Tables) -> torch.Tensor:
+    """``(O, C/g, k, k)`` -> ``(O, C/g * k*k)`` in slot order."""
+    flat = weight.reshape(weight.shape[0], weight.shape[1], -1)
+    return flat.index_select(2, tables.slot_to_grid).reshape(weight.shape[0], -1).contiguous()
+
+
+def _forward(x, weight, bias, geometry, stride, dilation, groups):
+    tables = _tables_for(geometry)
+    return load_extension().forward(x, _weight_slots(weight, tables), bias, tables.tap_offsets, tables.tap_weights,
+                                    tables.segments, tables.comparators, geometry.kernel_size, stride[0], stride[1],
+                                    dilation[0], dilation[1], groups)
+
+
+class _SortConv2dCPU(torch.autograd.Function):
+    """Saves only the padded input and the weight (both as given, no copies); backward sorts again."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, geometry, stride, dilation, groups):
+        ctx.save_for_backward(x, weight)
+        ctx.config = (geometry, stride, dilation, groups)
+        return _forward(x, weight, bias, geometry, stride, dilation, groups)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_output):
+        x, weight = ctx.saved_tensors
+        geometry, stride, dilation, groups = ctx.config
+        need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grad_input = grad_weight = grad_bias = None
+        if need_input or need_weight:
+            tables = _tables_for(geometry)
+            grad_input, grad_weight_slots = load_extension().backward(
+                grad_output.contiguous(), x, _weight_slots(weight, tables), tables.tap_offsets, tables.tap_weights,
+                tables.segments, tables.comparators, geometry.kernel_size, stride[0], stride[1], dilation[0],
+                dilation[1], groups, need_input, need_weight)
+            if need_weight:
+                out_channels, in_per_group = weight.shape[:2]
+                grad_weight = (grad_weight_slots.view(out_channels, in_per_group, -1)
+                               .index_select(2, tables.grid_to_slot).view_as(weight))
+        if need_bias:
+            grad_bias = grad_output.sum((0, 2, 3))
+        return grad_input, grad_weight, grad_bias, None, None, None, None
+
+
+def sort_conv2d_cpu(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], geometry: SortGeometry,
+                    stride: Tuple[int, int], dilation: Tuple[int, int], groups: int) -> torch.Tensor:
+    """SC on an already padded CPU input with the fused kernel (the backend's ``fn``)."""
+    x = x.contiguous()
+    weight = weight.contiguous()
+    bias = bias.contiguous() if bias is not None else None
+    tracked = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+    if tracked:
+        return _SortConv2dCPU.apply(x, weight, bias, geometry, stride, dilation, groups)
+    return _forward(x, weight, bias, geometry, stride, dilation, groups)
+
+
+def supports_cpu(x, weight, bias, geometry: SortGeometry, stride, dilation, groups) -> bool:
+    """Whether the fused kernel computes this call exactly as the reference path would."""
+    tensors = [x, weight] + ([bias] if bias is not None else [])
+    return (
+        all(t.device.type == "cpu" and t.dtype == x.dtype for t in tensors)
+        and x.dtype in SUPPORTED_DTYPES
+        and geometry.kernel_size <= MAX_KERNEL_SIZE
+        and not torch.is_autocast_enabled("cpu")
+        and not _disabled()
+    )
+
+
+register_backend(Backend("cpu", sort_conv2d_cpu, supports_cpu, _available))
