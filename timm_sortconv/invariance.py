@@ -247,7 +247,7 @@ def rotation_sweep(
 
 def synthetic_digits(num_images: int, size: int = 28, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Digit-like images ``(N, 1, size, size)`` in ``[0, 1]``: one to three smooth pen strokes on a black
-    background, drawn inside the central ``20/28`` of the canvas as MNIST's digits are. Deterministic
+    background, drawn inside the central ``18/28`` of the canvas (MNIST's digits fill a 20x20 box). Deterministic
     for a ``seed``; made for demos and tests that must not depend on a data set.
 
     Example:
@@ -258,7 +258,7 @@ def synthetic_digits(num_images: int, size: int = 28, seed: int = 0, dtype: torc
     if num_images < 1 or size < 8:
         raise ValueError(f"need num_images >= 1 and size >= 8, got num_images={num_images}, size={size}")
     gen = torch.Generator().manual_seed(seed)
-    box = 10.0 / 28.0 * size  # half-width of the box the strokes stay in
+    box = 9.0 / 28.0 * size  # half-width of the box the strokes stay in
     width = 1.1 / 28.0 * size  # pen radius (Gaussian sigma) in pixels
     centre = (size - 1) / 2.0
     coords = torch.arange(size, dtype=torch.float64)

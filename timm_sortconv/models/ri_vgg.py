@@ -26,6 +26,7 @@ from timm.models import build_model_with_cfg, checkpoint_seq, generate_default_c
 from timm.models._features import feature_take_indices
 
 from ..sortify import fixed_variant_args, get_conv_layer
+from .scnn import ConvNormAct
 
 __all__ = ['SortVGG']
 
@@ -85,11 +86,7 @@ class SortVGG(nn.Module):
                 layers.append(nn.MaxPool2d(kernel_size=2, stride=2))
                 net_stride *= 2
             else:
-                layers += [
-                    conv_layer(prev_chs, v, 3, padding=1, bias=False, **dd),
-                    nn.BatchNorm2d(v, eps=bn_eps, momentum=bn_momentum, **dd),
-                    nn.ReLU(inplace=True),
-                ]
+                layers.append(ConvNormAct(prev_chs, v, 3, conv_layer, bn_momentum, bn_eps, **dd))
                 prev_chs = v
         self.features = nn.Sequential(*layers)
         # as timm's VGG: a last tap after the final max pooling, the output of forward_features
@@ -110,7 +107,7 @@ class SortVGG(nn.Module):
 
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
-        return dict(stem=r'^features\.[012]\.', blocks=r'^features\.(\d+)')
+        return dict(stem=r'^features\.0\.', blocks=r'^features\.(\d+)')
 
     @torch.jit.ignore
     def set_grad_checkpointing(self, enable: bool = True) -> None:
@@ -210,7 +207,7 @@ def _cfg(url: str = '', **kwargs) -> Dict[str, Any]:
         'num_classes': 45, 'input_size': (3, 128, 128), 'pool_size': (4, 4),
         'crop_pct': 1.0, 'interpolation': 'bilinear',
         'mean': IMAGENET_DEFAULT_MEAN, 'std': IMAGENET_DEFAULT_STD,
-        'first_conv': 'features.0', 'classifier': 'head.fc',
+        'first_conv': 'features.0.conv', 'classifier': 'head.fc',
         'license': 'apache-2.0',
         'paper_ids': 'arXiv:2305.14462',
         'paper_name': 'Sorted Convolutional Network for Achieving Continuous Rotational Invariance',

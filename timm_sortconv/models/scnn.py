@@ -13,7 +13,8 @@ invariant to rotations by multiples of 90 degrees, and polar sampling keeps them
 Paper: `Sorted Convolutional Network for Achieving Continuous Rotational Invariance` (Mo & Zhao, IEEE SPL 2024)
 - https://arxiv.org/abs/2305.14462
 """
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from collections import OrderedDict
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -24,7 +25,33 @@ from timm.models._features import feature_take_indices
 
 from ..sortify import fixed_variant_args, get_conv_layer
 
-__all__ = ['SCNN']
+__all__ = ['SCNN', 'ConvNormAct']
+
+
+class ConvNormAct(nn.Sequential):
+    """Convolution (``conv_layer``, padding ``k // 2``, no bias), BatchNorm, ReLU.
+
+    One block is one unit of gradient checkpointing, so the in-place ReLU only overwrites a tensor
+    that lives inside the block.
+    """
+
+    def __init__(
+            self,
+            in_chs: int,
+            out_chs: int,
+            kernel_size: int,
+            conv_layer: Callable[..., nn.Module] = nn.Conv2d,
+            bn_momentum: float = 0.1,
+            bn_eps: float = 1e-5,
+            device=None,
+            dtype=None,
+    ) -> None:
+        dd = {'device': device, 'dtype': dtype}
+        super().__init__(OrderedDict([
+            ('conv', conv_layer(in_chs, out_chs, kernel_size, padding=kernel_size // 2, bias=False, **dd)),
+            ('bn', nn.BatchNorm2d(out_chs, eps=bn_eps, momentum=bn_momentum, **dd)),
+            ('act', nn.ReLU(inplace=True)),
+        ]))
 
 
 class SCNN(nn.Module):
@@ -81,11 +108,7 @@ class SCNN(nn.Module):
                 self.feature_ends.append(len(layers) - 1)
                 layers.append(nn.MaxPool2d(kernel_size=2, stride=2))
                 net_stride *= 2
-            layers += [
-                conv_layer(prev_chs, chs, k, padding=k // 2, bias=False, **dd),
-                nn.BatchNorm2d(chs, eps=bn_eps, momentum=bn_momentum, **dd),
-                nn.ReLU(inplace=True),
-            ]
+            layers.append(ConvNormAct(prev_chs, chs, k, conv_layer, bn_momentum, bn_eps, **dd))
             prev_chs = chs
         self.features = nn.Sequential(*layers)
         self.feature_info.append(dict(num_chs=prev_chs, reduction=net_stride, module=f'features.{len(layers) - 1}'))
@@ -97,7 +120,7 @@ class SCNN(nn.Module):
 
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
-        return dict(stem=r'^features\.[012]\.', blocks=r'^features\.(\d+)')
+        return dict(stem=r'^features\.0\.', blocks=r'^features\.(\d+)')
 
     @torch.jit.ignore
     def set_grad_checkpointing(self, enable: bool = True) -> None:
@@ -200,7 +223,7 @@ def _cfg(url: str = '', **kwargs) -> Dict[str, Any]:
         'crop_pct': 1.0, 'interpolation': 'bilinear',
         # MNIST training-set statistics of pixel values in [0, 1].
         'mean': (0.1307,), 'std': (0.3081,),
-        'first_conv': 'features.0', 'classifier': 'head.fc',
+        'first_conv': 'features.0.conv', 'classifier': 'head.fc',
         'license': 'apache-2.0',
         'paper_ids': 'arXiv:2305.14462',
         'paper_name': 'Sorted Convolutional Network for Achieving Continuous Rotational Invariance',

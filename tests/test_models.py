@@ -1,0 +1,253 @@
+"""The registered models: timm's conventions, exact quarter-turn invariance of the SC models, twins."""
+import warnings
+
+import pytest
+import timm
+import torch
+import torch.nn as nn
+from timm.layers import DropBlock2d, DropPath
+from timm.models import FeatureListNet
+
+import timm_sortconv  # noqa: F401  (registers the models)
+from timm_sortconv import SortConv2d
+from timm_sortconv.models.scnn import SCNN
+
+SCNNS = [f"scnn_{v}_{k}" for v in ("s_gs", "s_rs", "p_gs", "p_rs") for k in (3, 5, 7)]
+SCNN_BASELINES = [f"scnn_baseline_{k}" for k in (3, 5, 7)]
+RI = ["ri_vgg16", "ri_resnet18", "ri_densenet40"]
+RI_BASELINES = [f"{name}_baseline" for name in RI]
+ALL = SCNNS + SCNN_BASELINES + RI + RI_BASELINES
+# One SC model per family, and input sides at which every stride and pooling tiles the map, so a
+# quarter turn of the input maps each layer's sampling grid onto itself (see the model docstrings).
+FAMILIES = {"scnn_p_rs_3": 28, "ri_vgg16": 32, "ri_resnet18": 18, "ri_densenet40": 15}
+# Small inputs every family accepts (RI-VGG16 pools five times).
+SMALL = {"scnn": 28, "ri_vgg16": 32, "ri_resnet18": 16, "ri_densenet40": 16}
+
+
+def _small_size(name):
+    return SMALL["scnn" if name.startswith("scnn") else name.replace("_baseline", "")]
+
+
+def _baseline(name):
+    return f"scnn_baseline_{name[-1]}" if name.startswith("scnn") else f"{name}_baseline"
+
+
+def _num_params(model):
+    return sum(p.numel() for p in model.parameters())
+
+
+def _randomise_batchnorm(model, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.copy_(torch.rand(m.num_features, generator=gen) - 0.5)
+            m.running_var.copy_(torch.rand(m.num_features, generator=gen) + 0.5)
+            m.weight.data.copy_(torch.rand(m.num_features, generator=gen) + 0.5)
+            m.bias.data.copy_(torch.rand(m.num_features, generator=gen) - 0.5)
+
+
+def _quarter_turn_error(model, x):
+    """Largest change of the logits over the three quarter turns, relative to their size."""
+    with torch.no_grad():
+        out = model(torch.cat([torch.rot90(x, k, (2, 3)) for k in range(4)]))
+    out = out.view(4, x.shape[0], -1)
+    return (out[1:] - out[0]).abs().max().item() / out[0].abs().max().item()
+
+
+def test_registry_holds_every_entrypoint():
+    assert sorted(timm.list_models("scnn_*")) == sorted(SCNNS + SCNN_BASELINES)
+    assert sorted(timm.list_models("ri_*")) == sorted(RI + RI_BASELINES)
+
+
+@pytest.mark.parametrize("name", SCNNS + SCNN_BASELINES)
+def test_scnn_trains_at_its_input_size_with_any_classes_and_channels(name):
+    model = timm.create_model(name, num_classes=7, in_chans=2)
+    assert model.pretrained_cfg["input_size"] == (1, 28, 28)
+    out = model(torch.randn(1, 2, 28, 28))
+    assert out.shape == (1, 7)
+    out.logsumexp(1).sum().backward()
+    for pname, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), pname
+
+
+# Full 128x128 training steps of RI-VGG16 and RI-ResNet18 take seconds each with the reference
+# operator; they run at 32x32, which goes through every layer the same way.
+@pytest.mark.parametrize("name, size", [("ri_densenet40", 128), ("ri_densenet40_baseline", 128), ("ri_vgg16", 32),
+                                        ("ri_vgg16_baseline", 32), ("ri_resnet18", 32), ("ri_resnet18_baseline", 32)])
+def test_ri_models_train_with_any_classes_and_channels(name, size):
+    model = timm.create_model(name, num_classes=24, in_chans=1)
+    assert model.pretrained_cfg["input_size"][1:] == (128, 128)
+    out = model(torch.randn(1, 1, size, size))
+    assert out.shape == (1, 24)
+    out.logsumexp(1).sum().backward()
+    for pname, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), pname
+
+
+@pytest.mark.parametrize("name", SCNNS)
+def test_scnn_logits_are_exactly_invariant_to_quarter_turns(name):
+    torch.manual_seed(0)
+    model = timm.create_model(name).double().eval()
+    _randomise_batchnorm(model)
+    assert _quarter_turn_error(model, torch.randn(1, 1, 28, 28, dtype=torch.float64)) < 1e-12
+
+
+@pytest.mark.parametrize("name, size", list(FAMILIES.items()))
+def test_sc_models_are_invariant_to_quarter_turns_and_their_baselines_are_not(name, size):
+    torch.manual_seed(0)
+    x = torch.randn(1, 1, size, size, dtype=torch.float64)
+    errors = {}
+    for model_name in (name, _baseline(name)):
+        model = timm.create_model(model_name, in_chans=1).double().eval()
+        _randomise_batchnorm(model)
+        errors[model_name] = _quarter_turn_error(model, x)
+    assert errors[name] < 1e-12
+    assert errors[_baseline(name)] > 1e-3
+
+
+@pytest.mark.parametrize("name", SCNNS + RI)
+def test_sc_models_sort_every_spatial_convolution_and_match_their_baseline(name):
+    model, baseline = timm.create_model(name), timm.create_model(_baseline(name))
+    assert _num_params(model) == _num_params(baseline)
+    assert [(k, v.shape) for k, v in model.state_dict().items()] == \
+           [(k, v.shape) for k, v in baseline.state_dict().items()]
+    convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
+    expected_sorted = {"scnn": 6, "ri_vgg16": 13, "ri_resnet18": 17, "ri_densenet40": 37}[
+        "scnn" if name.startswith("scnn") else name]
+    assert sum(isinstance(m, SortConv2d) for m in convs) == expected_sorted
+    for m in convs:
+        assert isinstance(m, SortConv2d) == (m.kernel_size != (1, 1))
+    assert not any(isinstance(m, SortConv2d) for m in baseline.modules())
+
+
+def test_scnn_variants_come_from_their_names():
+    for name in SCNNS:
+        sampling, sorting = name.split("_")[1:3]
+        model = timm.create_model(name)
+        kernel_sizes = [m.kernel_size[0] for m in model.modules() if isinstance(m, nn.Conv2d)]
+        assert kernel_sizes == [int(name[-1])] * 4 + [3, 3]
+        assert {(m.sampling, m.sorting) for m in model.modules() if isinstance(m, SortConv2d)} == {
+            ({"s": "square", "p": "polar"}[sampling], {"gs": "global", "rs": "ring"}[sorting])}
+
+
+def test_variant_keywords():
+    model = timm.create_model("ri_resnet18", sampling="square", sorting="global")
+    assert {(m.sampling, m.sorting) for m in model.modules() if isinstance(m, SortConv2d)} == {("square", "global")}
+    with pytest.raises(ValueError, match="scnn_p_rs_7 is defined by sampling='polar', sorting='ring'"):
+        timm.create_model("scnn_p_rs_7", sorting="global")
+    with pytest.raises(ValueError, match="ri_vgg16_baseline"):
+        timm.create_model("ri_vgg16_baseline", sampling="polar")
+    with pytest.raises(ValueError, match="together"):
+        SCNN(sampling="polar", sorting=None)
+    with pytest.raises(ValueError, match="unknown sampling"):
+        timm.create_model("ri_densenet40", sampling="hexagonal")
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_pretrained_cfg_describes_the_model(name):
+    model = timm.create_model(name)
+    cfg = model.pretrained_cfg
+    for key in ("input_size", "mean", "std", "num_classes", "first_conv", "classifier", "license", "paper_ids",
+                "interpolation", "crop_pct", "pool_size"):
+        assert cfg.get(key) is not None, key
+    assert cfg["paper_ids"] == "arXiv:2305.14462" and "hf_hub_id" not in cfg
+    assert cfg["pool_size"] == (cfg["input_size"][1] // model.feature_info[-1]["reduction"],) * 2
+    first_conv = model.get_submodule(cfg["first_conv"])
+    assert isinstance(first_conv, nn.Conv2d) and first_conv.in_channels == cfg["input_size"][0] == model.in_chans
+    assert len(cfg["mean"]) == len(cfg["std"]) == cfg["input_size"][0]
+    classifier = model.get_submodule(cfg["classifier"])
+    assert classifier is model.get_classifier() and classifier.out_features == cfg["num_classes"] == model.num_classes
+
+
+@pytest.mark.parametrize("name", RI + RI_BASELINES)
+def test_data_set_tags_set_channels_and_classes(name):
+    outex = timm.create_model(f"{name}.outex")
+    assert (outex.in_chans, outex.num_classes) == (1, 24) and outex.pretrained_cfg["mean"] == (0.5,)
+    nwpu = timm.create_model(name)
+    assert (nwpu.in_chans, nwpu.num_classes, nwpu.pretrained_cfg["tag"]) == (3, 45, "nwpu")
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_accepts_the_arguments_timm_train_py_passes(name):
+    # timm's train.py calls create_model with these; None values are dropped by timm.
+    model = timm.create_model(name, pretrained=False, in_chans=None, num_classes=None, drop_rate=0.1,
+                              drop_path_rate=None, drop_block_rate=None, global_pool=None, bn_momentum=0.01,
+                              bn_eps=1e-3, scriptable=False, checkpoint_path="")
+    norms = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+    assert norms and all(m.momentum == 0.01 and m.eps == 1e-3 for m in norms)
+    assert model.drop_rate == 0.1
+
+
+def test_stochastic_depth_and_drop_block_in_ri_resnet18():
+    model = timm.create_model("ri_resnet18_baseline", drop_path_rate=0.1, drop_block_rate=0.1)
+    assert sum(isinstance(m, DropPath) for m in model.modules()) == 7  # all blocks but the first
+    assert sum(isinstance(m, DropBlock2d) for m in model.modules()) == 4  # stages 3 and 4
+
+
+@pytest.mark.parametrize("name", list(FAMILIES) + [_baseline(n) for n in FAMILIES])
+def test_head_api(name):
+    size = _small_size(name)
+    model = timm.create_model(name, in_chans=1).eval()
+    x = torch.randn(1, 1, size, size)
+    features = model.forward_features(x)
+    assert features.shape[1] == model.num_features
+    assert model.forward_head(features, pre_logits=True).shape == (1, model.num_features)
+    assert isinstance(model.get_classifier(), nn.Linear)
+    model.reset_classifier(5)
+    assert model.forward_head(features).shape == (1, 5)
+    assert model.get_classifier().out_features == 5 and model.num_classes == 5
+    model.reset_classifier(0)
+    assert model.forward_head(features).shape == (1, model.num_features)
+    model.reset_classifier(3, global_pool="catavgmax")
+    assert model.forward_head(features, pre_logits=True).shape == (1, 2 * model.num_features)
+    assert model(x).shape == (1, 3)
+    assert model.group_matcher()["stem"] and model.group_matcher(coarse=True)["blocks"]
+
+
+@pytest.mark.parametrize("name", list(FAMILIES) + [_baseline(n) for n in FAMILIES])
+def test_features_only_and_forward_intermediates(name):
+    size = _small_size(name)
+    torch.manual_seed(0)
+    model = timm.create_model(name, in_chans=1).eval()
+    x = torch.randn(1, 1, size, size)
+    info = model.feature_info
+    final, intermediates = model.forward_intermediates(x)
+    assert torch.equal(final, model.forward_features(x))
+    assert [t.shape[1] for t in intermediates] == [f["num_chs"] for f in info]
+    assert [t.shape[-1] for t in intermediates] == [size // f["reduction"] for f in info]
+    # timm's feature extractor, wrapped around the same modules, returns the same tensors
+    extractor = FeatureListNet(model, out_indices=tuple(range(len(info))),
+                               flatten_sequential=not name.startswith("ri_resnet"))
+    assert all(torch.equal(a, b) for a, b in zip(extractor(x), intermediates))
+
+    for feature_cls in ("list", "getter", "fx") if name in FAMILIES else ("list",):
+        features = timm.create_model(name, in_chans=1, features_only=True, feature_cls=feature_cls).eval()
+        shapes = [tuple(t.shape[1:]) for t in features(x)]
+        assert shapes == [tuple(t.shape[1:]) for t in intermediates], feature_cls
+    last_two = timm.create_model(name, in_chans=1, features_only=True, out_indices=(-2, -1))
+    assert last_two.feature_info.channels() == [f["num_chs"] for f in info[-2:]]
+
+
+@pytest.mark.parametrize("name", ["scnn_p_rs_3", "ri_vgg16_baseline", "ri_resnet18_baseline", "ri_densenet40"])
+def test_gradient_checkpointing_gives_the_same_gradients(name):
+    size = _small_size(name)
+    x = torch.randn(2, 1, size, size, dtype=torch.float64)
+    grads = []
+    for enable in (False, True):
+        torch.manual_seed(0)
+        model = timm.create_model(name, in_chans=1).double()
+        model.set_grad_checkpointing(enable)
+        model(x.clone().requires_grad_()).logsumexp(1).sum().backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert all(torch.allclose(a, b, atol=1e-10) for a, b in zip(*grads))
+
+
+@pytest.mark.parametrize("name", ["scnn_p_rs_3", "ri_resnet18"])
+def test_traces(name):
+    model = timm.create_model(name, in_chans=1).eval()
+    size = 28 if name.startswith("scnn") else 18
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        traced = torch.jit.trace(model, torch.randn(2, 1, size, size), check_trace=False)
+    x = torch.randn(3, 1, size, size)
+    assert torch.allclose(traced(x), model(x), atol=1e-5)
