@@ -339,7 +339,6 @@ def remove_recovery_files(saver) -> None:
 
 
 def main(argv=None):
-    utils.setup_default_logging()
     args, args_text = parse_args(argv)
     if torch.cuda.is_available():
         torch.backends.cudnn.benchmark = False  # the same kernels every run, for resumable runs
@@ -501,4 +500,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    utils.setup_default_logging()
     main()

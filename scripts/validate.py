@@ -93,6 +93,9 @@ def build_model(name: str, checkpoint: str, pretrained: bool, args) -> torch.nn.
     in_chans = args.in_chans if args.in_chans is not None else (args.input_size[0] if args.input_size else None)
     if in_chans is not None:
         kwargs["in_chans"] = in_chans
+    if not (checkpoint or pretrained or from_folder):
+        _logger.warning(f"{name}: no weights given (--checkpoint, --pretrained, hf-hub: or local-dir:), "
+                        "evaluating it at random initialisation")
     model = create_model(name, pretrained=pretrained or from_folder, checkpoint_path=checkpoint, **kwargs)
     return model.eval()
 
@@ -206,7 +209,6 @@ def plot_sweep(path: str, results: Dict[str, Dict[float, float]], title: str) ->
 
 
 def main(argv=None):
-    utils.setup_default_logging()
     args = parser.parse_args(argv)
     if args.baseline_checkpoint and not args.baseline_model:
         parser.error("--baseline-checkpoint needs --baseline-model")
@@ -237,4 +239,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    utils.setup_default_logging()
     main()

@@ -1,0 +1,200 @@
+"""scripts/train.py and scripts/validate.py end to end on tiny MNIST-layout data written by the tests.
+
+The SCNN runs at 4 channels per layer so that a run takes a second or two: a straight run writes its
+files; a run stopped after one epoch and a run killed mid-epoch (a real process, SIGKILL) both resume
+to exactly the straight run's weights and summary; two CPU processes train under torchrun with gloo;
+validate.py sweeps rotations of their weights and writes its CSV and plot. Runs that need no process
+of their own call the scripts' ``main(argv)`` in this process, which saves the interpreter start-up.
+"""
+import csv
+import importlib.util
+import logging
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+import yaml
+
+from test_data import make_mnist
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN = REPO / "scripts" / "train.py"
+VALIDATE = REPO / "scripts" / "validate.py"
+TINY_SCNN = ["--model", "scnn_p_rs_3", "--model-kwargs", "channels=(4,4,4,4,4,4)"]
+
+
+def load_script(path, name):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def train():
+    return load_script(TRAIN, "train_script")
+
+
+@pytest.fixture(scope="module")
+def validate():
+    return load_script(VALIDATE, "validate_script")
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("mnist")
+    make_mnist(folder, num_train=96, num_test=24)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def output(tmp_path_factory):
+    return tmp_path_factory.mktemp("runs")
+
+
+def train_args(data_dir, output, experiment, epochs):
+    return [str(a) for a in (*TINY_SCNN, "--dataset", "sortconv/mnist", "--data-dir", data_dir, "--train-split",
+                             "trainval", "--val-split", "test", "--epochs", epochs, "-b", 8, "-j", 0, "--seed", 7,
+                             "--log-interval", 4, "--recovery-interval", 3, "--output", output,
+                             "--experiment", experiment)]
+
+
+@pytest.fixture(scope="module")
+def straight_run(train, data_dir, output):
+    train.main(train_args(data_dir, output, "straight", 2))
+    return output / "straight"
+
+
+def load(path):
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def assert_same_training(run_dir, reference_dir):
+    assert (run_dir / "summary.csv").read_text() == (reference_dir / "summary.csv").read_text()
+    ours, theirs = load(run_dir / "last.pth.tar"), load(reference_dir / "last.pth.tar")
+    assert ours["state_dict"].keys() == theirs["state_dict"].keys()
+    for key, value in theirs["state_dict"].items():
+        assert torch.equal(ours["state_dict"][key], value), key
+    for ours_state, theirs_state in zip(ours["optimizer"]["state"].values(), theirs["optimizer"]["state"].values()):
+        for name, value in theirs_state.items():
+            assert torch.equal(torch.as_tensor(ours_state[name]), torch.as_tensor(value)), name
+
+
+def test_train_writes_summary_args_and_checkpoints(straight_run):
+    run_dir = straight_run
+    with open(run_dir / "summary.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [row["epoch"] for row in rows] == ["0", "1"]
+    assert set(rows[0]) == {"epoch", "train_loss", "eval_loss", "eval_top1", "eval_top5", "lr"}
+    assert all(0 <= float(row["eval_top1"]) <= 100 and float(row["train_loss"]) > 0 for row in rows)
+    args = yaml.safe_load((run_dir / "args.yaml").read_text())
+    assert args["model"] == "scnn_p_rs_3" and args["epochs"] == 2 and args["no_aug"] is True
+    assert (run_dir / "model_best.pth.tar").is_file()
+    assert not list(run_dir.glob("recovery-*")), "recovery checkpoints outlive their epoch"
+    last = load(run_dir / "last.pth.tar")
+    assert last["epoch"] == 1 and last["task_state"]["progress"] == dict(epoch=2, batch=0, loss_sum=0.0, loss_count=0)
+    model = timm.create_model("scnn_p_rs_3", channels=(4, 4, 4, 4, 4, 4))
+    model.load_state_dict(last["state_dict"])
+
+
+def test_resume_after_an_epoch_matches_the_straight_run(train, straight_run, data_dir, output, caplog):
+    train.main(train_args(data_dir, output, "stopped", 1))
+    with caplog.at_level(logging.INFO):
+        train.main(train_args(data_dir, output, "stopped", 2) + ["--resume", str(output / "stopped")])
+    assert "training epochs 1..1" in caplog.text
+    # timm-style progress lines with throughput and time left.
+    assert "Train: 1 [  12/12 (100%)]" in caplog.text and "/s" in caplog.text and "ETA: epoch" in caplog.text
+    assert_same_training(output / "stopped", straight_run)
+
+
+def test_killed_mid_epoch_resumes_to_the_same_result(train, straight_run, data_dir, output, caplog):
+    command = [sys.executable, str(TRAIN), *train_args(data_dir, output, "killed", 2)]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
+    deadline = time.time() + 240
+    while not list((output / "killed").glob("recovery-*.pth.tar")) and time.time() < deadline:
+        time.sleep(0.01)
+    process.send_signal(signal.SIGKILL)
+    assert process.wait(timeout=60) == -signal.SIGKILL, "training finished before it could be killed"
+    with caplog.at_level(logging.INFO):
+        train.main(train_args(data_dir, output, "killed", 2) + ["--resume", str(output / "killed")])
+    assert "resuming at batch" in caplog.text
+    assert_same_training(output / "killed", straight_run)
+
+
+@pytest.fixture(scope="module")
+def ddp_run(data_dir, output):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(TRAIN),
+               "--device", "cpu", *train_args(data_dir, output, "ddp", 1)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO)
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log
+    return output / "ddp", log
+
+
+def test_torchrun_two_cpu_processes_with_gloo(ddp_run):
+    run_dir, log = ddp_run
+    assert "process 0 of 2" in log and "process 1 of 2" in log
+    assert "Train: 0 [   6/6 (100%)]" in log  # 96 images, 8 per batch, shared by two processes
+    with open(run_dir / "summary.csv") as f:
+        assert [row["epoch"] for row in csv.DictReader(f)] == ["0"]
+    assert (run_dir / "last.pth.tar").is_file() and (run_dir / "args.yaml").is_file()
+
+
+def test_validate_sweep_writes_csv_and_plot(validate, ddp_run, data_dir, tmp_path, capsys, caplog):
+    run_dir, _ = ddp_run
+    results_csv, plot = tmp_path / "sweep.csv", tmp_path / "sweep.png"
+    validate.main([str(a) for a in (*TINY_SCNN, "--checkpoint", run_dir / "last.pth.tar",
+                                    "--baseline-model", "scnn_baseline_3", "--dataset", "sortconv/mnist",
+                                    "--data-dir", data_dir, "--split", "test", "--rotations", "0:360:90",
+                                    "-j", 0, "-b", 8, "--results-csv", results_csv, "--plot", plot)])
+    with open(results_csv) as f:
+        rows = list(csv.DictReader(f))
+    assert [row["angle"] for row in rows] == ["0", "90", "180", "270"]
+    assert set(rows[0]) == {"angle", "scnn_p_rs_3", "scnn_baseline_3"}
+    sc = [float(row["scnn_p_rs_3"]) for row in rows]
+    # An SCNN is exactly invariant to quarter turns: the same accuracy at every one.
+    assert sc == [sc[0]] * 4
+    # At angle 0 one process over the saved weights agrees with the validation the two processes shared.
+    with open(run_dir / "summary.csv") as f:
+        (summary,) = list(csv.DictReader(f))
+    assert sc[0] == pytest.approx(float(summary["eval_top1"]))
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split() == ["angle", "scnn_p_rs_3", "scnn_baseline_3"] and table[-1].split()[0] == "mean"
+    assert "no weights given" in caplog.text
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("config", sorted((REPO / "scripts" / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_presets_set_the_paper_protocols(config):
+    args, _ = load_script(TRAIN, "train_presets").parse_args(["-c", str(config)])
+    assert timm.is_model(args.model.split(".")[0]) and args.opt == "adam" and args.sched == "step"
+    assert args.epochs == 100 and args.decay_epochs == 10 and args.no_aug and args.weight_decay == 0
+    if config.name.startswith("mnist"):
+        expected = dict(dataset="sortconv/mnist", batch_size=100, lr=1e-4, decay_rate=0.8, val_split="validation")
+    else:
+        dataset, classes = ("sortconv/outex12", 24) if config.name.startswith("outex") else ("sortconv/nwpu45", 45)
+        expected = dict(dataset=dataset, num_classes=classes, batch_size=10, decay_rate=0.6, val_split="test",
+                        lr=1e-3 if "densenet" in config.name else 1e-4)
+    assert {key: getattr(args, key) for key in expected} == expected
+
+
+def test_preset_with_an_unknown_key_is_refused(tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_text("batchsize: 10\n")
+    with pytest.raises(SystemExit):
+        load_script(TRAIN, "train_bad_preset").parse_args(["-c", str(config)])
+
+
+@pytest.mark.parametrize("name,in_chans,num_classes", [("scnn_p_rs_7", 1, 10), ("ri_resnet18", 1, 24)])
+def test_models_take_the_arguments_timm_train_py_passes(name, in_chans, num_classes):
+    # timm's train.py calls create_model with exactly these keyword arguments (timm drops the None ones).
+    model = timm.create_model(name, pretrained=False, in_chans=in_chans, num_classes=num_classes, drop_rate=0.0,
+                              drop_path_rate=None, drop_block_rate=None, global_pool=None, bn_momentum=None,
+                              bn_eps=None, scriptable=False, checkpoint_path="")
+    first_conv = model.get_submodule(model.pretrained_cfg["first_conv"])
+    assert first_conv.in_channels == in_chans and model.num_classes == num_classes
