@@ -67,6 +67,8 @@ class SCNN(nn.Module):
         global_pool: timm pooling type (``'avg'``, ``'max'``, ``'avgmax'``, ``'catavgmax'``; all keep invariance).
         drop_rate: dropout before the classifier.
         bn_momentum, bn_eps: BatchNorm settings (timm's ``train.py`` passes them when asked).
+
+    The weights keep PyTorch's default initialisation, as in the paper's code.
     """
 
     def __init__(
@@ -116,7 +118,6 @@ class SCNN(nn.Module):
 
         self.num_features = self.head_hidden_size = prev_chs
         self.head = ClassifierHead(prev_chs, num_classes, pool_type=global_pool, drop_rate=drop_rate, **dd)
-        # PyTorch's default initialisation, as the paper's code.
 
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
@@ -221,7 +222,7 @@ def _cfg(url: str = '', **kwargs) -> Dict[str, Any]:
         'url': url,
         'num_classes': 10, 'input_size': (1, 28, 28), 'pool_size': (7, 7),
         'crop_pct': 1.0, 'interpolation': 'bilinear',
-        # MNIST training-set statistics of pixel values in [0, 1].
+        # mean and std of the 60,000 MNIST training images' pixels in [0, 1]
         'mean': (0.1307,), 'std': (0.3081,),
         'first_conv': 'features.0.conv', 'classifier': 'head.fc',
         'license': 'apache-2.0',
