@@ -251,6 +251,6 @@ def test_traces(name):
     size = 28 if name.startswith("scnn") else 18
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        traced = torch.jit.trace(model, torch.randn(2, 1, size, size), check_trace=False)
+        traced = torch.jit.trace(model, torch.randn(2, 1, size, size))
     x = torch.randn(3, 1, size, size)
     assert torch.allclose(traced(x), model(x), atol=1e-5)
