@@ -6,7 +6,7 @@ import timm
 import torch
 import torch.nn as nn
 from timm.layers import DropBlock2d, DropPath
-from timm.models import FeatureListNet
+from timm.models import FeatureListNet, group_parameters
 
 import timm_sortconv  # noqa: F401  (registers the models)
 from timm_sortconv import SortConv2d
@@ -201,7 +201,10 @@ def test_head_api(name):
     model.reset_classifier(3, global_pool="catavgmax")
     assert model.forward_head(features, pre_logits=True).shape == (1, 2 * model.num_features)
     assert model(x).shape == (1, 3)
-    assert model.group_matcher()["stem"] and model.group_matcher(coarse=True)["blocks"]
+    for coarse in (False, True):  # parameter groups for layer-wise learning-rate decay
+        groups = list(group_parameters(model, model.group_matcher(coarse=coarse)).values())
+        assert model.pretrained_cfg["first_conv"] + ".weight" in groups[0] and len(groups) > 3
+        assert model.pretrained_cfg["classifier"] + ".weight" in groups[-1]
 
 
 @pytest.mark.parametrize("name", list(FAMILIES) + [_baseline(n) for n in FAMILIES])
