@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from .ops.backends import check_backend_name
 from .ops.functional import sort_conv2d
-from .ops.geometry import check_kernel_size, check_variant
+from .ops.geometry import get_geometry
 
 __all__ = ["SortConv2d"]
 
@@ -56,8 +56,14 @@ class SortConv2d(nn.Conv2d):
         sorting: str = "ring",
         backend: str = "auto",
     ) -> None:
-        check_kernel_size(kernel_size)
-        check_variant(sampling, sorting)
+        # Validates kernel_size, sampling and sorting, and builds the sampling tables now, so that a
+        # traced, compiled or exported forward finds them cached instead of recording their construction.
+        get_geometry(kernel_size, sampling, sorting)
+        # nn.Conv2d's own message does not say which values were given.
+        if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1 \
+                or in_channels % groups or out_channels % groups:
+            raise ValueError(f"SortConv2d: groups={groups!r} must be a positive int dividing in_channels="
+                             f"{in_channels} and out_channels={out_channels}")
         super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
                          padding_mode, device, dtype)
         self.sampling = sampling

@@ -98,7 +98,8 @@ def sort_conv2d(
     """
     if weight.dim() != 4:
         raise ValueError(f"weight must be 4-D (C_out, C_in/groups, k, k), got shape {tuple(weight.shape)}")
-    k = check_kernel_size(tuple(weight.shape[2:]))
+    # int(): while tracing, sizes are tensors; the kernel size is a constant of the traced graph.
+    k = check_kernel_size(tuple(int(size) for size in weight.shape[2:]))
     check_variant(sampling, sorting)
     if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1 or weight.shape[0] % groups:
         raise ValueError(f"groups must be a positive int dividing C_out={weight.shape[0]}, got groups={groups!r}")

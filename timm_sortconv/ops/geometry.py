@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import List, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -186,7 +185,12 @@ def check_variant(sampling: str, sorting: str) -> None:
         raise ValueError(f"unknown sorting={sorting!r}; accepted: {', '.join(map(repr, SORTINGS))}")
 
 
-@lru_cache(maxsize=None)
+# A plain dict rather than functools.lru_cache: torch.compile ignores an lru_cache and traces the
+# wrapped function, which put hundreds of table-building ops into every compiled graph, while it reads
+# an entry of this dict as a constant.
+_GEOMETRIES: Dict[Tuple[int, str, str], SortGeometry] = {}
+
+
 def get_geometry(kernel_size: int, sampling: str = "polar", sorting: str = "ring") -> SortGeometry:
     """The cached :class:`SortGeometry` for an odd ``kernel_size`` and a variant.
 
@@ -199,6 +203,13 @@ def get_geometry(kernel_size: int, sampling: str = "polar", sorting: str = "ring
     """
     k = check_kernel_size(kernel_size)
     check_variant(sampling, sorting)
+    key = (k, sampling, sorting)
+    if key not in _GEOMETRIES:
+        _GEOMETRIES[key] = _build_geometry(*key)
+    return _GEOMETRIES[key]
+
+
+def _build_geometry(k: int, sampling: str, sorting: str) -> SortGeometry:
     n = k // 2
     grid = ring_grid_offsets(k)
     if sampling == "square":
@@ -208,15 +219,19 @@ def get_geometry(kernel_size: int, sampling: str = "polar", sorting: str = "ring
         for r in range(1, n + 1):
             taps += [_bilinear_taps(y, x) for y, x in polar_points(r)]
     width = max(len(t) for t in taps)
-    offsets = torch.zeros(k * k, width, 2, dtype=torch.long)
-    weights = torch.zeros(k * k, width, dtype=torch.float64)
-    interpolation = torch.zeros(k * k, k * k, dtype=torch.float64)
-    for s, sample_taps in enumerate(taps):
-        for t in range(width):
-            dy, dx, w = sample_taps[t] if t < len(sample_taps) else (*sample_taps[0][:2], 0.0)
+    taps = [t + [(*t[0][:2], 0.0)] * (width - len(t)) for t in taps]
+    interpolation_rows = []
+    for sample_taps in taps:
+        row = [0.0] * (k * k)
+        for dy, dx, w in sample_taps:
             assert max(abs(dy), abs(dx)) <= n, "a bilinear tap left the window"
-            offsets[s, t, 0], offsets[s, t, 1], weights[s, t] = dy, dx, w
-            interpolation[s, (dy + n) * k + (dx + n)] += w
+            row[(dy + n) * k + (dx + n)] += w
+        interpolation_rows.append(row)
+    # The tables are filled as Python lists and converted once: a caller that is traced or compiled
+    # before the cache holds this geometry then records three constants, not one op per entry.
+    offsets = torch.tensor([[(dy, dx) for dy, dx, _ in t] for t in taps], dtype=torch.long)
+    weights = torch.tensor([[w for _, _, w in t] for t in taps], dtype=torch.float64)
+    interpolation = torch.tensor(interpolation_rows, dtype=torch.float64)
     ring_bounds = [(0, 1)] + [((2 * r - 1) ** 2, (2 * r + 1) ** 2) for r in range(1, n + 1)]
     if sorting == "ring":
         segments = tuple(ring_bounds)

@@ -44,7 +44,8 @@ def sorted_patches(x: torch.Tensor, geometry: SortGeometry, stride: Tuple[int, i
     patches = _patches(x, geometry, stride, dilation, out_size)
     if geometry.sampling == "polar":
         # Row-major window values -> ring-order bilinear samples.
-        patches = torch.matmul(patches, geometry.interpolation.to(patches.dtype).t())
+        interpolation = geometry.interpolation.to(device=patches.device, dtype=patches.dtype)
+        patches = torch.matmul(patches, interpolation.t())
     if len(geometry.segments) == 1:
         return torch.sort(patches, dim=-1).values
     parts = [patches[..., s:e] if e - s == 1 else torch.sort(patches[..., s:e], dim=-1).values
