@@ -25,14 +25,16 @@
 // swaps in reverse (the transpose of the permutation), then through the bilinear taps to the input.
 // Re-sorting was measured cheaper than storing a uint8 permutation (k*k bytes per input value,
 // written, page-faulted and read back) and it keeps the memory saved for backward to the input.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <ATen/Parallel.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -77,7 +79,46 @@ inline void store(scalar_t* p, typename Simd<scalar_t>::vec v) {
 
 template <typename scalar_t>
 inline typename Simd<scalar_t>::vec splat(scalar_t x) {
-  return typename Simd<scalar_t>::vec{} + x;
+  // x - 0 is x for every x (-0 and NaN included), so this folds to a plain broadcast.
+  return x - typename Simd<scalar_t>::vec{};
+}
+
+// A sparse linear map between rows of kLanes values: out[target] = sum_t weight * in[source]. Targets
+// are grouped by their number of terms so that the inner loop has a fixed length (no branch per row).
+template <typename scalar_t>
+struct TapGroup {
+  int64_t terms = 0;
+  std::vector<int64_t> targets, sources;  // sources and weights: `terms` per target
+  std::vector<scalar_t> weights;
+};
+
+template <typename scalar_t>
+using TapTable = std::vector<TapGroup<scalar_t>>;
+
+// The table for the triplets (target, source, weight), targets in [0, rows).
+template <typename scalar_t>
+TapTable<scalar_t> make_tap_table(int64_t rows, const std::vector<std::array<int64_t, 2>>& pairs,
+                                  const std::vector<scalar_t>& weights) {
+  std::vector<std::vector<std::pair<int64_t, scalar_t>>> terms(rows);
+  for (size_t i = 0; i < pairs.size(); ++i) {
+    terms[pairs[i][0]].push_back({pairs[i][1], weights[i]});
+  }
+  TapTable<scalar_t> table;
+  for (int64_t target = 0; target < rows; ++target) {
+    const int64_t count = static_cast<int64_t>(terms[target].size());
+    auto group = std::find_if(table.begin(), table.end(), [&](const TapGroup<scalar_t>& g) { return g.terms == count; });
+    if (group == table.end()) {
+      table.push_back(TapGroup<scalar_t>{});
+      group = table.end() - 1;
+      group->terms = count;
+    }
+    group->targets.push_back(target);
+    for (const auto& term : terms[target]) {
+      group->sources.push_back(term.first);
+      group->weights.push_back(term.second);
+    }
+  }
+  return table;
 }
 
 // A range of ring-order slots sorted together, and where its comparators are.
@@ -88,19 +129,19 @@ struct Segment {
 
 template <typename scalar_t>
 struct Plan {
+  int64_t kernel_size = 0;
   int64_t slots = 0;
-  int64_t max_taps = 0;
-  bool single_tap = true;            // square sampling: every sample is one grid value, weight 1
-  std::vector<int64_t> sample_offset;  // per sample, the flat offset of its first tap
-  std::vector<int64_t> grid_offset;  // per row-major window position, its flat offset
-  std::vector<int64_t> tap_count;    // per sample: its taps with a nonzero weight
-  std::vector<int64_t> tap_offset;   // slots * max_taps flat offsets from the window's top-left
-  std::vector<int64_t> tap_grid;     // slots * max_taps row-major window positions
-  std::vector<scalar_t> tap_weight;  // slots * max_taps
+  bool single_tap = true;  // square sampling: every sample is one window value, weight 1
+  std::vector<int64_t> sample_offset;    // square sampling: per sample, its flat offset in the window
+  std::vector<int64_t> position_sample;  // square sampling: per row-major window position, its sample
+  std::vector<int64_t> grid_offset;      // per row-major window position, its flat offset
+  TapTable<scalar_t> sampling;   // polar: samples from window positions (bilinear taps)
+  TapTable<scalar_t> spreading;  // polar: the transpose, window positions from samples
   std::vector<int32_t> comparators;  // pairs (i, j), i < j, over ring-order slots, segment by segment
   std::vector<Segment> segments;
   int64_t in_h = 0, in_w = 0, out_h = 0, out_w = 0;
   int64_t stride_h = 1, stride_w = 1;
+  const scalar_t* input_end = nullptr;  // vector reads of a staged row must stay before this
   // Blocks of output positions: `block_rows` rows of up to `block_cols` columns.
   int64_t block_rows = 1, block_cols = 1, row_blocks = 1, col_blocks = 1;
 
@@ -137,8 +178,9 @@ Plan<scalar_t> make_plan(const at::Tensor& input, const at::Tensor& tap_offsets,
   TORCH_CHECK(tap_weights.dim() == 2 && tap_weights.size(0) == slots && tap_weights.size(1) == tap_offsets.size(1),
               "sort_conv_cpu: tap_weights must be (k*k, T)");
   TORCH_CHECK(comparators.dim() == 2 && comparators.size(1) == 2, "sort_conv_cpu: comparators must be (n, 2)");
+  plan.kernel_size = kernel_size;
   plan.slots = slots;
-  plan.max_taps = tap_offsets.size(1);
+  plan.input_end = input.data_ptr<scalar_t>() + input.numel();
   plan.in_h = input.size(2);
   plan.in_w = input.size(3);
   plan.stride_h = stride_h;
@@ -157,37 +199,41 @@ Plan<scalar_t> make_plan(const at::Tensor& input, const at::Tensor& tap_offsets,
   const auto weights = tap_weights.to(at::kDouble).contiguous();
   const int64_t* off = offsets.data_ptr<int64_t>();
   const double* wgt = weights.data_ptr<double>();
-  const int64_t half = kernel_size / 2;
+  const int64_t half = kernel_size / 2, max_taps = tap_offsets.size(1);
   plan.grid_offset.resize(slots);
   for (int64_t q = 0; q < slots; ++q) {
     plan.grid_offset[q] = (q / kernel_size) * dilation_h * plan.in_w + (q % kernel_size) * dilation_w;
   }
-  plan.tap_count.assign(slots, 0);
-  plan.tap_offset.assign(slots * plan.max_taps, 0);
-  plan.tap_grid.assign(slots * plan.max_taps, 0);
-  plan.tap_weight.assign(slots * plan.max_taps, scalar_t(0));
+  // Triplets (sample, window position, weight) of the taps with a nonzero weight.
+  std::vector<std::array<int64_t, 2>> sample_position, position_sample;
+  std::vector<scalar_t> tap_weight;
+  plan.position_sample.assign(slots, 0);
   for (int64_t s = 0; s < slots; ++s) {
     int64_t used = 0;
-    for (int64_t t = 0; t < plan.max_taps; ++t) {
-      const double w = wgt[s * plan.max_taps + t];
+    for (int64_t t = 0; t < max_taps; ++t) {
+      const double w = wgt[s * max_taps + t];
       if (w == 0.0) {
         continue;
       }
-      const int64_t dy = off[(s * plan.max_taps + t) * 2];
-      const int64_t dx = off[(s * plan.max_taps + t) * 2 + 1];
+      const int64_t dy = off[(s * max_taps + t) * 2], dx = off[(s * max_taps + t) * 2 + 1];
       TORCH_CHECK(dy >= -half && dy <= half && dx >= -half && dx <= half, "sort_conv_cpu: a tap leaves the window");
-      plan.tap_offset[s * plan.max_taps + used] = (dy + half) * dilation_h * plan.in_w + (dx + half) * dilation_w;
-      plan.tap_grid[s * plan.max_taps + used] = (dy + half) * kernel_size + (dx + half);
-      plan.tap_weight[s * plan.max_taps + used] = static_cast<scalar_t>(w);
+      const int64_t q = (dy + half) * kernel_size + (dx + half);
+      sample_position.push_back({s, q});
+      position_sample.push_back({q, s});
+      tap_weight.push_back(static_cast<scalar_t>(w));
+      if (used == 0) {
+        plan.sample_offset.push_back(plan.grid_offset[q]);
+        plan.position_sample[q] = s;
+      }
+      if (used > 0 || w != 1.0) {
+        plan.single_tap = false;
+      }
       ++used;
     }
     TORCH_CHECK(used >= 1, "sort_conv_cpu: sample ", s, " has no tap");
-    plan.tap_count[s] = used;
-    plan.sample_offset.push_back(plan.tap_offset[s * plan.max_taps]);
-    if (used != 1 || wgt[s * plan.max_taps] != 1.0) {
-      plan.single_tap = false;
-    }
   }
+  plan.sampling = make_tap_table(slots, sample_position, tap_weight);
+  plan.spreading = make_tap_table(slots, position_sample, tap_weight);
 
   const auto pairs = comparators.to(at::kInt).contiguous();
   const int32_t* pair = pairs.data_ptr<int32_t>();
@@ -218,61 +264,96 @@ Plan<scalar_t> make_plan(const at::Tensor& input, const at::Tensor& tap_offsets,
 }
 
 // Copies the window values at `offsets[e]` (flat, from a window's top-left corner) of every lane of
-// the block into dest[e][lanes]; lanes past the block are zero.
+// the block into dest[e][lanes]. Row pieces are copied as whole vectors where the input allows: what
+// spills past a piece lands in lanes that are written later or never used (lanes past the block
+// only ever meet themselves: sorting and the output GEMM are per lane, and the backward pass
+// ignores them), so `dest` needs kVecLanes entries of slack at its end.
 template <typename scalar_t, bool kUnitStride>
 void stage_windows(const Plan<scalar_t>& plan, const scalar_t* plane, const Block& block, const int64_t* offsets,
                    int64_t entries, scalar_t* dest) {
   constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
-  const int64_t step = kUnitStride ? 1 : plan.stride_w;
   const scalar_t* base = plane + block.row0 * plan.stride_h * plan.in_w + block.col0 * plan.stride_w;
-  if (kUnitStride && block.rows == 1 && block.cols == lanes) {
+  if (!kUnitStride) {
     for (int64_t e = 0; e < entries; ++e) {
-      const scalar_t* src = base + offsets[e];
-      store(dest + e * lanes, load(src));
-      store(dest + e * lanes + half, load(src + half));
+      for (int64_t r = 0; r < block.rows; ++r) {
+        const scalar_t* src = base + r * plan.stride_h * plan.in_w + offsets[e];
+        scalar_t* dst = dest + e * lanes + r * block.cols;
+        for (int64_t j = 0; j < block.cols; ++j) {
+          dst[j] = src[j * plan.stride_w];
+        }
+      }
     }
     return;
   }
-  const int64_t count = block.count();
   for (int64_t e = 0; e < entries; ++e) {
-    scalar_t* d = dest + e * lanes;
     for (int64_t r = 0; r < block.rows; ++r) {
-      const scalar_t* __restrict src = base + r * plan.stride_h * plan.in_w + offsets[e];
-      scalar_t* __restrict dr = d + r * block.cols;
-#pragma omp simd
-      for (int64_t j = 0; j < block.cols; ++j) {
-        dr[j] = src[j * step];
+      const scalar_t* src = base + r * plan.in_w * plan.stride_h + offsets[e];
+      scalar_t* dst = dest + e * lanes + r * block.cols;
+      int64_t j = 0;
+      for (; j + half <= block.cols; j += half) {
+        store(dst + j, load(src + j));
+      }
+      if (j == block.cols) {
+        continue;
+      }
+      if (src + j + half <= plan.input_end) {
+        store(dst + j, load(src + j));
+      } else {
+        for (; j < block.cols; ++j) dst[j] = src[j];
       }
     }
-    std::fill(d + count, d + lanes, scalar_t(0));
+  }
+}
+
+// out[target][lanes] = sum of weight * in[source][lanes] over the terms of each target.
+template <typename scalar_t, int kTerms>
+void apply_tap_group(const TapGroup<scalar_t>& group, int64_t terms, const scalar_t* in, scalar_t* out) {
+  using vec = typename Simd<scalar_t>::vec;
+  constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
+  const int64_t n = kTerms > 0 ? kTerms : terms;
+  for (size_t i = 0; i < group.targets.size(); ++i) {
+    const int64_t* source = group.sources.data() + i * n;
+    const scalar_t* weight = group.weights.data() + i * n;
+    vec w = splat(weight[0]);
+    vec acc0 = w * load(in + source[0] * lanes), acc1 = w * load(in + source[0] * lanes + half);
+    for (int64_t t = 1; t < n; ++t) {
+      w = splat(weight[t]);
+      acc0 += w * load(in + source[t] * lanes);
+      acc1 += w * load(in + source[t] * lanes + half);
+    }
+    store(out + group.targets[i] * lanes, acc0);
+    store(out + group.targets[i] * lanes + half, acc1);
+  }
+}
+
+template <typename scalar_t>
+void apply_taps(const TapTable<scalar_t>& table, const scalar_t* in, scalar_t* out) {
+  constexpr int64_t lanes = kLanes<scalar_t>;
+  for (const auto& group : table) {
+    switch (group.terms) {
+      case 0:
+        for (const int64_t target : group.targets) std::fill(out + target * lanes, out + (target + 1) * lanes, scalar_t(0));
+        break;
+      case 1: apply_tap_group<scalar_t, 1>(group, 1, in, out); break;
+      case 2: apply_tap_group<scalar_t, 2>(group, 2, in, out); break;
+      case 3: apply_tap_group<scalar_t, 3>(group, 3, in, out); break;
+      case 4: apply_tap_group<scalar_t, 4>(group, 4, in, out); break;
+      default: apply_tap_group<scalar_t, 0>(group, group.terms, in, out); break;
+    }
   }
 }
 
 // value[s][lanes] = sample s of every lane's window, in ring order. Square samples are staged
-// straight from the input; polar samples are interpolated from the staged k x k grid.
+// straight from the input; polar samples are interpolated from the staged k x k window.
 template <typename scalar_t, bool kUnitStride>
 void gather_samples(const Plan<scalar_t>& plan, const scalar_t* plane, const Block& block, scalar_t* grid,
                     scalar_t* value) {
-  using vec = typename Simd<scalar_t>::vec;
-  constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
   if (plan.single_tap) {
     stage_windows<scalar_t, kUnitStride>(plan, plane, block, plan.sample_offset.data(), plan.slots, value);
     return;
   }
   stage_windows<scalar_t, kUnitStride>(plan, plane, block, plan.grid_offset.data(), plan.slots, grid);
-  for (int64_t s = 0; s < plan.slots; ++s) {
-    const int64_t* tap = plan.tap_grid.data() + s * plan.max_taps;
-    const scalar_t* wgt = plan.tap_weight.data() + s * plan.max_taps;
-    vec w = splat(wgt[0]);
-    vec acc0 = w * load(grid + tap[0] * lanes), acc1 = w * load(grid + tap[0] * lanes + half);
-    for (int64_t t = 1; t < plan.tap_count[s]; ++t) {
-      w = splat(wgt[t]);
-      acc0 += w * load(grid + tap[t] * lanes);
-      acc1 += w * load(grid + tap[t] * lanes + half);
-    }
-    store(value + s * lanes, acc0);
-    store(value + s * lanes + half, acc1);
-  }
+  apply_taps(plan.sampling, grid, value);
 }
 
 // A comparator network as (lo, hi) pairs: after lo, hi = min, max for every pair in order, the
@@ -377,6 +458,11 @@ void unsort_fixed(scalar_t* grad, const SwapMask<typename Simd<scalar_t>::vec>* 
 // the ring of k = 9. Other sizes run the comparators from Python over rows in memory.
 #define TIMM_SORTCONV_FIXED_SIZES(X) X(8) X(9) X(16) X(24) X(25) X(32) X(49)
 
+// Unrolled networks are compiled for float32 only, which training uses; float64 (tests, gradcheck)
+// runs the same comparators from memory, and the build stays short.
+template <typename scalar_t>
+constexpr bool kUnrolledNetworks = std::is_same<scalar_t, float>::value;
+
 template <int N>
 bool same_network(const int32_t* pairs, int64_t count, int64_t start) {
   static constexpr auto network = batcher_network<N>();
@@ -404,12 +490,14 @@ void sort_segment(const Segment& segment, const int32_t* pairs, scalar_t* value,
                   SwapMask<typename Simd<scalar_t>::vec>* swaps) {
   using vec = typename Simd<scalar_t>::vec;
   constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
-  if (segment.fixed) {
-#define TIMM_SORTCONV_CASE(n)                                                       \
-  case n:                                                                           \
+  if constexpr (kUnrolledNetworks<scalar_t>) {
+    if (segment.fixed) {
+#define TIMM_SORTCONV_CASE(n) \
+  case n:                     \
     return sort_fixed<scalar_t, n, kRecord>(value + segment.start * lanes, swaps);
-    switch (segment.size) { TIMM_SORTCONV_FIXED_SIZES(TIMM_SORTCONV_CASE) }
+      switch (segment.size) { TIMM_SORTCONV_FIXED_SIZES(TIMM_SORTCONV_CASE) }
 #undef TIMM_SORTCONV_CASE
+    }
   }
   for (int64_t c = 0; c < segment.pairs; ++c) {
     for (int64_t h = 0; h < lanes; h += half) {
@@ -429,12 +517,14 @@ void unsort_segment(const Segment& segment, const int32_t* pairs, scalar_t* grad
                     const SwapMask<typename Simd<scalar_t>::vec>* swaps) {
   using vec = typename Simd<scalar_t>::vec;
   constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
-  if (segment.fixed) {
-#define TIMM_SORTCONV_CASE(n)                                                  \
-  case n:                                                                      \
+  if constexpr (kUnrolledNetworks<scalar_t>) {
+    if (segment.fixed) {
+#define TIMM_SORTCONV_CASE(n) \
+  case n:                     \
     return unsort_fixed<scalar_t, n>(grad + segment.start * lanes, swaps);
-    switch (segment.size) { TIMM_SORTCONV_FIXED_SIZES(TIMM_SORTCONV_CASE) }
+      switch (segment.size) { TIMM_SORTCONV_FIXED_SIZES(TIMM_SORTCONV_CASE) }
 #undef TIMM_SORTCONV_CASE
+    }
   }
   for (int64_t c = segment.pairs - 1; c >= 0; --c) {
     for (int64_t h = 0; h < lanes; h += half) {
@@ -512,9 +602,12 @@ void gemm_rows(const scalar_t* panel, int64_t depth, const scalar_t* w, int64_t 
                bool accumulate) {
   static constexpr auto table = micro_gemm_table<scalar_t>(std::make_integer_sequence<int, kTileRows>{});
   constexpr int64_t lanes = kLanes<scalar_t>;
-  for (int64_t m0 = 0; m0 < rows; m0 += kTileRows) {
-    const int64_t m = std::min<int64_t>(kTileRows, rows - m0);
+  // Equal tiles (64 rows: 6 tiles of 10-11, not 5 of 12 and one of 4, which would be load-bound).
+  const int64_t tiles = (rows + kTileRows - 1) / kTileRows;
+  for (int64_t i = 0, m0 = 0; i < tiles; ++i) {
+    const int64_t m = (rows - m0) / (tiles - i);
     table[m - 1](panel, depth, w + m0, ldw, tile + m0 * lanes, accumulate);
+    m0 += m;
   }
 }
 
@@ -598,6 +691,40 @@ void load_lanes(const Block& block, int64_t out_w, const scalar_t* plane, scalar
   }
 }
 
+// Adds the block's sample gradients grad_samples[slots][lanes] to the input plane through the taps.
+// They are first summed per window position in grad_grid[k*k][lanes] (in registers, over the taps
+// that read each position, then stored once); the
+// k*k shifted read-modify-writes of the plane then go column of the window by column, so that
+// consecutive ones touch different rows: shifted vectors that partly overlap a store still in
+// flight cannot be forwarded and stall.
+template <typename scalar_t, bool kUnitStride>
+void scatter_gradients(const Plan<scalar_t>& plan, const Block& block, const scalar_t* grad_samples,
+                       scalar_t* grad_grid, scalar_t* grad_plane) {
+  constexpr int64_t lanes = kLanes<scalar_t>;
+  const int64_t step = kUnitStride ? 1 : plan.stride_w;
+  const scalar_t* by_position = grad_samples;
+  if (!plan.single_tap) {
+    apply_taps(plan.spreading, grad_samples, grad_grid);
+    by_position = grad_grid;
+  }
+  scalar_t* base = grad_plane + block.row0 * plan.stride_h * plan.in_w + block.col0 * plan.stride_w;
+  for (int64_t column = 0; column < plan.kernel_size; ++column) {
+    for (int64_t row = 0; row < plan.kernel_size; ++row) {
+      const int64_t q = row * plan.kernel_size + column;
+      // Square sampling: the gradient of window position q is that of the sample read from it.
+      const scalar_t* position_grad = by_position + (plan.single_tap ? plan.position_sample[q] : q) * lanes;
+      for (int64_t r = 0; r < block.rows; ++r) {
+        scalar_t* __restrict dst = base + r * plan.stride_h * plan.in_w + plan.grid_offset[q];
+        const scalar_t* __restrict src = position_grad + r * block.cols;
+#pragma omp simd
+        for (int64_t j = 0; j < block.cols; ++j) {
+          dst[j * step] += src[j];
+        }
+      }
+    }
+  }
+}
+
 struct Shape {
   int64_t batch, channels, out_channels, groups;
   int64_t in_per_group() const { return channels / groups; }
@@ -619,13 +746,14 @@ template <typename scalar_t, bool kUnitStride>
 void forward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scalar_t* input,
                     const scalar_t* weight_packed, const scalar_t* bias, scalar_t* output) {
   using vec = typename Simd<scalar_t>::vec;
-  constexpr int64_t lanes = kLanes<scalar_t>;
+  constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
   const int64_t slots = plan.slots, positions = plan.out_h * plan.out_w, plane = plan.in_h * plan.in_w;
   const int64_t cg = shape.in_per_group(), og = shape.out_per_group();
   const int64_t panel_channels = std::max<int64_t>(1, std::min(cg, kPanelSlots / slots));
   const int64_t blocks = plan.blocks();
   for_each_thread(shape.batch * blocks, [&](int64_t, int64_t first, int64_t last) {
-    std::vector<scalar_t> panel(panel_channels * slots * lanes), grid(slots * lanes);
+    // stage_windows may write a vector past its last row.
+    std::vector<scalar_t> panel(panel_channels * slots * lanes + half), grid(slots * lanes + half);
     std::vector<scalar_t> tile(shape.out_channels * lanes);
     for (int64_t item = first; item < last; ++item) {
       const int64_t image = item / blocks;
@@ -680,11 +808,10 @@ void backward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scala
                      std::vector<std::vector<scalar_t>>& grad_input_parts,
                      std::vector<std::vector<scalar_t>>& grad_weight_parts, int64_t outputs_padded) {
   using vec = typename Simd<scalar_t>::vec;
-  constexpr int64_t lanes = kLanes<scalar_t>;
+  constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
   const int64_t slots = plan.slots, positions = plan.out_h * plan.out_w, plane = plan.in_h * plan.in_w;
   const int64_t cg = shape.in_per_group(), og = shape.out_per_group();
   const int64_t blocks = plan.blocks();
-  const int64_t step = kUnitStride ? 1 : plan.stride_w;
   const bool need_input = grad_input != nullptr || !grad_input_parts.empty();
   const bool need_weight = !grad_weight_parts.empty();
   // A thread owns whole images (so its input-gradient scatter races with nobody) unless there are
@@ -692,7 +819,8 @@ void backward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scala
   const int64_t blocks_per_item = need_input && grad_input_parts.empty() ? blocks : 1;
   for_each_thread(shape.batch * blocks / blocks_per_item, [&](int64_t thread, int64_t first_item, int64_t last_item) {
     std::vector<scalar_t> grad_tile(shape.out_channels * lanes), grad_tile_t(shape.groups * lanes * outputs_padded);
-    std::vector<scalar_t> value(slots * lanes), grad_samples(slots * lanes), grid(slots * lanes);
+    std::vector<scalar_t> value(slots * lanes + half), grid(slots * lanes + half), grad_samples(slots * lanes),
+        grad_grid(slots * lanes);
     std::vector<SwapMask<vec>> swaps(std::max<size_t>(1, plan.comparators.size()));
     scalar_t* grad_in = grad_input_parts.empty() ? grad_input : grad_input_parts[thread].data();
     scalar_t* grad_weight = need_weight ? grad_weight_parts[thread].data() : nullptr;
@@ -732,23 +860,8 @@ void backward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scala
         gemm_rows(grad_tile.data() + g * og * lanes, og, weight_by_output + channel * og * slots, slots, slots,
                   grad_samples.data(), false);
         unsort_gradients(plan, grad_samples.data(), swaps.data());
-        scalar_t* grad_plane = grad_in + (image * shape.channels + channel) * plane;
-        for (int64_t s = 0; s < slots; ++s) {
-          const int64_t* off = plan.tap_offset.data() + s * plan.max_taps;
-          const scalar_t* wgt = plan.tap_weight.data() + s * plan.max_taps;
-          for (int64_t t = 0; t < plan.tap_count[s]; ++t) {
-            const scalar_t w = wgt[t];
-            for (int64_t r = 0; r < block.rows; ++r) {
-              scalar_t* __restrict dst = grad_plane + (block.row0 + r) * plan.stride_h * plan.in_w
-                                         + block.col0 * plan.stride_w + off[t];
-              const scalar_t* __restrict src = grad_samples.data() + s * lanes + r * block.cols;
-#pragma omp simd
-              for (int64_t j = 0; j < block.cols; ++j) {
-                dst[j * step] += w * src[j];
-              }
-            }
-          }
-        }
+        scatter_gradients<scalar_t, kUnitStride>(plan, block, grad_samples.data(), grad_grid.data(),
+                                                 grad_in + (image * shape.channels + channel) * plane);
       }
     }
   });

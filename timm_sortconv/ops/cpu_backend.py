@@ -1,23 +1,28 @@
 """The fused CPU backend: a C++ extension (``timm_sortconv/csrc/sort_conv_cpu.cpp``) built on first use.
 
-One pass per (image, channel, output row) gathers the samples of a block of windows, sorts them with
-the Batcher network of :meth:`SortGeometry.comparators` (vectorised compare-exchange across the
-block) and writes them into a column buffer in slot order; one GEMM per image and group finishes the
-convolution. For backward it keeps the padded input and, per sorted value, the uint8 index of the
-sample it came from; the columns are recomputed by gathering (no sorting) and the gradient is sent
-back through the inverse permutation and the same bilinear taps.
+For a block of 32 output positions (16 in float64) and one input channel at a time, the kernel
+gathers the samples of every window (bilinear taps for polar sampling), sorts each ring or the whole
+window with the Batcher network of :meth:`SortGeometry.comparators` as vectorised compare-exchanges
+across the block, and multiplies the sorted panel straight into the block's outputs with a
+register-tiled micro-GEMM. Nothing of size ``k*k`` times the input is ever written to memory.
 
-The extension is compiled with ``torch.utils.cpp_extension.load`` the first time it is needed
-(``-O3 -march=native``, OpenMP) into PyTorch's extension cache (``TORCH_EXTENSIONS_DIR``, by default
-``~/.cache/torch_extensions``). The build's name carries a hash of the source, the flags, the torch
-version and the CPU's model and feature flags, so a cache is never reused on a different CPU or after
-an edit. If the build fails (no compiler, no ninja), one warning is issued and ``backend="auto"``
-uses the reference path. ``TIMM_SORTCONV_DISABLE_FAST=1`` switches the backend off.
+Backward keeps only the padded input and the weight (no index tensors, no columns): it gathers and
+sorts again, recording the network's swap decisions, forms the weight gradient from the sorted
+panel, and routes the panel's gradient back to the samples by replaying the swaps in reverse, then
+to the input through the same taps.
 
-Supported: CPU tensors of float32 or float64 (input, weight and bias of one dtype), odd ``k <= 15``
-(``k*k <= 255`` so a permutation entry fits in a byte), any stride, dilation and groups, outside
-``torch.autocast`` (whose lower-precision matmuls the reference path follows). Double backward is not
-supported (the backward is ``once_differentiable``).
+The extension is compiled with ``torch.utils.cpp_extension.load`` the first time ``backend="auto"``
+(or ``"cpu"``) needs it (``-O3 -march=native``, OpenMP through ``at::parallel_for``) into PyTorch's
+extension cache (``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``), so later
+processes load it at once. The build's name carries a hash of the source, the flags, the torch and
+Python versions and the CPU's model and feature flags: a cache is never reused on another CPU or
+after an edit. If the build fails (no compiler, no ninja), one warning is issued and
+``backend="auto"`` uses the reference path. ``TIMM_SORTCONV_DISABLE_FAST=1`` switches the backend off.
+
+Supported (``supports_cpu``): CPU tensors of float32 or float64 (input, weight and bias of one
+dtype), odd ``k <= 15``, any stride, dilation and groups, outside ``torch.autocast`` (whose
+lower-precision matmuls the reference path follows). The backward is ``once_differentiable``:
+double backward raises.
 """
 from __future__ import annotations
 
