@@ -60,7 +60,7 @@ def resolve_backend(name: str, *args) -> Backend:
     if name == "auto":
         if not _tracing():
             for backend in _BACKENDS.values():
-                if backend.name != "reference" and backend.available() and backend.supports(*args):
+                if backend.name != "reference" and backend.supports(*args) and backend.available():
                     return backend
         return _BACKENDS["reference"]
     backend = _BACKENDS[check_backend_name(name)]
