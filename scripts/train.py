@@ -109,7 +109,10 @@ group.add_argument("--clip-mode", type=str, default="norm", help='clipping mode:
 group.add_argument("--opt-kwargs", nargs="*", default={}, action=utils.ParseKwargs)
 
 group = parser.add_argument_group("Learning rate schedule")
-group.add_argument("--sched", type=str, default="step", metavar="SCHEDULER", help="schedule (default: step)")
+group.add_argument("--sched", type=str, default="step", metavar="SCHEDULER",
+                   help="schedule (default: step); cosine, multistep, constant, ... as timm")
+group.add_argument("--sched-on-updates", action="store_true", default=False,
+                   help="step the schedule after every update instead of every epoch")
 group.add_argument("--lr", type=float, default=1e-4, metavar="LR", help="learning rate (default: 1e-4)")
 group.add_argument("--epochs", type=int, default=100, metavar="N", help="epochs (default: 100)")
 group.add_argument("--decay-epochs", type=float, default=10, metavar="N", help="step decay interval (default: 10)")
@@ -252,7 +255,8 @@ def check_channels(dataset, channels: int, name: str) -> None:
                          f"channels: pass --in-chans {bands} (and --mean/--std with {bands} value(s)) or use another model")
 
 
-def train_one_epoch(epoch, task, loader, optimizer, loss_scaler, amp_autocast, saver, args, device, num_epochs):
+def train_one_epoch(epoch, task, loader, optimizer, lr_scheduler, loss_scaler, amp_autocast, saver, args, device,
+                    num_epochs):
     """One epoch (or its remainder after a resume); returns the epoch's mean training loss."""
     progress = task.progress
     start_batch = progress["batch"]
@@ -261,9 +265,9 @@ def train_one_epoch(epoch, task, loader, optimizer, loss_scaler, amp_autocast, s
     task.train()
     batch_time_m, data_time_m = utils.AverageMeter(), utils.AverageMeter()
     loss_sum, loss_count = progress["loss_sum"], progress["loss_count"]
-    lr = optimizer.param_groups[0]["lr"]
     end = time.time()
     for batch_idx, (input, target) in enumerate(loader, start=start_batch):
+        lr = optimizer.param_groups[0]["lr"]
         data_time_m.update(time.time() - end)
         if args.no_prefetcher:
             input, target = input.to(device), target.to(device)
@@ -281,6 +285,8 @@ def train_one_epoch(epoch, task, loader, optimizer, loss_scaler, amp_autocast, s
             if args.clip_grad is not None:
                 utils.dispatch_clip_grad(model.parameters(), value=args.clip_grad, mode=args.clip_mode)
             optimizer.step()
+        if lr_scheduler is not None:
+            lr_scheduler.step_update(num_updates=epoch * num_batches + batch_idx + 1)
         loss_sum += loss.item() * input.shape[0]
         loss_count += input.shape[0]
         batch_time_m.update(time.time() - end)
@@ -443,8 +449,9 @@ def main(argv=None):
             use_prefetcher=args.prefetcher,
         )
 
+    updates_per_epoch = len(loader_train)
     lr_scheduler, num_epochs = create_scheduler_v2(optimizer, **scheduler_kwargs(args),
-                                                   updates_per_epoch=len(loader_train))
+                                                   updates_per_epoch=updates_per_epoch)
     if lr_scheduler is not None and start_epoch > 0:
         lr_scheduler.step(start_epoch)
 
@@ -474,10 +481,13 @@ def main(argv=None):
 
     best_metric, best_epoch = (saver.best_metric, saver.best_epoch) if saver is not None else (None, None)
     for epoch in range(start_epoch, num_epochs):
-        loader_train.sampler.set_epoch(epoch, task.progress["batch"] * args.batch_size)
+        start_batch = task.progress["batch"]
+        loader_train.sampler.set_epoch(epoch, start_batch * args.batch_size)
+        if lr_scheduler is not None:  # per-update schedules only; per-epoch ones were stepped at the epoch's end
+            lr_scheduler.step_update(num_updates=epoch * updates_per_epoch + start_batch)
         lr = optimizer.param_groups[0]["lr"]
-        train_metrics = train_one_epoch(epoch, task, loader_train, optimizer, loss_scaler, amp_autocast, saver, args,
-                                        device, num_epochs)
+        train_metrics = train_one_epoch(epoch, task, loader_train, optimizer, lr_scheduler, loss_scaler, amp_autocast,
+                                        saver, args, device, num_epochs)
         eval_metrics = None
         if loader_eval is not None:
             if args.distributed and args.dist_bn in ("broadcast", "reduce"):
