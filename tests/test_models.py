@@ -144,12 +144,20 @@ def test_variant_keywords():
 
 
 @pytest.mark.parametrize("name", ALL)
-def test_pretrained_cfg_describes_the_model(name):
-    model = timm.create_model(name)
+def test_builds_with_timm_train_py_arguments_and_describes_itself(name):
+    # timm's train.py calls create_model with these; the None values are dropped by timm.
+    model = timm.create_model(name, pretrained=False, in_chans=None, num_classes=None, drop_rate=0.1,
+                              drop_path_rate=None, drop_block_rate=None, global_pool=None, bn_momentum=0.01,
+                              bn_eps=1e-3, scriptable=False, checkpoint_path="")
+    norms = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+    assert norms and all(m.momentum == 0.01 and m.eps == 1e-3 for m in norms)
+    assert model.drop_rate == 0.1
+
     cfg = model.pretrained_cfg
     for key in ("input_size", "mean", "std", "num_classes", "first_conv", "classifier", "license", "paper_ids",
                 "interpolation", "crop_pct", "pool_size"):
         assert cfg.get(key) is not None, key
+    assert cfg["tag"] == ("mnist" if name.startswith("scnn") else "nwpu")
     assert cfg["paper_ids"] == "arXiv:2305.14462" and "hf_hub_id" not in cfg
     assert cfg["pool_size"] == (cfg["input_size"][1] // model.feature_info[-1]["reduction"],) * 2
     first_conv = model.get_submodule(cfg["first_conv"])
@@ -160,22 +168,10 @@ def test_pretrained_cfg_describes_the_model(name):
 
 
 @pytest.mark.parametrize("name", RI + RI_BASELINES)
-def test_data_set_tags_set_channels_and_classes(name):
+def test_outex_tag_sets_channels_and_classes(name):
     outex = timm.create_model(f"{name}.outex")
     assert (outex.in_chans, outex.num_classes) == (1, 24) and outex.pretrained_cfg["mean"] == (0.5,)
-    nwpu = timm.create_model(name)
-    assert (nwpu.in_chans, nwpu.num_classes, nwpu.pretrained_cfg["tag"]) == (3, 45, "nwpu")
-
-
-@pytest.mark.parametrize("name", ALL)
-def test_accepts_the_arguments_timm_train_py_passes(name):
-    # timm's train.py calls create_model with these; None values are dropped by timm.
-    model = timm.create_model(name, pretrained=False, in_chans=None, num_classes=None, drop_rate=0.1,
-                              drop_path_rate=None, drop_block_rate=None, global_pool=None, bn_momentum=0.01,
-                              bn_eps=1e-3, scriptable=False, checkpoint_path="")
-    norms = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
-    assert norms and all(m.momentum == 0.01 and m.eps == 1e-3 for m in norms)
-    assert model.drop_rate == 0.1
+    assert outex.get_submodule(outex.pretrained_cfg["first_conv"]).in_channels == 1
 
 
 def test_stochastic_depth_and_drop_block_in_ri_resnet18():
