@@ -731,15 +731,32 @@ struct Shape {
   int64_t out_per_group() const { return out_channels / groups; }
 };
 
+// A thread is only worth starting for this many multiply-adds or more: tiny calls (tests, small
+// layers) run inline, away from OpenMP's start-up and spin costs.
+constexpr int64_t kMinWorkPerThread = int64_t(1) << 20;
+
+int64_t thread_count(int64_t items, int64_t multiply_adds) {
+  return std::max<int64_t>(1, std::min<int64_t>({static_cast<int64_t>(at::get_num_threads()), items,
+                                                  multiply_adds / kMinWorkPerThread}));
+}
+
 // Splits `items` into one contiguous range per thread; `fn(thread, first, last)`.
 template <typename F>
-void for_each_thread(int64_t items, const F& fn) {
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+void for_each_thread(int64_t items, int64_t threads, const F& fn) {
+  threads = std::max<int64_t>(1, std::min(threads, items));
+  if (threads == 1) {
+    fn(0, 0, items);
+    return;
+  }
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       fn(t, items * t / threads, items * (t + 1) / threads);
     }
   });
+}
+
+int64_t multiply_adds(const Shape& shape, int64_t positions, int64_t slots) {
+  return shape.batch * positions * shape.channels * slots * shape.out_per_group();
 }
 
 template <typename scalar_t, bool kUnitStride>
@@ -751,7 +768,8 @@ void forward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scalar
   const int64_t cg = shape.in_per_group(), og = shape.out_per_group();
   const int64_t panel_channels = std::max<int64_t>(1, std::min(cg, kPanelSlots / slots));
   const int64_t blocks = plan.blocks();
-  for_each_thread(shape.batch * blocks, [&](int64_t, int64_t first, int64_t last) {
+  const int64_t threads = thread_count(shape.batch * blocks, multiply_adds(shape, positions, slots));
+  for_each_thread(shape.batch * blocks, threads, [&](int64_t, int64_t first, int64_t last) {
     // stage_windows may write a vector past its last row.
     std::vector<scalar_t> panel(panel_channels * slots * lanes + half), grid(slots * lanes + half);
     std::vector<scalar_t> tile(shape.out_channels * lanes);
@@ -806,7 +824,8 @@ template <typename scalar_t, bool kUnitStride>
 void backward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scalar_t* input,
                      const scalar_t* grad_output, const scalar_t* weight_by_output, scalar_t* grad_input,
                      std::vector<std::vector<scalar_t>>& grad_input_parts,
-                     std::vector<std::vector<scalar_t>>& grad_weight_parts, int64_t outputs_padded) {
+                     std::vector<std::vector<scalar_t>>& grad_weight_parts, int64_t outputs_padded,
+                     int64_t threads) {
   using vec = typename Simd<scalar_t>::vec;
   constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
   const int64_t slots = plan.slots, positions = plan.out_h * plan.out_w, plane = plan.in_h * plan.in_w;
@@ -817,7 +836,8 @@ void backward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scala
   // A thread owns whole images (so its input-gradient scatter races with nobody) unless there are
   // fewer images than threads; then the blocks are shared out and each thread has a private copy.
   const int64_t blocks_per_item = need_input && grad_input_parts.empty() ? blocks : 1;
-  for_each_thread(shape.batch * blocks / blocks_per_item, [&](int64_t thread, int64_t first_item, int64_t last_item) {
+  const int64_t items = shape.batch * blocks / blocks_per_item;
+  for_each_thread(items, threads, [&](int64_t thread, int64_t first_item, int64_t last_item) {
     std::vector<scalar_t> grad_tile(shape.out_channels * lanes), grad_tile_t(shape.groups * lanes * outputs_padded);
     std::vector<scalar_t> value(slots * lanes + half), grid(slots * lanes + half), grad_samples(slots * lanes),
         grad_grid(slots * lanes);
@@ -874,7 +894,8 @@ std::vector<at::Tensor> backward_impl(const at::Tensor& grad_output, const at::T
   constexpr int64_t half = kVecLanes<scalar_t>;
   const int64_t slots = plan.slots, og = shape.out_per_group(), cg = shape.in_per_group();
   const int64_t outputs_padded = (og + half - 1) / half * half;
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), shape.batch * plan.blocks()));
+  const int64_t threads = thread_count(shape.batch * plan.blocks(),
+                                       2 * multiply_adds(shape, plan.out_h * plan.out_w, slots));
   const bool private_grad_input = need_input_grad && shape.batch < threads;
   at::Tensor grad_input = need_input_grad ? at::zeros_like(input) : at::Tensor();
   at::Tensor grad_weight;
@@ -896,10 +917,10 @@ std::vector<at::Tensor> backward_impl(const at::Tensor& grad_output, const at::T
   scalar_t* grad_in = need_input_grad && !private_grad_input ? grad_input.data_ptr<scalar_t>() : nullptr;
   if (plan.stride_w == 1) {
     backward_kernel<scalar_t, true>(plan, shape, in, grad_out, w, grad_in, grad_input_parts, grad_weight_parts,
-                                    outputs_padded);
+                                    outputs_padded, threads);
   } else {
     backward_kernel<scalar_t, false>(plan, shape, in, grad_out, w, grad_in, grad_input_parts, grad_weight_parts,
-                                     outputs_padded);
+                                     outputs_padded, threads);
   }
   if (private_grad_input) {
     scalar_t* dst = grad_input.data_ptr<scalar_t>();

@@ -1,0 +1,266 @@
+"""The fused CPU backend (``backend="cpu"``) against the specification, the reference path.
+
+Forward values and all three gradients must agree with ``backend="reference"`` to float tolerance for
+every variant, kernel size, stride, dilation, groups and padding mode; ``backend="auto"`` must take the
+fast path exactly where it is supported and fall back otherwise; backward must keep nothing but the
+padded input and the weight; a NaN must stay local. The first test to run builds the extension (about
+half a minute, once per machine: it is cached across processes); if it cannot be built the module is
+skipped with the build's reason.
+"""
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from timm_sortconv import SortConv2d, sort_conv2d
+from timm_sortconv.ops import cpu_backend
+from timm_sortconv.ops.backends import resolve_backend
+from timm_sortconv.ops.functional import resolve_padding
+from timm_sortconv.ops.geometry import get_geometry
+from timm_sortconv.ops.reference import sorted_patches
+
+VARIANTS = [(s, o) for s in ("square", "polar") for o in ("ring", "global")]
+VARIANT_IDS = [f"{s}-{o}" for s, o in VARIANTS]
+# (stride, dilation, groups, padding_mode): every value of each appears with several of the others.
+CONFIGS = [
+    (1, 1, 1, "zeros"),
+    (2, 1, 2, "reflect"),
+    (1, 2, 2, "replicate"),
+    (2, 2, 1, "circular"),
+    (1, 1, 2, "circular"),
+    (2, 2, 2, "zeros"),
+]
+TOLERANCE = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.float64: dict(rtol=1e-10, atol=1e-10)}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def extension():
+    if cpu_backend._disabled():
+        pytest.skip(f"{cpu_backend.DISABLE_ENV} is set")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ext = cpu_backend.load_extension()
+    if ext is None:
+        reasons = "; ".join(str(w.message) for w in caught) or "unknown reason"
+        pytest.skip(f"the fused CPU extension could not be built here: {reasons}")
+    return ext
+
+
+@pytest.fixture
+def threads():
+    """Sets the intra-op thread count for one test and restores it."""
+    saved = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(saved)
+
+
+def randn(*shape, seed=0, dtype=torch.float64):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def forward_and_gradients(backend, x, weight, bias, **kwargs):
+    """Output and (input, weight, bias) gradients for a fixed random output gradient."""
+    x, weight, bias = (t.detach().clone().requires_grad_() for t in (x, weight, bias))
+    out = sort_conv2d(x, weight, bias, backend=backend, **kwargs)
+    grad_out = randn(*out.shape, seed=99, dtype=out.dtype)
+    return (out, *torch.autograd.grad(out, (x, weight, bias), grad_out))
+
+
+def near_tie_inputs(x, k, sampling="polar", sorting="ring", stride=1, padding=0, dilation=1, groups=1,
+                    padding_mode="zeros"):
+    """Input pixels read by a window holding two different samples closer than float32 can order
+    reliably (relative gap < 1e-6, computed in float64).
+
+    The input gradient jumps where two samples swap places, so two float32 implementations that
+    round differently may rightly disagree there (by a weight difference); the output and the weight
+    gradient do not jump. Exact ties are left in: their order does not matter, because tied samples
+    either lie in the zero padding or read the same pixels through reflect/replicate/circular padding.
+    """
+    x64 = x.detach().double().requires_grad_()
+    pad = resolve_padding(padding, k, (stride, stride), (dilation, dilation))
+    padded = F.pad(x64, pad, mode="constant" if padding_mode == "zeros" else padding_mode)
+    hp, wp = padded.shape[2:]
+    out_size = ((hp - dilation * (k - 1) - 1) // stride + 1, (wp - dilation * (k - 1) - 1) // stride + 1)
+    geometry = get_geometry(k, sampling, sorting)
+    values = sorted_patches(padded.detach(), geometry, (stride, stride), (dilation, dilation), out_size)
+    near = torch.zeros(values.shape[:4], dtype=torch.bool)
+    for start, end in geometry.segments:
+        gaps = values[..., start + 1:end] - values[..., start:end - 1]
+        scale = 1 + values[..., start + 1:end].abs()
+        near |= ((gaps > 1e-12 * scale) & (gaps < 1e-6 * scale)).any(-1)
+    channels = x.shape[1]
+    footprint = F.conv_transpose2d(near.double(), torch.ones(channels, 1, k, k, dtype=torch.float64), stride=stride,
+                                   dilation=dilation, groups=channels)
+    footprint = F.pad(footprint, (0, wp - footprint.shape[3], 0, hp - footprint.shape[2]))
+    return torch.autograd.grad(padded, x64, footprint)[0] != 0
+
+
+def assert_agree(x, weight, bias, min_comparable=0.7, **kwargs):
+    fast = forward_and_gradients("cpu", x, weight, bias, **kwargs)
+    reference = forward_and_gradients("reference", x, weight, bias, **kwargs)
+    # float64 has no near ties at these sizes: everything must agree there.
+    comparable = torch.ones_like(x, dtype=torch.bool)
+    if x.dtype == torch.float32:
+        comparable = ~near_tie_inputs(x, weight.shape[-1], **kwargs)
+        assert comparable.double().mean() > min_comparable, "too few pixels away from near ties to compare"
+    for name, a, b in zip(("output", "grad input", "grad weight", "grad bias"), fast, reference):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        if name == "grad input":
+            a, b = a[comparable], b[comparable]
+        torch.testing.assert_close(a, b, **TOLERANCE[x.dtype], msg=lambda m: f"{name} ({kwargs}): {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("k", [1, 3, 5, 7])
+@pytest.mark.parametrize("sampling,sorting", VARIANTS, ids=VARIANT_IDS)
+def test_agrees_with_reference(sampling, sorting, k, dtype, threads):
+    threads(1)
+    for index, (stride, dilation, groups, padding_mode) in enumerate(CONFIGS):
+        # 9 x 37: output rows longer than one block of lanes and shorter ones, with partial blocks.
+        x = randn(2, 4, 9, 37, seed=index, dtype=dtype)
+        weight = randn(6, 4 // groups, k, k, seed=10 + index, dtype=dtype)
+        bias = randn(6, seed=20 + index, dtype=dtype)
+        padding = min(k // 2 * dilation, 8)  # reflect needs padding < size
+        assert_agree(x, weight, bias, stride=stride, padding=padding, dilation=dilation, groups=groups,
+                     padding_mode=padding_mode, sampling=sampling, sorting=sorting)
+
+
+@pytest.mark.parametrize("k", [9, 11])
+@pytest.mark.parametrize("sampling,sorting", VARIANTS, ids=VARIANT_IDS)
+def test_agrees_with_reference_large_kernels(sampling, sorting, k, threads):
+    """k = 9's ring has an unrolled network of 32; its window (81) and everything of k = 11 run the
+    comparators from memory."""
+    threads(1)
+    for dtype in (torch.float32, torch.float64):
+        x, weight, bias = randn(1, 2, 14, 12, dtype=dtype), randn(3, 2, k, k, seed=1, dtype=dtype), randn(3, dtype=dtype)
+        # 81 or 121 samples per window: near ties in float32 are common, so fewer pixels are comparable.
+        assert_agree(x, weight, bias, min_comparable=0.3, padding=k // 2, sampling=sampling, sorting=sorting)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_agrees_with_reference_on_two_threads(batch, threads):
+    """Two threads: with fewer images than threads they share blocks and keep private input gradients;
+    otherwise each owns whole images. The shape is large enough to be split."""
+    threads(2)
+    x, weight, bias = randn(batch, 8, 24, 40, dtype=torch.float32), randn(16, 8, 5, 5, seed=1, dtype=torch.float32), \
+        randn(16, dtype=torch.float32)
+    assert_agree(x, weight, bias, padding=2, sampling="polar", sorting="ring")
+
+
+def test_padding_same_and_no_bias(threads):
+    threads(1)
+    x, weight = randn(2, 3, 10, 10), randn(5, 3, 5, 5, seed=1)
+    fast = sort_conv2d(x, weight, None, padding="same", backend="cpu")
+    torch.testing.assert_close(fast, sort_conv2d(x, weight, None, padding="same", backend="reference"))
+
+
+def test_gradcheck(threads):
+    threads(1)
+    for sampling, sorting in (("polar", "ring"), ("square", "global")):
+        x = randn(2, 4, 7, 6).requires_grad_()
+        weight = randn(4, 2, 3, 3, seed=1).requires_grad_()
+        bias = randn(4, seed=2).requires_grad_()
+
+        def op(x, weight, bias):
+            return sort_conv2d(x, weight, bias, stride=2, padding=1, groups=2, padding_mode="reflect",
+                               sampling=sampling, sorting=sorting, backend="cpu")
+
+        assert torch.autograd.gradcheck(op, (x, weight, bias))
+
+
+def test_auto_picks_cpu_where_supported_and_falls_back_elsewhere(monkeypatch):
+    geometry = get_geometry(3, "polar", "ring")
+    x, weight = torch.randn(1, 2, 8, 8), torch.randn(2, 2, 3, 3)
+    assert resolve_backend("auto", x, weight, None, geometry, (1, 1), (1, 1), 1).name == "cpu"
+    assert resolve_backend("auto", x.double(), weight.double(), None, geometry, (1, 1), (1, 1), 1).name == "cpu"
+    bf16 = (x.bfloat16(), weight.bfloat16(), None, geometry, (1, 1), (1, 1), 1)
+    assert resolve_backend("auto", *bf16).name == "reference"
+    big = get_geometry(17, "polar", "ring")
+    assert resolve_backend("auto", torch.randn(1, 2, 20, 20), torch.randn(2, 2, 17, 17), None, big, (1, 1), (1, 1),
+                           1).name == "reference"
+    mixed = (x, weight.double(), None, geometry, (1, 1), (1, 1), 1)
+    assert resolve_backend("auto", *mixed).name == "reference"
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert resolve_backend("auto", x, weight, None, geometry, (1, 1), (1, 1), 1).name == "reference"
+    with pytest.raises(RuntimeError, match="does not support"):
+        resolve_backend("cpu", *bf16)
+    monkeypatch.setenv(cpu_backend.DISABLE_ENV, "1")
+    assert resolve_backend("auto", x, weight, None, geometry, (1, 1), (1, 1), 1).name == "reference"
+
+
+def test_sortconv2d_auto_matches_reference_and_falls_back_for_bfloat16():
+    conv = SortConv2d(3, 4, 5, padding=2, sorting="global")
+    reference = SortConv2d.from_conv(conv, sampling="polar", sorting="global", backend="reference")
+    x = torch.randn(2, 3, 12, 12)
+    torch.testing.assert_close(conv(x), reference(x), rtol=1e-4, atol=1e-4)
+    out = conv.bfloat16()(x.bfloat16())  # k = 5 is supported, bfloat16 is not: reference path
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+
+
+def test_backward_saves_only_the_padded_input_and_the_weight():
+    """No index tensor of any kind and no float tensor beyond the padded input and the weight."""
+    x = torch.randn(2, 4, 16, 16, requires_grad=True)
+    weight = torch.randn(8, 4, 7, 7, requires_grad=True)
+    bias = torch.randn(8, requires_grad=True)
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = sort_conv2d(x, weight, bias, padding=3, backend="cpu")
+    padded_numel = 2 * 4 * 22 * 22
+    assert saved, "backward saves the input and the weight"
+    assert all(t.is_floating_point() for t in saved), [t.dtype for t in saved]
+    assert all(t.numel() <= padded_numel or t is weight for t in saved), [tuple(t.shape) for t in saved]
+    assert sum(t.numel() for t in saved) <= padded_numel + weight.numel()
+    out.sum().backward()
+    assert x.grad is not None and weight.grad is not None and bias.grad is not None
+
+
+@pytest.mark.parametrize("sampling,sorting", VARIANTS, ids=VARIANT_IDS)
+def test_nan_stays_local(sampling, sorting):
+    """A NaN makes NaN at most the outputs whose (dilated) window holds it, and every other output
+    equals the reference's."""
+    k, dilation = 5, 2
+    x = torch.randn(1, 2, 20, 20)
+    x[0, 1, 9, 11] = float("nan")
+    weight = torch.randn(3, 2, k, k)
+    kwargs = dict(padding=k // 2 * dilation, dilation=dilation, sampling=sampling, sorting=sorting)
+    out = sort_conv2d(x, weight, backend="cpu", **kwargs)
+    touched = F.conv2d(torch.isnan(x).double().sum(1, keepdim=True), torch.ones(1, 1, k, k, dtype=torch.float64),
+                       padding=k // 2 * dilation, dilation=dilation) > 0
+    nan = torch.isnan(out)
+    assert nan.any(dim=1, keepdim=True).logical_and(~touched).sum() == 0
+    assert nan[0, :, 9, 11].all(), "the window centred on the NaN samples it at its centre"
+    reference = sort_conv2d(x, weight, backend="reference", **kwargs)
+    torch.testing.assert_close(out[~touched.expand_as(out)], reference[~touched.expand_as(out)], rtol=1e-4, atol=1e-4)
+
+
+def test_cache_name_depends_on_the_cpu_and_the_flags(monkeypatch):
+    name = cpu_backend._extension_name()
+    assert name == cpu_backend._extension_name()
+    monkeypatch.setattr(cpu_backend, "_cpu_signature", lambda: "another CPU")
+    assert cpu_backend._extension_name() != name
+    monkeypatch.undo()
+    monkeypatch.setattr(cpu_backend, "_CFLAGS", cpu_backend._CFLAGS + ["-DSOMETHING"])
+    assert cpu_backend._extension_name() != name
+
+
+def test_failed_build_warns_once_and_auto_uses_the_reference(monkeypatch):
+    """A machine without the tools to build: one warning, then the reference path, silently."""
+    monkeypatch.setattr(cpu_backend, "_extension", None)
+    monkeypatch.setattr(cpu_backend, "_build_failed", False)
+    monkeypatch.setattr(cpu_backend, "_ninja_on_path", lambda: None)
+    with pytest.warns(RuntimeWarning, match="could not be built"):
+        assert cpu_backend.load_extension() is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cpu_backend.load_extension() is None
+        geometry = get_geometry(3, "polar", "ring")
+        x, weight = torch.randn(1, 2, 8, 8), torch.randn(2, 2, 3, 3)
+        assert resolve_backend("auto", x, weight, None, geometry, (1, 1), (1, 1), 1).name == "reference"
+        torch.testing.assert_close(sort_conv2d(x, weight, padding=1),
+                                   sort_conv2d(x, weight, padding=1, backend="reference"))
