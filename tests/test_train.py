@@ -26,6 +26,12 @@ REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "scripts" / "train.py"
 VALIDATE = REPO / "scripts" / "validate.py"
 TINY_SCNN = ["--model", "scnn_p_rs_3", "--model-kwargs", "channels=(4,4,4,4,4,4)"]
+# Resuming must restore the learning rate of either kind of schedule, so the runs use ones that change it
+# (and that do not depend on --epochs, which differs between a stopped run and its resumption).
+SCHEDULES = {
+    "per-update": ["--sched", "step", "--decay-epochs", "0.5", "--decay-rate", "0.5", "--sched-on-updates"],
+    "per-epoch": ["--sched", "step", "--decay-epochs", "1", "--decay-rate", "0.5"],
+}
 
 
 def load_script(path, name):
@@ -57,10 +63,10 @@ def output(tmp_path_factory):
     return tmp_path_factory.mktemp("runs")
 
 
-def train_args(data_dir, output, experiment, epochs):
-    return [str(a) for a in (*TINY_SCNN, "--dataset", "sortconv/mnist", "--data-dir", data_dir, "--train-split",
-                             "trainval", "--val-split", "test", "--epochs", epochs, "-b", 8, "-j", 0, "--seed", 7,
-                             "--log-interval", 4, "--recovery-interval", 3, "--output", output,
+def train_args(data_dir, output, experiment, epochs, schedule="per-update"):
+    return [str(a) for a in (*TINY_SCNN, *SCHEDULES[schedule], "--dataset", "sortconv/mnist", "--data-dir", data_dir,
+                             "--train-split", "trainval", "--val-split", "test", "--epochs", epochs, "-b", 8, "-j", 0,
+                             "--seed", 7, "--log-interval", 4, "--recovery-interval", 3, "--output", output,
                              "--experiment", experiment)]
 
 
@@ -102,14 +108,23 @@ def test_train_writes_summary_args_and_checkpoints(straight_run):
     model.load_state_dict(last["state_dict"])
 
 
-def test_resume_after_an_epoch_matches_the_straight_run(train, straight_run, data_dir, output, caplog):
-    train.main(train_args(data_dir, output, "stopped", 1))
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_resume_after_an_epoch_matches_the_straight_run(train, straight_run, data_dir, output, caplog, schedule):
+    reference = straight_run
+    if schedule != "per-update":
+        train.main(train_args(data_dir, output, f"straight-{schedule}", 2, schedule))
+        reference = output / f"straight-{schedule}"
+    stopped = f"stopped-{schedule}"
+    train.main(train_args(data_dir, output, stopped, 1, schedule))
     with caplog.at_level(logging.INFO):
-        train.main(train_args(data_dir, output, "stopped", 2) + ["--resume", str(output / "stopped")])
+        train.main(train_args(data_dir, output, stopped, 2, schedule) + ["--resume", str(output / stopped)])
     assert "training epochs 1..1" in caplog.text
     # timm-style progress lines with throughput and time left.
     assert "Train: 1 [  12/12 (100%)]" in caplog.text and "/s" in caplog.text and "ETA: epoch" in caplog.text
-    assert_same_training(output / "stopped", straight_run)
+    assert_same_training(output / stopped, reference)
+    with open(output / stopped / "summary.csv") as f:
+        rates = [float(row["lr"]) for row in csv.DictReader(f)]
+    assert rates[1] < rates[0]
 
 
 def test_killed_mid_epoch_resumes_to_the_same_result(train, straight_run, data_dir, output, caplog):
