@@ -1,0 +1,364 @@
+#!/usr/bin/env python3
+"""Benchmark Sorting Convolution on CPU: the fused backend against the reference path and ``nn.Conv2d``.
+
+For every layer shape and SC variant it prints, in milliseconds, the time of ``F.conv2d``, of
+``sort_conv2d(backend="reference")`` and of the fast backend (``backend="cpu"``), forward alone (under
+``torch.no_grad``) and forward + backward (gradients of input, weight and bias), the fast/conv ratios,
+and the memory each path keeps for backward. Optionally it also measures whole-model training
+throughput (``scnn_p_rs_7`` against ``scnn_baseline_7``) and an E(2)-CNN peer on the same task.
+
+What is measured:
+- Times: the median of ``--repeats`` runs after one warm-up run; the paths of one row take turns in
+  every repeat, so a busy machine slows them alike.
+- Memory: the bytes of the distinct tensors autograd saves for backward during the forward pass
+  (``torch.autograd.graph.saved_tensors_hooks``): the memory a training step holds per layer between
+  forward and backward. Parameters count too (the weight is saved by every path).
+
+Examples:
+    python scripts/bench_sortconv.py                           # the issue's four shapes, all variants
+    python scripts/bench_sortconv.py --shapes scnn_p_rs_7 --variants polar-ring --skip-reference
+    python scripts/bench_sortconv.py --shapes none --throughput --e2cnn
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import dataclass, replace
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import timm
+import timm_sortconv
+from timm_sortconv import SortConv2d, sort_conv2d
+from timm_sortconv.ops import cpu_backend
+
+VARIANTS = ("polar-ring", "polar-global", "square-ring", "square-global")
+MODELS = {"scnn_p_rs_7": 100, "ri_resnet18": 10, "ri_densenet40": 10}  # the paper's batch sizes
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    batch: int
+    in_channels: int
+    out_channels: int
+    height: int
+    width: int
+    kernel_size: int
+    stride: int = 1
+    padding: int = -1  # -1: kernel_size // 2
+    dilation: int = 1
+    groups: int = 1
+    count: int = 1  # how often the layer occurs in its model
+
+    @property
+    def pad(self) -> int:
+        return self.kernel_size // 2 if self.padding < 0 else self.padding
+
+    def label(self) -> str:
+        extra = "".join(f", {name} {value}" for name, value, default in (
+            ("stride", self.stride, 1), ("dilation", self.dilation, 1), ("groups", self.groups, 1)) if value != default)
+        times = f" (x{self.count})" if self.count > 1 else ""
+        return (f"B={self.batch}, C_in={self.in_channels}, C_out={self.out_channels}, "
+                f"{self.height}x{self.width}, k={self.kernel_size}{extra}{times}")
+
+
+ISSUE_SHAPES = [
+    LayerShape(100, 32, 32, 28, 28, 7),
+    LayerShape(100, 32, 64, 14, 14, 7),
+    LayerShape(10, 64, 64, 64, 64, 3),
+    LayerShape(10, 64, 64, 64, 64, 7),
+]
+
+
+def model_layer_shapes(name: str, batch: int) -> Tuple[List[LayerShape], str]:
+    """The distinct ``SortConv2d`` layers of a model at its default input size, with their counts,
+    and the model's variant."""
+    model = timm.create_model(name)
+    input_size = model.pretrained_cfg["input_size"]
+    found: Dict[LayerShape, int] = {}
+    variants = set()
+
+    def hook(module, inputs, output):
+        x = inputs[0]
+        shape = LayerShape(batch, module.in_channels, module.out_channels, x.shape[2], x.shape[3],
+                           module.kernel_size[0], module.stride[0], module.padding[0], module.dilation[0],
+                           module.groups)
+        found[shape] = found.get(shape, 0) + 1
+        variants.add(f"{module.sampling}-{module.sorting}")
+
+    handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, SortConv2d)]
+    with torch.no_grad():
+        model.eval()(torch.zeros(1, *input_size))
+    for handle in handles:
+        handle.remove()
+    return [replace(shape, count=count) for shape, count in found.items()], "/".join(sorted(variants))
+
+
+def median_times(fns: Dict[str, Callable[[], object]], repeats: int) -> Dict[str, float]:
+    """Median seconds of each function; one warm-up call each, then the functions take turns."""
+    for fn in fns.values():
+        fn()
+    samples: Dict[str, List[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def saved_bytes(fn: Callable[[], torch.Tensor]) -> int:
+    """Bytes of the distinct storages autograd saves for backward while ``fn`` runs."""
+    storages = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        fn()
+    return sum(storages.values())
+
+
+def layer_calls(shape: LayerShape, variant: Optional[str], backend: str):
+    """(forward, forward+backward, forward-with-grad) closures for conv (variant None) or SC."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(shape.batch, shape.in_channels, shape.height, shape.width, generator=generator)
+    weight = torch.randn(shape.out_channels, shape.in_channels // shape.groups, shape.kernel_size, shape.kernel_size,
+                         generator=generator) * 0.1
+    bias = torch.randn(shape.out_channels, generator=generator)
+    x_grad, weight_grad, bias_grad = (t.clone().requires_grad_() for t in (x, weight, bias))
+    kwargs = dict(stride=shape.stride, padding=shape.pad, dilation=shape.dilation, groups=shape.groups)
+    if variant is None:
+        def op(*args):
+            return F.conv2d(*args, **kwargs)
+    else:
+        sampling, sorting = variant.split("-")
+
+        def op(*args):
+            return sort_conv2d(*args, sampling=sampling, sorting=sorting, backend=backend, **kwargs)
+
+    def forward():
+        with torch.no_grad():
+            return op(x, weight, bias)
+
+    def forward_with_grad():
+        return op(x_grad, weight_grad, bias_grad)
+
+    def forward_backward():
+        x_grad.grad = weight_grad.grad = bias_grad.grad = None
+        out = forward_with_grad()
+        out.backward(torch.ones_like(out))
+
+    return forward, forward_backward, forward_with_grad
+
+
+def bench_layer(shape: LayerShape, variants: Sequence[str], repeats: int, reference: bool) -> List[dict]:
+    conv_f, conv_fb, conv_saved = layer_calls(shape, None, "")
+    rows = []
+    for variant in variants:
+        fns = {"conv_f": conv_f, "conv_fb": conv_fb}
+        fast_f, fast_fb, fast_saved = layer_calls(shape, variant, "cpu")
+        fns.update(fast_f=fast_f, fast_fb=fast_fb)
+        if reference:
+            ref_f, ref_fb, ref_saved = layer_calls(shape, variant, "reference")
+            fns.update(ref_f=ref_f, ref_fb=ref_fb)
+        times = median_times(fns, repeats)
+        row = dict(variant=variant, **times, conv_mb=saved_bytes(conv_saved) / 2**20,
+                   fast_mb=saved_bytes(fast_saved) / 2**20)
+        if reference:
+            row["ref_mb"] = saved_bytes(ref_saved) / 2**20
+        rows.append(row)
+    return rows
+
+
+def ms(seconds: Optional[float]) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+def print_layer_table(shape: LayerShape, rows: List[dict], reference: bool) -> None:
+    print(f"\n#### {shape.label()}\n")
+    header = ["variant", "conv fwd", "conv f+b"]
+    if reference:
+        header += ["ref fwd", "ref f+b"]
+    header += ["fast fwd", "fast f+b", "fast/conv fwd", "fast/conv f+b"]
+    if reference:
+        header += ["ref/fast f+b"]
+    header += ["saved MB conv", "saved MB fast"] + (["saved MB ref"] if reference else [])
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for row in rows:
+        cells = [row["variant"], ms(row["conv_f"]), ms(row["conv_fb"])]
+        if reference:
+            cells += [ms(row["ref_f"]), ms(row["ref_fb"])]
+        cells += [ms(row["fast_f"]), ms(row["fast_fb"]), f"{row['fast_f'] / row['conv_f']:.2f}x",
+                  f"{row['fast_fb'] / row['conv_fb']:.2f}x"]
+        if reference:
+            cells += [f"{row['ref_fb'] / row['fast_fb']:.1f}x"]
+        cells += [f"{row['conv_mb']:.1f}", f"{row['fast_mb']:.1f}"] + ([f"{row['ref_mb']:.1f}"] if reference else [])
+        print("| " + " | ".join(cells) + " |")
+
+
+def print_model_total(name: str, shapes: List[LayerShape], results: Dict[LayerShape, List[dict]]) -> None:
+    """Layer times weighted by how often each layer occurs: the SC layers of one training step."""
+    print(f"\n#### {name}: all its SortConv2d layers (times weighted by occurrence)\n")
+    print("| variant | conv fwd | conv f+b | fast fwd | fast f+b | fast/conv fwd | fast/conv f+b |")
+    print("|---|---|---|---|---|---|---|")
+    for index, variant in enumerate(row["variant"] for row in results[shapes[0]]):
+        total = {key: sum(results[s][index][key] * s.count for s in shapes)
+                 for key in ("conv_f", "conv_fb", "fast_f", "fast_fb")}
+        print(f"| {variant} | {ms(total['conv_f'])} | {ms(total['conv_fb'])} | {ms(total['fast_f'])} | "
+              f"{ms(total['fast_fb'])} | {total['fast_f'] / total['conv_f']:.2f}x | "
+              f"{total['fast_fb'] / total['conv_fb']:.2f}x |")
+
+
+def training_throughput(model: nn.Module, batch: int, input_size: Sequence[int], steps: int,
+                        num_classes: int = 10) -> float:
+    """Images per second of Adam training steps (forward, cross-entropy, backward, step); median step."""
+    generator = torch.Generator().manual_seed(0)
+    images = torch.randn(batch, *input_size, generator=generator)
+    labels = torch.randint(0, num_classes, (batch,), generator=generator)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    model.train()
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(model(images), labels).backward()
+        optimizer.step()
+
+    seconds = median_times({"step": step}, steps)["step"]
+    return batch / seconds
+
+
+def set_backend(model: nn.Module, backend: str) -> nn.Module:
+    for module in model.modules():
+        if isinstance(module, SortConv2d):
+            module.backend = backend
+    return model
+
+
+def e2cnn_mnist_model():
+    """An E(2)-CNN (C8 regular fields) shaped like SCNN: six equivariant convolutions with 4, 4, 8, 8, 16,
+    16 regular fields (32 ... 128 channels, SCNN's widths), kernels 7, 7, 7, 7, 3, 3 with padding k // 2,
+    batch norm and ReLU, 2x2 max pooling after the 2nd and 4th, group pooling, global average pooling
+    and one linear layer: the same feature-map sizes as scnn_*_7, equivariance built into the filters."""
+    from e2cnn import gspaces
+    from e2cnn import nn as enn
+
+    space = gspaces.Rot2dOnR2(N=8)
+    fields = enn.FieldType(space, [space.trivial_repr])
+    layers = []
+    for index, (count, k) in enumerate(zip((4, 4, 8, 8, 16, 16), (7, 7, 7, 7, 3, 3))):
+        out_type = enn.FieldType(space, count * [space.regular_repr])
+        layers += [enn.R2Conv(fields, out_type, kernel_size=k, padding=k // 2, bias=False),
+                   enn.InnerBatchNorm(out_type), enn.ReLU(out_type, inplace=True)]
+        if index in (1, 3):
+            layers.append(enn.PointwiseMaxPool(out_type, 2))
+        fields = out_type
+    layers.append(enn.GroupPooling(fields))
+
+    class E2MNIST(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.input_type = enn.FieldType(space, [space.trivial_repr])
+            self.features = enn.SequentialModule(*layers)
+            self.fc = nn.Linear(16, 10)
+
+        def forward(self, x):
+            x = self.features(enn.GeometricTensor(x, self.input_type)).tensor
+            return self.fc(x.mean((2, 3)))
+
+    return E2MNIST()
+
+
+def print_throughput(steps: int, batch: int, e2cnn: bool, reference: bool) -> None:
+    print(f"\n### Whole-model training throughput (MNIST 1x28x28, batch {batch}, Adam, median of {steps} steps)\n")
+    print("| model | parameters | images/s | time per step (ms) |")
+    print("|---|---|---|---|")
+    entries: List[Tuple[str, Callable[[], nn.Module]]] = [
+        ("scnn_baseline_7 (nn.Conv2d)", lambda: timm.create_model("scnn_baseline_7")),
+        ("scnn_p_rs_7, fast CPU backend", lambda: set_backend(timm.create_model("scnn_p_rs_7"), "cpu")),
+    ]
+    if reference:
+        entries.append(("scnn_p_rs_7, reference path",
+                        lambda: set_backend(timm.create_model("scnn_p_rs_7"), "reference")))
+    if e2cnn:
+        entries.append(("E(2)-CNN C8 regular, SCNN-shaped (e2cnn)", e2cnn_mnist_model))
+    for name, build in entries:
+        try:
+            model = build()
+        except ImportError as error:
+            print(f"| {name} | - | not run: {error} | - |")
+            continue
+        parameters = sum(p.numel() for p in model.parameters())
+        images_per_second = training_throughput(model, batch, (1, 28, 28), steps)
+        print(f"| {name} | {parameters:,} | {images_per_second:.0f} | {batch / images_per_second * 1e3:.0f} |")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--shapes", default="issue",
+                        help="comma-separated: 'issue' (the four shapes of the performance issue), model names "
+                             f"({', '.join(MODELS)}: their SortConv2d layers at the model's input size), or 'none'")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help="comma-separated SC variants (sampling-sorting); model layer tables use the model's "
+                             "own variant unless this is given explicitly")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (median reported)")
+    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    parser.add_argument("--skip-reference", action="store_true", help="do not time the (slow) reference path")
+    parser.add_argument("--batch", type=int, default=None, help="batch size for model layers (default: the paper's)")
+    parser.add_argument("--throughput", action="store_true",
+                        help="whole-model training throughput of scnn_p_rs_7 vs scnn_baseline_7")
+    parser.add_argument("--e2cnn", action="store_true", help="add an E(2)-CNN model to the throughput table")
+    parser.add_argument("--steps", type=int, default=5, help="timed training steps for throughput")
+    args = parser.parse_args(argv)
+    for variant in args.variants.split(","):
+        if variant not in VARIANTS:
+            parser.error(f"unknown variant {variant!r}; accepted: {', '.join(VARIANTS)}")
+    for name in args.shapes.split(","):
+        if name not in ("issue", "none") and name not in MODELS:
+            parser.error(f"unknown shape set {name!r}; accepted: issue, none, {', '.join(MODELS)}")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    variant_given = any(a.startswith("--variants") for a in (argv if argv is not None else sys.argv[1:]))
+    variants = args.variants.split(",")
+    start = time.perf_counter()
+    if cpu_backend.load_extension() is None:
+        sys.exit("the fused CPU backend could not be built; nothing to benchmark")
+    print(f"torch {torch.__version__}, timm {timm.__version__}, timm_sortconv {timm_sortconv.__version__}, "
+          f"threads {torch.get_num_threads()}, extension ready in {time.perf_counter() - start:.1f} s")
+    reference = not args.skip_reference
+    for name in args.shapes.split(","):
+        if name == "none":
+            continue
+        if name == "issue":
+            print(f"\n### The performance issue's shapes (padding k // 2, float32, median of {args.repeats})")
+            for shape in ISSUE_SHAPES:
+                print_layer_table(shape, bench_layer(shape, variants, args.repeats, reference), reference)
+            continue
+        shapes, model_variant = model_layer_shapes(name, args.batch or MODELS[name])
+        layer_variants = variants if variant_given else model_variant.split("/")
+        print(f"\n### {name}: its SortConv2d layers at its input size ({model_variant}, float32, "
+              f"median of {args.repeats})")
+        results = {}
+        for shape in shapes:
+            results[shape] = bench_layer(shape, layer_variants, args.repeats, reference)
+            print_layer_table(shape, results[shape], reference)
+        print_model_total(name, shapes, results)
+    if args.throughput or args.e2cnn:
+        print_throughput(args.steps, 100, args.e2cnn, reference)
+
+
+if __name__ == "__main__":
+    main()
