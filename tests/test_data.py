@@ -401,3 +401,18 @@ def test_data_config_fits_a_model_built_with_other_channels():
     config = resolve_data_config({"in_chans": 1}, model=model)
     assert config["input_size"] == (1, 224, 224) and len(config["mean"]) == len(config["std"]) == 1
     assert config["crop_pct"] == model.pretrained_cfg["crop_pct"]
+
+
+def test_export_writes_the_protocol_as_image_folders_timm_reads(tmp_path):
+    from timm_sortconv.data.export import main as export
+
+    make_outex(tmp_path / "outex", num_classes=3, samples=2)
+    export(["sortconv/outex12", "--data-dir", str(tmp_path / "outex"), "--out", str(tmp_path / "folders"),
+            "--train-split", "train:inca+t184"])
+    ours = {"train": OutexTC12(tmp_path / "outex", "train:inca+t184"), "validation": OutexTC12(tmp_path / "outex", "test")}
+    for split, dataset in ours.items():
+        folder = create_dataset("", str(tmp_path / "folders"), split, input_img_mode="L")  # timm's image folder
+        names = {index: name for name, index in folder.reader.class_to_idx.items()}
+        assert len(folder) == len(dataset)
+        written = {decode(image): names[label] for image, label in folder}
+        assert written == {decode(image): dataset.classes[label] for image, label in dataset}

@@ -19,6 +19,8 @@ anything else               passed to :func:`timm.data.create_dataset` (``ImageF
 
 All of them return ``(image, label)`` with ``PIL`` images, so timm's transforms, ``create_loader``
 and its prefetcher work unchanged, grayscale (``"L"``, one channel) included.
+``python -m timm_sortconv.data.export`` writes a protocol's splits as image folders for timm's own
+``train.py`` (:mod:`.export`).
 """
 from __future__ import annotations
 
