@@ -68,7 +68,8 @@ def main(argv=None):
     timings["rotation sweep"] = run([
         sys.executable, os.path.join(SCRIPTS, "validate.py"), *data, "--split", "test",
         "--model", sc, "--checkpoint", os.path.join(args.output, sc, "model_best.pth.tar"),
-        "--baseline-model", baseline, "--baseline-checkpoint", os.path.join(args.output, baseline, "model_best.pth.tar"),
+        "--baseline-model", baseline,
+        "--baseline-checkpoint", os.path.join(args.output, baseline, "model_best.pth.tar"),
         "--rotations", "0:360:10", "--samples", str(args.samples),
         "--results-csv", os.path.join(args.output, "rotation_sweep.csv"),
         "--plot", os.path.join(args.output, "rotation_sweep.png")])

@@ -42,12 +42,21 @@ from timm.data import create_loader
 from timm.models import create_model, safe_model_name
 from timm.optim import create_optimizer_v2, optimizer_kwargs
 from timm.scheduler import create_scheduler_v2, scheduler_kwargs
-from timm.task import ClassificationTask, evaluation_sample_limit, resume_task_checkpoint
+from timm.task import (
+    ClassificationTask,
+    evaluation_sample_limit,
+    resume_task_checkpoint,
+)
 from timm.utils import load_checkpoint_metadata
 
 import timm_sortconv.models  # noqa: F401  (registers the SC models with timm)
-from timm_sortconv.data import (cap_samples, create_dataset, create_train_loader, is_sortconv_dataset,
-                                resolve_data_config)
+from timm_sortconv.data import (
+    cap_samples,
+    create_dataset,
+    create_train_loader,
+    is_sortconv_dataset,
+    resolve_data_config,
+)
 
 _logger = logging.getLogger("train")
 
@@ -73,7 +82,8 @@ group.add_argument("--val-samples", type=int, default=None, metavar="N",
                    help="validate on a seeded random N-image slice of the validation split")
 
 group = parser.add_argument_group("Model")
-group.add_argument("--model", default="scnn_p_rs_7", type=str, metavar="MODEL", help="model name (default: scnn_p_rs_7)")
+group.add_argument("--model", default="scnn_p_rs_7", type=str, metavar="MODEL",
+                   help="model name (default: scnn_p_rs_7)")
 group.add_argument("--pretrained", action="store_true", default=False, help="start from pretrained weights")
 group.add_argument("--initial-checkpoint", default="", type=str, metavar="PATH", help="initialise from this checkpoint")
 group.add_argument("--resume", default="", type=str, metavar="PATH",
@@ -89,7 +99,8 @@ group.add_argument("--crop-pct", default=None, type=float, metavar="N",
 group.add_argument("--mean", type=float, nargs="+", default=None, metavar="MEAN", help="normalisation mean")
 group.add_argument("--std", type=float, nargs="+", default=None, metavar="STD", help="normalisation std")
 group.add_argument("--interpolation", default="", type=str, metavar="NAME", help="resize interpolation")
-group.add_argument("-b", "--batch-size", type=int, default=100, metavar="N", help="batch size per process (default: 100)")
+group.add_argument("-b", "--batch-size", type=int, default=100, metavar="N",
+                   help="batch size per process (default: 100)")
 group.add_argument("-vb", "--validation-batch-size", type=int, default=None, metavar="N", help="validation batch size")
 group.add_argument("--channels-last", action="store_true", default=False, help="channels_last memory layout")
 group.add_argument("--grad-checkpointing", action="store_true", default=False, help="gradient checkpointing")
@@ -116,7 +127,8 @@ group.add_argument("--sched-on-updates", action="store_true", default=False,
 group.add_argument("--lr", type=float, default=1e-4, metavar="LR", help="learning rate (default: 1e-4)")
 group.add_argument("--epochs", type=int, default=100, metavar="N", help="epochs (default: 100)")
 group.add_argument("--decay-epochs", type=float, default=10, metavar="N", help="step decay interval (default: 10)")
-group.add_argument("--decay-rate", "--dr", type=float, default=0.8, metavar="RATE", help="step decay factor (default: 0.8)")
+group.add_argument("--decay-rate", "--dr", type=float, default=0.8, metavar="RATE",
+                   help="step decay factor (default: 0.8)")
 group.add_argument("--decay-milestones", default=[30, 60], type=int, nargs="+", metavar="MILESTONES",
                    help="epochs of the multistep schedule")
 group.add_argument("--warmup-epochs", type=int, default=0, metavar="N", help="warm-up epochs (default: 0)")
@@ -126,7 +138,8 @@ group.add_argument("--min-lr", type=float, default=0, metavar="LR", help="floor 
 group = parser.add_argument_group("Augmentation and regularisation (off by default, as in the paper)")
 group.add_argument("--no-aug", action="store_true", default=True, help="no training augmentation (default)")
 group.add_argument("--aug", dest="no_aug", action="store_false", help="timm's training augmentation")
-group.add_argument("--scale", type=float, nargs="+", default=[0.08, 1.0], metavar="PCT", help="random-resized-crop scale")
+group.add_argument("--scale", type=float, nargs="+", default=[0.08, 1.0], metavar="PCT",
+                   help="random-resized-crop scale")
 group.add_argument("--ratio", type=float, nargs="+", default=[3. / 4., 4. / 3.], metavar="RATIO",
                    help="random-resized-crop aspect ratio")
 group.add_argument("--hflip", type=float, default=0.5, help="horizontal flip probability (with --aug)")
@@ -251,8 +264,9 @@ def check_channels(dataset, channels: int, name: str) -> None:
     image = dataset[0][0]
     bands = len(image.getbands()) if hasattr(image, "getbands") else None
     if bands is not None and bands != channels:
-        raise SystemExit(f"data set {name or 'image folder'} gives {bands}-channel images but the model takes {channels} "
-                         f"channels: pass --in-chans {bands} (and --mean/--std with {bands} value(s)) or use another model")
+        raise SystemExit(f"data set {name or 'image folder'} gives {bands}-channel images but the model takes "
+                         f"{channels} channels: pass --in-chans {bands} (and --mean/--std with {bands} value(s)) "
+                         "or use another model")
 
 
 def train_one_epoch(epoch, task, loader, optimizer, lr_scheduler, loss_scaler, amp_autocast, saver, args, device,

@@ -31,8 +31,14 @@ from timm.data import create_loader
 from timm.models import create_model
 
 import timm_sortconv.models  # noqa: F401  (registers the SC models with timm)
-from timm_sortconv.data import (RotatedDataset, cap_samples, create_dataset, is_sortconv_dataset, parse_rotations,
-                                resolve_data_config)
+from timm_sortconv.data import (
+    RotatedDataset,
+    cap_samples,
+    create_dataset,
+    is_sortconv_dataset,
+    parse_rotations,
+    resolve_data_config,
+)
 
 _logger = logging.getLogger("validate")
 

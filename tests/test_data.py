@@ -12,9 +12,21 @@ import pytest
 import torch
 from PIL import Image
 
-from timm_sortconv.data import (MNIST, NWPU45, OUTEX_ANGLES, DatasetLayoutError, OutexTC12, ResumableSampler,
-                                RotatedDataset, cap_samples, create_dataset, create_train_loader, parse_rotations,
-                                read_idx, resolve_data_config)
+from timm_sortconv.data import (
+    MNIST,
+    NWPU45,
+    OUTEX_ANGLES,
+    DatasetLayoutError,
+    OutexTC12,
+    ResumableSampler,
+    RotatedDataset,
+    cap_samples,
+    create_dataset,
+    create_train_loader,
+    parse_rotations,
+    read_idx,
+    resolve_data_config,
+)
 
 MNIST_NAMES = {
     "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
@@ -409,7 +421,8 @@ def test_export_writes_the_protocol_as_image_folders_timm_reads(tmp_path):
     make_outex(tmp_path / "outex", num_classes=3, samples=2)
     export(["sortconv/outex12", "--data-dir", str(tmp_path / "outex"), "--out", str(tmp_path / "folders"),
             "--train-split", "train:inca+t184"])
-    ours = {"train": OutexTC12(tmp_path / "outex", "train:inca+t184"), "validation": OutexTC12(tmp_path / "outex", "test")}
+    ours = {"train": OutexTC12(tmp_path / "outex", "train:inca+t184"),
+            "validation": OutexTC12(tmp_path / "outex", "test")}
     for split, dataset in ours.items():
         folder = create_dataset("", str(tmp_path / "folders"), split, input_img_mode="L")  # timm's image folder
         names = {index: name for name, index in folder.reader.class_to_idx.items()}

@@ -19,7 +19,6 @@ import pytest
 import timm
 import torch
 import yaml
-
 from test_data import make_mnist
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,21 +1,17 @@
 """Data sets of the paper and their protocols, behind one ``create_dataset`` that also serves timm's.
 
-Names (``--dataset`` in ``scripts/train.py`` and ``scripts/validate.py``):
+Names (``--dataset`` in ``scripts/train.py`` and ``scripts/validate.py``) and their splits:
 
-==========================  ==================================================================  =========================================
-name                        what                                                                splits
-==========================  ==================================================================  =========================================
-``sortconv/mnist``          MNIST from IDX files (:class:`MNIST`)                               ``train`` (50k), ``validation`` (10k),
-                                                                                                ``trainval`` (60k), ``test`` (10k)
-``sortconv/mnist_rot``      MNIST-rot: a split rotated by 0, 10, ..., 350 degrees               ``test`` (360k) or any MNIST split
-                            (:class:`RotatedDataset`; ``angles=`` to choose others)
-``sortconv/outex12``        Outex_TC_00012 under the paper's protocol (:class:`OutexTC12`)      ``train`` (1440), ``train:inca+t184`` (960),
-                                                                                                ``train:inca`` (480), ``test`` (7680)
-``sortconv/nwpu45``         NWPU-RESISC45, seeded per-class split, 128x128 (:class:`NWPU45`)    ``train`` (400/class), ``train:300``,
-                                                                                                ``train:200``, ``test`` (300/class)
-anything else               passed to :func:`timm.data.create_dataset` (``ImageFolder``,        as timm
-                            ``torch/...``, ``hfds/...``, ...)
-==========================  ==================================================================  =========================================
+- ``sortconv/mnist``: MNIST from its IDX files (:class:`MNIST`); ``train`` (50k), ``validation``
+  (the other 10k of the training set), ``trainval`` (60k), ``test`` (10k).
+- ``sortconv/mnist_rot``: MNIST-rot, a split (``test`` by default, 360k items) rotated by 0, 10, ...,
+  350 degrees (:class:`RotatedDataset`; ``angles=`` for other angles).
+- ``sortconv/outex12``: Outex_TC_00012 under the paper's protocol (:class:`OutexTC12`); ``train``
+  (1440), ``train:inca+t184`` (960), ``train:inca`` (480), ``test`` (7680).
+- ``sortconv/nwpu45``: NWPU-RESISC45, seeded per-class split, 128x128 (:class:`NWPU45`); ``train``
+  (400 per class), ``train:300``, ``train:200``, ``test`` (300 per class).
+- anything else: passed to :func:`timm.data.create_dataset` (an image folder, ``torch/...``,
+  ``hfds/...``, ...) with timm's splits.
 
 All of them return ``(image, label)`` with ``PIL`` images, so timm's transforms, ``create_loader``
 and its prefetcher work unchanged, grayscale (``"L"``, one channel) included.

@@ -80,8 +80,8 @@ def find_mnist_folder(root) -> Path:
         if all(_find_file(folder, n) for n in names):
             return folder
     missing = [n for n in names if not any(_find_file(f, n) for f in (root, root / "raw", root / "MNIST" / "raw"))]
-    raise DatasetLayoutError(root, f"MNIST files not found (missing: {', '.join(missing) or 'a complete set in one folder'})",
-                             MNIST_LAYOUT)
+    raise DatasetLayoutError(
+        root, f"MNIST files not found (missing: {', '.join(missing) or 'a complete set in one folder'})", MNIST_LAYOUT)
 
 
 def _download(root: Path) -> None:
