@@ -140,6 +140,18 @@ def test_killed_mid_epoch_resumes_to_the_same_result(train, straight_run, data_d
     assert_same_training(output / "killed", straight_run)
 
 
+def test_bfloat16_autocast_and_channels_last_train_like_float32(train, straight_run, data_dir, output):
+    train.main(train_args(data_dir, output, "amp", 1) + ["--amp", "--amp-dtype", "bfloat16", "--channels-last"])
+
+    def first_epoch(run_dir):
+        with open(run_dir / "summary.csv") as f:
+            return next(csv.DictReader(f))
+
+    amp, reference = first_epoch(output / "amp"), first_epoch(straight_run)
+    assert float(amp["train_loss"]) == pytest.approx(float(reference["train_loss"]), rel=0.02)
+    assert float(amp["train_loss"]) != float(reference["train_loss"])  # it did compute in bfloat16
+
+
 @pytest.fixture(scope="module")
 def ddp_run(data_dir, output):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(TRAIN),
