@@ -51,6 +51,7 @@ from timm.utils import load_checkpoint_metadata
 
 import timm_sortconv.models  # noqa: F401  (registers the SC models with timm)
 from timm_sortconv.data import (
+    DatasetLayoutError,
     cap_samples,
     create_dataset,
     create_train_loader,
@@ -525,4 +526,7 @@ def main(argv=None):
 
 if __name__ == "__main__":
     utils.setup_default_logging()
-    main()
+    try:
+        main()
+    except DatasetLayoutError as error:  # a data folder problem is the user's to fix: the message, not a traceback
+        raise SystemExit(f"error: {error}") from None

@@ -195,6 +195,23 @@ def test_validate_sweep_writes_csv_and_plot(validate, ddp_run, data_dir, tmp_pat
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
 
 
+def test_validate_loads_a_local_dir_model(validate, ddp_run, data_dir, tmp_path):
+    from timm.models import save_for_hf
+
+    run_dir, _ = ddp_run
+    model = timm.create_model("scnn_p_rs_3", channels=(4, 4, 4, 4, 4, 4), checkpoint_path=str(run_dir / "last.pth.tar"))
+    save_for_hf(model, tmp_path / "hf", safe_serialization=True)
+    name = f"local-dir:{tmp_path / 'hf'}"
+    argv = ["--model", name, "--model-kwargs", "channels=(4,4,4,4,4,4)", "--dataset", "sortconv/mnist",
+            "--data-dir", str(data_dir), "--split", "test", "-j", "0"]
+    loaded = validate.build_model(name, "", False, validate.parser.parse_args(argv))
+    assert all(torch.equal(loaded.state_dict()[key], value) for key, value in model.state_dict().items())
+    results = validate.main(argv)
+    with open(run_dir / "summary.csv") as f:
+        (summary,) = list(csv.DictReader(f))
+    assert results[name][0.0] == pytest.approx(float(summary["eval_top1"]))
+
+
 @pytest.mark.parametrize("config", sorted((REPO / "scripts" / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_presets_set_the_paper_protocols(config):
     args, _ = load_script(TRAIN, "train_presets").parse_args(["-c", str(config)])
