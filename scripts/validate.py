@@ -107,12 +107,11 @@ def build_model(name: str, checkpoint: str, pretrained: bool, args) -> torch.nn.
     return model.eval()
 
 
-def build_sweep(args) -> RotatedDataset:
+def build_sweep(args, channels: int) -> RotatedDataset:
     """The split, capped by ``--samples``, at every angle of ``--rotations`` (angle 0 alone without it)."""
     options = dict(download=args.dataset_download)
     if not is_sortconv_dataset(args.dataset):
-        options.update(class_map=args.class_map or None,
-                       input_img_mode="L" if (args.in_chans or (args.input_size or [3])[0]) == 1 else "RGB")
+        options.update(class_map=args.class_map or None, input_img_mode="L" if channels == 1 else "RGB")
     dataset = create_dataset(args.dataset, root=args.data_dir, split=args.split, **options)
     if isinstance(dataset, RotatedDataset):  # sortconv/mnist_rot: its angles unless --rotations says otherwise
         angles = parse_rotations(args.rotations) if args.rotations else dataset.angles
@@ -124,9 +123,8 @@ def build_sweep(args) -> RotatedDataset:
 
 
 @torch.inference_mode()
-def evaluate_sweep(model, sweep: RotatedDataset, args, device, label: str) -> Dict[float, float]:
+def evaluate_sweep(model, data_config: dict, sweep: RotatedDataset, args, device, label: str) -> Dict[float, float]:
     """Top-1 accuracy (%) of ``model`` at each angle of ``sweep``."""
-    data_config = resolve_data_config(vars(args), model=model, dataset=args.dataset)
     loader = create_loader(
         sweep,
         input_size=data_config["input_size"],
@@ -220,18 +218,19 @@ def main(argv=None):
     if args.baseline_checkpoint and not args.baseline_model:
         parser.error("--baseline-checkpoint needs --baseline-model")
     device = torch.device(args.device)
-    sweep = build_sweep(args)
+    models = {args.model: build_model(args.model, args.checkpoint, args.pretrained, args)}
+    if args.baseline_model:
+        label = args.baseline_model if args.baseline_model != args.model else f"{args.baseline_model} (baseline)"
+        models[label] = build_model(args.baseline_model, args.baseline_checkpoint, args.baseline_pretrained, args)
+    data_configs = {label: resolve_data_config(vars(args), model=model, dataset=args.dataset)
+                    for label, model in models.items()}
+    sweep = build_sweep(args, channels=data_configs[args.model]["input_size"][0])
     _logger.info(f"Evaluating {sweep.num_images} images x {len(sweep.angles)} angles of {args.dataset or 'folder'} "
                  f"split {args.split!r}")
-
-    models = [(args.model, args.checkpoint, args.pretrained)]
-    if args.baseline_model:
-        models.append((args.baseline_model, args.baseline_checkpoint, args.baseline_pretrained))
-    results: Dict[str, Dict[float, float]] = {}
-    for name, checkpoint, pretrained in models:
-        label = name if name not in results else f"{name} (baseline)"
-        model = build_model(name, checkpoint, pretrained, args)
-        results[label] = evaluate_sweep(model, sweep, args, device, label)
+    results: Dict[str, Dict[float, float]] = {
+        label: evaluate_sweep(model, data_configs[label], sweep, args, device, label)
+        for label, model in models.items()
+    }
 
     print(format_table(results))
     if args.results_csv:
