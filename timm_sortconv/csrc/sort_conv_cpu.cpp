@@ -26,6 +26,9 @@
 // Re-sorting was measured cheaper than storing a uint8 permutation (k*k bytes per input value,
 // written, page-faulted and read back) and it keeps the memory saved for backward to the input.
 #include <ATen/ATen.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include <ATen/Parallel.h>
 #include <torch/csrc/utils/pybind.h>
@@ -63,7 +66,7 @@ constexpr int64_t kLanes = 2 * kVecLanes<scalar_t>;
 // Micro-GEMM register tile: kTileRows rows by kLanes columns of accumulators (24 vectors).
 constexpr int kTileRows = 12;
 // Input channels whose sorted samples are multiplied together, up to this many samples.
-constexpr int64_t kPanelSlots = 128;
+constexpr int64_t kPanelSlots = 256;
 
 template <typename scalar_t>
 inline typename Simd<scalar_t>::vec load(const scalar_t* p) {
@@ -142,24 +145,48 @@ struct Plan {
   int64_t in_h = 0, in_w = 0, out_h = 0, out_w = 0;
   int64_t stride_h = 1, stride_w = 1;
   const scalar_t* input_end = nullptr;  // vector reads of a staged row must stay before this
-  // Blocks of output positions: `block_rows` rows of up to `block_cols` columns.
-  int64_t block_rows = 1, block_cols = 1, row_blocks = 1, col_blocks = 1;
 
-  int64_t blocks() const { return row_blocks * col_blocks; }
+  int64_t positions() const { return out_h * out_w; }
 };
 
-// A block of output positions: rows [row0, row0 + rows), columns [col0, col0 + cols); lane
-// r * cols + j holds position (row0 + r, col0 + j).
+// Output positions of one image row, [col, col + cols) of row `row`, held by lanes [lane, lane + cols).
+// `input` is the offset of its first window in a channel's input planes (relative to image 0), and
+// `vectors` the whole vectors that copy the run from there (0: element by element, see stage_windows).
+struct Run {
+  int64_t image, row, col, cols, lane, input, vectors;
+};
+
+// Up to kLanes consecutive output positions in (image, row, column) order, so that no lane is left
+// empty when rows are shorter than a block or end inside one: the block is cut into runs.
+constexpr int64_t kMaxRuns = 32;
+
 struct Block {
-  int64_t row0, col0, rows, cols;
-  int64_t count() const { return rows * cols; }
+  int64_t count = 0, runs = 0;
+  Run run[kMaxRuns];
 };
 
-template <typename scalar_t>
-Block block_at(const Plan<scalar_t>& plan, int64_t index) {
-  const int64_t rb = index / plan.col_blocks, cb = index % plan.col_blocks;
-  const int64_t row0 = rb * plan.block_rows, col0 = cb * plan.block_cols;
-  return {row0, col0, std::min(plan.block_rows, plan.out_h - row0), std::min(plan.block_cols, plan.out_w - col0)};
+// The block of the flat output positions [first, last) (flat: image * out_h * out_w + row * out_w + col);
+// input images are `image_stride` apart.
+template <typename scalar_t, bool kUnitStride>
+Block make_block(const Plan<scalar_t>& plan, int64_t first, int64_t last, const scalar_t* input, int64_t image_stride,
+                 int64_t channels) {
+  static_assert(kLanes<scalar_t> <= kMaxRuns, "a block has at most one run per lane");
+  constexpr int64_t half = kVecLanes<scalar_t>;
+  Block block;
+  block.count = last - first;
+  for (int64_t p = first; p < last;) {
+    const int64_t image = p / plan.positions(), position = p % plan.positions();
+    const int64_t row = position / plan.out_w, col = position % plan.out_w;
+    const int64_t cols = std::min(plan.out_w - col, last - p);
+    const int64_t offset = image * image_stride + row * plan.stride_h * plan.in_w + col * plan.stride_w;
+    // Whole vectors may read past the run, but not past the input (last channel's farthest window).
+    const int64_t vectors = (cols + half - 1) / half;
+    const bool fits = input + (channels - 1) * plan.in_h * plan.in_w + offset + plan.grid_offset.back()
+                      + vectors * half <= plan.input_end;
+    block.run[block.runs++] = {image, row, col, cols, p - first, offset, kUnitStride && fits ? vectors : 0};
+    p += cols;
+  }
+  return block;
 }
 
 bool matches_fixed_network(int64_t size, const int32_t* pairs, int64_t count, int64_t start);
@@ -189,11 +216,6 @@ Plan<scalar_t> make_plan(const at::Tensor& input, const at::Tensor& tap_offsets,
   plan.out_w = (plan.in_w - dilation_w * (kernel_size - 1) - 1) / stride_w + 1;
   TORCH_CHECK(plan.in_h >= dilation_h * (kernel_size - 1) + 1 && plan.in_w >= dilation_w * (kernel_size - 1) + 1,
               "sort_conv_cpu: padded input (", plan.in_h, ", ", plan.in_w, ") is smaller than the dilated kernel");
-  constexpr int64_t lanes = kLanes<scalar_t>;
-  plan.block_cols = std::min(plan.out_w, lanes);
-  plan.block_rows = plan.out_w >= lanes ? 1 : lanes / plan.out_w;
-  plan.col_blocks = (plan.out_w + plan.block_cols - 1) / plan.block_cols;
-  plan.row_blocks = (plan.out_h + plan.block_rows - 1) / plan.block_rows;
 
   const auto offsets = tap_offsets.to(at::kLong).contiguous();
   const auto weights = tap_weights.to(at::kDouble).contiguous();
@@ -264,42 +286,27 @@ Plan<scalar_t> make_plan(const at::Tensor& input, const at::Tensor& tap_offsets,
 }
 
 // Copies the window values at `offsets[e]` (flat, from a window's top-left corner) of every lane of
-// the block into dest[e][lanes]. Row pieces are copied as whole vectors where the input allows: what
-// spills past a piece lands in lanes that are written later or never used (lanes past the block
-// only ever meet themselves: sorting and the output GEMM are per lane, and the backward pass
-// ignores them), so `dest` needs kVecLanes entries of slack at its end.
+// the block into dest[e][lanes]; `channel_input` is one channel's plane of image 0. Runs are copied
+// as whole vectors where the input allows: what spills past a run lands in lanes that are written
+// later or never used (lanes past the block only ever meet themselves: sorting and the output GEMM
+// are per lane, and the backward pass ignores them), so `dest` needs kVecLanes entries of slack.
 template <typename scalar_t, bool kUnitStride>
-void stage_windows(const Plan<scalar_t>& plan, const scalar_t* plane, const Block& block, const int64_t* offsets,
-                   int64_t entries, scalar_t* dest) {
+void stage_windows(const Plan<scalar_t>& plan, const scalar_t* channel_input, const Block& block,
+                   const int64_t* offsets, int64_t entries, scalar_t* dest) {
   constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
-  const scalar_t* base = plane + block.row0 * plan.stride_h * plan.in_w + block.col0 * plan.stride_w;
-  if (!kUnitStride) {
-    for (int64_t e = 0; e < entries; ++e) {
-      for (int64_t r = 0; r < block.rows; ++r) {
-        const scalar_t* src = base + r * plan.stride_h * plan.in_w + offsets[e];
-        scalar_t* dst = dest + e * lanes + r * block.cols;
-        for (int64_t j = 0; j < block.cols; ++j) {
-          dst[j] = src[j * plan.stride_w];
-        }
-      }
-    }
-    return;
-  }
+  const int64_t step = kUnitStride ? 1 : plan.stride_w;
   for (int64_t e = 0; e < entries; ++e) {
-    for (int64_t r = 0; r < block.rows; ++r) {
-      const scalar_t* src = base + r * plan.in_w * plan.stride_h + offsets[e];
-      scalar_t* dst = dest + e * lanes + r * block.cols;
-      int64_t j = 0;
-      for (; j + half <= block.cols; j += half) {
-        store(dst + j, load(src + j));
-      }
-      if (j == block.cols) {
-        continue;
-      }
-      if (src + j + half <= plan.input_end) {
-        store(dst + j, load(src + j));
+    for (int64_t i = 0; i < block.runs; ++i) {
+      const Run& run = block.run[i];
+      const scalar_t* src = channel_input + run.input + offsets[e];
+      scalar_t* dst = dest + e * lanes + run.lane;
+      if (run.vectors == 2) {
+        store(dst, load(src));
+        store(dst + half, load(src + half));
+      } else if (run.vectors == 1) {
+        store(dst, load(src));
       } else {
-        for (; j < block.cols; ++j) dst[j] = src[j];
+        for (int64_t j = 0; j < run.cols; ++j) dst[j] = src[j * step];
       }
     }
   }
@@ -307,13 +314,17 @@ void stage_windows(const Plan<scalar_t>& plan, const scalar_t* plane, const Bloc
 
 // out[target][lanes] = sum of weight * in[source][lanes] over the terms of each target.
 template <typename scalar_t, int kTerms>
-void apply_tap_group(const TapGroup<scalar_t>& group, int64_t terms, const scalar_t* in, scalar_t* out) {
+void apply_tap_group(const TapGroup<scalar_t>& group, int64_t terms, const scalar_t* __restrict in,
+                     scalar_t* __restrict out) {
   using vec = typename Simd<scalar_t>::vec;
   constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
-  const int64_t n = kTerms > 0 ? kTerms : terms;
-  for (size_t i = 0; i < group.targets.size(); ++i) {
-    const int64_t* source = group.sources.data() + i * n;
-    const scalar_t* weight = group.weights.data() + i * n;
+  const int64_t n = kTerms > 0 ? kTerms : terms, count = static_cast<int64_t>(group.targets.size());
+  const int64_t* targets = group.targets.data();
+  const int64_t* sources = group.sources.data();
+  const scalar_t* weights = group.weights.data();
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t* source = sources + i * n;
+    const scalar_t* weight = weights + i * n;
     vec w = splat(weight[0]);
     vec acc0 = w * load(in + source[0] * lanes), acc1 = w * load(in + source[0] * lanes + half);
     for (int64_t t = 1; t < n; ++t) {
@@ -321,8 +332,8 @@ void apply_tap_group(const TapGroup<scalar_t>& group, int64_t terms, const scala
       acc0 += w * load(in + source[t] * lanes);
       acc1 += w * load(in + source[t] * lanes + half);
     }
-    store(out + group.targets[i] * lanes, acc0);
-    store(out + group.targets[i] * lanes + half, acc1);
+    store(out + targets[i] * lanes, acc0);
+    store(out + targets[i] * lanes + half, acc1);
   }
 }
 
@@ -346,13 +357,13 @@ void apply_taps(const TapTable<scalar_t>& table, const scalar_t* in, scalar_t* o
 // value[s][lanes] = sample s of every lane's window, in ring order. Square samples are staged
 // straight from the input; polar samples are interpolated from the staged k x k window.
 template <typename scalar_t, bool kUnitStride>
-void gather_samples(const Plan<scalar_t>& plan, const scalar_t* plane, const Block& block, scalar_t* grid,
+void gather_samples(const Plan<scalar_t>& plan, const scalar_t* channel_input, const Block& block, scalar_t* grid,
                     scalar_t* value) {
   if (plan.single_tap) {
-    stage_windows<scalar_t, kUnitStride>(plan, plane, block, plan.sample_offset.data(), plan.slots, value);
+    stage_windows<scalar_t, kUnitStride>(plan, channel_input, block, plan.sample_offset.data(), plan.slots, value);
     return;
   }
-  stage_windows<scalar_t, kUnitStride>(plan, plane, block, plan.grid_offset.data(), plan.slots, grid);
+  stage_windows<scalar_t, kUnitStride>(plan, channel_input, block, plan.grid_offset.data(), plan.slots, grid);
   apply_taps(plan.sampling, grid, value);
 }
 
@@ -390,12 +401,16 @@ constexpr std::array<Pair, batcher_count<N>()> batcher_network() {
   return pairs;
 }
 
+// A compare-exchange's swap decisions, one per lane: an AVX-512 mask register where there is one,
+// else a vector of all-ones/all-zeros lanes.
 template <typename vec>
-using SwapMask = decltype(vec{} < vec{});
+struct SwapMaskOf {
+  using type = decltype(vec{} < vec{});
+};
 
 // The swap is decided by `b < a` and always permutes the pair (see the file comment on NaN).
 template <typename vec>
-inline SwapMask<vec> compare_exchange(vec& a, vec& b) {
+inline typename SwapMaskOf<vec>::type compare_exchange(vec& a, vec& b) {
   const auto swap = b < a;
   const vec lo = swap ? b : a, hi = swap ? a : b;
   a = lo;
@@ -404,11 +419,58 @@ inline SwapMask<vec> compare_exchange(vec& a, vec& b) {
 }
 
 template <typename vec>
-inline void apply_swap(const SwapMask<vec>& swap, vec& a, vec& b) {
+inline void apply_swap(const typename SwapMaskOf<vec>::type& swap, vec& a, vec& b) {
   const vec lo = swap ? b : a, hi = swap ? a : b;
   a = lo;
   b = hi;
 }
+
+#if defined(__AVX512F__)
+// x86 min/max return their second operand when the pair is unordered or equal, so min(b, a) is
+// exactly `b < a ? b : a` and max(a, b) is `b < a ? a : b`: the same swap as above in two
+// instructions instead of a compare and two blends, and the decisions fit in a 16- or 8-bit mask.
+template <>
+struct SwapMaskOf<vfloat> {
+  using type = __mmask16;
+};
+template <>
+struct SwapMaskOf<vdouble> {
+  using type = __mmask8;
+};
+
+inline __mmask16 compare_exchange(vfloat& a, vfloat& b) {
+  const __mmask16 swap = _mm512_cmp_ps_mask((__m512)b, (__m512)a, _CMP_LT_OQ);
+  const vfloat lo = (vfloat)_mm512_min_ps((__m512)b, (__m512)a), hi = (vfloat)_mm512_max_ps((__m512)a, (__m512)b);
+  a = lo;
+  b = hi;
+  return swap;
+}
+
+inline __mmask8 compare_exchange(vdouble& a, vdouble& b) {
+  const __mmask8 swap = _mm512_cmp_pd_mask((__m512d)b, (__m512d)a, _CMP_LT_OQ);
+  const vdouble lo = (vdouble)_mm512_min_pd((__m512d)b, (__m512d)a), hi = (vdouble)_mm512_max_pd((__m512d)a, (__m512d)b);
+  a = lo;
+  b = hi;
+  return swap;
+}
+
+inline void apply_swap(__mmask16 swap, vfloat& a, vfloat& b) {
+  const vfloat lo = (vfloat)_mm512_mask_blend_ps(swap, (__m512)a, (__m512)b);
+  const vfloat hi = (vfloat)_mm512_mask_blend_ps(swap, (__m512)b, (__m512)a);
+  a = lo;
+  b = hi;
+}
+
+inline void apply_swap(__mmask8 swap, vdouble& a, vdouble& b) {
+  const vdouble lo = (vdouble)_mm512_mask_blend_pd(swap, (__m512d)a, (__m512d)b);
+  const vdouble hi = (vdouble)_mm512_mask_blend_pd(swap, (__m512d)b, (__m512d)a);
+  a = lo;
+  b = hi;
+}
+#endif
+
+template <typename vec>
+using SwapMask = typename SwapMaskOf<vec>::type;
 
 template <int N, bool kRecord, typename vec, size_t... I>
 inline void run_network(vec* v, SwapMask<vec>* swaps, std::index_sequence<I...>) {
@@ -674,20 +736,25 @@ void gemm_reduce(const scalar_t* columns, int64_t slots, int64_t count, const sc
   }
 }
 
-// Copies between a block's lanes and its positions in a row-major (out_h, out_w) plane.
+// Copies between a block's lanes and its positions in one channel of (B, channels, out_h, out_w):
+// `channel_planes` is that channel's plane of image 0, images `image_stride` apart.
 template <typename scalar_t>
-void store_lanes(const Block& block, int64_t out_w, const scalar_t* lanes_in, scalar_t* plane) {
-  for (int64_t r = 0; r < block.rows; ++r) {
-    std::memcpy(plane + (block.row0 + r) * out_w + block.col0, lanes_in + r * block.cols,
-                block.cols * sizeof(scalar_t));
+void store_lanes(const Plan<scalar_t>& plan, const Block& block, const scalar_t* lanes_in, scalar_t* channel_planes,
+                 int64_t image_stride) {
+  for (int64_t i = 0; i < block.runs; ++i) {
+    const Run& run = block.run[i];
+    std::memcpy(channel_planes + run.image * image_stride + run.row * plan.out_w + run.col, lanes_in + run.lane,
+                run.cols * sizeof(scalar_t));
   }
 }
 
 template <typename scalar_t>
-void load_lanes(const Block& block, int64_t out_w, const scalar_t* plane, scalar_t* lanes_out) {
-  for (int64_t r = 0; r < block.rows; ++r) {
-    std::memcpy(lanes_out + r * block.cols, plane + (block.row0 + r) * out_w + block.col0,
-                block.cols * sizeof(scalar_t));
+void load_lanes(const Plan<scalar_t>& plan, const Block& block, const scalar_t* channel_planes, int64_t image_stride,
+                scalar_t* lanes_out) {
+  for (int64_t i = 0; i < block.runs; ++i) {
+    const Run& run = block.run[i];
+    std::memcpy(lanes_out + run.lane, channel_planes + run.image * image_stride + run.row * plan.out_w + run.col,
+                run.cols * sizeof(scalar_t));
   }
 }
 
@@ -699,7 +766,7 @@ void load_lanes(const Block& block, int64_t out_w, const scalar_t* plane, scalar
 // flight cannot be forwarded and stall.
 template <typename scalar_t, bool kUnitStride>
 void scatter_gradients(const Plan<scalar_t>& plan, const Block& block, const scalar_t* grad_samples,
-                       scalar_t* grad_grid, scalar_t* grad_plane) {
+                       scalar_t* grad_grid, scalar_t* grad_channel) {
   constexpr int64_t lanes = kLanes<scalar_t>;
   const int64_t step = kUnitStride ? 1 : plan.stride_w;
   const scalar_t* by_position = grad_samples;
@@ -707,17 +774,17 @@ void scatter_gradients(const Plan<scalar_t>& plan, const Block& block, const sca
     apply_taps(plan.spreading, grad_samples, grad_grid);
     by_position = grad_grid;
   }
-  scalar_t* base = grad_plane + block.row0 * plan.stride_h * plan.in_w + block.col0 * plan.stride_w;
   for (int64_t column = 0; column < plan.kernel_size; ++column) {
     for (int64_t row = 0; row < plan.kernel_size; ++row) {
       const int64_t q = row * plan.kernel_size + column;
       // Square sampling: the gradient of window position q is that of the sample read from it.
       const scalar_t* position_grad = by_position + (plan.single_tap ? plan.position_sample[q] : q) * lanes;
-      for (int64_t r = 0; r < block.rows; ++r) {
-        scalar_t* __restrict dst = base + r * plan.stride_h * plan.in_w + plan.grid_offset[q];
-        const scalar_t* __restrict src = position_grad + r * block.cols;
+      for (int64_t i = 0; i < block.runs; ++i) {
+        const Run& run = block.run[i];
+        scalar_t* __restrict dst = grad_channel + run.input + plan.grid_offset[q];
+        const scalar_t* __restrict src = position_grad + run.lane;
 #pragma omp simd
-        for (int64_t j = 0; j < block.cols; ++j) {
+        for (int64_t j = 0; j < run.cols; ++j) {
           dst[j * step] += src[j];
         }
       }
@@ -759,6 +826,15 @@ int64_t multiply_adds(const Shape& shape, int64_t positions, int64_t slots) {
   return shape.batch * positions * shape.channels * slots * shape.out_per_group();
 }
 
+// Calls fn(thread, first, last) with each thread's range of flat output positions; with
+// `whole_images` the ranges begin and end on image boundaries.
+template <typename F>
+void for_each_thread_range(int64_t batch, int64_t positions, int64_t threads, bool whole_images, const F& fn) {
+  const int64_t unit = whole_images ? positions : 1;
+  for_each_thread(batch * positions / unit, threads,
+                  [&](int64_t thread, int64_t first, int64_t last) { fn(thread, first * unit, last * unit); });
+}
+
 template <typename scalar_t, bool kUnitStride>
 void forward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scalar_t* input,
                     const scalar_t* weight_packed, const scalar_t* bias, scalar_t* output) {
@@ -767,15 +843,14 @@ void forward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scalar
   const int64_t slots = plan.slots, positions = plan.out_h * plan.out_w, plane = plan.in_h * plan.in_w;
   const int64_t cg = shape.in_per_group(), og = shape.out_per_group();
   const int64_t panel_channels = std::max<int64_t>(1, std::min(cg, kPanelSlots / slots));
-  const int64_t blocks = plan.blocks();
-  const int64_t threads = thread_count(shape.batch * blocks, multiply_adds(shape, positions, slots));
-  for_each_thread(shape.batch * blocks, threads, [&](int64_t, int64_t first, int64_t last) {
+  const int64_t threads = thread_count(shape.batch * positions / lanes, multiply_adds(shape, positions, slots));
+  for_each_thread_range(shape.batch, positions, threads, false, [&](int64_t, int64_t begin, int64_t end) {
     // stage_windows may write a vector past its last row.
     std::vector<scalar_t> panel(panel_channels * slots * lanes + half), grid(slots * lanes + half);
     std::vector<scalar_t> tile(shape.out_channels * lanes);
-    for (int64_t item = first; item < last; ++item) {
-      const int64_t image = item / blocks;
-      const Block block = block_at(plan, item % blocks);
+    for (int64_t first = begin; first < end; first += lanes) {
+      const Block block = make_block<scalar_t, kUnitStride>(plan, first, std::min(first + lanes, end), input,
+                                                            shape.channels * plane, shape.channels);
       for (int64_t o = 0; o < shape.out_channels; ++o) {
         std::fill(tile.begin() + o * lanes, tile.begin() + (o + 1) * lanes, bias != nullptr ? bias[o] : scalar_t(0));
       }
@@ -784,8 +859,8 @@ void forward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scalar
           const int64_t channels = std::min(panel_channels, cg - c0);
           for (int64_t ci = 0; ci < channels; ++ci) {
             scalar_t* value = panel.data() + ci * slots * lanes;
-            gather_samples<scalar_t, kUnitStride>(plan, input + (image * shape.channels + g * cg + c0 + ci) * plane,
-                                                  block, grid.data(), value);
+            gather_samples<scalar_t, kUnitStride>(plan, input + (g * cg + c0 + ci) * plane, block, grid.data(),
+                                                  value);
             sort_samples<scalar_t, false>(plan, value, static_cast<SwapMask<vec>*>(nullptr));
           }
           // weight_packed is (groups, C/g, k*k, O/g): the rows of these channels' slots.
@@ -794,7 +869,7 @@ void forward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scalar
         }
       }
       for (int64_t o = 0; o < shape.out_channels; ++o) {
-        store_lanes(block, plan.out_w, tile.data() + o * lanes, output + (image * shape.out_channels + o) * positions);
+        store_lanes(plan, block, tile.data() + o * lanes, output + o * positions, shape.out_channels * positions);
       }
     }
   });
@@ -830,27 +905,25 @@ void backward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scala
   constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
   const int64_t slots = plan.slots, positions = plan.out_h * plan.out_w, plane = plan.in_h * plan.in_w;
   const int64_t cg = shape.in_per_group(), og = shape.out_per_group();
-  const int64_t blocks = plan.blocks();
   const bool need_input = grad_input != nullptr || !grad_input_parts.empty();
   const bool need_weight = !grad_weight_parts.empty();
   // A thread owns whole images (so its input-gradient scatter races with nobody) unless there are
-  // fewer images than threads; then the blocks are shared out and each thread has a private copy.
-  const int64_t blocks_per_item = need_input && grad_input_parts.empty() ? blocks : 1;
-  const int64_t items = shape.batch * blocks / blocks_per_item;
-  for_each_thread(items, threads, [&](int64_t thread, int64_t first_item, int64_t last_item) {
+  // fewer images than threads; then positions are shared out and each thread has a private copy.
+  const bool whole_images = need_input && grad_input_parts.empty();
+  for_each_thread_range(shape.batch, positions, threads, whole_images, [&](int64_t thread, int64_t begin, int64_t end) {
     std::vector<scalar_t> grad_tile(shape.out_channels * lanes), grad_tile_t(shape.groups * lanes * outputs_padded);
     std::vector<scalar_t> value(slots * lanes + half), grid(slots * lanes + half), grad_samples(slots * lanes),
         grad_grid(slots * lanes);
     std::vector<SwapMask<vec>> swaps(std::max<size_t>(1, plan.comparators.size()));
     scalar_t* grad_in = grad_input_parts.empty() ? grad_input : grad_input_parts[thread].data();
     scalar_t* grad_weight = need_weight ? grad_weight_parts[thread].data() : nullptr;
-    for (int64_t item = first_item * blocks_per_item; item < last_item * blocks_per_item; ++item) {
-      const int64_t image = item / blocks;
-      const Block block = block_at(plan, item % blocks);
-      const int64_t count = block.count();
+    for (int64_t first = begin; first < end; first += lanes) {
+      const Block block = make_block<scalar_t, kUnitStride>(plan, first, std::min(first + lanes, end), input,
+                                                            shape.channels * plane, shape.channels);
+      const int64_t count = block.count;
       std::fill(grad_tile.begin(), grad_tile.end(), scalar_t(0));
       for (int64_t o = 0; o < shape.out_channels; ++o) {
-        load_lanes(block, plan.out_w, grad_output + (image * shape.out_channels + o) * positions,
+        load_lanes(plan, block, grad_output + o * positions, shape.out_channels * positions,
                    grad_tile.data() + o * lanes);
       }
       if (need_weight) {
@@ -866,8 +939,7 @@ void backward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scala
       }
       for (int64_t channel = 0; channel < shape.channels; ++channel) {
         const int64_t g = channel / cg;
-        gather_samples<scalar_t, kUnitStride>(plan, input + (image * shape.channels + channel) * plane, block,
-                                              grid.data(), value.data());
+        gather_samples<scalar_t, kUnitStride>(plan, input + channel * plane, block, grid.data(), value.data());
         sort_samples<scalar_t, true>(plan, value.data(), swaps.data());
         if (need_weight) {
           gemm_reduce(value.data(), slots, count, grad_tile_t.data() + g * lanes * outputs_padded, outputs_padded,
@@ -881,7 +953,7 @@ void backward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scala
                   grad_samples.data(), false);
         unsort_gradients(plan, grad_samples.data(), swaps.data());
         scatter_gradients<scalar_t, kUnitStride>(plan, block, grad_samples.data(), grad_grid.data(),
-                                                 grad_in + (image * shape.channels + channel) * plane);
+                                                 grad_in + channel * plane);
       }
     }
   });
@@ -894,8 +966,8 @@ std::vector<at::Tensor> backward_impl(const at::Tensor& grad_output, const at::T
   constexpr int64_t half = kVecLanes<scalar_t>;
   const int64_t slots = plan.slots, og = shape.out_per_group(), cg = shape.in_per_group();
   const int64_t outputs_padded = (og + half - 1) / half * half;
-  const int64_t threads = thread_count(shape.batch * plan.blocks(),
-                                       2 * multiply_adds(shape, plan.out_h * plan.out_w, slots));
+  const int64_t threads = thread_count(shape.batch * plan.positions() / kLanes<scalar_t>,
+                                       2 * multiply_adds(shape, plan.positions(), slots));
   const bool private_grad_input = need_input_grad && shape.batch < threads;
   at::Tensor grad_input = need_input_grad ? at::zeros_like(input) : at::Tensor();
   at::Tensor grad_weight;
