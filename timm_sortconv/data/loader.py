@@ -12,7 +12,7 @@ import math
 from typing import Iterator, Optional, Tuple
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 __all__ = ["ResumableSampler", "create_train_loader"]
 
@@ -94,6 +94,9 @@ def create_train_loader(
     from timm.data import create_transform
     from timm.data.loader import PrefetchLoader, fast_collate
 
+    if isinstance(dataset, IterableDataset):
+        raise ValueError("the resumable training loader needs a map-style data set (indexable, with a length); "
+                         f"{type(dataset).__name__} streams its items (timm's tfds/, wds/, hfids/ readers)")
     dataset.transform = create_transform(input_size, is_training=True, mean=mean, std=std,
                                          use_prefetcher=use_prefetcher, **transform_kwargs)
     sampler = ResumableSampler(len(dataset), shuffle=True, seed=seed, num_replicas=num_replicas, rank=rank)
