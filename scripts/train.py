@@ -65,7 +65,8 @@ config_parser = argparse.ArgumentParser(description="Training config", add_help=
 config_parser.add_argument("-c", "--config", default="", type=str, metavar="FILE",
                            help="YAML file of argument defaults (keys are the options' long names with '_')")
 
-parser = argparse.ArgumentParser(description="Train a timm / timm-sortconv model")
+parser = argparse.ArgumentParser(
+    description="Train a timm / timm-sortconv model; -c CONFIG.yaml sets defaults from a preset (scripts/configs/)")
 group = parser.add_argument_group("Dataset")
 group.add_argument("--data-dir", metavar="DIR", help="data folder")
 group.add_argument("--dataset", metavar="NAME", default="",
