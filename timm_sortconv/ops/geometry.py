@@ -147,16 +147,6 @@ class SortGeometry:
     interpolation: torch.Tensor
     slot_to_grid: torch.Tensor
 
-    @property
-    def num_slots(self) -> int:
-        return self.kernel_size * self.kernel_size
-
-    @property
-    def grid_order(self) -> torch.Tensor:
-        """Row-major window index of each ring-order grid position (a permutation of ``k*k``)."""
-        k, n = self.kernel_size, self.kernel_size // 2
-        return torch.tensor([(dy + n) * k + (dx + n) for dy, dx in ring_grid_offsets(k)], dtype=torch.long)
-
     def comparators(self) -> List[Tuple[int, int]]:
         """The sorting network over ring-order slots: one Batcher network per segment, shifted."""
         return [(a + s, b + s) for s, e in self.segments for a, b in batcher_comparators(e - s)]
