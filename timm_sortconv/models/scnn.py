@@ -23,6 +23,7 @@ from timm.layers import ClassifierHead, get_device_dtype
 from timm.models import build_model_with_cfg, checkpoint_seq, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 
+from ..hub import bundled_weights_dir
 from ..sortify import fixed_variant_args, get_conv_layer
 
 __all__ = ['SCNN', 'ConvNormAct']
@@ -232,8 +233,14 @@ def _cfg(url: str = '', **kwargs) -> Dict[str, Any]:
     }
 
 
+def _bundled_file(model_name: str) -> Optional[str]:
+    # Weights that scripts/push_to_hub.py --bundle copied into the package load with pretrained=True, offline.
+    weights = bundled_weights_dir() / f'{model_name}.safetensors'
+    return str(weights) if weights.is_file() else None
+
+
 default_cfgs = generate_default_cfgs({
-    f'scnn_{variant}_{k}.mnist': _cfg()
+    f'scnn_{variant}_{k}.mnist': _cfg(file=_bundled_file(f'scnn_{variant}_{k}'))
     for variant in ('s_gs', 's_rs', 'p_gs', 'p_rs', 'baseline') for k in (3, 5, 7)
 })
 
