@@ -197,9 +197,11 @@ def plot_sweep(path: str, results: Dict[str, Dict[float, float]], title: str) ->
         angles, accuracies = list(per_angle), list(per_angle.values())
         mean = sum(accuracies) / len(accuracies)
         cartesian.plot(angles, accuracies, marker="o", markersize=3, label=f"{label} (mean {mean:.2f}%)")
-        closed = angles + [angles[0] + 360]
-        polar.plot([math.radians(a) for a in closed], accuracies + accuracies[:1], marker="o", markersize=3,
-                   label=label)
+        # Close the curve only when the sweep goes all the way round (its next step would be 360 degrees on).
+        full_circle = len(angles) > 1 and angles[-1] + (angles[1] - angles[0]) - angles[0] >= 360
+        if full_circle:
+            angles, accuracies = angles + [angles[0] + 360], accuracies + accuracies[:1]
+        polar.plot([math.radians(a) for a in angles], accuracies, marker="o", markersize=3, label=label)
     cartesian.set_xlabel("rotation angle (degrees)")
     cartesian.set_ylabel("top-1 accuracy (%)")
     cartesian.set_ylim(0, 100)

@@ -181,7 +181,7 @@ class SortResNet(nn.Module):
             self.feature_info.append(dict(num_chs=planes, reduction=net_stride, module=stage_name))
         self.stage_names = tuple(f'layer{i + 1}' for i in range(len(layers)))
 
-        self.num_features = self.head_hidden_size = inplanes
+        self.num_features = inplanes
         self.global_pool, self.fc = create_classifier(self.num_features, num_classes, pool_type=global_pool, **dd)
         self.head_hidden_size = self.num_features * self.global_pool.feat_mult()
         self.init_weights(zero_init_last=zero_init_last)

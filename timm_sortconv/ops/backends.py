@@ -37,7 +37,6 @@ def register_backend(backend: Backend) -> None:
 register_backend(Backend("reference", sort_conv2d_reference, lambda *args: True, lambda: True))
 
 
-
 def available_backends() -> List[str]:
     """Names of the backends usable in this process (a fast one may be missing its compiler)."""
     return [name for name, b in _BACKENDS.items() if b.available()]
