@@ -517,8 +517,15 @@ void unsort_fixed(scalar_t* grad, const SwapMask<typename Simd<scalar_t>::vec>* 
 }
 
 // The segment sizes with an unrolled network: rings (8r) and whole windows (k*k) for k <= 7, and
-// the ring of k = 9. Other sizes run the comparators from Python over rows in memory.
+// the ring of k = 9. Other sizes run the comparators from Python over rows in memory. Without
+// AVX-512 the swap masks are whole vectors, for which GCC needs minutes to unroll the networks
+// (measured with -march=x86-64-v3: 21 s without them, 40 s with sizes 8-16, 76 s up to 25), so
+// there every size takes the loop.
+#if defined(__AVX512F__)
 #define TIMM_SORTCONV_FIXED_SIZES(X) X(8) X(9) X(16) X(24) X(25) X(32) X(49)
+#else
+#define TIMM_SORTCONV_FIXED_SIZES(X)
+#endif
 
 // Unrolled networks are compiled for float32 only, which training uses; float64 (tests, gradcheck)
 // runs the same comparators from memory, and the build stays short.
