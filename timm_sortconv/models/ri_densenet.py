@@ -15,19 +15,18 @@ Papers:
 """
 from collections import OrderedDict
 from functools import partial
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import BatchNormAct2d, create_classifier, get_device_dtype
 from timm.models import build_model_with_cfg, checkpoint, generate_default_cfgs, register_model
-from timm.models._features import feature_take_indices
 from timm.models._manipulate import MATCH_PREV_GROUP
 
 from ..sortify import fixed_variant_args, get_conv_layer
+from ._common import SequentialFeaturesMixin, ri_cfg
 
 __all__ = ['SortDenseNet']
 
@@ -117,7 +116,7 @@ class DenseTransition(nn.Sequential):
         ]))
 
 
-class SortDenseNet(nn.Module):
+class SortDenseNet(SequentialFeaturesMixin, nn.Module):
     """DenseNet without bottlenecks, with sorting (``sampling``/``sorting`` given) or plain ``3 x 3`` convolutions.
 
     Args:
@@ -132,6 +131,8 @@ class SortDenseNet(nn.Module):
         drop_rate: dropout before the classifier.
         proj_drop_rate: dropout after each dense layer (as timm's DenseNet).
         bn_momentum, bn_eps: BatchNorm settings.
+
+    ``forward_intermediates`` taps the stem convolution, the dense blocks before the last, and the final norm.
     """
 
     def __init__(
@@ -230,58 +231,6 @@ class SortDenseNet(nn.Module):
         self.global_pool.train(self.training)
         self.classifier.train(self.training)
 
-    def forward_intermediates(
-            self,
-            x: torch.Tensor,
-            indices: Optional[Union[int, List[int]]] = None,
-            norm: bool = False,
-            stop_early: bool = False,
-            output_fmt: str = 'NCHW',
-            intermediates_only: bool = False,
-    ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
-        """Features and intermediates: 0 the stem convolution, 1-2 the first dense blocks, 3 the final norm.
-
-        Args:
-            x: input images.
-            indices: last n taps if int, all if None, these ones if a sequence.
-            norm: unused (the last tap is the final norm's output).
-            stop_early: stop after the last requested tap.
-            output_fmt: ``'NCHW'`` only.
-            intermediates_only: return only the intermediates.
-        """
-        assert output_fmt == 'NCHW', 'Output shape must be NCHW.'
-        intermediates = []
-        take_indices, max_index = feature_take_indices(len(self.feature_ends), indices)
-        layers = self.features if torch.jit.is_scripting() or not stop_early else (
-            self.features[:self.feature_ends[max_index] + 1])
-        feat_idx = 0
-        for i, layer in enumerate(layers):
-            x = layer(x)
-            if i in self.feature_ends:
-                if feat_idx in take_indices:
-                    intermediates.append(x)
-                feat_idx += 1
-        if intermediates_only:
-            return intermediates
-        return x, intermediates
-
-    def prune_intermediate_layers(
-            self,
-            indices: Union[int, List[int]] = 1,
-            prune_norm: bool = False,
-            prune_head: bool = True,
-    ) -> List[int]:
-        """Drops the layers after the last tap in ``indices`` (and the classifier if ``prune_head``)."""
-        take_indices, max_index = feature_take_indices(len(self.feature_ends), indices)
-        prune_end = max_index < len(self.feature_ends) - 1
-        self.features = self.features[:self.feature_ends[max_index] + 1]
-        if prune_end:
-            # the features now end at the last kept tap; the head, sized for the final features, goes too
-            self.num_features = self.head_hidden_size = self.feature_info[max_index]['num_chs']
-        if prune_head or prune_end:
-            self.reset_classifier(0, '')
-        return take_indices
-
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         return self.features(x)
 
@@ -299,30 +248,15 @@ def _create_densenet(variant: str, pretrained: bool = False, **kwargs: Any) -> S
     return build_model_with_cfg(SortDenseNet, variant, pretrained, feature_cfg=dict(flatten_sequential=True, out_indices=(0, 1, 2, 3)), **kwargs)
 
 
-def _cfg(url: str = '', **kwargs) -> Dict[str, Any]:
-    return {
-        'url': url,
-        'num_classes': 45, 'input_size': (3, 128, 128), 'pool_size': (8, 8),
-        'crop_pct': 1.0, 'interpolation': 'bilinear',
-        'mean': IMAGENET_DEFAULT_MEAN, 'std': IMAGENET_DEFAULT_STD,
-        'first_conv': 'features.conv0', 'classifier': 'classifier',
-        'license': 'apache-2.0',
-        'paper_ids': 'arXiv:2305.14462',
-        'paper_name': 'Sorted Convolutional Network for Achieving Continuous Rotational Invariance',
-        **kwargs,
-    }
-
-
-def _outex_cfg(url: str = '', **kwargs) -> Dict[str, Any]:
-    # Outex_TC_00012: 24 grayscale texture classes; inputs in [0, 1] are mapped to [-1, 1].
-    return _cfg(url=url, **dict(dict(num_classes=24, input_size=(1, 128, 128), mean=(0.5,), std=(0.5,)), **kwargs))
+def _cfg(dataset: str = 'nwpu', **kwargs) -> Dict[str, Any]:
+    return ri_cfg(first_conv='features.conv0', classifier='classifier', pool_size=(8, 8), dataset=dataset, **kwargs)
 
 
 default_cfgs = generate_default_cfgs({
     'ri_densenet40.nwpu': _cfg(),
-    'ri_densenet40.outex': _outex_cfg(),
+    'ri_densenet40.outex': _cfg('outex'),
     'ri_densenet40_baseline.nwpu': _cfg(),
-    'ri_densenet40_baseline.outex': _outex_cfg(),
+    'ri_densenet40_baseline.outex': _cfg('outex'),
 })
 
 

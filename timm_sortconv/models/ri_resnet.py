@@ -23,12 +23,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import DropBlock2d, DropPath, create_classifier, get_device_dtype
 from timm.models import build_model_with_cfg, checkpoint_seq, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 
 from ..sortify import fixed_variant_args, get_conv_layer
+from ._common import ri_cfg
 
 __all__ = ['SortResNet', 'BasicBlock']
 
@@ -308,30 +308,15 @@ def _create_resnet(variant: str, pretrained: bool = False, **kwargs: Any) -> Sor
     return build_model_with_cfg(SortResNet, variant, pretrained, **kwargs)
 
 
-def _cfg(url: str = '', **kwargs) -> Dict[str, Any]:
-    return {
-        'url': url,
-        'num_classes': 45, 'input_size': (3, 128, 128), 'pool_size': (8, 8),
-        'crop_pct': 1.0, 'interpolation': 'bilinear',
-        'mean': IMAGENET_DEFAULT_MEAN, 'std': IMAGENET_DEFAULT_STD,
-        'first_conv': 'conv1', 'classifier': 'fc',
-        'license': 'apache-2.0',
-        'paper_ids': 'arXiv:2305.14462',
-        'paper_name': 'Sorted Convolutional Network for Achieving Continuous Rotational Invariance',
-        **kwargs,
-    }
-
-
-def _outex_cfg(url: str = '', **kwargs) -> Dict[str, Any]:
-    # Outex_TC_00012: 24 grayscale texture classes; inputs in [0, 1] are mapped to [-1, 1].
-    return _cfg(url=url, **dict(dict(num_classes=24, input_size=(1, 128, 128), mean=(0.5,), std=(0.5,)), **kwargs))
+def _cfg(dataset: str = 'nwpu', **kwargs) -> Dict[str, Any]:
+    return ri_cfg(first_conv='conv1', classifier='fc', pool_size=(8, 8), dataset=dataset, **kwargs)
 
 
 default_cfgs = generate_default_cfgs({
     'ri_resnet18.nwpu': _cfg(),
-    'ri_resnet18.outex': _outex_cfg(),
+    'ri_resnet18.outex': _cfg('outex'),
     'ri_resnet18_baseline.nwpu': _cfg(),
-    'ri_resnet18_baseline.outex': _outex_cfg(),
+    'ri_resnet18_baseline.outex': _cfg('outex'),
 })
 
 

@@ -15,18 +15,16 @@ Papers:
 * `Sorted Convolutional Network for Achieving Continuous Rotational Invariance` - https://arxiv.org/abs/2305.14462
 * `Very Deep Convolutional Networks for Large-Scale Image Recognition` - https://arxiv.org/abs/1409.1556
 """
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
 
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import ClassifierHead, get_device_dtype
 from timm.models import build_model_with_cfg, checkpoint_seq, generate_default_cfgs, register_model
-from timm.models._features import feature_take_indices
 
 from ..sortify import fixed_variant_args, get_conv_layer
-from .scnn import ConvNormAct
+from ._common import ConvNormAct, SequentialFeaturesMixin, ri_cfg
 
 __all__ = ['SortVGG']
 
@@ -35,7 +33,7 @@ cfgs: Dict[str, List[Union[str, int]]] = {
 }
 
 
-class SortVGG(nn.Module):
+class SortVGG(SequentialFeaturesMixin, nn.Module):
     """VGG with BatchNorm, sorting (``sampling``/``sorting`` given) or plain (both ``None``) convolutions,
     and a global-pooling head.
 
@@ -48,6 +46,8 @@ class SortVGG(nn.Module):
         global_pool: timm pooling type (``'avg'``, ``'max'``, ``'avgmax'``, ``'catavgmax'``).
         drop_rate: dropout before the classifier.
         bn_momentum, bn_eps: BatchNorm settings.
+
+    ``forward_intermediates`` taps the output before each max pooling, and after the last one.
     """
 
     def __init__(
@@ -119,62 +119,8 @@ class SortVGG(nn.Module):
 
     def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
         self.num_classes = num_classes
-        self.head.reset(num_classes, global_pool, **get_device_dtype(self))
+        self.head.reset(num_classes, global_pool, in_features=self.num_features, **get_device_dtype(self))
         self.head_hidden_size = self.head.num_features
-
-    def forward_intermediates(
-            self,
-            x: torch.Tensor,
-            indices: Optional[Union[int, List[int]]] = None,
-            norm: bool = False,
-            stop_early: bool = False,
-            output_fmt: str = 'NCHW',
-            intermediates_only: bool = False,
-    ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
-        """Features and intermediates: indices 0-4 before each max pooling, 5 after the last one.
-
-        Args:
-            x: input images.
-            indices: last n taps if int, all if None, these ones if a sequence.
-            norm: unused (no final norm).
-            stop_early: stop after the last requested tap.
-            output_fmt: ``'NCHW'`` only.
-            intermediates_only: return only the intermediates.
-        """
-        assert output_fmt == 'NCHW', 'Output shape must be NCHW.'
-        intermediates = []
-        take_indices, max_index = feature_take_indices(len(self.feature_ends), indices)
-        layers = self.features if torch.jit.is_scripting() or not stop_early else (
-            self.features[:self.feature_ends[max_index] + 1])
-        feat_idx = 0
-        for i, layer in enumerate(layers):
-            x = layer(x)
-            if feat_idx < len(self.feature_ends) and i == self.feature_ends[feat_idx]:
-                if feat_idx in take_indices:
-                    intermediates.append(x)
-                feat_idx += 1
-        if intermediates_only:
-            return intermediates
-        return x, intermediates
-
-    def prune_intermediate_layers(
-            self,
-            indices: Union[int, List[int]] = 1,
-            prune_norm: bool = False,
-            prune_head: bool = True,
-    ) -> List[int]:
-        """Drops the layers after the last tap in ``indices`` (and the classifier if ``prune_head``)."""
-        take_indices, max_index = feature_take_indices(len(self.feature_ends), indices)
-        prune_end = max_index < len(self.feature_ends) - 1
-        self.features = self.features[:self.feature_ends[max_index] + 1]
-        if prune_end:
-            # the features now end at the last kept tap; the head, sized for the final features, goes too
-            self.num_features = self.feature_info[max_index]['num_chs']
-        if prune_head or prune_end:
-            self.num_classes = 0
-            self.head.reset(0, '', in_features=self.num_features, **get_device_dtype(self))
-            self.head_hidden_size = self.num_features
-        return take_indices
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         if self.grad_checkpointing and not torch.jit.is_scripting():
@@ -201,30 +147,15 @@ def _create_vgg(variant: str, pretrained: bool = False, **kwargs: Any) -> SortVG
     )
 
 
-def _cfg(url: str = '', **kwargs) -> Dict[str, Any]:
-    return {
-        'url': url,
-        'num_classes': 45, 'input_size': (3, 128, 128), 'pool_size': (4, 4),
-        'crop_pct': 1.0, 'interpolation': 'bilinear',
-        'mean': IMAGENET_DEFAULT_MEAN, 'std': IMAGENET_DEFAULT_STD,
-        'first_conv': 'features.0.conv', 'classifier': 'head.fc',
-        'license': 'apache-2.0',
-        'paper_ids': 'arXiv:2305.14462',
-        'paper_name': 'Sorted Convolutional Network for Achieving Continuous Rotational Invariance',
-        **kwargs,
-    }
-
-
-def _outex_cfg(url: str = '', **kwargs) -> Dict[str, Any]:
-    # Outex_TC_00012: 24 grayscale texture classes; inputs in [0, 1] are mapped to [-1, 1].
-    return _cfg(url=url, **dict(dict(num_classes=24, input_size=(1, 128, 128), mean=(0.5,), std=(0.5,)), **kwargs))
+def _cfg(dataset: str = 'nwpu', **kwargs) -> Dict[str, Any]:
+    return ri_cfg(first_conv='features.0.conv', classifier='head.fc', pool_size=(4, 4), dataset=dataset, **kwargs)
 
 
 default_cfgs = generate_default_cfgs({
     'ri_vgg16.nwpu': _cfg(),
-    'ri_vgg16.outex': _outex_cfg(),
+    'ri_vgg16.outex': _cfg('outex'),
     'ri_vgg16_baseline.nwpu': _cfg(),
-    'ri_vgg16_baseline.outex': _outex_cfg(),
+    'ri_vgg16_baseline.outex': _cfg('outex'),
 })
 
 

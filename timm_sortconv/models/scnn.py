@@ -13,49 +13,22 @@ invariant to rotations by multiples of 90 degrees, and polar sampling keeps them
 Paper: `Sorted Convolutional Network for Achieving Continuous Rotational Invariance` (Mo & Zhao, IEEE SPL 2024)
 - https://arxiv.org/abs/2305.14462
 """
-from collections import OrderedDict
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 import torch.nn as nn
 
 from timm.layers import ClassifierHead, get_device_dtype
 from timm.models import build_model_with_cfg, checkpoint_seq, generate_default_cfgs, register_model
-from timm.models._features import feature_take_indices
 
 from ..hub import bundled_weights_dir
 from ..sortify import fixed_variant_args, get_conv_layer
+from ._common import PAPER_CFG, ConvNormAct, SequentialFeaturesMixin
 
-__all__ = ['SCNN', 'ConvNormAct']
-
-
-class ConvNormAct(nn.Sequential):
-    """Convolution (``conv_layer``, padding ``k // 2``, no bias), BatchNorm, ReLU.
-
-    One block is one unit of gradient checkpointing, so the in-place ReLU only overwrites a tensor
-    that lives inside the block.
-    """
-
-    def __init__(
-            self,
-            in_chs: int,
-            out_chs: int,
-            kernel_size: int,
-            conv_layer: Callable[..., nn.Module] = nn.Conv2d,
-            bn_momentum: float = 0.1,
-            bn_eps: float = 1e-5,
-            device=None,
-            dtype=None,
-    ) -> None:
-        dd = {'device': device, 'dtype': dtype}
-        super().__init__(OrderedDict([
-            ('conv', conv_layer(in_chs, out_chs, kernel_size, padding=kernel_size // 2, bias=False, **dd)),
-            ('bn', nn.BatchNorm2d(out_chs, eps=bn_eps, momentum=bn_momentum, **dd)),
-            ('act', nn.ReLU(inplace=True)),
-        ]))
+__all__ = ['SCNN']
 
 
-class SCNN(nn.Module):
+class SCNN(SequentialFeaturesMixin, nn.Module):
     """The paper's MNIST network with sorting (``sampling``/``sorting`` given) or plain convolutions (both ``None``).
 
     Args:
@@ -69,7 +42,8 @@ class SCNN(nn.Module):
         drop_rate: dropout before the classifier.
         bn_momentum, bn_eps: BatchNorm settings (timm's ``train.py`` passes them when asked).
 
-    The weights keep PyTorch's default initialisation, as in the paper's code.
+    The weights keep PyTorch's default initialisation, as in the paper's code. ``forward_intermediates``
+    taps the three stages: the outputs before each max pooling, and the last one.
     """
 
     def __init__(
@@ -134,62 +108,8 @@ class SCNN(nn.Module):
 
     def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
         self.num_classes = num_classes
-        self.head.reset(num_classes, global_pool, **get_device_dtype(self))
+        self.head.reset(num_classes, global_pool, in_features=self.num_features, **get_device_dtype(self))
         self.head_hidden_size = self.head.num_features
-
-    def forward_intermediates(
-            self,
-            x: torch.Tensor,
-            indices: Optional[Union[int, List[int]]] = None,
-            norm: bool = False,
-            stop_early: bool = False,
-            output_fmt: str = 'NCHW',
-            intermediates_only: bool = False,
-    ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
-        """Features and the outputs of the three stages (before each max pooling, and the last one).
-
-        Args:
-            x: input images.
-            indices: last n taps if int, all if None, these ones if a sequence.
-            norm: unused (no final norm).
-            stop_early: stop after the last requested tap.
-            output_fmt: ``'NCHW'`` only.
-            intermediates_only: return only the intermediates.
-        """
-        assert output_fmt == 'NCHW', 'Output shape must be NCHW.'
-        intermediates = []
-        take_indices, max_index = feature_take_indices(len(self.feature_ends), indices)
-        layers = self.features if torch.jit.is_scripting() or not stop_early else (
-            self.features[:self.feature_ends[max_index] + 1])
-        feat_idx = 0
-        for i, layer in enumerate(layers):
-            x = layer(x)
-            if feat_idx < len(self.feature_ends) and i == self.feature_ends[feat_idx]:
-                if feat_idx in take_indices:
-                    intermediates.append(x)
-                feat_idx += 1
-        if intermediates_only:
-            return intermediates
-        return x, intermediates
-
-    def prune_intermediate_layers(
-            self,
-            indices: Union[int, List[int]] = 1,
-            prune_norm: bool = False,
-            prune_head: bool = True,
-    ) -> List[int]:
-        """Drops the layers after the last tap in ``indices`` (and the classifier if ``prune_head``)."""
-        take_indices, max_index = feature_take_indices(len(self.feature_ends), indices)
-        prune_end = max_index < len(self.feature_ends) - 1
-        self.features = self.features[:self.feature_ends[max_index] + 1]
-        if prune_end:
-            # the features now end at the last kept tap; the head, sized for the final features, goes too
-            self.num_features = self.feature_info[max_index]['num_chs']
-        if prune_head or prune_end:
-            self.num_classes = 0
-            self.head.reset(0, '', in_features=self.num_features, **get_device_dtype(self))
-            self.head_hidden_size = self.num_features
-        return take_indices
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         if self.grad_checkpointing and not torch.jit.is_scripting():
@@ -226,9 +146,7 @@ def _cfg(url: str = '', **kwargs) -> Dict[str, Any]:
         # mean and std of the 60,000 MNIST training images' pixels in [0, 1]
         'mean': (0.1307,), 'std': (0.3081,),
         'first_conv': 'features.0.conv', 'classifier': 'head.fc',
-        'license': 'apache-2.0',
-        'paper_ids': 'arXiv:2305.14462',
-        'paper_name': 'Sorted Convolutional Network for Achieving Continuous Rotational Invariance',
+        **PAPER_CFG,
         **kwargs,
     }
 

@@ -1,0 +1,154 @@
+"""Pieces the model files share: the conv-BN-ReLU block, the feature-tap API of a network built on one
+``features`` sequence, and the default-cfg fields.
+
+* :class:`ConvNormAct`: the block of ``SCNN`` and ``SortVGG``;
+* :class:`SequentialFeaturesMixin`: ``forward_intermediates`` and ``prune_intermediate_layers`` for
+  ``SCNN``, ``SortVGG`` and ``SortDenseNet``, whose taps are outputs of ``self.features`` children;
+* :func:`ri_cfg`: the ``.nwpu`` and ``.outex`` default cfgs of the 128x128 models.
+"""
+from collections import OrderedDict
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+
+import torch
+import torch.nn as nn
+
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.models._features import feature_take_indices
+
+__all__ = ['ConvNormAct', 'SequentialFeaturesMixin', 'PAPER_CFG', 'ri_cfg']
+
+
+class ConvNormAct(nn.Sequential):
+    """Convolution (``conv_layer``, padding ``k // 2``, no bias), BatchNorm, ReLU.
+
+    One block is one unit of gradient checkpointing, so the in-place ReLU only overwrites a tensor
+    that lives inside the block.
+    """
+
+    def __init__(
+            self,
+            in_chs: int,
+            out_chs: int,
+            kernel_size: int,
+            conv_layer: Callable[..., nn.Module] = nn.Conv2d,
+            bn_momentum: float = 0.1,
+            bn_eps: float = 1e-5,
+            device=None,
+            dtype=None,
+    ) -> None:
+        dd = {'device': device, 'dtype': dtype}
+        super().__init__(OrderedDict([
+            ('conv', conv_layer(in_chs, out_chs, kernel_size, padding=kernel_size // 2, bias=False, **dd)),
+            ('bn', nn.BatchNorm2d(out_chs, eps=bn_eps, momentum=bn_momentum, **dd)),
+            ('act', nn.ReLU(inplace=True)),
+        ]))
+
+
+class SequentialFeaturesMixin:
+    """timm's intermediate-feature API for a network whose feature taps are outputs of ``self.features``.
+
+    The model sets ``self.features`` (an ``nn.Sequential``), ``self.feature_info`` (one dict per tap,
+    ``num_chs`` among its keys), ``self.feature_ends`` (for each tap, the index into ``self.features`` of
+    the child whose output it is, increasing) and ``self.num_features``, and has
+    ``reset_classifier(num_classes, global_pool)`` sizing the classifier for ``self.num_features``.
+    """
+    features: nn.Sequential
+    feature_info: List[Dict[str, Any]]
+    feature_ends: List[int]
+    num_features: int
+
+    def forward_intermediates(
+            self,
+            x: torch.Tensor,
+            indices: Optional[Union[int, List[int]]] = None,
+            norm: bool = False,
+            stop_early: bool = False,
+            output_fmt: str = 'NCHW',
+            intermediates_only: bool = False,
+    ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
+        """Features and the intermediates at the taps of ``feature_info`` (the class docstring lists them).
+
+        Args:
+            x: input images.
+            indices: last n taps if int, all if None, these ones if a sequence.
+            norm: unused (no norm after the last tap).
+            stop_early: stop after the last requested tap.
+            output_fmt: ``'NCHW'`` only.
+            intermediates_only: return only the intermediates.
+        """
+        assert output_fmt == 'NCHW', 'Output shape must be NCHW.'
+        intermediates = []
+        take_indices, max_index = feature_take_indices(len(self.feature_ends), indices)
+        layers = self.features if torch.jit.is_scripting() or not stop_early else (
+            self.features[:self.feature_ends[max_index] + 1])
+        feat_idx = 0
+        for i, layer in enumerate(layers):
+            x = layer(x)
+            if feat_idx < len(self.feature_ends) and i == self.feature_ends[feat_idx]:
+                if feat_idx in take_indices:
+                    intermediates.append(x)
+                feat_idx += 1
+        if intermediates_only:
+            return intermediates
+        return x, intermediates
+
+    def prune_intermediate_layers(
+            self,
+            indices: Union[int, List[int]] = 1,
+            prune_norm: bool = False,
+            prune_head: bool = True,
+    ) -> List[int]:
+        """Drops the layers after the last tap in ``indices`` (and the classifier if ``prune_head``)."""
+        take_indices, max_index = feature_take_indices(len(self.feature_ends), indices)
+        prune_end = max_index < len(self.feature_ends) - 1
+        self.features = self.features[:self.feature_ends[max_index] + 1]
+        if prune_end:
+            # the features now end at the last kept tap; the head, sized for the final features, goes too
+            self.num_features = self.feature_info[max_index]['num_chs']
+        if prune_head or prune_end:
+            self.reset_classifier(0, '')
+        return take_indices
+
+
+PAPER_CFG = dict(
+    license='apache-2.0',
+    paper_ids='arXiv:2305.14462',
+    paper_name='Sorted Convolutional Network for Achieving Continuous Rotational Invariance',
+)
+
+_DATASET_CFGS = {
+    # NWPU-RESISC45: 45 classes of RGB remote-sensing scenes.
+    'nwpu': dict(num_classes=45, input_size=(3, 128, 128), mean=IMAGENET_DEFAULT_MEAN, std=IMAGENET_DEFAULT_STD),
+    # Outex_TC_00012: 24 grayscale texture classes; inputs in [0, 1] are mapped to [-1, 1].
+    'outex': dict(num_classes=24, input_size=(1, 128, 128), mean=(0.5,), std=(0.5,)),
+}
+
+
+def ri_cfg(
+        first_conv: str,
+        classifier: str,
+        pool_size: Tuple[int, int],
+        dataset: str = 'nwpu',
+        url: str = '',
+        **kwargs,
+) -> Dict[str, Any]:
+    """Default cfg of a 128x128 model (``ri_*``) trained on ``dataset`` (``'nwpu'`` or ``'outex'``).
+
+    Args:
+        first_conv, classifier: the model's first convolution and classifier, as module names.
+        pool_size: the size of the map the head pools for a 128x128 input.
+        dataset: the data set the weights are for; sets classes, input size, mean and std.
+        url: where the weights are.
+        kwargs: cfg fields that override the above.
+    """
+    if dataset not in _DATASET_CFGS:
+        raise ValueError(f"unknown dataset {dataset!r}; expected one of {sorted(_DATASET_CFGS)}")
+    return {
+        'url': url,
+        'pool_size': pool_size,
+        'crop_pct': 1.0, 'interpolation': 'bilinear',
+        'first_conv': first_conv, 'classifier': classifier,
+        **_DATASET_CFGS[dataset],
+        **PAPER_CFG,
+        **kwargs,
+    }
