@@ -7,8 +7,10 @@
 
 ``--dry-run DIR`` writes exactly the folder that would be uploaded (``model.safetensors``,
 ``config.json``, ``README.md``) and uploads nothing; ``timm.create_model("local-dir:DIR")`` loads it.
-``--bundle`` also copies the weights into the package (``timm_sortconv/weights/<model>.safetensors``),
-from where ``timm.create_model(model, pretrained=True)`` loads them without a network.
+``--bundle`` also copies the weights to ``<model>.safetensors`` in the package's ``timm_sortconv/weights/``
+(or in ``--bundle-dir DIR``; default: ``$TIMM_SORTCONV_WEIGHTS_DIR`` if set), from where
+``timm.create_model(model, pretrained=True)`` loads them without a network (weights outside the package
+need ``TIMM_SORTCONV_WEIGHTS_DIR=DIR`` when loading).
 """
 from __future__ import annotations
 
@@ -38,13 +40,18 @@ def parse_args(argv=None):
     p.add_argument("--model-card", default=None, help="Markdown card (default: model_cards/<model>.md)")
     p.add_argument("--repo-id", default=None, help="Hub repository ORG/NAME to upload to")
     p.add_argument("--dry-run", metavar="DIR", default=None, help="write the upload folder to DIR, upload nothing")
-    p.add_argument("--bundle", action="store_true", help="also copy the weights into timm_sortconv/weights/")
+    p.add_argument("--bundle", action="store_true", help="also copy the weights into the bundled-weights folder")
+    p.add_argument("--bundle-dir", type=Path, default=None,
+                   help="bundled-weights folder for --bundle (default: $TIMM_SORTCONV_WEIGHTS_DIR, else "
+                        "timm_sortconv/weights/); loading from another folder needs TIMM_SORTCONV_WEIGHTS_DIR")
     p.add_argument("--private", action="store_true")
     p.add_argument("--revision", default=None)
     p.add_argument("--commit-message", default="Add model")
     args = p.parse_args(argv)
     if not args.repo_id and not args.dry_run and not args.bundle:
         p.error("give --repo-id to upload, --dry-run DIR to write the folder, or --bundle")
+    if args.bundle_dir is not None and not args.bundle:
+        p.error("--bundle-dir only says where --bundle copies the weights; add --bundle")
     return args
 
 
@@ -64,8 +71,8 @@ def main(argv=None) -> int:
         folder = save_pretrained(model, args.dry_run or tmp, model_card=card)
         _logger.info(f"{args.model}: wrote {', '.join(sorted(p.name for p in folder.iterdir()))} to {folder}")
         if args.bundle:
-            target = bundled_weights_dir() / f"{args.model}.safetensors"
-            target.parent.mkdir(exist_ok=True)
+            target = (args.bundle_dir or bundled_weights_dir()) / f"{args.model}.safetensors"
+            target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(folder / WEIGHTS_NAME, target)
             _logger.info(f"bundled weights at {target}")
         if args.repo_id and not args.dry_run:

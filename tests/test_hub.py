@@ -140,3 +140,41 @@ def test_corrupted_safetensors(dry_run, tmp_path):
 def test_save_pretrained_needs_existing_card(trained, tmp_path):
     with pytest.raises(FileNotFoundError, match="model card"):
         save_pretrained(trained[0], tmp_path / "x", model_card=tmp_path / "nope.md")
+
+
+@pytest.fixture
+def bundle_dir(tmp_path):
+    """The folder push_to_hub.py --bundle-dir writes to; the bundled file is removed afterwards, pass or fail."""
+    from timm_sortconv.hub import PACKAGE_WEIGHTS_DIR
+
+    real = PACKAGE_WEIGHTS_DIR / f"{MODEL}.safetensors"
+    if real.exists():
+        pytest.skip(f"real bundled weights at {real}: not bundling test weights next to them")
+    folder = tmp_path / "weights"
+    yield folder
+    (folder / f"{MODEL}.safetensors").unlink(missing_ok=True)
+
+
+def test_bundled_weights_load_with_pretrained_offline(trained, bundle_dir, tmp_path):
+    _, checkpoint, card = trained
+    push = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "push_to_hub.py"), "--model", MODEL,
+                           "--checkpoint", str(checkpoint), "--model-card", str(card), "--bundle",
+                           "--bundle-dir", str(bundle_dir)], capture_output=True, text=True)
+    assert push.returncode == 0, push.stderr
+    assert (bundle_dir / f"{MODEL}.safetensors").is_file()
+    code = (
+        "import timm, torch, timm_sortconv\n"
+        f"m = timm.create_model({MODEL!r}, pretrained=True)\n"
+        "torch.save(m.state_dict(), 'loaded.pt')\n"
+    )
+    # The scnn default cfgs look for bundled weights when timm_sortconv is imported, so the child process
+    # is where TIMM_SORTCONV_WEIGHTS_DIR takes effect.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home"),
+           "TIMM_SORTCONV_DISABLE_FAST": "1", "TIMM_SORTCONV_WEIGHTS_DIR": str(bundle_dir)}
+    load = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert load.returncode == 0, load.stderr
+    loaded = torch.load(tmp_path / "loaded.pt")
+    expected = torch.load(checkpoint)["state_dict"]
+    assert loaded.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(loaded[key], value), key

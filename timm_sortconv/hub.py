@@ -18,12 +18,14 @@ import timm
 import torch
 from timm.models import save_for_hf
 
-__all__ = ["PretrainedLoadError", "bundled_weights_dir", "save_pretrained", "push_folder", "fill_hf_cache",
-           "load_pretrained"]
+__all__ = ["PretrainedLoadError", "PACKAGE_WEIGHTS_DIR", "bundled_weights_dir", "save_pretrained", "push_folder",
+           "fill_hf_cache", "load_pretrained"]
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 README_NAME = "README.md"
+PACKAGE_WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
+WEIGHTS_DIR_ENV = "TIMM_SORTCONV_WEIGHTS_DIR"
 
 
 class PretrainedLoadError(RuntimeError):
@@ -31,8 +33,15 @@ class PretrainedLoadError(RuntimeError):
 
 
 def bundled_weights_dir() -> Path:
-    """Folder inside the package holding the shipped MNIST SCNN weights (``<model>.safetensors``)."""
-    return Path(__file__).resolve().parent / "weights"
+    """Folder holding the bundled MNIST SCNN weights (``<model>.safetensors``).
+
+    The package's ``weights/`` folder (:data:`PACKAGE_WEIGHTS_DIR`), unless the environment variable
+    ``TIMM_SORTCONV_WEIGHTS_DIR`` names another one: for weights kept outside an installed package, and
+    for tests, which must not write into the package. The SCNN default cfgs read it once, when
+    ``timm_sortconv`` is imported, so set it before that.
+    """
+    override = os.environ.get(WEIGHTS_DIR_ENV)
+    return Path(override) if override else PACKAGE_WEIGHTS_DIR
 
 
 def save_pretrained(model: torch.nn.Module, out_dir: Union[str, Path], model_card: Optional[Union[str, Path]] = None,

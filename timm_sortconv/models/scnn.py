@@ -152,7 +152,8 @@ def _cfg(url: str = '', **kwargs) -> Dict[str, Any]:
 
 
 def _bundled_file(model_name: str) -> Optional[str]:
-    # Weights that scripts/push_to_hub.py --bundle copied into the package load with pretrained=True, offline.
+    # Weights that scripts/push_to_hub.py --bundle copied into bundled_weights_dir() (the package's weights/
+    # folder, or TIMM_SORTCONV_WEIGHTS_DIR) load with pretrained=True, offline; checked once, at import.
     weights = bundled_weights_dir() / f'{model_name}.safetensors'
     return str(weights) if weights.is_file() else None
 
