@@ -8,8 +8,11 @@ and the memory each path keeps for backward. Optionally it also measures whole-m
 throughput (``scnn_p_rs_7`` against ``scnn_baseline_7``) and an E(2)-CNN peer on the same task.
 
 What is measured:
-- Times: the median of ``--repeats`` runs after one warm-up run; the paths of one row take turns in
-  every repeat, so a busy machine slows them alike.
+- Times: the median of ``--repeats`` runs after one warm-up run; conv and the fast path take turns in
+  every repeat, so a busy machine slows them alike. ``--clock wall`` (default) is elapsed time;
+  ``--clock cpu`` is the process's CPU time (all its threads), which other processes on a shared
+  machine disturb far less; with one thread it is the cleanest comparison there is. The reference path, tens of times slower, gets
+  ``--reference-repeats`` runs (default 1) after its warm-up.
 - Memory: the bytes of the distinct tensors autograd saves for backward during the forward pass
   (``torch.autograd.graph.saved_tensors_hooks``): the memory a training step holds per layer between
   forward and backward. Parameters count too (the weight is saved by every path).
@@ -99,6 +102,10 @@ def model_layer_shapes(name: str, batch: int) -> Tuple[List[LayerShape], str]:
     return [replace(shape, count=count) for shape, count in found.items()], "/".join(sorted(variants))
 
 
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+clock = CLOCKS["wall"]
+
+
 def median_times(fns: Dict[str, Callable[[], object]], repeats: int) -> Dict[str, float]:
     """Median seconds of each function; one warm-up call each, then the functions take turns."""
     for fn in fns.values():
@@ -106,9 +113,9 @@ def median_times(fns: Dict[str, Callable[[], object]], repeats: int) -> Dict[str
     samples: Dict[str, List[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            start = time.perf_counter()
+            start = clock()
             fn()
-            samples[name].append(time.perf_counter() - start)
+            samples[name].append(clock() - start)
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
@@ -159,17 +166,17 @@ def layer_calls(shape: LayerShape, variant: Optional[str], backend: str):
     return forward, forward_backward, forward_with_grad
 
 
-def bench_layer(shape: LayerShape, variants: Sequence[str], repeats: int, reference: bool) -> List[dict]:
+def bench_layer(shape: LayerShape, variants: Sequence[str], repeats: int, reference_repeats: int) -> List[dict]:
+    """One row per variant; the reference path is timed only if ``reference_repeats`` > 0."""
+    reference = reference_repeats > 0
     conv_f, conv_fb, conv_saved = layer_calls(shape, None, "")
     rows = []
     for variant in variants:
-        fns = {"conv_f": conv_f, "conv_fb": conv_fb}
         fast_f, fast_fb, fast_saved = layer_calls(shape, variant, "cpu")
-        fns.update(fast_f=fast_f, fast_fb=fast_fb)
+        times = median_times({"conv_f": conv_f, "conv_fb": conv_fb, "fast_f": fast_f, "fast_fb": fast_fb}, repeats)
         if reference:
             ref_f, ref_fb, ref_saved = layer_calls(shape, variant, "reference")
-            fns.update(ref_f=ref_f, ref_fb=ref_fb)
-        times = median_times(fns, repeats)
+            times.update(median_times({"ref_f": ref_f, "ref_fb": ref_fb}, reference_repeats))
         row = dict(variant=variant, **times, conv_mb=saved_bytes(conv_saved) / 2**20,
                    fast_mb=saved_bytes(fast_saved) / 2**20)
         if reference:
@@ -182,9 +189,8 @@ def ms(seconds: Optional[float]) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.1f}"
 
 
-def print_layer_table(shape: LayerShape, rows: List[dict], reference: bool) -> None:
-    print(f"\n#### {shape.label()}\n")
-    header = ["variant", "conv fwd", "conv f+b"]
+def table_header(reference: bool, first: List[str]) -> None:
+    header = first + ["conv fwd", "conv f+b"]
     if reference:
         header += ["ref fwd", "ref f+b"]
     header += ["fast fwd", "fast f+b", "fast/conv fwd", "fast/conv f+b"]
@@ -193,20 +199,39 @@ def print_layer_table(shape: LayerShape, rows: List[dict], reference: bool) -> N
     header += ["saved MB conv", "saved MB fast"] + (["saved MB ref"] if reference else [])
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
+
+
+def table_row(row: dict, reference: bool, first: List[str]) -> None:
+    cells = first + [ms(row["conv_f"]), ms(row["conv_fb"])]
+    if reference:
+        cells += [ms(row["ref_f"]), ms(row["ref_fb"])]
+    cells += [ms(row["fast_f"]), ms(row["fast_fb"]), f"{row['fast_f'] / row['conv_f']:.2f}x",
+              f"{row['fast_fb'] / row['conv_fb']:.2f}x"]
+    if reference:
+        cells += [f"{row['ref_fb'] / row['fast_fb']:.1f}x"]
+    cells += [f"{row['conv_mb']:.1f}", f"{row['fast_mb']:.1f}"] + ([f"{row['ref_mb']:.1f}"] if reference else [])
+    print("| " + " | ".join(cells) + " |")
+
+
+def print_layer_table(shape: LayerShape, rows: List[dict], reference: bool) -> None:
+    """One table per shape, one row per variant (the issue's shapes)."""
+    print(f"\n#### {shape.label()}\n")
+    table_header(reference, ["variant"])
     for row in rows:
-        cells = [row["variant"], ms(row["conv_f"]), ms(row["conv_fb"])]
-        if reference:
-            cells += [ms(row["ref_f"]), ms(row["ref_fb"])]
-        cells += [ms(row["fast_f"]), ms(row["fast_fb"]), f"{row['fast_f'] / row['conv_f']:.2f}x",
-                  f"{row['fast_fb'] / row['conv_fb']:.2f}x"]
-        if reference:
-            cells += [f"{row['ref_fb'] / row['fast_fb']:.1f}x"]
-        cells += [f"{row['conv_mb']:.1f}", f"{row['fast_mb']:.1f}"] + ([f"{row['ref_mb']:.1f}"] if reference else [])
-        print("| " + " | ".join(cells) + " |")
+        table_row(row, reference, [row["variant"]])
 
 
-def print_model_total(name: str, shapes: List[LayerShape], results: Dict[LayerShape, List[dict]]) -> None:
-    """Layer times weighted by how often each layer occurs: the SC layers of one training step."""
+def print_model_table(name: str, shapes: List[LayerShape], results: Dict[LayerShape, List[dict]],
+                      reference: bool) -> None:
+    """One row per distinct layer and variant, then the layers weighted by how often each occurs:
+    the SC layers of one training step."""
+    print(f"\n#### {name}: one row per distinct SortConv2d layer (batch {shapes[0].batch})\n")
+    table_header(reference, ["C_in -> C_out, H x W, k", "x", "variant"])
+    for shape in shapes:
+        extra = f", stride {shape.stride}" if shape.stride != 1 else ""
+        layer = f"{shape.in_channels} -> {shape.out_channels}, {shape.height}x{shape.width}, {shape.kernel_size}{extra}"
+        for row in results[shape]:
+            table_row(row, reference, [layer, str(shape.count), row["variant"]])
     print(f"\n#### {name}: all its SortConv2d layers (times weighted by occurrence)\n")
     print("| variant | conv fwd | conv f+b | fast fwd | fast f+b | fast/conv fwd | fast/conv f+b |")
     print("|---|---|---|---|---|---|---|")
@@ -312,7 +337,11 @@ def parse_args(argv=None):
                              "own variant unless this is given explicitly")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (median reported)")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
-    parser.add_argument("--skip-reference", action="store_true", help="do not time the (slow) reference path")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="wall: elapsed time; cpu: CPU time of the process (robust on a shared machine)")
+    parser.add_argument("--reference-repeats", type=int, default=1,
+                        help="timed runs of the (slow) reference path per measurement")
+    parser.add_argument("--skip-reference", action="store_true", help="do not time the reference path")
     parser.add_argument("--batch", type=int, default=None, help="batch size for model layers (default: the paper's)")
     parser.add_argument("--throughput", action="store_true",
                         help="whole-model training throughput of scnn_p_rs_7 vs scnn_baseline_7")
@@ -329,33 +358,34 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> None:
+    global clock
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    clock = CLOCKS[args.clock]
     variant_given = any(a.startswith("--variants") for a in (argv if argv is not None else sys.argv[1:]))
     variants = args.variants.split(",")
     start = time.perf_counter()
     if cpu_backend.load_extension() is None:
         sys.exit("the fused CPU backend could not be built; nothing to benchmark")
     print(f"torch {torch.__version__}, timm {timm.__version__}, timm_sortconv {timm_sortconv.__version__}, "
-          f"threads {torch.get_num_threads()}, extension ready in {time.perf_counter() - start:.1f} s")
-    reference = not args.skip_reference
+          f"threads {torch.get_num_threads()}, {args.clock} clock, extension ready in "
+          f"{time.perf_counter() - start:.1f} s")
+    reference_repeats = 0 if args.skip_reference else args.reference_repeats
+    reference = reference_repeats > 0
     for name in args.shapes.split(","):
         if name == "none":
             continue
         if name == "issue":
             print(f"\n### The performance issue's shapes (padding k // 2, float32, median of {args.repeats})")
             for shape in ISSUE_SHAPES:
-                print_layer_table(shape, bench_layer(shape, variants, args.repeats, reference), reference)
+                print_layer_table(shape, bench_layer(shape, variants, args.repeats, reference_repeats), reference)
             continue
         shapes, model_variant = model_layer_shapes(name, args.batch or MODELS[name])
         layer_variants = variants if variant_given else model_variant.split("/")
         print(f"\n### {name}: its SortConv2d layers at its input size ({model_variant}, float32, "
               f"median of {args.repeats})")
-        results = {}
-        for shape in shapes:
-            results[shape] = bench_layer(shape, layer_variants, args.repeats, reference)
-            print_layer_table(shape, results[shape], reference)
-        print_model_total(name, shapes, results)
+        results = {shape: bench_layer(shape, layer_variants, args.repeats, reference_repeats) for shape in shapes}
+        print_model_table(name, shapes, results, reference)
     if args.throughput or args.e2cnn:
         print_throughput(args.steps, 100, args.e2cnn, reference)
 

@@ -1,14 +1,14 @@
 // Fused Sorting Convolution for CPU.
 //
 // Works on an already padded input (B, C, Hp, Wp) and computes 'valid' windows with stride and
-// dilation. The output positions of one image are processed in blocks of kLanes (two SIMD vectors):
-// a block is a piece of one output row, or several whole rows when rows are short. Per block and
-// input channel the forward pass
+// dilation. Output positions are processed in blocks of kLanes (two SIMD vectors) consecutive
+// positions, across row and image boundaries so that no lane idles. Per block and input channel the
+// forward pass
 //   1. gathers the k*k samples of every window in ring order (square sampling: the grid values;
 //      polar sampling: bilinear interpolation of the staged k x k grid), as value[sample][lane];
 //   2. sorts every segment (a ring, or the whole window) with Batcher's odd-even merge network,
-//      each comparator a compare-exchange of whole vectors; the common sizes are unrolled at
-//      compile time so the values stay in registers;
+//      each comparator a compare-exchange of whole vectors; with AVX-512 the common sizes are
+//      unrolled at compile time so that the values stay in registers;
 //   3. multiplies the sorted panel with the weight (already in slot order) in a register-tiled
 //      micro-GEMM that accumulates the block's outputs for all output channels.
 // No column buffer is materialised: the sorted values stay in L1 between steps 2 and 3. A general
@@ -20,8 +20,8 @@
 // values around it unsorted, and every output whose window holds it is NaN anyway).
 //
 // Backward saves nothing but the padded input: per block and channel it gathers and sorts again,
-// recording each comparator's swap decision (a vector mask, in L1), uses the sorted panel for the
-// weight gradient, and sends the panel's gradient back to sample order by replaying the recorded
+// recording each comparator's swap decisions (a lane mask, kept in L1), uses the sorted panel for
+// the weight gradient, and sends the panel's gradient back to sample order by replaying the recorded
 // swaps in reverse (the transpose of the permutation), then through the bilinear taps to the input.
 // Re-sorting was measured cheaper than storing a uint8 permutation (k*k bytes per input value,
 // written, page-faulted and read back) and it keeps the memory saved for backward to the input.
