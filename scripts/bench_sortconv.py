@@ -268,18 +268,20 @@ def set_backend(model: nn.Module, backend: str) -> nn.Module:
     return model
 
 
-def e2cnn_mnist_model():
+def e2cnn_mnist_model(width: int = 1):
     """An E(2)-CNN (C8 regular fields) shaped like SCNN: six equivariant convolutions with 4, 4, 8, 8, 16,
-    16 regular fields (32 ... 128 channels, SCNN's widths), kernels 7, 7, 7, 7, 3, 3 with padding k // 2,
-    batch norm and ReLU, 2x2 max pooling after the 2nd and 4th, group pooling, global average pooling
-    and one linear layer: the same feature-map sizes as scnn_*_7, equivariance built into the filters."""
+    16 regular fields times ``width`` (width 1: 32 ... 128 channels, SCNN's widths; width 4: about
+    SCNN's parameter count), kernels 7, 7, 7, 7, 3, 3 with padding k // 2, batch norm and ReLU, 2x2 max
+    pooling after the 2nd and 4th, group pooling, global average pooling and one linear layer: the
+    feature-map sizes of scnn_*_7, with the equivariance built into the filters."""
     from e2cnn import gspaces
     from e2cnn import nn as enn
 
     space = gspaces.Rot2dOnR2(N=8)
     fields = enn.FieldType(space, [space.trivial_repr])
     layers = []
-    for index, (count, k) in enumerate(zip((4, 4, 8, 8, 16, 16), (7, 7, 7, 7, 3, 3))):
+    for index, (count, k) in enumerate(zip((4 * width, 4 * width, 8 * width, 8 * width, 16 * width, 16 * width),
+                                           (7, 7, 7, 7, 3, 3))):
         out_type = enn.FieldType(space, count * [space.regular_repr])
         layers += [enn.R2Conv(fields, out_type, kernel_size=k, padding=k // 2, bias=False),
                    enn.InnerBatchNorm(out_type), enn.ReLU(out_type, inplace=True)]
@@ -293,7 +295,7 @@ def e2cnn_mnist_model():
             super().__init__()
             self.input_type = enn.FieldType(space, [space.trivial_repr])
             self.features = enn.SequentialModule(*layers)
-            self.fc = nn.Linear(16, 10)
+            self.fc = nn.Linear(16 * width, 10)
 
         def forward(self, x):
             x = self.features(enn.GeometricTensor(x, self.input_type)).tensor
@@ -314,7 +316,9 @@ def print_throughput(steps: int, batch: int, e2cnn: bool, reference: bool) -> No
         entries.append(("scnn_p_rs_7, reference path",
                         lambda: set_backend(timm.create_model("scnn_p_rs_7"), "reference")))
     if e2cnn:
-        entries.append(("E(2)-CNN C8 regular, SCNN-shaped (e2cnn)", e2cnn_mnist_model))
+        entries.append(("E(2)-CNN (e2cnn), C8 regular, SCNN's widths", e2cnn_mnist_model))
+        entries.append(("E(2)-CNN (e2cnn), C8 regular, 4x the widths (SCNN's parameter count)",
+                        lambda: e2cnn_mnist_model(width=4)))
     for name, build in entries:
         try:
             model = build()

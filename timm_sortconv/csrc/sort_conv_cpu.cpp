@@ -1010,20 +1010,25 @@ std::vector<at::Tensor> backward_impl(const at::Tensor& grad_output, const at::T
     }
   }
   if (need_weight_grad) {
-    grad_weight = at::zeros_like(weight_slots);
+    // Sum the threads' (C, k*k, O/g padded) parts into the (O, C/g * k*k) layout, channel by channel in
+    // parallel: with 512 channels of 3x3 the parts hold millions of values.
+    grad_weight = at::empty_like(weight_slots);
     scalar_t* dst = grad_weight.data_ptr<scalar_t>();
     const int64_t row = cg * slots;
-    for (const auto& part : grad_weight_parts) {
-      for (int64_t channel = 0; channel < shape.channels; ++channel) {
+    at::parallel_for(0, shape.channels, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t channel = begin; channel < end; ++channel) {
         const int64_t g = channel / cg, ci = channel % cg;
         for (int64_t s = 0; s < slots; ++s) {
-          const scalar_t* src = part.data() + (channel * slots + s) * outputs_padded;
           for (int64_t o = 0; o < og; ++o) {
-            dst[(g * og + o) * row + ci * slots + s] += src[o];
+            scalar_t sum = 0;
+            for (const auto& part : grad_weight_parts) {
+              sum += part[(channel * slots + s) * outputs_padded + o];
+            }
+            dst[(g * og + o) * row + ci * slots + s] = sum;
           }
         }
       }
-    }
+    });
   }
   return {grad_input, grad_weight};
 }
