@@ -11,8 +11,8 @@ What is measured:
 - Times: the median of ``--repeats`` runs after one warm-up run; conv and the fast path take turns in
   every repeat, so a busy machine slows them alike. ``--clock wall`` (default) is elapsed time;
   ``--clock cpu`` is the process's CPU time (all its threads), which other processes on a shared
-  machine disturb far less; with one thread it is the cleanest comparison there is. The reference path, tens of times slower, gets
-  ``--reference-repeats`` runs (default 1) after its warm-up.
+  machine disturb far less; with one thread it is the cleanest comparison there is. The reference
+  path, tens of times slower, gets ``--reference-repeats`` runs (default 1) after its warm-up.
 - Memory: the bytes of the distinct tensors autograd saves for backward during the forward pass
   (``torch.autograd.graph.saved_tensors_hooks``): the memory a training step holds per layer between
   forward and backward. Parameters count too (the weight is saved by every path).

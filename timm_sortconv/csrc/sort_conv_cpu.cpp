@@ -109,7 +109,8 @@ TapTable<scalar_t> make_tap_table(int64_t rows, const std::vector<std::array<int
   TapTable<scalar_t> table;
   for (int64_t target = 0; target < rows; ++target) {
     const int64_t count = static_cast<int64_t>(terms[target].size());
-    auto group = std::find_if(table.begin(), table.end(), [&](const TapGroup<scalar_t>& g) { return g.terms == count; });
+    auto group = std::find_if(table.begin(), table.end(),
+                              [&](const TapGroup<scalar_t>& g) { return g.terms == count; });
     if (group == table.end()) {
       table.push_back(TapGroup<scalar_t>{});
       group = table.end() - 1;
@@ -193,8 +194,8 @@ bool matches_fixed_network(int64_t size, const int32_t* pairs, int64_t count, in
 
 template <typename scalar_t>
 Plan<scalar_t> make_plan(const at::Tensor& input, const at::Tensor& tap_offsets, const at::Tensor& tap_weights,
-                         const at::Tensor& segments, const at::Tensor& comparators, int64_t kernel_size, int64_t stride_h, int64_t stride_w,
-                         int64_t dilation_h, int64_t dilation_w) {
+                         const at::Tensor& segments, const at::Tensor& comparators, int64_t kernel_size,
+                         int64_t stride_h, int64_t stride_w, int64_t dilation_h, int64_t dilation_w) {
   Plan<scalar_t> plan;
   const int64_t slots = kernel_size * kernel_size;
   TORCH_CHECK(kernel_size >= 1 && kernel_size % 2 == 1, "sort_conv_cpu: kernel_size must be odd, got ", kernel_size);
@@ -268,7 +269,8 @@ Plan<scalar_t> make_plan(const at::Tensor& input, const at::Tensor& tap_offsets,
     Segment segment;
     segment.start = bound[2 * i];
     segment.size = bound[2 * i + 1] - segment.start;
-    TORCH_CHECK(segment.start == next_slot && segment.size >= 1, "sort_conv_cpu: segments must tile the slots in order");
+    TORCH_CHECK(segment.start == next_slot && segment.size >= 1,
+                "sort_conv_cpu: segments must tile the slots in order");
     next_slot += segment.size;
     segment.first_pair = next_pair;
     while (next_pair < comparators.size(0) && pair[2 * next_pair] >= segment.start
@@ -343,7 +345,9 @@ void apply_taps(const TapTable<scalar_t>& table, const scalar_t* in, scalar_t* o
   for (const auto& group : table) {
     switch (group.terms) {
       case 0:
-        for (const int64_t target : group.targets) std::fill(out + target * lanes, out + (target + 1) * lanes, scalar_t(0));
+        for (const int64_t target : group.targets) {
+          std::fill(out + target * lanes, out + (target + 1) * lanes, scalar_t(0));
+        }
         break;
       case 1: apply_tap_group<scalar_t, 1>(group, 1, in, out); break;
       case 2: apply_tap_group<scalar_t, 2>(group, 2, in, out); break;
@@ -440,7 +444,8 @@ struct SwapMaskOf<vdouble> {
 
 inline __mmask16 compare_exchange(vfloat& a, vfloat& b) {
   const __mmask16 swap = _mm512_cmp_ps_mask((__m512)b, (__m512)a, _CMP_LT_OQ);
-  const vfloat lo = (vfloat)_mm512_min_ps((__m512)b, (__m512)a), hi = (vfloat)_mm512_max_ps((__m512)a, (__m512)b);
+  const vfloat lo = (vfloat)_mm512_min_ps((__m512)b, (__m512)a);
+  const vfloat hi = (vfloat)_mm512_max_ps((__m512)a, (__m512)b);
   a = lo;
   b = hi;
   return swap;
@@ -448,7 +453,8 @@ inline __mmask16 compare_exchange(vfloat& a, vfloat& b) {
 
 inline __mmask8 compare_exchange(vdouble& a, vdouble& b) {
   const __mmask8 swap = _mm512_cmp_pd_mask((__m512d)b, (__m512d)a, _CMP_LT_OQ);
-  const vdouble lo = (vdouble)_mm512_min_pd((__m512d)b, (__m512d)a), hi = (vdouble)_mm512_max_pd((__m512d)a, (__m512d)b);
+  const vdouble lo = (vdouble)_mm512_min_pd((__m512d)b, (__m512d)a);
+  const vdouble hi = (vdouble)_mm512_max_pd((__m512d)a, (__m512d)b);
   a = lo;
   b = hi;
   return swap;
@@ -1035,7 +1041,8 @@ std::vector<at::Tensor> backward_impl(const at::Tensor& grad_output, const at::T
 
 Shape check_tensors(const at::Tensor& input, const at::Tensor& weight_slots, int64_t groups, int64_t kernel_size) {
   TORCH_CHECK(input.device().is_cpu() && weight_slots.device().is_cpu(), "sort_conv_cpu: tensors must be on the CPU");
-  TORCH_CHECK(input.dim() == 4 && input.is_contiguous(), "sort_conv_cpu: input must be a contiguous (B, C, H, W) tensor");
+  TORCH_CHECK(input.dim() == 4 && input.is_contiguous(),
+              "sort_conv_cpu: input must be a contiguous (B, C, H, W) tensor");
   TORCH_CHECK(weight_slots.dim() == 2 && weight_slots.is_contiguous(),
               "sort_conv_cpu: weight must be a contiguous (O, C/groups * k*k) matrix in slot order");
   TORCH_CHECK(input.scalar_type() == weight_slots.scalar_type(), "sort_conv_cpu: input and weight dtypes differ");

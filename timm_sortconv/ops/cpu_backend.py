@@ -27,6 +27,7 @@ double backward raises.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -105,6 +106,19 @@ def _ninja_on_path() -> Optional[str]:
     return None
 
 
+def _import_cpp_extension():
+    """``torch.utils.cpp_extension`` without its import-time warning about a missing CUDA runtime, which
+    says nothing about this CPU-only build and would otherwise greet every process on a CPU machine."""
+    logger = logging.getLogger("torch.utils.cpp_extension")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        from torch.utils import cpp_extension
+    finally:
+        logger.setLevel(level)
+    return cpp_extension
+
+
 def load_extension(verbose: bool = False):
     """The compiled extension module, building it on first call; ``None`` if disabled or the build failed
     (a single warning says why)."""
@@ -115,8 +129,7 @@ def load_extension(verbose: bool = False):
         if _extension is not None or _build_failed:
             return _extension
         try:
-            from torch.utils import cpp_extension
-
+            cpp_extension = _import_cpp_extension()
             path = _ninja_on_path()
             if path is None:
                 raise RuntimeError("ninja is not installed (pip install ninja)")

@@ -194,7 +194,8 @@ def _forward(x, weight, bias, geometry, stride, dilation, groups):
         x, _weight_slots(weight, tables), bias if bias is not None else x, output, tables.sampling, grid_offset,
         tables.segment, tables.segment_start, total, out_h * out_w, out_w, channels, channels // groups,
         out_channels, out_per_group, x.shape[2] * x.shape[3], x.shape[3], stride[0], stride[1],
-        SLOTS=geometry.kernel_size ** 2, S=tables.size, BLOCK_P=BLOCK_POSITIONS, BLOCK_O=block_o, HAS_BIAS=bias is not None)
+        SLOTS=geometry.kernel_size ** 2, S=tables.size, BLOCK_P=BLOCK_POSITIONS, BLOCK_O=block_o,
+        HAS_BIAS=bias is not None)
     return output
 
 
