@@ -24,6 +24,8 @@ class Backend:
     fn: Callable
     supports: Callable[..., bool]
     available: Callable[[], bool]
+    # Whether backend="auto" may pick it; a backend not yet measured on its hardware is opt-in.
+    auto: bool = True
 
 
 _BACKENDS: Dict[str, Backend] = {}
@@ -59,7 +61,7 @@ def resolve_backend(name: str, *args) -> Backend:
     if name == "auto":
         if not _tracing():
             for backend in _BACKENDS.values():
-                if backend.name != "reference" and backend.supports(*args) and backend.available():
+                if backend.name != "reference" and backend.auto and backend.supports(*args) and backend.available():
                     return backend
         return _BACKENDS["reference"]
     backend = _BACKENDS[check_backend_name(name)]

@@ -12,8 +12,9 @@ transposed sampling matrix, and accumulates the input and weight gradients with 
 the padded input and the weight is saved.
 
 The ranks cost ``(k*k)^2`` comparisons per window and channel, which is why this backend stops at
-``k = 7``. It is only chosen for CUDA tensors and has not been timed on a GPU in this project (no GPU
-was at hand); its correctness is tested on the CPU with Triton's interpreter (``TRITON_INTERPRET=1``).
+``k = 7``. It only takes CUDA tensors and has not been run on a GPU in this project (no GPU was at
+hand); its correctness is tested on the CPU with Triton's interpreter (``TRITON_INTERPRET=1``). Until it
+has been, ``backend="auto"`` leaves it out unless ``TIMM_SORTCONV_TRITON_AUTO=1`` is set.
 """
 
 import os
@@ -270,4 +271,6 @@ def _available() -> bool:
     return triton is not None and torch.cuda.is_available()
 
 
-register_backend(Backend("triton", sort_conv2d_triton, supports_triton, _available))
+# Not yet run on a GPU: backend="auto" takes it only with TIMM_SORTCONV_TRITON_AUTO=1 (backend="triton" always).
+register_backend(Backend("triton", sort_conv2d_triton, supports_triton, _available,
+                         auto=os.environ.get("TIMM_SORTCONV_TRITON_AUTO", "") == "1"))
