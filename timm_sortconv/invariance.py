@@ -280,7 +280,7 @@ def synthetic_digits(num_images: int, size: int = 28, seed: int = 0, dtype: torc
 def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m timm_sortconv.invariance",
-        description="Rotation sweep of timm models at random initialisation (or from --checkpoint files).")
+        description="Rotation sweep of timm models at random initialisation.")
     parser.add_argument("--models", nargs="+", default=["scnn_p_rs_7", "scnn_baseline_7"], help="timm model names")
     parser.add_argument("--angles", default="0:360:45", help="START:STOP:STEP or a comma list, in degrees")
     parser.add_argument("--num-images", type=int, default=16, help="images in the batch")
