@@ -9,13 +9,15 @@ PyTorch operators that those tools understand.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .reference import sort_conv2d_reference
 
-__all__ = ["Backend", "check_backend_name", "register_backend", "available_backends", "resolve_backend", "run_backend"]
+__all__ = ["Backend", "check_backend_name", "register_backend", "available_backends", "resolve_backend", "run_backend",
+           "run_recomputing"]
 
 
 @dataclass(frozen=True)
@@ -76,3 +78,47 @@ def resolve_backend(name: str, *args) -> Backend:
 def run_backend(name: str, x, weight, bias, geometry, stride, dilation, groups) -> torch.Tensor:
     args = (x, weight, bias, geometry, stride, dilation, groups)
     return resolve_backend(name, *args).fn(*args)
+
+
+# A fast backend's kernels: forward(x, weight, bias, geometry, stride, dilation, groups) -> output, and
+# backward(grad_output, x, weight, geometry, stride, dilation, groups, need_input, need_weight)
+# -> (grad_input or None, grad_weight or None).
+ForwardKernel = Callable[..., torch.Tensor]
+BackwardKernel = Callable[..., Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]
+
+
+class _RecomputingSortConv(torch.autograd.Function):
+    """Autograd of the fast backends: saves only the padded input and the weight (as given, no copies) and
+    lets the backward kernel sort again instead of keeping the sorted columns or their permutation."""
+
+    @staticmethod
+    def forward(ctx, forward_kernel, backward_kernel, x, weight, bias, geometry, stride, dilation, groups):
+        ctx.save_for_backward(x, weight)
+        ctx.config = (backward_kernel, geometry, stride, dilation, groups)
+        return forward_kernel(x, weight, bias, geometry, stride, dilation, groups)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_output):
+        x, weight = ctx.saved_tensors
+        backward_kernel, geometry, stride, dilation, groups = ctx.config
+        need_input, need_weight, need_bias = ctx.needs_input_grad[2:5]
+        grad_input = grad_weight = grad_bias = None
+        if need_input or need_weight:
+            grad_input, grad_weight = backward_kernel(grad_output.contiguous(), x, weight, geometry, stride, dilation,
+                                                      groups, need_input, need_weight)
+        if need_bias:
+            grad_bias = grad_output.sum((0, 2, 3))
+        return (None, None, grad_input if need_input else None, grad_weight if need_weight else None, grad_bias,
+                None, None, None, None)
+
+
+def run_recomputing(forward_kernel: ForwardKernel, backward_kernel: BackwardKernel, x, weight, bias, geometry,
+                    stride, dilation, groups) -> torch.Tensor:
+    """Runs a fast backend's kernels on contiguous tensors, through autograd only when a gradient is needed."""
+    x, weight = x.contiguous(), weight.contiguous()
+    bias = bias.contiguous() if bias is not None else None
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
+        return _RecomputingSortConv.apply(forward_kernel, backward_kernel, x, weight, bias, geometry, stride,
+                                          dilation, groups)
+    return forward_kernel(x, weight, bias, geometry, stride, dilation, groups)

@@ -38,9 +38,8 @@ from pathlib import Path
 from typing import Dict, Optional, Tuple
 
 import torch
-from torch.autograd.function import once_differentiable
 
-from .backends import Backend, register_backend
+from .backends import Backend, register_backend, run_recomputing
 from .geometry import SortGeometry
 
 __all__ = ["DISABLE_ENV", "MAX_KERNEL_SIZE", "load_extension", "sort_conv2d_cpu", "supports_cpu"]
@@ -191,47 +190,24 @@ def _forward(x, weight, bias, geometry, stride, dilation, groups):
                                     dilation[0], dilation[1], groups)
 
 
-class _SortConv2dCPU(torch.autograd.Function):
-    """Saves only the padded input and the weight (both as given, no copies); backward sorts again."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, geometry, stride, dilation, groups):
-        ctx.save_for_backward(x, weight)
-        ctx.config = (geometry, stride, dilation, groups)
-        return _forward(x, weight, bias, geometry, stride, dilation, groups)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_output):
-        x, weight = ctx.saved_tensors
-        geometry, stride, dilation, groups = ctx.config
-        need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
-        grad_input = grad_weight = grad_bias = None
-        if need_input or need_weight:
-            tables = _tables_for(geometry)
-            grad_input, grad_weight_slots = load_extension().backward(
-                grad_output.contiguous(), x, _weight_slots(weight, tables), tables.tap_offsets, tables.tap_weights,
-                tables.segments, tables.comparators, geometry.kernel_size, stride[0], stride[1], dilation[0],
-                dilation[1], groups, need_input, need_weight)
-            if need_weight:
-                out_channels, in_per_group = weight.shape[:2]
-                grad_weight = (grad_weight_slots.view(out_channels, in_per_group, -1)
-                               .index_select(2, tables.grid_to_slot).view_as(weight))
-        if need_bias:
-            grad_bias = grad_output.sum((0, 2, 3))
-        return grad_input, grad_weight, grad_bias, None, None, None, None
+def _backward(grad_output, x, weight, geometry, stride, dilation, groups, need_input, need_weight):
+    tables = _tables_for(geometry)
+    grad_input, grad_weight_slots = load_extension().backward(
+        grad_output, x, _weight_slots(weight, tables), tables.tap_offsets, tables.tap_weights, tables.segments,
+        tables.comparators, geometry.kernel_size, stride[0], stride[1], dilation[0], dilation[1], groups,
+        need_input, need_weight)
+    grad_weight = None
+    if need_weight:
+        out_channels, in_per_group = weight.shape[:2]
+        grad_weight = (grad_weight_slots.view(out_channels, in_per_group, -1)
+                       .index_select(2, tables.grid_to_slot).view_as(weight))
+    return grad_input, grad_weight
 
 
 def sort_conv2d_cpu(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], geometry: SortGeometry,
                     stride: Tuple[int, int], dilation: Tuple[int, int], groups: int) -> torch.Tensor:
-    """SC on an already padded CPU input with the fused kernel (the backend's ``fn``)."""
-    x = x.contiguous()
-    weight = weight.contiguous()
-    bias = bias.contiguous() if bias is not None else None
-    tracked = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
-    if tracked:
-        return _SortConv2dCPU.apply(x, weight, bias, geometry, stride, dilation, groups)
-    return _forward(x, weight, bias, geometry, stride, dilation, groups)
+    """SC on an already padded CPU input with the fused kernel (the backend's ``fn``); backward sorts again."""
+    return run_recomputing(_forward, _backward, x, weight, bias, geometry, stride, dilation, groups)
 
 
 def supports_cpu(x, weight, bias, geometry: SortGeometry, stride, dilation, groups) -> bool:

@@ -21,9 +21,8 @@ import os
 from typing import Dict, Optional, Tuple
 
 import torch
-from torch.autograd.function import once_differentiable
 
-from .backends import Backend, register_backend
+from .backends import Backend, register_backend, run_recomputing
 from .geometry import SortGeometry
 
 try:
@@ -200,56 +199,33 @@ def _forward(x, weight, bias, geometry, stride, dilation, groups):
     return output
 
 
-class _SortConv2dTriton(torch.autograd.Function):
-    """Saves only the padded input and the weight; backward ranks again."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, geometry, stride, dilation, groups):
-        ctx.save_for_backward(x, weight)
-        ctx.config = (geometry, stride, dilation, groups)
-        return _forward(x, weight, bias, geometry, stride, dilation, groups)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_output):
-        x, weight = ctx.saved_tensors
-        geometry, stride, dilation, groups = ctx.config
-        need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
-        grad_input = grad_weight = grad_bias = None
-        if need_input or need_weight:
-            tables = _tables_for(geometry, x.dtype, x.device)
-            batch, channels = x.shape[:2]
-            out_channels = weight.shape[0]
-            out_per_group = out_channels // groups
-            out_h, out_w, grid_offset = _launch_geometry(x, geometry, stride, dilation)
-            weight_slots = _weight_slots(weight, tables)
-            grad_input = torch.zeros_like(x)
-            grad_weight_slots = torch.zeros_like(weight_slots)
-            total = batch * out_h * out_w
-            _backward_kernel[(triton.cdiv(total, BLOCK_POSITIONS), groups)](
-                x, weight_slots, grad_output.contiguous(), grad_input, grad_weight_slots, tables.sampling,
-                grid_offset, tables.segment, tables.segment_start, total, out_h * out_w, out_w, channels,
-                channels // groups, out_channels, out_per_group, x.shape[2] * x.shape[3], x.shape[3], stride[0],
-                stride[1], SLOTS=geometry.kernel_size ** 2, S=tables.size, BLOCK_P=BLOCK_POSITIONS,
-                BLOCK_O=_next_power_of_two(out_per_group), NEED_X=bool(need_input), NEED_W=bool(need_weight))
-            if need_weight:
-                grad_weight = (grad_weight_slots.view(out_channels, weight.shape[1], -1)
-                               .index_select(2, tables.grid_to_slot).view_as(weight))
-            if not need_input:
-                grad_input = None
-        if need_bias:
-            grad_bias = grad_output.sum((0, 2, 3))
-        return grad_input, grad_weight, grad_bias, None, None, None, None
+def _backward(grad_output, x, weight, geometry, stride, dilation, groups, need_input, need_weight):
+    tables = _tables_for(geometry, x.dtype, x.device)
+    batch, channels = x.shape[:2]
+    out_channels = weight.shape[0]
+    out_per_group = out_channels // groups
+    out_h, out_w, grid_offset = _launch_geometry(x, geometry, stride, dilation)
+    weight_slots = _weight_slots(weight, tables)
+    grad_input = torch.zeros_like(x)
+    grad_weight_slots = torch.zeros_like(weight_slots)
+    total = batch * out_h * out_w
+    _backward_kernel[(triton.cdiv(total, BLOCK_POSITIONS), groups)](
+        x, weight_slots, grad_output, grad_input, grad_weight_slots, tables.sampling,
+        grid_offset, tables.segment, tables.segment_start, total, out_h * out_w, out_w, channels,
+        channels // groups, out_channels, out_per_group, x.shape[2] * x.shape[3], x.shape[3], stride[0],
+        stride[1], SLOTS=geometry.kernel_size ** 2, S=tables.size, BLOCK_P=BLOCK_POSITIONS,
+        BLOCK_O=_next_power_of_two(out_per_group), NEED_X=bool(need_input), NEED_W=bool(need_weight))
+    grad_weight = None
+    if need_weight:
+        grad_weight = (grad_weight_slots.view(out_channels, weight.shape[1], -1)
+                       .index_select(2, tables.grid_to_slot).view_as(weight))
+    return grad_input, grad_weight
 
 
 def sort_conv2d_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], geometry: SortGeometry,
                        stride: Tuple[int, int], dilation: Tuple[int, int], groups: int) -> torch.Tensor:
-    """SC on an already padded input with the Triton kernels (the backend's ``fn``)."""
-    x, weight = x.contiguous(), weight.contiguous()
-    bias = bias.contiguous() if bias is not None else None
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
-        return _SortConv2dTriton.apply(x, weight, bias, geometry, stride, dilation, groups)
-    return _forward(x, weight, bias, geometry, stride, dilation, groups)
+    """SC on an already padded input with the Triton kernels (the backend's ``fn``); backward ranks again."""
+    return run_recomputing(_forward, _backward, x, weight, bias, geometry, stride, dilation, groups)
 
 
 def supports_triton(x, weight, bias, geometry: SortGeometry, stride, dilation, groups) -> bool:
