@@ -4,6 +4,8 @@
 * :class:`ConvNormAct`: the block of ``SCNN`` and ``SortVGG``;
 * :class:`SequentialFeaturesMixin`: ``forward_intermediates`` and ``prune_intermediate_layers`` for
   ``SCNN``, ``SortVGG`` and ``SortDenseNet``, whose taps are outputs of ``self.features`` children;
+* :class:`SequentialClassifierMixin`: the rest of timm's model API (head, classifier, checkpointing,
+  forward) for ``SCNN`` and ``SortVGG``, a ``features`` sequence followed by a ``ClassifierHead``;
 * :func:`ri_cfg`: the ``.nwpu`` and ``.outex`` default cfgs of the 128x128 models.
 """
 from collections import OrderedDict
@@ -13,9 +15,11 @@ import torch
 import torch.nn as nn
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.layers import ClassifierHead, get_device_dtype
+from timm.models import checkpoint_seq
 from timm.models._features import feature_take_indices
 
-__all__ = ['ConvNormAct', 'SequentialFeaturesMixin', 'PAPER_CFG', 'ri_cfg']
+__all__ = ['ConvNormAct', 'SequentialFeaturesMixin', 'SequentialClassifierMixin', 'PAPER_CFG', 'ri_cfg']
 
 
 class ConvNormAct(nn.Sequential):
@@ -108,6 +112,46 @@ class SequentialFeaturesMixin:
         if prune_head or prune_end:
             self.reset_classifier(0, '')
         return take_indices
+
+
+class SequentialClassifierMixin(SequentialFeaturesMixin):
+    """timm's model API for a ``self.features`` sequence followed by ``self.head``, a ``ClassifierHead``.
+
+    The model also sets ``self.num_classes``, ``self.head_hidden_size`` and ``self.grad_checkpointing``;
+    the stem is ``features.0`` and every later child of ``features`` is one block.
+    """
+    head: ClassifierHead
+    num_classes: int
+    grad_checkpointing: bool
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
+        return dict(stem=r'^features\.0\.', blocks=r'^features\.(\d+)')
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.grad_checkpointing = enable
+
+    @torch.jit.ignore
+    def get_classifier(self) -> nn.Module:
+        return self.head.fc
+
+    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
+        self.num_classes = num_classes
+        self.head.reset(num_classes, global_pool, in_features=self.num_features, **get_device_dtype(self))
+        self.head_hidden_size = self.head.num_features
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        if self.grad_checkpointing and not torch.jit.is_scripting():
+            return checkpoint_seq(self.features, x)
+        return self.features(x)
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        return self.head(x, pre_logits=pre_logits)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.forward_features(x)
+        return self.forward_head(x)
 
 
 PAPER_CFG = dict(

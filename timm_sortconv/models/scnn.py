@@ -18,17 +18,17 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from timm.layers import ClassifierHead, get_device_dtype
-from timm.models import build_model_with_cfg, checkpoint_seq, generate_default_cfgs, register_model
+from timm.layers import ClassifierHead
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 
 from ..hub import bundled_weights_dir
 from ..sortify import fixed_variant_args, get_conv_layer
-from ._common import PAPER_CFG, ConvNormAct, SequentialFeaturesMixin
+from ._common import PAPER_CFG, ConvNormAct, SequentialClassifierMixin
 
 __all__ = ['SCNN']
 
 
-class SCNN(SequentialFeaturesMixin, nn.Module):
+class SCNN(SequentialClassifierMixin, nn.Module):
     """The paper's MNIST network with sorting (``sampling``/``sorting`` given) or plain convolutions (both ``None``).
 
     Args:
@@ -94,34 +94,6 @@ class SCNN(SequentialFeaturesMixin, nn.Module):
         self.num_features = self.head_hidden_size = prev_chs
         self.head = ClassifierHead(prev_chs, num_classes, pool_type=global_pool, drop_rate=drop_rate, **dd)
 
-    @torch.jit.ignore
-    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
-        return dict(stem=r'^features\.0\.', blocks=r'^features\.(\d+)')
-
-    @torch.jit.ignore
-    def set_grad_checkpointing(self, enable: bool = True) -> None:
-        self.grad_checkpointing = enable
-
-    @torch.jit.ignore
-    def get_classifier(self) -> nn.Module:
-        return self.head.fc
-
-    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
-        self.num_classes = num_classes
-        self.head.reset(num_classes, global_pool, in_features=self.num_features, **get_device_dtype(self))
-        self.head_hidden_size = self.head.num_features
-
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        if self.grad_checkpointing and not torch.jit.is_scripting():
-            return checkpoint_seq(self.features, x)
-        return self.features(x)
-
-    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        return self.head(x, pre_logits=pre_logits)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.forward_features(x)
-        return self.forward_head(x)
 
 
 def _create_scnn(variant: str, kernel_size: int, sampling: Optional[str], sorting: Optional[str],
