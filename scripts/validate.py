@@ -61,6 +61,8 @@ group = parser.add_argument_group("Models")
 group.add_argument("--model", required=True, metavar="MODEL", help="model name, hf-hub:ORG/NAME or local-dir:PATH")
 group.add_argument("--checkpoint", default="", metavar="PATH", help="weights of --model")
 group.add_argument("--pretrained", action="store_true", default=False, help="load --model's published weights")
+group.add_argument("--label", default="", metavar="NAME", help="name of --model in the table, CSV and plot (default: "
+                   "the model name)")
 group.add_argument("--baseline-model", default="", metavar="MODEL", help="a second model shown beside --model")
 group.add_argument("--baseline-checkpoint", default="", metavar="PATH", help="weights of --baseline-model")
 group.add_argument("--baseline-pretrained", action="store_true", default=False,
@@ -87,6 +89,9 @@ group.add_argument("--channels-last", action="store_true", default=False, help="
 group.add_argument("--no-prefetcher", action="store_true", default=False, help="do not use timm's prefetcher")
 group.add_argument("--results-csv", default="", metavar="FILE", help="write the per-angle accuracies here")
 group.add_argument("--plot", default="", metavar="PNG", help="plot accuracy against angle here")
+group.add_argument("--compare-csv", nargs="+", default=[], metavar="FILE",
+                   help="per-angle accuracies an earlier --results-csv wrote (same angles and images), shown "
+                        "beside the models evaluated now in the table and plot, not re-evaluated")
 
 
 def build_model(name: str, checkpoint: str, pretrained: bool, args) -> torch.nn.Module:
@@ -215,33 +220,66 @@ def plot_sweep(path: str, results: Dict[str, Dict[float, float]], title: str) ->
     plt.close(fig)
 
 
+def read_csv(path: str) -> Dict[str, Dict[float, float]]:
+    """The per-angle accuracies ``write_csv`` wrote, by label."""
+    if not os.path.isfile(path):
+        raise SystemExit(f"--compare-csv {path} does not exist")
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    if len(rows) < 2 or len(rows[0]) < 2 or rows[0][0] != "angle":
+        raise SystemExit(f"--compare-csv {path} is not a per-angle CSV written by --results-csv "
+                         "(header 'angle,<label>,...', one row per angle)")
+    try:
+        return {label: {float(row[0]): float(row[col]) for row in rows[1:]}
+                for col, label in enumerate(rows[0][1:], start=1)}
+    except (ValueError, IndexError) as e:
+        raise SystemExit(f"--compare-csv {path}: unreadable row ({e})") from None
+
+
+def add_compared(results: Dict[str, Dict[float, float]], paths: List[str]) -> None:
+    """Adds the curves of ``paths`` to ``results``; their angles must be those just evaluated."""
+    angles = list(next(iter(results.values())))
+    for path in paths:
+        for label, per_angle in read_csv(path).items():
+            if list(per_angle) != angles:
+                raise SystemExit(f"--compare-csv {path} has angles {list(per_angle)}, not the {angles} evaluated now")
+            name, n = label, 1
+            while name in results:
+                n += 1
+                name = f"{label} ({n})"
+            results[name] = per_angle
+
+
 def main(argv=None):
     args = parser.parse_args(argv)
     if args.baseline_checkpoint and not args.baseline_model:
         parser.error("--baseline-checkpoint needs --baseline-model")
     device = torch.device(args.device)
-    models = {args.model: build_model(args.model, args.checkpoint, args.pretrained, args)}
+    label = args.label or args.model
+    models = {label: build_model(args.model, args.checkpoint, args.pretrained, args)}
     if args.baseline_model:
-        label = args.baseline_model if args.baseline_model != args.model else f"{args.baseline_model} (baseline)"
+        label = args.baseline_model if args.baseline_model not in models else f"{args.baseline_model} (baseline)"
         models[label] = build_model(args.baseline_model, args.baseline_checkpoint, args.baseline_pretrained, args)
     data_configs = {label: resolve_data_config(vars(args), model=model, dataset=args.dataset)
                     for label, model in models.items()}
-    sweep = build_sweep(args, channels=data_configs[args.model]["input_size"][0])
+    sweep = build_sweep(args, channels=next(iter(data_configs.values()))["input_size"][0])
     _logger.info(f"Evaluating {sweep.num_images} images x {len(sweep.angles)} angles of {args.dataset or 'folder'} "
                  f"split {args.split!r}")
     results: Dict[str, Dict[float, float]] = {
         label: evaluate_sweep(model, data_configs[label], sweep, args, device, label)
         for label, model in models.items()
     }
+    shown = dict(results)
+    add_compared(shown, args.compare_csv)
 
-    print(format_table(results))
-    if args.results_csv:
+    print(format_table(shown))
+    if args.results_csv:  # the models evaluated now; --compare-csv curves stay in their own files
         write_csv(args.results_csv, results)
         _logger.info(f"Wrote {args.results_csv}")
     if args.plot:
         title = (f"{args.dataset or 'image folder'} ({args.split}), {sweep.num_images} images x "
                  f"{len(sweep.angles)} angles")
-        plot_sweep(args.plot, results, title)
+        plot_sweep(args.plot, shown, title)
         _logger.info(f"Wrote {args.plot}")
     return results
 

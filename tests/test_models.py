@@ -92,6 +92,25 @@ def test_scnn_logits_are_exactly_invariant_to_quarter_turns(name):
     assert _quarter_turn_error(model, torch.randn(1, 1, 28, 28, dtype=torch.float64)) < 1e-12
 
 
+def test_scnn_average_downsampling_keeps_parameters_and_quarter_turn_invariance():
+    torch.manual_seed(0)
+    paper = timm.create_model("scnn_p_rs_7")
+    model = timm.create_model("scnn_p_rs_7", downsample="avg").double().eval()
+    pools = [m for m in model.modules() if isinstance(m, (nn.MaxPool2d, nn.AvgPool2d))]
+    assert [type(m) for m in pools] == [nn.AvgPool2d, nn.AvgPool2d]
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in paper.parameters())
+    _randomise_batchnorm(model)
+    x = torch.randn(2, 1, 28, 28, dtype=torch.float64)
+    assert _quarter_turn_error(model, x) < 1e-12
+    # and it is a different network from the paper's on the same weights
+    paper = paper.double().eval()
+    paper.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert not torch.allclose(paper(x), model(x))
+    with pytest.raises(ValueError, match="downsample='blur'.*'avg', 'max'"):
+        timm.create_model("scnn_p_rs_7", downsample="blur")
+
+
 @pytest.mark.parametrize("name, size", list(FAMILIES.items()))
 def test_sc_models_are_invariant_to_quarter_turns_and_their_baselines_are_not(name, size):
     torch.manual_seed(0)

@@ -7,6 +7,7 @@ validate.py sweeps rotations of their weights and writes its CSV and plot. Runs 
 of their own call the scripts' ``main(argv)`` in this process, which saves the interpreter start-up.
 """
 import csv
+import json
 import importlib.util
 import logging
 import signal
@@ -194,6 +195,22 @@ def test_validate_sweep_writes_csv_and_plot(validate, ddp_run, data_dir, tmp_pat
     assert "no weights given" in caplog.text
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
 
+    # An earlier CSV is drawn beside a new evaluation without re-evaluating it, and --label names the model.
+    plot2 = tmp_path / "compared.png"
+    again = validate.main([str(a) for a in (*TINY_SCNN, "--checkpoint", run_dir / "last.pth.tar", "--label", "mine",
+                                            "--dataset", "sortconv/mnist", "--data-dir", data_dir, "--split", "test",
+                                            "--rotations", "0:360:90", "-j", 0, "-b", 8, "--compare-csv", results_csv,
+                                            "--plot", plot2, "--results-csv", tmp_path / "mine.csv")])
+    assert list(again) == ["mine"] and again["mine"] == dict(zip([0.0, 90.0, 180.0, 270.0], sc))
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split() == ["angle", "mine", "scnn_p_rs_3", "scnn_baseline_3"]
+    assert plot2.stat().st_size > 10_000
+    with open(tmp_path / "mine.csv") as f:  # only what was evaluated now
+        assert next(csv.reader(f)) == ["angle", "mine"]
+    with pytest.raises(SystemExit, match="angles"):
+        validate.main([str(a) for a in (*TINY_SCNN, "--dataset", "sortconv/mnist", "--data-dir", data_dir, "--split",
+                                        "test", "--rotations", "0:360:180", "-j", 0, "--compare-csv", results_csv)])
+
 
 def test_validate_loads_a_local_dir_model(validate, ddp_run, data_dir, tmp_path):
     from timm.models import save_for_hf
@@ -212,7 +229,10 @@ def test_validate_loads_a_local_dir_model(validate, ddp_run, data_dir, tmp_path)
     assert results[name][0.0] == pytest.approx(float(summary["eval_top1"]))
 
 
-@pytest.mark.parametrize("config", sorted((REPO / "scripts" / "configs").glob("*.yaml")), ids=lambda p: p.name)
+PAPER_PRESETS = sorted(p for p in (REPO / "scripts" / "configs").glob("*.yaml") if not p.stem.endswith("_short"))
+
+
+@pytest.mark.parametrize("config", PAPER_PRESETS, ids=lambda p: p.name)
 def test_presets_set_the_paper_protocols(config):
     args, _ = load_script(TRAIN, "train_presets").parse_args(["-c", str(config)])
     assert timm.is_model(args.model.split(".")[0]) and args.opt == "adam" and args.sched == "step"
@@ -224,6 +244,16 @@ def test_presets_set_the_paper_protocols(config):
         expected = dict(dataset=dataset, num_classes=classes, batch_size=10, decay_rate=0.6, val_split="test",
                         lr=1e-3 if "densenet" in config.name else 1e-4)
     assert {key: getattr(args, key) for key in expected} == expected
+
+
+def test_short_mnist_preset_keeps_the_paper_data_protocol():
+    args, _ = load_script(TRAIN, "train_short_preset").parse_args(
+        ["-c", str(REPO / "scripts" / "configs" / "mnist_scnn_short.yaml")])
+    paper, _ = load_script(TRAIN, "train_paper_preset").parse_args(
+        ["-c", str(REPO / "scripts" / "configs" / "mnist_scnn.yaml")])
+    for key in ("dataset", "train_split", "val_split", "no_aug", "opt", "weight_decay", "model"):
+        assert getattr(args, key) == getattr(paper, key), key
+    assert args.sched == "cosine" and args.sched_on_updates and args.epochs == 1 and args.lr == 2e-3
 
 
 def test_preset_with_an_unknown_key_is_refused(tmp_path):
@@ -241,3 +271,42 @@ def test_models_take_the_arguments_timm_train_py_passes(name, in_chans, num_clas
                               bn_eps=None, scriptable=False, checkpoint_path="")
     first_conv = model.get_submodule(model.pretrained_cfg["first_conv"])
     assert first_conv.in_channels == in_chans and model.num_classes == num_classes
+
+
+def test_mnist_results_rows_train_measure_compare_and_tabulate(data_dir, tmp_path, capsys):
+    results = load_script(REPO / "scripts" / "mnist_results.py", "mnist_results")
+    common = [str(a) for a in ("--data-dir", data_dir, "--runs", tmp_path / "runs", "--results", tmp_path / "res",
+                               "--rot-samples", 8, "-j", 0, "--model-kwargs", "channels=(4,4,4,4,4,4)",
+                               # the rest goes to train.py: the tiny data set has no 10k validation split
+                               "--train-split", "trainval", "--val-split", "test", "-b", 8)]
+    base = results.main(["--model", "scnn_baseline_3", "--name", "base", *common])
+    row = results.main(["--model", "scnn_p_rs_3", "--name", "sc", "--compare", "base", *common])
+    with open(tmp_path / "runs" / "sc" / "summary.csv") as f:
+        (summary,) = list(csv.DictReader(f))
+    # The validation split here is the test split, so the MNIST number is the epoch's own evaluation.
+    assert row["mnist_test_top1"] == pytest.approx(float(summary["eval_top1"]))
+    assert row["epochs"] == 1 and row["mnist_rot_images"] == 8 and row["angles"] == [10.0 * i for i in range(36)]
+    with open(tmp_path / "res" / "sc.csv") as f:
+        per_angle = {float(r["angle"]): float(r["sc"]) for r in csv.DictReader(f)}
+    assert row["per_angle_top1"] == list(per_angle.values())
+    assert row["mnist_rot_top1"] == pytest.approx(sum(per_angle.values()) / 36)
+    assert per_angle[0.0] == per_angle[90.0] == per_angle[180.0] == per_angle[270.0]  # exact quarter-turn invariance
+    assert (tmp_path / "res" / "sc.png").stat().st_size > 10_000
+    assert json.loads((tmp_path / "res" / "sc.json").read_text()) == row
+    assert row["commands"][0].startswith("python scripts/train.py -c scripts/configs/mnist_scnn_short.yaml")
+    # A finished row is measured again without retraining.
+    weights = tmp_path / "runs" / "sc" / "last.pth.tar"
+    mtime = weights.stat().st_mtime_ns
+    capsys.readouterr()
+    again = results.main(["--model", "scnn_p_rs_3", "--name", "sc", *common])
+    assert "not retraining" in capsys.readouterr().out and weights.stat().st_mtime_ns == mtime
+    assert again["per_angle_top1"] == row["per_angle_top1"]
+    # Rows swept on other images cannot be drawn together; names must be file names.
+    with pytest.raises(SystemExit):
+        results.main(["--model", "scnn_p_rs_3", "--name", "sc2", "--compare", "base", *common, "--rot-samples", "4"])
+    with pytest.raises(SystemExit):
+        results.main(["--model", "scnn_p_rs_3", "--name", "a/b", *common])
+    results.main(["--table", "--results", str(tmp_path / "res")])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("| row |") and [line.split("|")[1].strip() for line in lines[2:]] == ["base", "sc"]
+    assert f"{base['mnist_rot_top1']:.2f}%" in lines[2]

@@ -18,7 +18,7 @@ import timm
 import torch
 from timm.models import save_for_hf
 
-__all__ = ["PretrainedLoadError", "PACKAGE_WEIGHTS_DIR", "bundled_weights_dir", "save_pretrained", "push_folder",
+__all__ = ["PretrainedLoadError", "HUB_ORG", "PACKAGE_WEIGHTS_DIR", "bundled_weights_dir", "save_pretrained", "push_folder",
            "fill_hf_cache", "load_pretrained"]
 
 WEIGHTS_NAME = "model.safetensors"
@@ -26,6 +26,8 @@ CONFIG_NAME = "config.json"
 README_NAME = "README.md"
 PACKAGE_WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 WEIGHTS_DIR_ENV = "TIMM_SORTCONV_WEIGHTS_DIR"
+# Hugging Face organisation of the published weights: <model>.<tag> repositories (timm's naming).
+HUB_ORG = "timm-sortconv"
 
 
 class PretrainedLoadError(RuntimeError):

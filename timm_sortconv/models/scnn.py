@@ -21,11 +21,13 @@ import torch.nn as nn
 from timm.layers import ClassifierHead
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 
-from ..hub import bundled_weights_dir
+from ..hub import HUB_ORG, bundled_weights_dir
 from ..sortify import fixed_variant_args, get_conv_layer
 from ._common import PAPER_CFG, ConvNormAct, SequentialClassifierMixin
 
 __all__ = ['SCNN']
+
+_DOWNSAMPLE = {'max': nn.MaxPool2d, 'avg': nn.AvgPool2d}
 
 
 class SCNN(SequentialClassifierMixin, nn.Module):
@@ -39,6 +41,8 @@ class SCNN(SequentialClassifierMixin, nn.Module):
         in_chans: input channels.
         channels: widths of the six convolutions.
         global_pool: timm pooling type (``'avg'``, ``'max'``, ``'avgmax'``, ``'catavgmax'``; all keep invariance).
+        downsample: the two 2x2 stride-2 poolings: ``'max'`` (the paper's) or ``'avg'`` (a low-pass that
+            changes less when the map is rotated off the grid; same parameters, see RESULTS.md).
         drop_rate: dropout before the classifier.
         bn_momentum, bn_eps: BatchNorm settings (timm's ``train.py`` passes them when asked).
 
@@ -55,6 +59,7 @@ class SCNN(SequentialClassifierMixin, nn.Module):
             in_chans: int = 1,
             channels: Sequence[int] = (32, 32, 64, 64, 128, 128),
             global_pool: str = 'avg',
+            downsample: str = 'max',
             drop_rate: float = 0.,
             bn_momentum: float = 0.1,
             bn_eps: float = 1e-5,
@@ -65,6 +70,8 @@ class SCNN(SequentialClassifierMixin, nn.Module):
         dd = {'device': device, 'dtype': dtype}
         if len(channels) != 6:
             raise ValueError(f"SCNN has six convolutions, got channels={tuple(channels)}")
+        if downsample not in _DOWNSAMPLE:
+            raise ValueError(f"downsample={downsample!r} is not supported; expected one of {sorted(_DOWNSAMPLE)}")
         conv_layer = get_conv_layer(sampling, sorting)
         self.num_classes = num_classes
         self.in_chans = in_chans
@@ -83,7 +90,7 @@ class SCNN(SequentialClassifierMixin, nn.Module):
             if idx in (2, 4):
                 self.feature_info.append(dict(num_chs=prev_chs, reduction=net_stride, module=f'features.{len(layers) - 1}'))
                 self.feature_ends.append(len(layers) - 1)
-                layers.append(nn.MaxPool2d(kernel_size=2, stride=2))
+                layers.append(_DOWNSAMPLE[downsample](kernel_size=2, stride=2))
                 net_stride *= 2
             layers.append(ConvNormAct(prev_chs, chs, k, conv_layer, bn_momentum, bn_eps, **dd))
             prev_chs = chs
@@ -123,15 +130,18 @@ def _cfg(url: str = '', **kwargs) -> Dict[str, Any]:
     }
 
 
-def _bundled_file(model_name: str) -> Optional[str]:
+def _pretrained(model_name: str) -> Dict[str, Any]:
     # Weights that scripts/push_to_hub.py --bundle copied into bundled_weights_dir() (the package's weights/
-    # folder, or TIMM_SORTCONV_WEIGHTS_DIR) load with pretrained=True, offline; checked once, at import.
+    # folder, or TIMM_SORTCONV_WEIGHTS_DIR) load with pretrained=True, offline; checked once, at import. The
+    # same weights are published as HUB_ORG/<model>.mnist (timm loads the bundled file first, no network).
     weights = bundled_weights_dir() / f'{model_name}.safetensors'
-    return str(weights) if weights.is_file() else None
+    if not weights.is_file():
+        return {}
+    return {'file': str(weights), 'hf_hub_id': f'{HUB_ORG}/{model_name}.mnist'}
 
 
 default_cfgs = generate_default_cfgs({
-    f'scnn_{variant}_{k}.mnist': _cfg(file=_bundled_file(f'scnn_{variant}_{k}'))
+    f'scnn_{variant}_{k}.mnist': _cfg(**_pretrained(f'scnn_{variant}_{k}'))
     for variant in ('s_gs', 's_rs', 'p_gs', 'p_rs', 'baseline') for k in (3, 5, 7)
 })
 

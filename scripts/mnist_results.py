@@ -1,0 +1,201 @@
+#!/usr/bin/env python3
+"""One row of RESULTS.md: train an SCNN on MNIST, then measure it on the MNIST test set and on MNIST-rot.
+
+Runs three ordinary commands, printed as they start, and skips what is already done (a finished run is
+not retrained, an interrupted one resumes)::
+
+    scripts/train.py    -c scripts/configs/mnist_scnn_short.yaml --model MODEL ...     -> <runs>/<name>/
+    scripts/validate.py --dataset sortconv/mnist --split test ...                      -> MNIST test accuracy
+    scripts/validate.py --dataset sortconv/mnist_rot --split test ... --plot           -> MNIST-rot, per angle
+
+and writes ``<results>/<name>.json`` (the numbers and the commands), ``<name>.csv`` (accuracy per
+angle) and ``<name>.png`` (the per-angle plot, with ``--compare`` rows drawn beside). MNIST-rot is the
+10,000 test images at 0, 10, ..., 350 degrees (360,000 images); ``--rot-samples N`` sweeps a fixed
+random N of them instead (the same N images for every model with the same ``--seed``).
+``--table`` prints the Markdown table of every row in ``<results>``. Options this script does not know
+go to ``scripts/train.py`` as they are (for instance ``--lr 1e-3``), and are recorded in the JSON.
+
+Examples::
+
+    python scripts/mnist_results.py --model scnn_p_rs_7 --data-dir DATA/mnist
+    python scripts/mnist_results.py --model scnn_p_rs_7 --model-kwargs downsample=avg --name scnn_p_rs_7-avgpool \\
+        --data-dir DATA/mnist --rot-samples 2000 --compare scnn_p_rs_7
+    python scripts/mnist_results.py --table
+"""
+import argparse
+import csv
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+
+SCRIPTS = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(SCRIPTS)
+
+parser = argparse.ArgumentParser(description="Train an SCNN on MNIST and measure it on MNIST and MNIST-rot")
+parser.add_argument("--model", metavar="MODEL", help="registered model, e.g. scnn_p_rs_7")
+parser.add_argument("--model-kwargs", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="model arguments (scripts/train.py --model-kwargs), e.g. downsample=avg")
+parser.add_argument("--name", default="", help="name of the row, run and files (default: the model name)")
+parser.add_argument("--data-dir", metavar="DIR", help="folder with the MNIST IDX files")
+parser.add_argument("--config", default=os.path.join(SCRIPTS, "configs", "mnist_scnn_short.yaml"), metavar="YAML",
+                    help="training preset (default: configs/mnist_scnn_short.yaml)")
+parser.add_argument("--epochs", type=int, default=None, metavar="N", help="epochs (default: the preset's)")
+parser.add_argument("--seed", type=int, default=42, metavar="S", help="training seed and --rot-samples slice seed")
+parser.add_argument("--runs", default=os.path.join("output", "mnist"), metavar="DIR", help="training runs go here")
+parser.add_argument("--results", default=os.path.join(REPO, "results", "mnist"), metavar="DIR",
+                    help="JSON, CSV and PNG go here (default: results/mnist)")
+parser.add_argument("--rot-samples", type=int, default=None, metavar="N",
+                    help="sweep N random test images instead of all 10,000")
+parser.add_argument("--compare", nargs="+", default=[], metavar="NAME",
+                    help="rows already in --results to draw beside this one (same --rot-samples and --seed)")
+parser.add_argument("-j", "--workers", type=int, default=1, metavar="N", help="data loading processes")
+parser.add_argument("--table", action="store_true", help="print the Markdown table of --results and exit")
+
+
+def run(command):
+    print("\n$ " + " ".join(command), flush=True)
+    subprocess.run(command, check=True)
+
+
+def read_csv(path):
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    return {float(row[0]): float(row[1]) for row in rows[1:]}
+
+
+def summary_rows(run_dir):
+    path = os.path.join(run_dir, "summary.csv")
+    if not os.path.isfile(path):
+        return []
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def train(args, train_extra, name, run_dir, epochs):
+    """Trains (or resumes) the run unless all its epochs are done; returns the training command."""
+    command = [sys.executable, os.path.join(SCRIPTS, "train.py"), "-c", args.config, "--model", args.model,
+               "--data-dir", args.data_dir, "--seed", str(args.seed), "-j", str(args.workers),
+               "--output", args.runs, "--experiment", name, "--log-interval", "200"]
+    if args.epochs is not None:
+        command += ["--epochs", str(args.epochs)]
+    if args.model_kwargs:
+        command += ["--model-kwargs", *args.model_kwargs]
+    command += train_extra
+    if len(summary_rows(run_dir)) >= epochs:
+        print(f"{run_dir}: all {epochs} epochs done, not retraining")
+        return command
+    started = any(f == "last.pth.tar" or f.startswith("recovery-") for f in os.listdir(run_dir)) \
+        if os.path.isdir(run_dir) else False
+    run(command + (["--resume", run_dir] if started else []))
+    return command
+
+
+def preset_epochs(args):
+    if args.epochs is not None:
+        return args.epochs
+    import yaml
+
+    with open(args.config) as f:
+        return int(yaml.safe_load(f)["epochs"])
+
+
+def evaluate(args, name, checkpoint):
+    """MNIST test accuracy and the MNIST-rot sweep; returns (mnist %, per-angle %, commands)."""
+    common = ["--model", args.model, "--checkpoint", checkpoint, "--data-dir", args.data_dir, "--split", "test",
+              "-b", "500", "-j", str(args.workers), "--label", name]
+    if args.model_kwargs:
+        common += ["--model-kwargs", *args.model_kwargs]
+    mnist_csv = os.path.join(args.results, f"{name}.mnist.csv")
+    mnist = [sys.executable, os.path.join(SCRIPTS, "validate.py"), "--dataset", "sortconv/mnist", *common,
+             "--results-csv", mnist_csv]
+    rot = [sys.executable, os.path.join(SCRIPTS, "validate.py"), "--dataset", "sortconv/mnist_rot", *common,
+           "--results-csv", os.path.join(args.results, f"{name}.csv"),
+           "--plot", os.path.join(args.results, f"{name}.png")]
+    if args.rot_samples:
+        rot += ["--samples", str(args.rot_samples), "--seed", str(args.seed)]
+    if args.compare:
+        rot += ["--compare-csv", *(os.path.join(args.results, f"{other}.csv") for other in args.compare)]
+    run(mnist)
+    run(rot)
+    mnist_accuracy = read_csv(mnist_csv)[0.0]
+    os.remove(mnist_csv)  # one number, kept in the JSON
+    return mnist_accuracy, read_csv(os.path.join(args.results, f"{name}.csv")), [mnist, rot]
+
+
+def check_compared(args):
+    for other in args.compare:
+        path = os.path.join(args.results, f"{other}.json")
+        if not os.path.isfile(path):
+            parser.error(f"--compare {other}: no {path}; run its row first")
+        with open(path) as f:
+            theirs = json.load(f)
+        if (theirs["mnist_rot_images"], theirs["seed"]) != (args.rot_samples or 10000, args.seed):
+            parser.error(f"--compare {other} swept {theirs['mnist_rot_images']} images (seed {theirs['seed']}), "
+                         f"not {args.rot_samples or 10000} (seed {args.seed}): the curves would not be comparable")
+
+
+def relative(command):
+    """A command as RESULTS.md shows it: scripts by their repository path, python as ``python``."""
+    out = ["python"] + [os.path.relpath(c, REPO) if os.path.isabs(c) and c.startswith(REPO) else c
+                        for c in command[1:]]
+    return " ".join(out)
+
+
+def table(results_dir):
+    rows = []
+    for path in sorted(glob.glob(os.path.join(results_dir, "*.json"))):
+        with open(path) as f:
+            rows.append(json.load(f))
+    lines = ["| row | model (kwargs) | epochs | train time | best val | MNIST test | MNIST-rot | images swept |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        kwargs = f" ({' '.join(r['model_kwargs'])})" if r["model_kwargs"] else ""
+        lines.append(f"| {r['name']} | {r['model']}{kwargs} | {r['epochs']} | {r['train_minutes']:.1f} min | "
+                     f"{r['best_val_top1']:.2f}% | {r['mnist_test_top1']:.2f}% | {r['mnist_rot_top1']:.2f}% | "
+                     f"{r['mnist_rot_images']:,} x {len(r['angles'])} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    args, train_extra = parser.parse_known_args(argv)
+    if args.table:
+        print(table(args.results))
+        return None
+    if not (args.model and args.data_dir):
+        parser.error("--model and --data-dir are needed (or --table)")
+    name = args.name or (args.model if not args.model_kwargs else f"{args.model}-{'-'.join(args.model_kwargs)}")
+    if any(c in name for c in "/ ="):
+        parser.error(f"--name {name!r}: use letters, digits, '-', '_' and '.' (it names files)")
+    check_compared(args)
+    os.makedirs(args.results, exist_ok=True)
+    run_dir = os.path.join(args.runs, name)
+    epochs = preset_epochs(args)
+    train_command = train(args, train_extra, name, run_dir, epochs)
+    summary = summary_rows(run_dir)
+    best = max(summary, key=lambda row: float(row["eval_top1"]))
+    # Wall time of the training: from the run's first file to its last summary line.
+    train_seconds = os.path.getmtime(os.path.join(run_dir, "summary.csv")) - os.path.getmtime(
+        os.path.join(run_dir, "args.yaml"))
+    start = time.time()
+    mnist, per_angle, eval_commands = evaluate(args, name, os.path.join(run_dir, "model_best.pth.tar"))
+    record = dict(
+        name=name, model=args.model, model_kwargs=args.model_kwargs, config=os.path.relpath(args.config, REPO),
+        epochs=epochs, seed=args.seed, train_minutes=train_seconds / 60, best_epoch=int(best["epoch"]),
+        best_val_top1=float(best["eval_top1"]), mnist_test_top1=mnist,
+        mnist_rot_top1=sum(per_angle.values()) / len(per_angle), mnist_rot_images=args.rot_samples or 10000,
+        angles=list(per_angle), per_angle_top1=list(per_angle.values()), eval_minutes=(time.time() - start) / 60,
+        commands=[relative(train_command)] + [relative(c) for c in eval_commands],
+        reproduce=relative([sys.executable, os.path.abspath(__file__)] + (argv if argv is not None else sys.argv[1:])),
+    )
+    with open(os.path.join(args.results, f"{name}.json"), "w") as f:
+        json.dump(record, f, indent=1)
+    print(f"\n{name}: MNIST {mnist:.2f}%  MNIST-rot {record['mnist_rot_top1']:.2f}% "
+          f"({record['mnist_rot_images']} images x {len(per_angle)} angles)  -> {args.results}/{name}.json")
+    return record
+
+
+if __name__ == "__main__":
+    main()
