@@ -11,7 +11,14 @@ import timm
 import torch
 
 import timm_sortconv  # noqa: F401  (registers the models)
-from timm_sortconv.hub import PretrainedLoadError, fill_hf_cache, load_pretrained, save_pretrained
+from timm_sortconv.hub import (
+    HUB_ORG,
+    PACKAGE_WEIGHTS_DIR,
+    PretrainedLoadError,
+    fill_hf_cache,
+    load_pretrained,
+    save_pretrained,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL = "scnn_p_rs_3"
@@ -144,12 +151,7 @@ def test_save_pretrained_needs_existing_card(trained, tmp_path):
 
 @pytest.fixture
 def bundle_dir(tmp_path):
-    """The folder push_to_hub.py --bundle-dir writes to; the bundled file is removed afterwards, pass or fail."""
-    from timm_sortconv.hub import PACKAGE_WEIGHTS_DIR
-
-    real = PACKAGE_WEIGHTS_DIR / f"{MODEL}.safetensors"
-    if real.exists():
-        pytest.skip(f"real bundled weights at {real}: not bundling test weights next to them")
+    """The folder push_to_hub.py --bundle-dir writes to (a temporary one: never the package's own)."""
     folder = tmp_path / "weights"
     yield folder
     (folder / f"{MODEL}.safetensors").unlink(missing_ok=True)
@@ -178,3 +180,78 @@ def test_bundled_weights_load_with_pretrained_offline(trained, bundle_dir, tmp_p
     assert loaded.keys() == expected.keys()
     for key, value in expected.items():
         assert torch.equal(loaded[key], value), key
+
+
+SHIPPED = sorted(p.stem for p in PACKAGE_WEIGHTS_DIR.glob("*.safetensors"))
+
+
+def test_the_headline_weights_ship_in_the_package():
+    assert {"scnn_p_rs_7", "scnn_baseline_7"} <= set(SHIPPED)
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_weights_declare_their_hub_repo_and_load_offline(name):
+    from safetensors.torch import load_file
+
+    cfg = timm.models.get_pretrained_cfg(name)
+    assert cfg.hf_hub_id == f"{HUB_ORG}/{name}.mnist" and Path(cfg.file) == PACKAGE_WEIGHTS_DIR / f"{name}.safetensors"
+    # timm takes the bundled file before the Hub (nothing is downloaded) and gives exactly the file's tensors.
+    model = timm.create_model(name, pretrained=True).eval()
+    shipped = load_file(PACKAGE_WEIGHTS_DIR / f"{name}.safetensors")
+    assert shipped.keys() == model.state_dict().keys()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in shipped.items())
+    # Trained weights, not an initialisation: the BatchNorm statistics moved away from (0, 1).
+    assert any(k.endswith("running_var") and not torch.allclose(v, torch.ones_like(v)) for k, v in shipped.items())
+    x = torch.randn(4, 1, 28, 28, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(torch.cat([x, torch.rot90(x, 1, (2, 3))]))
+    if "baseline" not in name:  # an SCNN is exactly invariant to quarter turns, with any weights
+        torch.testing.assert_close(logits[:4], logits[4:], rtol=1e-4, atol=1e-4)
+
+
+def _row(model, **extra):
+    angles = [10.0 * i for i in range(36)]
+    row = dict(name=model, model=model, model_kwargs=[], config="scripts/configs/mnist_scnn_short.yaml", epochs=1,
+               seed=42, train_minutes=3.5, best_epoch=0, best_val_top1=97.5, mnist_test_top1=97.61,
+               mnist_rot_top1=91.234, mnist_rot_images=2000, angles=angles,
+               per_angle_top1=[90.0 + i / 10 for i in range(36)], eval_minutes=1.0,
+               commands=["python scripts/train.py ...", "python scripts/validate.py --dataset sortconv/mnist ...",
+                         "python scripts/validate.py --dataset sortconv/mnist_rot --checkpoint /my/runs/x/best.pth"],
+               reproduce=f"python scripts/mnist_results.py --model {model} --data-dir DATA --runs /my/runs")
+    row.update(extra)
+    return row
+
+
+def test_model_cards_say_what_was_measured(tmp_path):
+    rows = []
+    repeating = [90.0 + i / 10 for i in range(9)] * 4
+    for i, row in enumerate([_row("scnn_p_rs_7"), _row("scnn_p_rs_7", name="x", model_kwargs=["downsample=avg"]),
+                             _row("scnn_s_gs_3"), _row("scnn_p_rs_7", name="long", epochs=5, mnist_rot_top1=95.5,
+                                                       mnist_rot_images=10000, per_angle_top1=repeating)]):
+        rows.append(tmp_path / f"{i}.json")
+        rows[-1].write_text(json.dumps(row))
+    out = tmp_path / "cards"
+    subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "model_cards.py"), str(rows[0]), str(rows[1]),
+                    str(rows[2]), "--hub-row", str(rows[3]), "--out", str(out)], check=True, capture_output=True)
+    assert sorted(p.name for p in out.iterdir()) == ["scnn_p_rs_7.md", "scnn_s_gs_3.md"]  # kwargs rows: no card
+    card = (out / "scnn_p_rs_7.md").read_text()
+    assert card.startswith("---\nlibrary_name: timm\nlicense: apache-2.0")
+    # the --hub-row run (5 epochs, the full 360,000 images) is the one described, beside the paper's figures
+    assert "| MNIST-rot | 95.50% | 95.05% |" in card and "| MNIST test (10,000 images) | 97.61% | 99.04% |" in card
+    assert "5 epochs, batch 50" in card and "| angle | 90 |" not in card and "is exactly the one shown" in card and "360,000 images" in card and "rings of 8, 16, 24 values" in card
+    assert 'timm.create_model("scnn_p_rs_7", pretrained=True)' in card and "arXiv:2305.14462" in card
+    # commands name no machine's folders
+    assert "/my/runs" not in card and "--checkpoint output/mnist/x/best.pth" in card
+    assert "`python scripts/mnist_results.py --model scnn_p_rs_7 --data-dir DATA`" in card
+    assert f"{sum(p.numel() for p in timm.create_model('scnn_p_rs_7').parameters()):,} parameters" in card
+    other = (out / "scnn_s_gs_3.md").read_text()
+    assert "| MNIST-rot | 91.23% | not reported |" in other and "2,000 of the 10,000 test images" in other
+    assert "| top-1 % | 90.00 | 90.10 | 90.20 |" in other and "| angle | 0 | 10 | 20 |" in other
+    assert "| angle | 270 |" in other and "is exactly the one shown" not in other  # made-up numbers: no repeats
+
+
+@pytest.mark.parametrize("card", sorted((REPO_ROOT / "model_cards").glob("scnn_*.md")), ids=lambda p: p.stem)
+def test_every_card_describes_shipped_weights(card):
+    assert card.stem in SHIPPED
+    text = card.read_text()
+    assert f"# {card.stem}.mnist" in text and f"timm.create_model(\"{card.stem}\", pretrained=True)" in text
