@@ -54,6 +54,9 @@ group.add_argument("--dataset-download", action="store_true", default=False, hel
 group.add_argument("--class-map", default="", type=str, metavar="FILENAME", help="class map for image folders")
 group.add_argument("--rotations", default=None, metavar="SPEC",
                    help="angles in degrees: START:STOP:STEP (e.g. 0:360:10) or a list (e.g. 0,45,90); default: none")
+group.add_argument("--round-trip", action="store_true", default=False,
+                   help="rotate each image by the angle and back (upright, resampled twice): a control that "
+                        "tells how much of a sweep's loss is resampling rather than orientation")
 group.add_argument("--samples", type=int, default=None, metavar="N",
                    help="evaluate a seeded random N-image slice of the split (each image at every angle)")
 
@@ -124,7 +127,7 @@ def build_sweep(args, channels: int) -> RotatedDataset:
     else:
         angles = parse_rotations(args.rotations) if args.rotations else [0.0]
         base = dataset
-    return RotatedDataset(cap_samples(base, args.samples, seed=args.seed), angles)
+    return RotatedDataset(cap_samples(base, args.samples, seed=args.seed), angles, round_trip=args.round_trip)
 
 
 @torch.inference_mode()
@@ -278,7 +281,7 @@ def main(argv=None):
         _logger.info(f"Wrote {args.results_csv}")
     if args.plot:
         title = (f"{args.dataset or 'image folder'} ({args.split}), {sweep.num_images} images x "
-                 f"{len(sweep.angles)} angles")
+                 f"{len(sweep.angles)} angles" + (", rotated there and back" if args.round_trip else ""))
         plot_sweep(args.plot, shown, title)
         _logger.info(f"Wrote {args.plot}")
     return results

@@ -258,6 +258,25 @@ def test_rotated_dataset_selects_angles_and_applies_its_transform_after_rotating
         RotatedDataset(base)
 
 
+def test_round_trip_rotates_there_and_back(tmp_path):
+    make_mnist(tmp_path, num_test=4)
+    base = MNIST(tmp_path, "test")
+    there_and_back = RotatedDataset(base, [0, 90], round_trip=True)
+    assert there_and_back.with_angles([40]).round_trip and "there and back" in repr(there_and_back)
+    for i in range(len(base)):  # quarter turns are exact both ways, and angle 0 is the image itself
+        np.testing.assert_array_equal(np.asarray(there_and_back[i][0]), np.asarray(base[i][0]))
+        np.testing.assert_array_equal(np.asarray(there_and_back[4 + i][0]), np.asarray(base[i][0]))
+    # A smooth off-centre blob 40 degrees there and back: upright again (far closer to the original than the
+    # rotated image is), but resampled, so not identical.
+    yy, xx = np.mgrid[0:28, 0:28]
+    blob = 255 * np.exp(-((yy - 9.0) ** 2 + (xx - 17.0) ** 2) / 12.0)
+    smooth = [(Image.fromarray(blob.round().astype(np.uint8)), 0)]
+    original = np.asarray(smooth[0][0], dtype=float)
+    trip = np.asarray(RotatedDataset(smooth, [40], round_trip=True)[0][0], dtype=float)
+    rotated = np.asarray(RotatedDataset(smooth, [40])[0][0], dtype=float)
+    assert 0 < np.abs(trip - original).mean() < 0.2 * np.abs(rotated - original).mean()
+
+
 def test_parse_rotations():
     assert parse_rotations("0:360:10") == [float(a) for a in range(0, 360, 10)]
     assert parse_rotations("0,45,90") == [0.0, 45.0, 90.0]

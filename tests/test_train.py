@@ -210,6 +210,12 @@ def test_validate_sweep_writes_csv_and_plot(validate, ddp_run, data_dir, tmp_pat
     with pytest.raises(SystemExit, match="angles"):
         validate.main([str(a) for a in (*TINY_SCNN, "--dataset", "sortconv/mnist", "--data-dir", data_dir, "--split",
                                         "test", "--rotations", "0:360:180", "-j", 0, "--compare-csv", results_csv)])
+    # --round-trip: quarter turns there and back give the images themselves, so even the plain network scores the
+    # same at every angle
+    trip = validate.main([str(a) for a in ("--model", "scnn_baseline_3", "--dataset", "sortconv/mnist", "--data-dir",
+                                           data_dir, "--split", "test", "--rotations", "0:360:90", "-j", 0,
+                                           "--round-trip")])["scnn_baseline_3"]
+    assert list(trip.values()) == [trip[0.0]] * 4
 
 
 def test_validate_loads_a_local_dir_model(validate, ddp_run, data_dir, tmp_path):
