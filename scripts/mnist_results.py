@@ -13,7 +13,9 @@ angle) and ``<name>.png`` (the per-angle plot, with ``--compare`` rows drawn bes
 10,000 test images at 0, 10, ..., 350 degrees (360,000 images); ``--rot-samples N`` sweeps a fixed
 random N of them instead (the same N images for every model with the same ``--seed``).
 ``--table`` prints the Markdown table of every row in ``<results>``. Options this script does not know
-go to ``scripts/train.py`` as they are (for instance ``--lr 1e-3``), and are recorded in the JSON.
+go to ``scripts/train.py`` as they are (for instance ``--lr 1e-3``), checked by its parser first, and are
+recorded in the JSON. A finished run is reused only if it was trained with the same settings. The JSON's
+``train_minutes`` is the wall time of the run's last training session (a resumed run counts from the resume).
 
 Examples::
 
@@ -25,10 +27,14 @@ Examples::
 import argparse
 import csv
 import glob
+import importlib.util
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
@@ -81,8 +87,31 @@ def summary_rows(run_dir):
         return list(csv.DictReader(f))
 
 
+# train.py options this script sets itself; passing them through would move or redefine the run.
+OWN_TRAIN_OPTIONS = ("-c", "--config", "--output", "--experiment", "--resume", "--model", "--data-dir")
+# Settings that may differ between a finished run and a request to measure it again.
+INCIDENTAL = {"resume", "workers", "log_interval", "recovery_interval", "output", "experiment", "data_dir",
+              "config", "checkpoint_hist"}
+
+
+def train_settings(command):
+    """The settings ``command`` (a train.py command line) would train with, as train.py's parser resolves
+    them; an option train.py does not know (a typo) stops here, before anything runs."""
+    spec = importlib.util.spec_from_file_location("_mnist_results_train", os.path.join(SCRIPTS, "train.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # a fresh parser each time (presets set its defaults)
+    import yaml
+
+    _, text = module.parse_args(command[2:])
+    return yaml.safe_load(text)
+
+
 def train(args, train_extra, name, run_dir, epochs):
     """Trains (or resumes) the run unless all its epochs are done; returns the training command."""
+    clashing = [a for a in train_extra if a.split("=")[0] in OWN_TRAIN_OPTIONS]
+    if clashing:
+        parser.error(f"{clashing[0]} is set by this script (the run is <runs>/<name>); use --name, --runs or "
+                     "--config instead")
     command = [sys.executable, os.path.join(SCRIPTS, "train.py"), "-c", args.config, "--model", args.model,
                "--data-dir", args.data_dir, "--seed", str(args.seed), "-j", str(args.workers),
                "--output", args.runs, "--experiment", name, "--log-interval", "200"]
@@ -91,6 +120,19 @@ def train(args, train_extra, name, run_dir, epochs):
     if args.model_kwargs:
         command += ["--model-kwargs", *args.model_kwargs]
     command += train_extra
+    wanted = train_settings(command)
+    stored_path = os.path.join(run_dir, "args.yaml")
+    if os.path.isfile(stored_path):  # an existing run is reused (or resumed) only with the same settings
+        import yaml
+
+        with open(stored_path) as f:
+            stored = yaml.safe_load(f)
+        changed = sorted(k for k in set(wanted) | set(stored)
+                         if k not in INCIDENTAL and wanted.get(k) != stored.get(k))
+        if changed:
+            parser.error(f"{run_dir} was trained with other settings ("
+                         + ", ".join(f"{k}: {stored.get(k)!r} there, {wanted.get(k)!r} asked" for k in changed[:4])
+                         + "); give this row another --name, or remove that run")
     if len(summary_rows(run_dir)) >= epochs:
         print(f"{run_dir}: all {epochs} epochs done, not retraining")
         return command
@@ -115,7 +157,7 @@ def evaluate(args, name, checkpoint):
               "-b", "500", "-j", str(args.workers), "--label", name]
     if args.model_kwargs:
         common += ["--model-kwargs", *args.model_kwargs]
-    mnist_csv = os.path.join(args.results, f"{name}.mnist.csv")
+    mnist_csv = os.path.join(tempfile.mkdtemp(prefix="mnist_results_"), f"{name}.csv")  # one number: in the JSON
     mnist = [sys.executable, os.path.join(SCRIPTS, "validate.py"), "--dataset", "sortconv/mnist", *common,
              "--results-csv", mnist_csv]
     rot = [sys.executable, os.path.join(SCRIPTS, "validate.py"), "--dataset", "sortconv/mnist_rot", *common,
@@ -125,23 +167,29 @@ def evaluate(args, name, checkpoint):
         rot += ["--samples", str(args.rot_samples), "--seed", str(args.seed)]
     if args.compare:
         rot += ["--compare-csv", *(os.path.join(args.results, f"{other}.csv") for other in args.compare)]
-    run(mnist)
+    try:
+        run(mnist)
+        mnist_accuracy = read_csv(mnist_csv)[0.0]
+    finally:
+        shutil.rmtree(os.path.dirname(mnist_csv), ignore_errors=True)
     run(rot)
-    mnist_accuracy = read_csv(mnist_csv)[0.0]
-    os.remove(mnist_csv)  # one number, kept in the JSON
-    return mnist_accuracy, read_csv(os.path.join(args.results, f"{name}.csv")), [mnist, rot]
+    # the MNIST command as recorded prints its table instead of writing the temporary CSV
+    return mnist_accuracy, read_csv(os.path.join(args.results, f"{name}.csv")), [mnist[:-2], rot]
 
 
 def check_compared(args):
     for other in args.compare:
         path = os.path.join(args.results, f"{other}.json")
-        if not os.path.isfile(path):
-            parser.error(f"--compare {other}: no {path}; run its row first")
+        if not (os.path.isfile(path) and os.path.isfile(os.path.join(args.results, f"{other}.csv"))):
+            parser.error(f"--compare {other}: no {path} and its .csv; run that row first")
         with open(path) as f:
             theirs = json.load(f)
-        if (theirs["mnist_rot_images"], theirs["seed"]) != (args.rot_samples or 10000, args.seed):
+        ours = args.rot_samples or 10000
+        # a slice depends on its seed; the full test set does not
+        same = theirs["mnist_rot_images"] == ours and (ours == 10000 or theirs["seed"] == args.seed)
+        if not same:
             parser.error(f"--compare {other} swept {theirs['mnist_rot_images']} images (seed {theirs['seed']}), "
-                         f"not {args.rot_samples or 10000} (seed {args.seed}): the curves would not be comparable")
+                         f"not {ours} (seed {args.seed}): the curves would not be comparable")
 
 
 def relative(command):
@@ -179,6 +227,11 @@ def table(results_dir):
     return "\n".join(lines)
 
 
+def row_name(args) -> str:
+    """``--name``, or the model and its ``--model-kwargs`` made into a file name."""
+    return args.name or re.sub(r"[^A-Za-z0-9_.]+", "-", "-".join([args.model, *args.model_kwargs])).strip("-")
+
+
 def main(argv=None):
     args, train_extra = parser.parse_known_args(argv)
     if args.table:
@@ -186,9 +239,9 @@ def main(argv=None):
         return None
     if not (args.model and args.data_dir):
         parser.error("--model and --data-dir are needed (or --table)")
-    name = args.name or (args.model if not args.model_kwargs else f"{args.model}-{'-'.join(args.model_kwargs)}")
-    if any(c in name for c in "/ ="):
-        parser.error(f"--name {name!r}: use letters, digits, '-', '_' and '.' (it names files)")
+    name = row_name(args)
+    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", name):
+        parser.error(f"--name {name!r}: use letters, digits, '-', '_' and '.', not first (it names files)")
     check_compared(args)
     os.makedirs(args.results, exist_ok=True)
     run_dir = os.path.join(args.runs, name)
@@ -202,7 +255,8 @@ def main(argv=None):
     start = time.time()
     mnist, per_angle, eval_commands = evaluate(args, name, os.path.join(run_dir, "model_best.pth.tar"))
     record = dict(
-        name=name, model=args.model, model_kwargs=args.model_kwargs, config=os.path.relpath(args.config, REPO),
+        name=name, model=args.model, model_kwargs=args.model_kwargs, train_args=train_extra,
+        config=os.path.relpath(args.config, REPO),
         epochs=epochs, seed=args.seed, train_minutes=train_seconds / 60, best_epoch=int(best["epoch"]),
         best_val_top1=float(best["eval_top1"]), mnist_test_top1=mnist,
         mnist_rot_top1=sum(per_angle.values()) / len(per_angle), mnist_rot_images=args.rot_samples or 10000,

@@ -83,7 +83,22 @@ def portable(row) -> dict:
     i = words.index("--runs")
     runs = words[i + 1]
     reproduce = " ".join(words[:i] + words[i + 2:])
-    return {**row, "reproduce": reproduce, "commands": [c.replace(runs, "output/mnist") for c in row["commands"]]}
+    prefix = runs.rstrip("/") + "/"
+    return {**row, "reproduce": reproduce,
+            "commands": [c.replace(prefix, "output/mnist/") for c in row["commands"]]}
+
+
+SHORT_PRESET = "scripts/configs/mnist_scnn_short.yaml"
+
+
+def schedule(row) -> str:
+    epochs = f"{row['epochs']} epoch{'s' if row['epochs'] != 1 else ''}"
+    extra = row.get("train_args") or []
+    if row["config"] == SHORT_PRESET and not extra:
+        return (f"{epochs}, batch 50, Adam at 2e-3 decayed to zero by a cosine over the updates "
+                f"(`{row['config']}`{', --epochs ' + str(row['epochs']) if row['epochs'] != 1 else ''})")
+    options = f" with `{' '.join(extra)}`" if extra else ""
+    return f"{epochs} of the preset `{row['config']}`{options}"
 
 
 def card(row, params: int) -> str:
@@ -116,8 +131,7 @@ Built with timm-sortconv (the `timm_sortconv` package), which implements the pap
 ## Training
 - Data: the 50,000-image MNIST training split (a seeded 50k/10k split of the 60,000 training images),
   no augmentation; the epoch with the best top-1 on the other 10,000 (validation) images is kept.
-- Schedule actually run: {row['epochs']} epoch{'s' if row['epochs'] != 1 else ''}, batch 50, Adam at 2e-3 decayed to zero by a cosine over the
-  updates (`{row['config']}`{', --epochs ' + str(row['epochs']) if row['epochs'] != 1 else ''}). This is
+- Schedule actually run: {schedule(row)}. This is
   **not** the paper's 100 epochs (Adam 1e-4 x 0.8 every 10 epochs, `scripts/configs/mnist_scnn.yaml`): it is
   what fits a 2-core CPU. Training took {row['train_minutes']:.1f} minutes there; best epoch {row['best_epoch']}
   (validation top-1 {row['best_val_top1']:.2f}%).

@@ -10,7 +10,7 @@ from timm.models import FeatureListNet, group_parameters
 
 import timm_sortconv  # noqa: F401  (registers the models)
 from timm_sortconv import SortConv2d
-from timm_sortconv.hub import PACKAGE_WEIGHTS_DIR
+from timm_sortconv.hub import bundled_weights_dir
 from timm_sortconv.models.scnn import SCNN
 
 SCNNS = [f"scnn_{v}_{k}" for v in ("s_gs", "s_rs", "p_gs", "p_rs") for k in (3, 5, 7)]
@@ -180,7 +180,7 @@ def test_builds_with_timm_train_py_arguments_and_describes_itself(name):
     assert cfg["tag"] == ("mnist" if name.startswith("scnn") else "nwpu")
     assert cfg["paper_ids"] == "arXiv:2305.14462"
     # A Hub repository is declared exactly for the entrypoints whose weights ship in the package.
-    shipped = (PACKAGE_WEIGHTS_DIR / f"{name}.safetensors").is_file()
+    shipped = (bundled_weights_dir() / f"{name}.safetensors").is_file()
     assert cfg.get("hf_hub_id") == (f"timm-sortconv/{name}.mnist" if shipped else None)
     assert cfg["pool_size"] == (cfg["input_size"][1] // model.feature_info[-1]["reduction"],) * 2
     first_conv = model.get_submodule(cfg["first_conv"])

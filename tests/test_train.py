@@ -216,6 +216,13 @@ def test_validate_sweep_writes_csv_and_plot(validate, ddp_run, data_dir, tmp_pat
                                            data_dir, "--split", "test", "--rotations", "0:360:90", "-j", 0,
                                            "--round-trip")])["scnn_baseline_3"]
     assert list(trip.values()) == [trip[0.0]] * 4
+    sweep_args = validate.parser.parse_args(["--model", "m", "--dataset", "sortconv/mnist", "--data-dir", str(data_dir),
+                                             "--split", "test", "--rotations", "0,40", "--round-trip"])
+    sweep = validate.build_sweep(sweep_args, channels=1)
+    assert sweep.round_trip and sweep.angles == [0.0, 40.0]
+    assert not validate.build_sweep(validate.parser.parse_args(["--model", "m", "--dataset", "sortconv/mnist",
+                                                                "--data-dir", str(data_dir), "--split", "test"]),
+                                    channels=1).round_trip
 
 
 def test_validate_loads_a_local_dir_model(validate, ddp_run, data_dir, tmp_path):
@@ -307,11 +314,24 @@ def test_mnist_results_rows_train_measure_compare_and_tabulate(data_dir, tmp_pat
     again = results.main(["--model", "scnn_p_rs_3", "--name", "sc", *common])
     assert "not retraining" in capsys.readouterr().out and weights.stat().st_mtime_ns == mtime
     assert again["per_angle_top1"] == row["per_angle_top1"]
-    # Rows swept on other images cannot be drawn together; names must be file names.
-    with pytest.raises(SystemExit):
-        results.main(["--model", "scnn_p_rs_3", "--name", "sc2", "--compare", "base", *common, "--rot-samples", "4"])
-    with pytest.raises(SystemExit):
-        results.main(["--model", "scnn_p_rs_3", "--name", "a/b", *common])
+    # Refused before anything runs, each with its reason: rows swept on other images drawn together, names that
+    # are not file names, a finished run asked for with other settings, options train.py does not know (typos of
+    # this script's own), and train.py options that would move the run.
+    refusals = {
+        "not be comparable": ["--name", "sc2", "--compare", "base", "--rot-samples", "4"],
+        "--name 'a/b'": ["--name", "a/b"],
+        "trained with other settings (lr: 0.002 there, 0.001 asked)": ["--name", "sc", "--lr", "1e-3"],
+        "unrecognized arguments: --rot-sampels": ["--name", "sc3", "--rot-sampels", "4"],
+        "--output is set by this script": ["--name", "sc3", "--output", str(tmp_path / "elsewhere")],
+    }
+    for message, extra in refusals.items():
+        with pytest.raises(SystemExit):
+            results.main(["--model", "scnn_p_rs_3", *common, *extra])
+        assert message in capsys.readouterr().err, message
+    assert not (tmp_path / "runs" / "sc3").exists() and not (tmp_path / "res" / "sc2.json").exists()
+    # Without --name, the row is named after the model and its arguments, as a file name.
+    args, _ = results.parser.parse_known_args(["--model", "m", "--model-kwargs", "channels=(4,4)", "downsample=avg"])
+    assert results.row_name(args) == "m-channels-4-4-downsample-avg"
     results.main(["--table", "--results", str(tmp_path / "res")])
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("| row |") and [line.split("|")[1].strip() for line in lines[2:]] == ["base", "sc"]

@@ -18,8 +18,8 @@ import timm
 import torch
 from timm.models import save_for_hf
 
-__all__ = ["PretrainedLoadError", "HUB_ORG", "PACKAGE_WEIGHTS_DIR", "bundled_weights_dir", "save_pretrained", "push_folder",
-           "fill_hf_cache", "load_pretrained"]
+__all__ = ["PretrainedLoadError", "HUB_ORG", "PACKAGE_WEIGHTS_DIR", "bundled_weights_dir", "save_pretrained",
+           "push_folder", "fill_hf_cache", "load_pretrained"]
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
