@@ -73,10 +73,18 @@ def run(command):
     subprocess.run(command, check=True)
 
 
+def load_script(name):
+    """A fresh copy of ``scripts/<name>.py`` as a module (a fresh parser too: presets set its defaults)."""
+    spec = importlib.util.spec_from_file_location(f"_mnist_results_{name}", os.path.join(SCRIPTS, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def read_csv(path):
-    with open(path, newline="") as f:
-        rows = list(csv.reader(f))
-    return {float(row[0]): float(row[1]) for row in rows[1:]}
+    """The one model's per-angle accuracies in a CSV written by validate.py --results-csv."""
+    (per_angle,) = load_script("validate").read_csv(path).values()
+    return per_angle
 
 
 def summary_rows(run_dir):
@@ -97,12 +105,9 @@ INCIDENTAL = {"resume", "workers", "log_interval", "recovery_interval", "output"
 def train_settings(command):
     """The settings ``command`` (a train.py command line) would train with, as train.py's parser resolves
     them; an option train.py does not know (a typo) stops here, before anything runs."""
-    spec = importlib.util.spec_from_file_location("_mnist_results_train", os.path.join(SCRIPTS, "train.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # a fresh parser each time (presets set its defaults)
     import yaml
 
-    _, text = module.parse_args(command[2:])
+    _, text = load_script("train").parse_args(command[2:])
     return yaml.safe_load(text)
 
 
