@@ -126,6 +126,20 @@ def test_agrees_with_reference(sampling, sorting, k, dtype, threads):
                      padding_mode=padding_mode, sampling=sampling, sorting=sorting)
 
 
+@pytest.mark.parametrize("width", [3, 5, 8, 14, 16, 17, 28, 33])
+@pytest.mark.parametrize("sampling,sorting", VARIANTS, ids=VARIANT_IDS)
+def test_agrees_with_reference_for_every_row_width(sampling, sorting, width, threads):
+    """float32 with unit stride reads each vector of 16 lanes straight from the input when it holds at
+    most two row pieces (widths >= 8 here, and every block of wider rows), and stages it otherwise; the
+    input gradient goes back by shifted rows unless the dilated row reaches 16 columns or more."""
+    threads(1)
+    for index, (k, dilation) in enumerate([(3, 1), (7, 1), (5, 2), (7, 3), (5, 4)]):
+        x = randn(2, 3, 6, width, seed=index, dtype=torch.float32)
+        weight, bias = randn(4, 3, k, k, seed=10 + index, dtype=torch.float32), randn(4, seed=20, dtype=torch.float32)
+        assert_agree(x, weight, bias, padding=k // 2 * dilation, dilation=dilation, sampling=sampling, sorting=sorting,
+                     min_comparable=0.5)
+
+
 @pytest.mark.parametrize("k", [9, 11])
 @pytest.mark.parametrize("sampling,sorting", VARIANTS, ids=VARIANT_IDS)
 def test_agrees_with_reference_large_kernels(sampling, sorting, k, threads):

@@ -136,6 +136,10 @@ struct Plan {
   int64_t kernel_size = 0;
   int64_t slots = 0;
   bool single_tap = true;  // square sampling: every sample is one window value, weight 1
+  bool direct = false;     // every segment has an unrolled network (or is one slot): see sort_direct
+  // Per sample s, its taps [tap_begin[s], tap_begin[s + 1]): flat window offsets and weights.
+  std::vector<int64_t> tap_begin, tap_offset;
+  std::vector<scalar_t> tap_weight;
   std::vector<int64_t> sample_offset;    // square sampling: per sample, its flat offset in the window
   std::vector<int64_t> position_sample;  // square sampling: per row-major window position, its sample
   std::vector<int64_t> grid_offset;      // per row-major window position, its flat offset
@@ -161,9 +165,19 @@ struct Run {
 // empty when rows are shorter than a block or end inside one: the block is cut into runs.
 constexpr int64_t kMaxRuns = 32;
 
+// Where the lanes of one vector of a block come from (unit stride only): lane j of piece p reads
+// input[base[p] + j + offset] for the lanes set in mask[p]; a vector holds at most two pieces (the end
+// of one image row and the start of the next) for sort_direct, else the block is staged.
+struct VectorSource {
+  int64_t base[2] = {0, 0};
+  uint32_t mask[2] = {0, 0};
+};
+
 struct Block {
   int64_t count = 0, runs = 0;
   Run run[kMaxRuns];
+  bool direct = false;  // every vector has at most two pieces
+  VectorSource source[2];
 };
 
 // The block of the flat output positions [first, last) (flat: image * out_h * out_w + row * out_w + col);
@@ -187,10 +201,39 @@ Block make_block(const Plan<scalar_t>& plan, int64_t first, int64_t last, const 
     block.run[block.runs++] = {image, row, col, cols, p - first, offset, kUnitStride && fits ? vectors : 0};
     p += cols;
   }
+  if (kUnitStride) {
+    block.direct = true;
+    int pieces[2] = {0, 0};
+    for (int64_t i = 0; i < block.runs; ++i) {
+      const Run& run = block.run[i];
+      for (int64_t h = 0; h < 2; ++h) {
+        const int64_t a = std::max(run.lane, h * half), b = std::min(run.lane + run.cols, (h + 1) * half);
+        if (a >= b) continue;
+        if (pieces[h] == 2) {
+          block.direct = false;
+          continue;
+        }
+        block.source[h].base[pieces[h]] = run.input - run.lane + h * half;
+        block.source[h].mask[pieces[h]] = ((uint32_t(1) << (b - a)) - 1) << (a - h * half);
+        ++pieces[h];
+      }
+    }
+  }
   return block;
 }
 
 bool matches_fixed_network(int64_t size, const int32_t* pairs, int64_t count, int64_t start);
+
+// Unrolled networks are compiled for float32 only, which training uses, and only with AVX-512 (see
+// TIMM_SORTCONV_FIXED_SIZES); float64 (tests, gradcheck) runs the same comparators from memory, and
+// the build stays short.
+#if defined(__AVX512F__)
+template <typename scalar_t>
+constexpr bool kUnrolledNetworks = std::is_same<scalar_t, float>::value;
+#else
+template <typename scalar_t>
+constexpr bool kUnrolledNetworks = false;
+#endif
 
 template <typename scalar_t>
 Plan<scalar_t> make_plan(const at::Tensor& input, const at::Tensor& tap_offsets, const at::Tensor& tap_weights,
@@ -231,6 +274,7 @@ Plan<scalar_t> make_plan(const at::Tensor& input, const at::Tensor& tap_offsets,
   std::vector<std::array<int64_t, 2>> sample_position, position_sample;
   std::vector<scalar_t> tap_weight;
   plan.position_sample.assign(slots, 0);
+  plan.tap_begin.push_back(0);
   for (int64_t s = 0; s < slots; ++s) {
     int64_t used = 0;
     for (int64_t t = 0; t < max_taps; ++t) {
@@ -244,6 +288,8 @@ Plan<scalar_t> make_plan(const at::Tensor& input, const at::Tensor& tap_offsets,
       sample_position.push_back({s, q});
       position_sample.push_back({q, s});
       tap_weight.push_back(static_cast<scalar_t>(w));
+      plan.tap_offset.push_back(plan.grid_offset[q]);
+      plan.tap_weight.push_back(static_cast<scalar_t>(w));
       if (used == 0) {
         plan.sample_offset.push_back(plan.grid_offset[q]);
         plan.position_sample[q] = s;
@@ -254,6 +300,7 @@ Plan<scalar_t> make_plan(const at::Tensor& input, const at::Tensor& tap_offsets,
       ++used;
     }
     TORCH_CHECK(used >= 1, "sort_conv_cpu: sample ", s, " has no tap");
+    plan.tap_begin.push_back(static_cast<int64_t>(plan.tap_offset.size()));
   }
   plan.sampling = make_tap_table(slots, sample_position, tap_weight);
   plan.spreading = make_tap_table(slots, position_sample, tap_weight);
@@ -284,6 +331,9 @@ Plan<scalar_t> make_plan(const at::Tensor& input, const at::Tensor& tap_offsets,
   }
   TORCH_CHECK(bounds.size(0) == 0 || next_slot == slots, "sort_conv_cpu: segments must cover all k*k slots");
   TORCH_CHECK(next_pair == comparators.size(0), "sort_conv_cpu: comparator ", next_pair, " lies outside its segment");
+  plan.direct = kUnrolledNetworks<scalar_t> && !plan.segments.empty()
+                && std::all_of(plan.segments.begin(), plan.segments.end(),
+                               [](const Segment& segment) { return segment.fixed || segment.size == 1; });
   return plan;
 }
 
@@ -533,11 +583,6 @@ void unsort_fixed(scalar_t* grad, const SwapMask<typename Simd<scalar_t>::vec>* 
 #define TIMM_SORTCONV_FIXED_SIZES(X)
 #endif
 
-// Unrolled networks are compiled for float32 only, which training uses; float64 (tests, gradcheck)
-// runs the same comparators from memory, and the build stays short.
-template <typename scalar_t>
-constexpr bool kUnrolledNetworks = std::is_same<scalar_t, float>::value;
-
 template <int N>
 bool same_network(const int32_t* pairs, int64_t count, int64_t start) {
   static constexpr auto network = batcher_network<N>();
@@ -634,6 +679,82 @@ void unsort_gradients(const Plan<scalar_t>& plan, scalar_t* grad,
                                swaps + 2 * segment.first_pair);
     }
   }
+}
+
+// Gathering and sorting fused, for float32 with AVX-512 and unit stride: each segment's samples are
+// read (square sampling) or interpolated (polar sampling, from the taps) straight from the input into
+// registers with masked loads, sorted there and stored once into the panel. Staging the windows
+// first (stage_windows) costs as much again: a store and a reload of every window value.
+#if defined(__AVX512F__)
+inline vfloat load_source(const float* p0, const float* p1, __mmask16 m0, __mmask16 m1, int64_t offset) {
+  __m512 v = _mm512_maskz_loadu_ps(m0, p0 + offset);
+  if (m1 != 0) v = _mm512_mask_loadu_ps(v, m1, p1 + offset);
+  return (vfloat)v;
+}
+
+// One vector (kVecLanes lanes) of the N samples from slot `start`: gathered, sorted, stored to out[i * kLanes].
+template <int N, bool kRecord>
+void sort_direct_fixed(const Plan<float>& plan, int64_t start, const float* p0, const float* p1, __mmask16 m0,
+                       __mmask16 m1, float* out, SwapMask<vfloat>* swaps) {
+  constexpr int64_t lanes = kLanes<float>;
+  vfloat v[N];
+  if (plan.single_tap) {
+    const int64_t* offset = plan.sample_offset.data() + start;
+#pragma GCC unroll 64
+    for (int i = 0; i < N; ++i) v[i] = load_source(p0, p1, m0, m1, offset[i]);
+  } else {
+    const int64_t* begin = plan.tap_begin.data() + start;
+    const int64_t* offset = plan.tap_offset.data();
+    const float* weight = plan.tap_weight.data();
+#pragma GCC unroll 64
+    for (int i = 0; i < N; ++i) {
+      int64_t t = begin[i];
+      vfloat acc = splat(weight[t]) * load_source(p0, p1, m0, m1, offset[t]);
+      for (++t; t < begin[i + 1]; ++t) acc += splat(weight[t]) * load_source(p0, p1, m0, m1, offset[t]);
+      v[i] = acc;
+    }
+  }
+  run_network<N, kRecord>(v, swaps, std::make_index_sequence<batcher_count<N>()>{});
+#pragma GCC unroll 64
+  for (int i = 0; i < N; ++i) store(out + i * lanes, v[i]);
+}
+
+// gather_samples + sort_samples of one channel in one pass; false (nothing done) where the plan or
+// the block does not allow it (a segment without an unrolled network, a vector of three or more pieces).
+template <bool kRecord>
+bool sort_direct(const Plan<float>& plan, const float* channel_input, const Block& block, float* value,
+                 SwapMask<vfloat>* swaps) {
+  constexpr int64_t lanes = kLanes<float>, half = kVecLanes<float>;
+  if (!plan.direct || !block.direct) return false;
+  for (const auto& segment : plan.segments) {
+    for (int64_t h = 0; h < lanes / half; ++h) {
+      const VectorSource& source = block.source[h];
+      const float* p0 = channel_input + source.base[0];
+      const float* p1 = channel_input + source.base[1];
+      const __mmask16 m0 = static_cast<__mmask16>(source.mask[0]), m1 = static_cast<__mmask16>(source.mask[1]);
+      float* out = value + segment.start * lanes + h * half;
+      SwapMask<vfloat>* sw = kRecord ? swaps + 2 * segment.first_pair + h * segment.pairs : nullptr;
+#define TIMM_SORTCONV_CASE(n)                                                    \
+  case n:                                                                        \
+    sort_direct_fixed<n, kRecord>(plan, segment.start, p0, p1, m0, m1, out, sw); \
+    break;
+      switch (segment.size) {
+        TIMM_SORTCONV_CASE(1)
+        TIMM_SORTCONV_FIXED_SIZES(TIMM_SORTCONV_CASE)
+        default:
+          TORCH_CHECK(false, "sort_conv_cpu: no unrolled network for ", segment.size, " slots");
+      }
+#undef TIMM_SORTCONV_CASE
+    }
+  }
+  return true;
+}
+#endif
+
+template <bool kRecord, typename scalar_t>
+bool sort_direct(const Plan<scalar_t>&, const scalar_t*, const Block&, scalar_t*,
+                 SwapMask<typename Simd<scalar_t>::vec>*) {
+  return false;
 }
 
 // tile[m][lanes] (+)= sum_k w[k * ldw + m] * panel[k][lanes] for m < kRows: `panel` holds `depth`
@@ -777,6 +898,74 @@ void load_lanes(const Plan<scalar_t>& plan, const Block& block, const scalar_t* 
 // k*k shifted read-modify-writes of the plane then go column of the window by column, so that
 // consecutive ones touch different rows: shifted vectors that partly overlap a store still in
 // flight cannot be forwarded and stall.
+#if defined(__AVX512F__)
+// The window positions of one row of the window sit 0, d, 2d, ... columns to the right of each
+// lane's first one (d the dilation), so their gradients reach the input as one vector shifted by
+// 0, d, 2d, ... lanes: sums of shifted vectors, added to the input row with one masked
+// read-modify-write per piece (two vectors: the 16 lanes and the up to 15 columns they shift into),
+// instead of one per window position. For float32 blocks of at most two pieces per vector
+// (Block::direct) and rows whose shifts stay below 16.
+struct ShiftIndex {
+  __m512i low[16], high[16];  // for _mm512_permutex2var_ps(zero, index, g)
+  ShiftIndex() {
+    for (int s = 0; s < 16; ++s) {
+      alignas(64) int32_t lo[16], hi[16];
+      for (int j = 0; j < 16; ++j) {
+        lo[j] = j >= s ? 16 + j - s : j;       // lane j <- g[j - s]
+        hi[j] = j < s ? 32 - s + j : j;        // lane j <- g[16 - s + j], the lanes pushed past 16
+      }
+      low[s] = _mm512_load_si512(lo);
+      high[s] = _mm512_load_si512(hi);
+    }
+  }
+};
+
+inline uint32_t lane_range(int64_t a, int64_t b) {
+  a = std::max<int64_t>(a, 0);
+  b = std::min<int64_t>(b, 16);
+  return a < b ? ((uint32_t(1) << (b - a)) - 1) << a : 0;
+}
+
+bool scatter_direct(const Plan<float>& plan, const Block& block, const float* by_position, float* grad_channel) {
+  constexpr int64_t lanes = kLanes<float>, half = kVecLanes<float>;
+  const int64_t k = plan.kernel_size, reach = plan.grid_offset[k - 1];  // the largest shift
+  if (!block.direct || reach >= half) return false;
+  static const ShiftIndex index;
+  const __m512 zero = _mm512_setzero_ps();
+  for (int64_t h = 0; h < lanes / half; ++h) {
+    for (int p = 0; p < 2; ++p) {
+      const uint32_t mask = block.source[h].mask[p];
+      if (mask == 0) continue;
+      const int64_t first = __builtin_ctz(mask), last = 32 - __builtin_clz(mask);  // lanes [first, last)
+      const __mmask16 low_mask = static_cast<__mmask16>(lane_range(first, last + reach));
+      const __mmask16 high_mask = static_cast<__mmask16>(lane_range(0, last + reach - half));
+      for (int64_t row = 0; row < k; ++row) {
+        __m512 low = zero, high = zero;
+        for (int64_t column = 0; column < k; ++column) {
+          const int64_t q = row * k + column, shift = plan.grid_offset[column];
+          const float* g = by_position + (plan.single_tap ? plan.position_sample[q] : q) * lanes + h * half;
+          const __m512 v = _mm512_maskz_loadu_ps(static_cast<__mmask16>(mask), g);
+          low = _mm512_add_ps(low, _mm512_permutex2var_ps(zero, index.low[shift], v));
+          high = _mm512_add_ps(high, _mm512_permutex2var_ps(zero, index.high[shift], v));
+        }
+        float* dst = grad_channel + block.source[h].base[p] + plan.grid_offset[row * k];
+        _mm512_mask_storeu_ps(dst, low_mask, _mm512_add_ps(_mm512_maskz_loadu_ps(low_mask, dst), low));
+        if (high_mask != 0) {
+          _mm512_mask_storeu_ps(dst + half, high_mask,
+                                _mm512_add_ps(_mm512_maskz_loadu_ps(high_mask, dst + half), high));
+        }
+      }
+    }
+  }
+  return true;
+}
+#endif
+
+template <typename scalar_t>
+bool scatter_direct(const Plan<scalar_t>&, const Block&, const scalar_t*, scalar_t*) {
+  return false;
+}
+
 template <typename scalar_t, bool kUnitStride>
 void scatter_gradients(const Plan<scalar_t>& plan, const Block& block, const scalar_t* grad_samples,
                        scalar_t* grad_grid, scalar_t* grad_channel) {
@@ -786,6 +975,9 @@ void scatter_gradients(const Plan<scalar_t>& plan, const Block& block, const sca
   if (!plan.single_tap) {
     apply_taps(plan.spreading, grad_samples, grad_grid);
     by_position = grad_grid;
+  }
+  if (kUnitStride && scatter_direct(plan, block, by_position, grad_channel)) {
+    return;
   }
   for (int64_t column = 0; column < plan.kernel_size; ++column) {
     for (int64_t row = 0; row < plan.kernel_size; ++row) {
@@ -872,9 +1064,11 @@ void forward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scalar
           const int64_t channels = std::min(panel_channels, cg - c0);
           for (int64_t ci = 0; ci < channels; ++ci) {
             scalar_t* value = panel.data() + ci * slots * lanes;
-            gather_samples<scalar_t, kUnitStride>(plan, input + (g * cg + c0 + ci) * plane, block, grid.data(),
-                                                  value);
-            sort_samples<scalar_t, false>(plan, value, static_cast<SwapMask<vec>*>(nullptr));
+            const scalar_t* channel_input = input + (g * cg + c0 + ci) * plane;
+            if (!sort_direct<false>(plan, channel_input, block, value, static_cast<SwapMask<vec>*>(nullptr))) {
+              gather_samples<scalar_t, kUnitStride>(plan, channel_input, block, grid.data(), value);
+              sort_samples<scalar_t, false>(plan, value, static_cast<SwapMask<vec>*>(nullptr));
+            }
           }
           // weight_packed is (groups, C/g, k*k, O/g): the rows of these channels' slots.
           gemm_rows(panel.data(), channels * slots, weight_packed + (g * cg + c0) * slots * og, og, og,
@@ -952,8 +1146,10 @@ void backward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scala
       }
       for (int64_t channel = 0; channel < shape.channels; ++channel) {
         const int64_t g = channel / cg;
-        gather_samples<scalar_t, kUnitStride>(plan, input + channel * plane, block, grid.data(), value.data());
-        sort_samples<scalar_t, true>(plan, value.data(), swaps.data());
+        if (!sort_direct<true>(plan, input + channel * plane, block, value.data(), swaps.data())) {
+          gather_samples<scalar_t, kUnitStride>(plan, input + channel * plane, block, grid.data(), value.data());
+          sort_samples<scalar_t, true>(plan, value.data(), swaps.data());
+        }
         if (need_weight) {
           gemm_reduce(value.data(), slots, count, grad_tile_t.data() + g * lanes * outputs_padded, outputs_padded,
                       grad_weight + channel * slots * outputs_padded);
