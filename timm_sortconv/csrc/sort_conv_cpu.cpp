@@ -11,6 +11,10 @@
 //      unrolled at compile time so that the values stay in registers;
 //   3. multiplies the sorted panel with the weight (already in slot order) in a register-tiled
 //      micro-GEMM that accumulates the block's outputs for all output channels.
+// For float32 with AVX-512 and unit stride, steps 1 and 2 are one pass (sort_direct): each vector of
+// lanes is read straight from the input with masked loads (the end of one image row and the start of
+// the next are its two pieces), interpolated and sorted in registers and stored once, instead of
+// being staged first; other cases (float64, strides, rows so short that a vector spans three) stage.
 // No column buffer is materialised: the sorted values stay in L1 between steps 2 and 3. A general
 // BLAS is avoided on purpose: on AMD CPUs MKL's sgemm runs well below the direct convolution that
 // nn.Conv2d uses (oneDNN), and the goal is a cost near that convolution.
@@ -22,7 +26,8 @@
 // Backward saves nothing but the padded input: per block and channel it gathers and sorts again,
 // recording each comparator's swap decisions (a lane mask, kept in L1), uses the sorted panel for
 // the weight gradient, and sends the panel's gradient back to sample order by replaying the recorded
-// swaps in reverse (the transpose of the permutation), then through the bilinear taps to the input.
+// swaps in reverse (the transpose of the permutation), then through the bilinear taps to the input
+// (for float32, as one shifted sum per window row: scatter_direct).
 // Re-sorting was measured cheaper than storing a uint8 permutation (k*k bytes per input value,
 // written, page-faulted and read back) and it keeps the memory saved for backward to the input.
 #include <ATen/ATen.h>
