@@ -129,9 +129,9 @@ def test_agrees_with_reference(sampling, sorting, k, dtype, threads):
 @pytest.mark.parametrize("width", [3, 5, 8, 14, 16, 17, 28, 33])
 @pytest.mark.parametrize("sampling,sorting", VARIANTS, ids=VARIANT_IDS)
 def test_agrees_with_reference_for_every_row_width(sampling, sorting, width, threads):
-    """float32 with unit stride reads each vector of 16 lanes straight from the input when it holds at
-    most two row pieces (widths >= 8 here, and every block of wider rows), and stages it otherwise; the
-    input gradient goes back by shifted rows unless the dilated row reaches 16 columns or more."""
+    """The forward pass of square sampling in float32 with unit stride reads each vector of 16 lanes
+    straight from the input when it holds at most two row pieces (widths >= 8 here, and every block of
+    wider rows), and stages it otherwise; every width and dilation must agree with the reference."""
     threads(1)
     for index, (k, dilation) in enumerate([(3, 1), (7, 1), (5, 2), (7, 3), (5, 4)]):
         x = randn(2, 3, 6, width, seed=index, dtype=torch.float32)

@@ -11,10 +11,10 @@
 //      unrolled at compile time so that the values stay in registers;
 //   3. multiplies the sorted panel with the weight (already in slot order) in a register-tiled
 //      micro-GEMM that accumulates the block's outputs for all output channels.
-// For float32 with AVX-512 and unit stride, steps 1 and 2 are one pass (sort_direct): each vector of
-// lanes is read straight from the input with masked loads (the end of one image row and the start of
-// the next are its two pieces), interpolated and sorted in registers and stored once, instead of
-// being staged first; other cases (float64, strides, rows so short that a vector spans three) stage.
+// For the forward pass of square sampling in float32 with AVX-512 and unit stride, steps 1 and 2 are
+// one pass (sort_direct): each vector of lanes is read straight from the input with masked loads (the
+// end of one image row and the start of the next are its two pieces), sorted in registers and stored
+// once, instead of being staged first.
 // No column buffer is materialised: the sorted values stay in L1 between steps 2 and 3. A general
 // BLAS is avoided on purpose: on AMD CPUs MKL's sgemm runs well below the direct convolution that
 // nn.Conv2d uses (oneDNN), and the goal is a cost near that convolution.
@@ -26,8 +26,7 @@
 // Backward saves nothing but the padded input: per block and channel it gathers and sorts again,
 // recording each comparator's swap decisions (a lane mask, kept in L1), uses the sorted panel for
 // the weight gradient, and sends the panel's gradient back to sample order by replaying the recorded
-// swaps in reverse (the transpose of the permutation), then through the bilinear taps to the input
-// (for float32, as one shifted sum per window row: scatter_direct).
+// swaps in reverse (the transpose of the permutation), then through the bilinear taps to the input.
 // Re-sorting was measured cheaper than storing a uint8 permutation (k*k bytes per input value,
 // written, page-faulted and read back) and it keeps the memory saved for backward to the input.
 #include <ATen/ATen.h>
@@ -141,10 +140,7 @@ struct Plan {
   int64_t kernel_size = 0;
   int64_t slots = 0;
   bool single_tap = true;  // square sampling: every sample is one window value, weight 1
-  bool direct = false;     // every segment has an unrolled network (or is one slot): see sort_direct
-  // Per sample s, its taps [tap_begin[s], tap_begin[s + 1]): flat window offsets and weights.
-  std::vector<int64_t> tap_begin, tap_offset;
-  std::vector<scalar_t> tap_weight;
+  bool direct = false;     // square sampling, every segment with an unrolled network or of one slot: sort_direct
   std::vector<int64_t> sample_offset;    // square sampling: per sample, its flat offset in the window
   std::vector<int64_t> position_sample;  // square sampling: per row-major window position, its sample
   std::vector<int64_t> grid_offset;      // per row-major window position, its flat offset
@@ -279,7 +275,6 @@ Plan<scalar_t> make_plan(const at::Tensor& input, const at::Tensor& tap_offsets,
   std::vector<std::array<int64_t, 2>> sample_position, position_sample;
   std::vector<scalar_t> tap_weight;
   plan.position_sample.assign(slots, 0);
-  plan.tap_begin.push_back(0);
   for (int64_t s = 0; s < slots; ++s) {
     int64_t used = 0;
     for (int64_t t = 0; t < max_taps; ++t) {
@@ -293,8 +288,6 @@ Plan<scalar_t> make_plan(const at::Tensor& input, const at::Tensor& tap_offsets,
       sample_position.push_back({s, q});
       position_sample.push_back({q, s});
       tap_weight.push_back(static_cast<scalar_t>(w));
-      plan.tap_offset.push_back(plan.grid_offset[q]);
-      plan.tap_weight.push_back(static_cast<scalar_t>(w));
       if (used == 0) {
         plan.sample_offset.push_back(plan.grid_offset[q]);
         plan.position_sample[q] = s;
@@ -305,7 +298,6 @@ Plan<scalar_t> make_plan(const at::Tensor& input, const at::Tensor& tap_offsets,
       ++used;
     }
     TORCH_CHECK(used >= 1, "sort_conv_cpu: sample ", s, " has no tap");
-    plan.tap_begin.push_back(static_cast<int64_t>(plan.tap_offset.size()));
   }
   plan.sampling = make_tap_table(slots, sample_position, tap_weight);
   plan.spreading = make_tap_table(slots, position_sample, tap_weight);
@@ -336,7 +328,7 @@ Plan<scalar_t> make_plan(const at::Tensor& input, const at::Tensor& tap_offsets,
   }
   TORCH_CHECK(bounds.size(0) == 0 || next_slot == slots, "sort_conv_cpu: segments must cover all k*k slots");
   TORCH_CHECK(next_pair == comparators.size(0), "sort_conv_cpu: comparator ", next_pair, " lies outside its segment");
-  plan.direct = kUnrolledNetworks<scalar_t> && !plan.segments.empty()
+  plan.direct = kUnrolledNetworks<scalar_t> && plan.single_tap && !plan.segments.empty()
                 && std::all_of(plan.segments.begin(), plan.segments.end(),
                                [](const Segment& segment) { return segment.fixed || segment.size == 1; });
   return plan;
@@ -533,8 +525,10 @@ inline void apply_swap(__mmask8 swap, vdouble& a, vdouble& b) {
 template <typename vec>
 using SwapMask = typename SwapMaskOf<vec>::type;
 
+// Always inlined, so that the values stay in the caller's registers (GCC otherwise keeps the larger
+// networks out of line and passes the values through memory).
 template <int N, bool kRecord, typename vec, size_t... I>
-inline void run_network(vec* v, SwapMask<vec>* swaps, std::index_sequence<I...>) {
+inline __attribute__((always_inline)) void run_network(vec* v, SwapMask<vec>* swaps, std::index_sequence<I...>) {
   static constexpr auto pairs = batcher_network<N>();
   if (kRecord) {
     ((swaps[I] = compare_exchange(v[pairs[I].lo], v[pairs[I].hi])), ...);
@@ -544,7 +538,7 @@ inline void run_network(vec* v, SwapMask<vec>* swaps, std::index_sequence<I...>)
 }
 
 template <int N, typename vec, size_t... I>
-inline void replay_reversed(const SwapMask<vec>* swaps, vec* v, std::index_sequence<I...>) {
+inline __attribute__((always_inline)) void replay_reversed(const SwapMask<vec>* swaps, vec* v, std::index_sequence<I...>) {
   static constexpr auto pairs = batcher_network<N>();
   constexpr size_t last = sizeof...(I) - 1;
   (apply_swap(swaps[last - I], v[pairs[last - I].lo], v[pairs[last - I].hi]), ...);
@@ -686,10 +680,14 @@ void unsort_gradients(const Plan<scalar_t>& plan, scalar_t* grad,
   }
 }
 
-// Gathering and sorting fused, for float32 with AVX-512 and unit stride: each segment's samples are
-// read (square sampling) or interpolated (polar sampling, from the taps) straight from the input into
-// registers with masked loads, sorted there and stored once into the panel. Staging the windows
-// first (stage_windows) costs as much again: a store and a reload of every window value.
+// Gathering and sorting fused, for the forward pass of square sampling in float32 with AVX-512 and
+// unit stride: each segment's samples are read straight from the input into registers with masked
+// loads, sorted there and stored once into the panel, instead of being staged first (stage_windows:
+// a store and a reload of every window value). Measured against staging, in one process with the two
+// builds taking turns (1 thread): the square variants' forward 4-9% faster at the 7x7 shapes
+// and at 64x64 with 3x3, no change elsewhere. The same fusion for polar sampling (the bilinear taps
+// read from the input) and for the backward pass (recording the swaps) measured slower at k = 3
+// (by 15% and 8%), and no faster at k = 7, so those stage.
 #if defined(__AVX512F__)
 inline vfloat load_source(const float* p0, const float* p1, __mmask16 m0, __mmask16 m1, int64_t offset) {
   __m512 v = _mm512_maskz_loadu_ps(m0, p0 + offset);
@@ -697,38 +695,24 @@ inline vfloat load_source(const float* p0, const float* p1, __mmask16 m0, __mmas
   return (vfloat)v;
 }
 
-// One vector (kVecLanes lanes) of the N samples from slot `start`: gathered, sorted, stored to out[i * kLanes].
-template <int N, bool kRecord>
+// One vector (kVecLanes lanes) of the N samples from slot `start`: read, sorted, stored to out[i * kLanes].
+template <int N>
 void sort_direct_fixed(const Plan<float>& plan, int64_t start, const float* p0, const float* p1, __mmask16 m0,
-                       __mmask16 m1, float* out, SwapMask<vfloat>* swaps) {
+                       __mmask16 m1, float* out) {
   constexpr int64_t lanes = kLanes<float>;
+  const int64_t* offset = plan.sample_offset.data() + start;
   vfloat v[N];
-  if (plan.single_tap) {
-    const int64_t* offset = plan.sample_offset.data() + start;
 #pragma GCC unroll 64
-    for (int i = 0; i < N; ++i) v[i] = load_source(p0, p1, m0, m1, offset[i]);
-  } else {
-    const int64_t* begin = plan.tap_begin.data() + start;
-    const int64_t* offset = plan.tap_offset.data();
-    const float* weight = plan.tap_weight.data();
-#pragma GCC unroll 64
-    for (int i = 0; i < N; ++i) {
-      int64_t t = begin[i];
-      vfloat acc = splat(weight[t]) * load_source(p0, p1, m0, m1, offset[t]);
-      for (++t; t < begin[i + 1]; ++t) acc += splat(weight[t]) * load_source(p0, p1, m0, m1, offset[t]);
-      v[i] = acc;
-    }
-  }
-  run_network<N, kRecord>(v, swaps, std::make_index_sequence<batcher_count<N>()>{});
+  for (int i = 0; i < N; ++i) v[i] = load_source(p0, p1, m0, m1, offset[i]);
+  run_network<N, false>(v, static_cast<SwapMask<vfloat>*>(nullptr), std::make_index_sequence<batcher_count<N>()>{});
 #pragma GCC unroll 64
   for (int i = 0; i < N; ++i) store(out + i * lanes, v[i]);
 }
 
 // gather_samples + sort_samples of one channel in one pass; false (nothing done) where the plan or
-// the block does not allow it (a segment without an unrolled network, a vector of three or more pieces).
-template <bool kRecord>
-bool sort_direct(const Plan<float>& plan, const float* channel_input, const Block& block, float* value,
-                 SwapMask<vfloat>* swaps) {
+// the block does not allow it (polar sampling, a segment without an unrolled network, a vector of three
+// or more pieces).
+bool sort_direct(const Plan<float>& plan, const float* channel_input, const Block& block, float* value) {
   constexpr int64_t lanes = kLanes<float>, half = kVecLanes<float>;
   if (!plan.direct || !block.direct) return false;
   for (const auto& segment : plan.segments) {
@@ -738,10 +722,9 @@ bool sort_direct(const Plan<float>& plan, const float* channel_input, const Bloc
       const float* p1 = channel_input + source.base[1];
       const __mmask16 m0 = static_cast<__mmask16>(source.mask[0]), m1 = static_cast<__mmask16>(source.mask[1]);
       float* out = value + segment.start * lanes + h * half;
-      SwapMask<vfloat>* sw = kRecord ? swaps + 2 * segment.first_pair + h * segment.pairs : nullptr;
-#define TIMM_SORTCONV_CASE(n)                                                    \
-  case n:                                                                        \
-    sort_direct_fixed<n, kRecord>(plan, segment.start, p0, p1, m0, m1, out, sw); \
+#define TIMM_SORTCONV_CASE(n)                                               \
+  case n:                                                                   \
+    sort_direct_fixed<n>(plan, segment.start, p0, p1, m0, m1, out); \
     break;
       switch (segment.size) {
         TIMM_SORTCONV_CASE(1)
@@ -756,9 +739,8 @@ bool sort_direct(const Plan<float>& plan, const float* channel_input, const Bloc
 }
 #endif
 
-template <bool kRecord, typename scalar_t>
-bool sort_direct(const Plan<scalar_t>&, const scalar_t*, const Block&, scalar_t*,
-                 SwapMask<typename Simd<scalar_t>::vec>*) {
+template <typename scalar_t>
+bool sort_direct(const Plan<scalar_t>&, const scalar_t*, const Block&, scalar_t*) {
   return false;
 }
 
@@ -903,74 +885,6 @@ void load_lanes(const Plan<scalar_t>& plan, const Block& block, const scalar_t* 
 // k*k shifted read-modify-writes of the plane then go column of the window by column, so that
 // consecutive ones touch different rows: shifted vectors that partly overlap a store still in
 // flight cannot be forwarded and stall.
-#if defined(__AVX512F__)
-// The window positions of one row of the window sit 0, d, 2d, ... columns to the right of each
-// lane's first one (d the dilation), so their gradients reach the input as one vector shifted by
-// 0, d, 2d, ... lanes: sums of shifted vectors, added to the input row with one masked
-// read-modify-write per piece (two vectors: the 16 lanes and the up to 15 columns they shift into),
-// instead of one per window position. For float32 blocks of at most two pieces per vector
-// (Block::direct) and rows whose shifts stay below 16.
-struct ShiftIndex {
-  __m512i low[16], high[16];  // for _mm512_permutex2var_ps(zero, index, g)
-  ShiftIndex() {
-    for (int s = 0; s < 16; ++s) {
-      alignas(64) int32_t lo[16], hi[16];
-      for (int j = 0; j < 16; ++j) {
-        lo[j] = j >= s ? 16 + j - s : j;       // lane j <- g[j - s]
-        hi[j] = j < s ? 32 - s + j : j;        // lane j <- g[16 - s + j], the lanes pushed past 16
-      }
-      low[s] = _mm512_load_si512(lo);
-      high[s] = _mm512_load_si512(hi);
-    }
-  }
-};
-
-inline uint32_t lane_range(int64_t a, int64_t b) {
-  a = std::max<int64_t>(a, 0);
-  b = std::min<int64_t>(b, 16);
-  return a < b ? ((uint32_t(1) << (b - a)) - 1) << a : 0;
-}
-
-bool scatter_direct(const Plan<float>& plan, const Block& block, const float* by_position, float* grad_channel) {
-  constexpr int64_t lanes = kLanes<float>, half = kVecLanes<float>;
-  const int64_t k = plan.kernel_size, reach = plan.grid_offset[k - 1];  // the largest shift
-  if (!block.direct || reach >= half) return false;
-  static const ShiftIndex index;
-  const __m512 zero = _mm512_setzero_ps();
-  for (int64_t h = 0; h < lanes / half; ++h) {
-    for (int p = 0; p < 2; ++p) {
-      const uint32_t mask = block.source[h].mask[p];
-      if (mask == 0) continue;
-      const int64_t first = __builtin_ctz(mask), last = 32 - __builtin_clz(mask);  // lanes [first, last)
-      const __mmask16 low_mask = static_cast<__mmask16>(lane_range(first, last + reach));
-      const __mmask16 high_mask = static_cast<__mmask16>(lane_range(0, last + reach - half));
-      for (int64_t row = 0; row < k; ++row) {
-        __m512 low = zero, high = zero;
-        for (int64_t column = 0; column < k; ++column) {
-          const int64_t q = row * k + column, shift = plan.grid_offset[column];
-          const float* g = by_position + (plan.single_tap ? plan.position_sample[q] : q) * lanes + h * half;
-          const __m512 v = _mm512_maskz_loadu_ps(static_cast<__mmask16>(mask), g);
-          low = _mm512_add_ps(low, _mm512_permutex2var_ps(zero, index.low[shift], v));
-          high = _mm512_add_ps(high, _mm512_permutex2var_ps(zero, index.high[shift], v));
-        }
-        float* dst = grad_channel + block.source[h].base[p] + plan.grid_offset[row * k];
-        _mm512_mask_storeu_ps(dst, low_mask, _mm512_add_ps(_mm512_maskz_loadu_ps(low_mask, dst), low));
-        if (high_mask != 0) {
-          _mm512_mask_storeu_ps(dst + half, high_mask,
-                                _mm512_add_ps(_mm512_maskz_loadu_ps(high_mask, dst + half), high));
-        }
-      }
-    }
-  }
-  return true;
-}
-#endif
-
-template <typename scalar_t>
-bool scatter_direct(const Plan<scalar_t>&, const Block&, const scalar_t*, scalar_t*) {
-  return false;
-}
-
 template <typename scalar_t, bool kUnitStride>
 void scatter_gradients(const Plan<scalar_t>& plan, const Block& block, const scalar_t* grad_samples,
                        scalar_t* grad_grid, scalar_t* grad_channel) {
@@ -980,9 +894,6 @@ void scatter_gradients(const Plan<scalar_t>& plan, const Block& block, const sca
   if (!plan.single_tap) {
     apply_taps(plan.spreading, grad_samples, grad_grid);
     by_position = grad_grid;
-  }
-  if (kUnitStride && scatter_direct(plan, block, by_position, grad_channel)) {
-    return;
   }
   for (int64_t column = 0; column < plan.kernel_size; ++column) {
     for (int64_t row = 0; row < plan.kernel_size; ++row) {
@@ -1070,7 +981,7 @@ void forward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scalar
           for (int64_t ci = 0; ci < channels; ++ci) {
             scalar_t* value = panel.data() + ci * slots * lanes;
             const scalar_t* channel_input = input + (g * cg + c0 + ci) * plane;
-            if (!sort_direct<false>(plan, channel_input, block, value, static_cast<SwapMask<vec>*>(nullptr))) {
+            if (!sort_direct(plan, channel_input, block, value)) {
               gather_samples<scalar_t, kUnitStride>(plan, channel_input, block, grid.data(), value);
               sort_samples<scalar_t, false>(plan, value, static_cast<SwapMask<vec>*>(nullptr));
             }
@@ -1151,10 +1062,8 @@ void backward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scala
       }
       for (int64_t channel = 0; channel < shape.channels; ++channel) {
         const int64_t g = channel / cg;
-        if (!sort_direct<true>(plan, input + channel * plane, block, value.data(), swaps.data())) {
-          gather_samples<scalar_t, kUnitStride>(plan, input + channel * plane, block, grid.data(), value.data());
-          sort_samples<scalar_t, true>(plan, value.data(), swaps.data());
-        }
+        gather_samples<scalar_t, kUnitStride>(plan, input + channel * plane, block, grid.data(), value.data());
+        sort_samples<scalar_t, true>(plan, value.data(), swaps.data());
         if (need_weight) {
           gemm_reduce(value.data(), slots, count, grad_tile_t.data() + g * lanes * outputs_padded, outputs_padded,
                       grad_weight + channel * slots * outputs_padded);
