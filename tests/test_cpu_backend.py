@@ -8,6 +8,7 @@ half a minute, once per machine: it is cached across processes); if it cannot be
 skipped with the build's reason.
 """
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -138,6 +139,13 @@ def test_agrees_with_reference_for_every_row_width(sampling, sorting, width, thr
         weight, bias = randn(4, 3, k, k, seed=10 + index, dtype=torch.float32), randn(4, seed=20, dtype=torch.float32)
         assert_agree(x, weight, bias, padding=k // 2 * dilation, dilation=dilation, sampling=sampling, sorting=sorting,
                      min_comparable=0.5)
+
+
+def test_compiled_polar_tap_positions_match_the_geometry():
+    """The kernel reads polar taps at compile-time positions (csrc/polar_taps.h) where they equal the
+    geometry's; the file must be what geometry.py gives today (regenerate it with polar_tap_header())."""
+    header = Path(cpu_backend.__file__).resolve().parent.parent / "csrc" / "polar_taps.h"
+    assert header.read_text() == cpu_backend.polar_tap_header()
 
 
 @pytest.mark.parametrize("k", [9, 11])

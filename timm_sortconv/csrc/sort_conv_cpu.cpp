@@ -45,6 +45,8 @@
 #include <utility>
 #include <vector>
 
+#include "polar_taps.h"
+
 namespace {
 
 typedef float vfloat __attribute__((vector_size(64)));
@@ -140,7 +142,9 @@ struct Plan {
   int64_t kernel_size = 0;
   int64_t slots = 0;
   bool single_tap = true;  // square sampling: every sample is one window value, weight 1
-  bool direct = false;     // square sampling, every segment with an unrolled network or of one slot: sort_direct
+  bool direct = false;     // every segment has an unrolled network or one slot, and sort_direct knows the sampling
+  int polar_k = 0;         // polar sampling whose taps sit where PolarTaps<polar_k> says (k = 3, 5, 7)
+  std::vector<scalar_t> polar_weight;  // then per sample, 4 tap weights in that order (0 past its count)
   std::vector<int64_t> sample_offset;    // square sampling: per sample, its flat offset in the window
   std::vector<int64_t> position_sample;  // square sampling: per row-major window position, its sample
   std::vector<int64_t> grid_offset;      // per row-major window position, its flat offset
@@ -225,6 +229,19 @@ Block make_block(const Plan<scalar_t>& plan, int64_t first, int64_t last, const 
 
 bool matches_fixed_network(int64_t size, const int32_t* pairs, int64_t count, int64_t start);
 
+// Whether the taps per sample (window position, weight) sit exactly where PolarTaps<K> puts them.
+template <int K>
+bool same_polar_taps(const std::vector<std::vector<std::pair<int64_t, double>>>& taps) {
+  if (static_cast<int64_t>(taps.size()) != K * K) return false;
+  for (int s = 0; s < K * K; ++s) {
+    if (static_cast<int>(taps[s].size()) != PolarTaps<K>::kCount[s]) return false;
+    for (int t = 0; t < PolarTaps<K>::kCount[s]; ++t) {
+      if (taps[s][t].first != PolarTaps<K>::kTap[s][t][0] * K + PolarTaps<K>::kTap[s][t][1]) return false;
+    }
+  }
+  return true;
+}
+
 // Unrolled networks are compiled for float32 only, which training uses, and only with AVX-512 (see
 // TIMM_SORTCONV_FIXED_SIZES); float64 (tests, gradcheck) runs the same comparators from memory, and
 // the build stays short.
@@ -275,6 +292,7 @@ Plan<scalar_t> make_plan(const at::Tensor& input, const at::Tensor& tap_offsets,
   std::vector<std::array<int64_t, 2>> sample_position, position_sample;
   std::vector<scalar_t> tap_weight;
   plan.position_sample.assign(slots, 0);
+  std::vector<std::vector<std::pair<int64_t, double>>> taps_of(slots);
   for (int64_t s = 0; s < slots; ++s) {
     int64_t used = 0;
     for (int64_t t = 0; t < max_taps; ++t) {
@@ -288,6 +306,7 @@ Plan<scalar_t> make_plan(const at::Tensor& input, const at::Tensor& tap_offsets,
       sample_position.push_back({s, q});
       position_sample.push_back({q, s});
       tap_weight.push_back(static_cast<scalar_t>(w));
+      taps_of[s].push_back({q, w});
       if (used == 0) {
         plan.sample_offset.push_back(plan.grid_offset[q]);
         plan.position_sample[q] = s;
@@ -328,7 +347,14 @@ Plan<scalar_t> make_plan(const at::Tensor& input, const at::Tensor& tap_offsets,
   }
   TORCH_CHECK(bounds.size(0) == 0 || next_slot == slots, "sort_conv_cpu: segments must cover all k*k slots");
   TORCH_CHECK(next_pair == comparators.size(0), "sort_conv_cpu: comparator ", next_pair, " lies outside its segment");
-  plan.direct = kUnrolledNetworks<scalar_t> && plan.single_tap && !plan.segments.empty()
+  if (!plan.single_tap && (same_polar_taps<3>(taps_of) || same_polar_taps<5>(taps_of) || same_polar_taps<7>(taps_of))) {
+    plan.polar_k = static_cast<int>(kernel_size);
+    plan.polar_weight.assign(slots * 4, scalar_t(0));
+    for (int64_t s = 0; s < slots; ++s) {
+      for (size_t t = 0; t < taps_of[s].size(); ++t) plan.polar_weight[s * 4 + t] = static_cast<scalar_t>(taps_of[s][t].second);
+    }
+  }
+  plan.direct = kUnrolledNetworks<scalar_t> && (plan.single_tap || plan.polar_k != 0) && !plan.segments.empty()
                 && std::all_of(plan.segments.begin(), plan.segments.end(),
                                [](const Segment& segment) { return segment.fixed || segment.size == 1; });
   return plan;
@@ -773,6 +799,73 @@ void sort_direct_fixed(const Plan<float>& plan, int64_t start, const float* p0, 
   for (int i = 0; i < N; ++i) store(out + i * lanes, v[i]);
 }
 
+template <bool kTwo>
+inline __attribute__((always_inline)) vfloat load_pieces(const float* p0, const float* p1, __mmask16 m0,
+                                                         __mmask16 m1, int64_t offset) {
+  __m512 v = _mm512_maskz_loadu_ps(m0, p0 + offset);
+  if (kTwo) v = _mm512_mask_loadu_ps(v, m1, p1 + offset);
+  return (vfloat)v;
+}
+
+// Polar sampling: samples [kStart, kStart + N) interpolated from the input. The tap positions are
+// compile-time constants (PolarTaps), so the compiler reads each window value once for all the
+// samples that share it (GCC merges identical loads) instead of once per tap.
+template <int K, int kStart, int N, bool kTwo>
+void sort_polar_fixed(const Plan<float>& plan, const float* p0, const float* p1, __mmask16 m0, __mmask16 m1,
+                      float* out) {
+  using taps = PolarTaps<K>;
+  constexpr int64_t lanes = kLanes<float>;
+  int64_t row[K], col[K];
+  for (int i = 0; i < K; ++i) {
+    row[i] = plan.grid_offset[i * K];
+    col[i] = plan.grid_offset[i];
+  }
+  const float* weight = plan.polar_weight.data() + kStart * 4;
+  vfloat v[N];
+  load_and_sort<N, false>(v, static_cast<SwapMask<vfloat>*>(nullptr), [&](int i) {
+    const int s = kStart + i;
+    vfloat acc = splat(weight[i * 4]) * load_pieces<kTwo>(p0, p1, m0, m1, row[taps::kTap[s][0][0]] + col[taps::kTap[s][0][1]]);
+#pragma GCC unroll 4
+    for (int t = 1; t < 4; ++t) {
+      if (t < taps::kCount[s]) {
+        acc += splat(weight[i * 4 + t])
+               * load_pieces<kTwo>(p0, p1, m0, m1, row[taps::kTap[s][t][0]] + col[taps::kTap[s][t][1]]);
+      }
+    }
+    return acc;
+  });
+#pragma GCC unroll 64
+  for (int i = 0; i < N; ++i) store(out + i * lanes, v[i]);
+}
+
+// The segments of polar rings and windows for k = 3, 5, 7 (slot ranges as geometry.py makes them).
+template <bool kTwo>
+void sort_polar_segment(const Plan<float>& plan, const Segment& segment, const float* p0, const float* p1,
+                        __mmask16 m0, __mmask16 m1, float* out) {
+  const int64_t key = plan.polar_k * 10000 + segment.start * 100 + segment.size;
+#define TIMM_SORTCONV_CASE(k, start, size)                                 \
+  case k * 10000 + start * 100 + size:                                     \
+    return sort_polar_fixed<k, start, size, kTwo>(plan, p0, p1, m0, m1, out);
+  switch (key) {
+    TIMM_SORTCONV_CASE(3, 0, 1)
+    TIMM_SORTCONV_CASE(3, 1, 8)
+    TIMM_SORTCONV_CASE(3, 0, 9)
+    TIMM_SORTCONV_CASE(5, 0, 1)
+    TIMM_SORTCONV_CASE(5, 1, 8)
+    TIMM_SORTCONV_CASE(5, 9, 16)
+    TIMM_SORTCONV_CASE(5, 0, 25)
+    TIMM_SORTCONV_CASE(7, 0, 1)
+    TIMM_SORTCONV_CASE(7, 1, 8)
+    TIMM_SORTCONV_CASE(7, 9, 16)
+    TIMM_SORTCONV_CASE(7, 25, 24)
+    TIMM_SORTCONV_CASE(7, 0, 49)
+    default:
+      TORCH_CHECK(false, "sort_conv_cpu: no polar segment [", segment.start, ", ", segment.start + segment.size,
+                  ") for k = ", plan.polar_k);
+  }
+#undef TIMM_SORTCONV_CASE
+}
+
 // gather_samples + sort_samples of one channel in one pass; false (nothing done) where the plan or
 // the block does not allow it (polar sampling, a segment without an unrolled network, a vector of three
 // or more pieces).
@@ -786,6 +879,14 @@ bool sort_direct(const Plan<float>& plan, const float* channel_input, const Bloc
       const float* p1 = channel_input + source.base[1];
       const __mmask16 m0 = static_cast<__mmask16>(source.mask[0]), m1 = static_cast<__mmask16>(source.mask[1]);
       float* out = value + segment.start * lanes + h * half;
+      if (plan.polar_k != 0) {
+        if (m1 != 0) {
+          sort_polar_segment<true>(plan, segment, p0, p1, m0, m1, out);
+        } else {
+          sort_polar_segment<false>(plan, segment, p0, p1, m0, m1, out);
+        }
+        continue;
+      }
 #define TIMM_SORTCONV_CASE(n)                                               \
   case n:                                                                   \
     sort_direct_fixed<n>(plan, segment.start, p0, p1, m0, m1, out); \
