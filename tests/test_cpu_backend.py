@@ -142,7 +142,7 @@ def test_agrees_with_reference_for_every_row_width(sampling, sorting, width, thr
 
 
 def test_compiled_polar_tap_positions_match_the_geometry():
-    """The kernel reads polar taps at compile-time positions (csrc/polar_taps.h) where they equal the
+    """The kernel reads polar taps (k = 5, 7) at compile-time positions (csrc/polar_taps.h) where they equal the
     geometry's; the file must be what geometry.py gives today (regenerate it with polar_tap_header())."""
     header = Path(cpu_backend.__file__).resolve().parent.parent / "csrc" / "polar_taps.h"
     assert header.read_text() == cpu_backend.polar_tap_header()

@@ -11,10 +11,10 @@
 //      unrolled at compile time so that the values stay in registers;
 //   3. multiplies the sorted panel with the weight (already in slot order) in a register-tiled
 //      micro-GEMM that accumulates the block's outputs for all output channels.
-// For the forward pass of square sampling in float32 with AVX-512 and unit stride, steps 1 and 2 are
-// one pass (sort_direct): each vector of lanes is read straight from the input with masked loads (the
-// end of one image row and the start of the next are its two pieces), sorted in registers and stored
-// once, instead of being staged first.
+// For the forward pass in float32 with AVX-512 and unit stride (square sampling, and polar sampling
+// with k = 5 or 7), steps 1 and 2 are one pass (sort_direct): each vector of lanes is read straight
+// from the input with masked loads (the end of one image row and the start of the next are its two
+// pieces), interpolated and sorted in registers and stored once, instead of being staged first.
 // No column buffer is materialised: the sorted values stay in L1 between steps 2 and 3. A general
 // BLAS is avoided on purpose: on AMD CPUs MKL's sgemm runs well below the direct convolution that
 // nn.Conv2d uses (oneDNN), and the goal is a cost near that convolution.
@@ -143,7 +143,7 @@ struct Plan {
   int64_t slots = 0;
   bool single_tap = true;  // square sampling: every sample is one window value, weight 1
   bool direct = false;     // every segment has an unrolled network or one slot, and sort_direct knows the sampling
-  int polar_k = 0;         // polar sampling whose taps sit where PolarTaps<polar_k> says (k = 3, 5, 7)
+  int polar_k = 0;         // polar sampling whose taps sit where PolarTaps<polar_k> says (k = 5, 7)
   std::vector<scalar_t> polar_weight;  // then per sample, 4 tap weights in that order (0 past its count)
   std::vector<int64_t> sample_offset;    // square sampling: per sample, its flat offset in the window
   std::vector<int64_t> position_sample;  // square sampling: per row-major window position, its sample
@@ -347,7 +347,8 @@ Plan<scalar_t> make_plan(const at::Tensor& input, const at::Tensor& tap_offsets,
   }
   TORCH_CHECK(bounds.size(0) == 0 || next_slot == slots, "sort_conv_cpu: segments must cover all k*k slots");
   TORCH_CHECK(next_pair == comparators.size(0), "sort_conv_cpu: comparator ", next_pair, " lies outside its segment");
-  if (!plan.single_tap && (same_polar_taps<3>(taps_of) || same_polar_taps<5>(taps_of) || same_polar_taps<7>(taps_of))) {
+  // Not for k = 3: there the staged taps measured as fast (A/B, 64x64 maps) and the fused ones up to 10% slower.
+  if (!plan.single_tap && (same_polar_taps<5>(taps_of) || same_polar_taps<7>(taps_of))) {
     plan.polar_k = static_cast<int>(kernel_size);
     plan.polar_weight.assign(slots * 4, scalar_t(0));
     for (int64_t s = 0; s < slots; ++s) {
@@ -771,14 +772,13 @@ void unsort_gradients(const Plan<scalar_t>& plan, scalar_t* grad,
   }
 }
 
-// Gathering and sorting fused, for the forward pass of square sampling in float32 with AVX-512 and
-// unit stride: each segment's samples are read straight from the input into registers with masked
-// loads, sorted there and stored once into the panel, instead of being staged first (stage_windows:
-// a store and a reload of every window value). Measured against staging, in one process with the two
-// builds taking turns (1 thread): the square variants' forward 4-9% faster at the 7x7 shapes
-// and at 64x64 with 3x3, no change elsewhere. The same fusion for polar sampling (the bilinear taps
-// read from the input) and for the backward pass (recording the swaps) measured slower at k = 3
-// (by 15% and 8%), and no faster at k = 7, so those stage.
+// Gathering and sorting fused, for the forward pass in float32 with AVX-512 and unit stride: each
+// segment's samples are read straight from the input into registers with masked loads (polar: the
+// bilinear taps at compile-time positions, see sort_polar_fixed), sorted there and stored once into
+// the panel, instead of being staged first (stage_windows: a store and a reload of every window
+// value). Measured against staging, in one process with the two builds taking turns (1 thread): the
+// forward 4-17% faster at the 7x7 shapes and for square sampling at 3x3. Polar sampling with
+// k = 3 and the backward pass (which records the swaps) measured no faster or slower, so they stage.
 #if defined(__AVX512F__)
 inline vfloat load_source(const float* p0, const float* p1, __mmask16 m0, __mmask16 m1, int64_t offset) {
   __m512 v = _mm512_maskz_loadu_ps(m0, p0 + offset);
@@ -838,7 +838,7 @@ void sort_polar_fixed(const Plan<float>& plan, const float* p0, const float* p1,
   for (int i = 0; i < N; ++i) store(out + i * lanes, v[i]);
 }
 
-// The segments of polar rings and windows for k = 3, 5, 7 (slot ranges as geometry.py makes them).
+// The segments of polar rings and windows for k = 5, 7 (slot ranges as geometry.py makes them).
 template <bool kTwo>
 void sort_polar_segment(const Plan<float>& plan, const Segment& segment, const float* p0, const float* p1,
                         __mmask16 m0, __mmask16 m1, float* out) {
@@ -847,9 +847,6 @@ void sort_polar_segment(const Plan<float>& plan, const Segment& segment, const f
   case k * 10000 + start * 100 + size:                                     \
     return sort_polar_fixed<k, start, size, kTwo>(plan, p0, p1, m0, m1, out);
   switch (key) {
-    TIMM_SORTCONV_CASE(3, 0, 1)
-    TIMM_SORTCONV_CASE(3, 1, 8)
-    TIMM_SORTCONV_CASE(3, 0, 9)
     TIMM_SORTCONV_CASE(5, 0, 1)
     TIMM_SORTCONV_CASE(5, 1, 8)
     TIMM_SORTCONV_CASE(5, 9, 16)
@@ -867,8 +864,8 @@ void sort_polar_segment(const Plan<float>& plan, const Segment& segment, const f
 }
 
 // gather_samples + sort_samples of one channel in one pass; false (nothing done) where the plan or
-// the block does not allow it (polar sampling, a segment without an unrolled network, a vector of three
-// or more pieces).
+// the block does not allow it (polar sampling other than k = 5, 7, a segment without an unrolled
+// network, a vector of three or more pieces).
 bool sort_direct(const Plan<float>& plan, const float* channel_input, const Block& block, float* value) {
   constexpr int64_t lanes = kLanes<float>, half = kVecLanes<float>;
   if (!plan.direct || !block.direct) return false;

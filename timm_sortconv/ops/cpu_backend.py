@@ -52,7 +52,7 @@ SUPPORTED_DTYPES = (torch.float32, torch.float64)
 _SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "sort_conv_cpu.cpp"
 _POLAR_HEADER = _SOURCE.parent / "polar_taps.h"
 # Kernel sizes whose polar tap positions are compiled into the extension (polar_taps.h).
-POLAR_TAP_SIZES = (3, 5, 7)
+POLAR_TAP_SIZES = (5, 7)
 _CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fno-math-errno",
            "-fno-trapping-math", "-DNDEBUG"]
 _LDFLAGS = ["-fopenmp"]
