@@ -352,7 +352,9 @@ Plan<scalar_t> make_plan(const at::Tensor& input, const at::Tensor& tap_offsets,
     plan.polar_k = static_cast<int>(kernel_size);
     plan.polar_weight.assign(slots * 4, scalar_t(0));
     for (int64_t s = 0; s < slots; ++s) {
-      for (size_t t = 0; t < taps_of[s].size(); ++t) plan.polar_weight[s * 4 + t] = static_cast<scalar_t>(taps_of[s][t].second);
+      for (size_t t = 0; t < taps_of[s].size(); ++t) {
+        plan.polar_weight[s * 4 + t] = static_cast<scalar_t>(taps_of[s][t].second);
+      }
     }
   }
   plan.direct = kUnrolledNetworks<scalar_t> && (plan.single_tap || plan.polar_k != 0) && !plan.segments.empty()
@@ -629,7 +631,8 @@ inline __attribute__((always_inline)) void load_and_sort(vec* v, SwapMask<vec>* 
 }
 
 template <int N, typename vec, size_t... I>
-inline __attribute__((always_inline)) void replay_reversed(const SwapMask<vec>* swaps, vec* v, std::index_sequence<I...>) {
+inline __attribute__((always_inline)) void replay_reversed(const SwapMask<vec>* swaps, vec* v,
+                                                           std::index_sequence<I...>) {
   static constexpr auto pairs = batcher_depth_first<N>();
   constexpr size_t last = sizeof...(I) - 1;
   (apply_swap(swaps[last - I], v[pairs[last - I].lo], v[pairs[last - I].hi]), ...);
@@ -824,7 +827,8 @@ void sort_polar_fixed(const Plan<float>& plan, const float* p0, const float* p1,
   vfloat v[N];
   load_and_sort<N, false>(v, static_cast<SwapMask<vfloat>*>(nullptr), [&](int i) {
     const int s = kStart + i;
-    vfloat acc = splat(weight[i * 4]) * load_pieces<kTwo>(p0, p1, m0, m1, row[taps::kTap[s][0][0]] + col[taps::kTap[s][0][1]]);
+    vfloat acc = splat(weight[i * 4])
+                 * load_pieces<kTwo>(p0, p1, m0, m1, row[taps::kTap[s][0][0]] + col[taps::kTap[s][0][1]]);
 #pragma GCC unroll 4
     for (int t = 1; t < 4; ++t) {
       if (t < taps::kCount[s]) {
