@@ -7,6 +7,8 @@ padded input and the weight; a NaN must stay local. The first test to run builds
 half a minute, once per machine: it is cached across processes); if it cannot be built the module is
 skipped with the build's reason.
 """
+import importlib.util
+import subprocess
 import warnings
 from pathlib import Path
 
@@ -287,3 +289,37 @@ def test_failed_build_warns_once_and_auto_uses_the_reference(monkeypatch):
         assert resolve_backend("auto", x, weight, None, geometry, (1, 1), (1, 1), 1).name == "reference"
         torch.testing.assert_close(sort_conv2d(x, weight, padding=1),
                                    sort_conv2d(x, weight, padding=1, backend="reference"))
+
+
+def load_ab_script():
+    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_kernel_ab.py"
+    spec = importlib.util.spec_from_file_location("bench_kernel_ab", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_kernel_ab_script_checks_its_input(tmp_path, capsys):
+    ab = load_ab_script()
+    for shape in ("1,2,3", "1,2,3,4,6", "1,2,x,4,5"):
+        with pytest.raises(SystemExit) as error:
+            ab.parse_args(["git:HEAD", "--shape", shape])
+        assert error.value.code == 2
+        assert "--shape takes B,C_in,C_out,H,k with an odd k" in capsys.readouterr().err
+    assert ab.parse_args(["git:HEAD", "--shape", "2,3,4,5,7"]).shape == (2, 3, 4, 5, 7)
+    with pytest.raises(SystemExit, match="no sort_conv_cpu.cpp there"):
+        ab.checkout_csrc(str(tmp_path), tmp_path)
+    with pytest.raises(SystemExit, match="no-such-revision"):
+        ab.checkout_csrc("git:no-such-revision", tmp_path)
+
+
+def test_kernel_ab_script_extracts_a_revision(tmp_path):
+    ab = load_ab_script()
+    repo = Path(__file__).resolve().parent.parent
+    if subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout")
+    folder = ab.checkout_csrc("git:HEAD", tmp_path)
+    committed = subprocess.run(["git", "-C", str(repo), "show", f"HEAD:{ab.CSRC}/sort_conv_cpu.cpp"],
+                               capture_output=True, check=True).stdout
+    assert (folder / "sort_conv_cpu.cpp").read_bytes() == committed
+    assert (folder / "polar_taps.h").is_file()

@@ -4,7 +4,10 @@ For a block of 32 output positions (16 in float64) and one input channel at a ti
 gathers the samples of every window (bilinear taps for polar sampling), sorts each ring or the whole
 window with the Batcher network of :meth:`SortGeometry.comparators` as vectorised compare-exchanges
 across the block, and multiplies the sorted panel straight into the block's outputs with a
-register-tiled micro-GEMM. Nothing of size ``k*k`` times the input is ever written to memory.
+register-tiled micro-GEMM. Nothing of size ``k*k`` times the input is ever written to memory. In the
+float32 forward pass with unit stride (square sampling, and polar sampling with k = 5 or 7, whose tap
+positions are compiled in from ``csrc/polar_taps.h``) gathering and sorting are one pass straight from
+the input into registers.
 
 Backward keeps only the padded input and the weight (no index tensors, no columns): it gathers and
 sorts again, recording the network's swap decisions, forms the weight gradient from the sorted

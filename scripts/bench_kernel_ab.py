@@ -1,0 +1,137 @@
+#!/usr/bin/env python
+"""Compare versions of the fused CPU kernel at one layer shape, in one process, taking turns.
+
+On a shared or virtualised machine the same run can move by 10-20% from one minute to the next, far more
+than most kernel changes; timings taken in separate runs cannot tell such changes apart. This script
+builds every given version of ``timm_sortconv/csrc`` (a git revision, or a folder holding
+``sort_conv_cpu.cpp`` and its headers), loads them all into one process and, repeat after repeat, runs
+each version's forward and backward on the same tensors in turn, so that a slow minute slows them alike.
+It prints the median forward and forward + backward time of each version in milliseconds (CPU time of
+the process with one thread, wall clock otherwise).
+
+Only the kernel changes between versions: the geometry tables, the weight layout and the Python wrapper
+are today's (``timm_sortconv.ops.cpu_backend``), so versions must share the extension's interface.
+
+Examples:
+    python scripts/bench_kernel_ab.py git:HEAD~3 git:HEAD
+    python scripts/bench_kernel_ab.py git:main path/to/edited/csrc --shape 10,64,64,64,3 --repeats 11
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from timm_sortconv.ops import cpu_backend  # noqa: E402
+from timm_sortconv.ops.geometry import get_geometry  # noqa: E402
+
+CSRC = "timm_sortconv/csrc"
+
+
+def checkout_csrc(spec: str, workdir: Path) -> Path:
+    """The folder of kernel sources named by ``spec``: ``git:<revision>`` (extracted from this
+    repository) or a folder path."""
+    if not spec.startswith("git:"):
+        folder = Path(spec)
+        if not (folder / "sort_conv_cpu.cpp").is_file():
+            raise SystemExit(f"{spec}: no sort_conv_cpu.cpp there (give a folder like {CSRC} or git:<revision>)")
+        return folder
+    revision = spec[len("git:"):]
+    listing = subprocess.run(["git", "-C", str(REPO), "ls-tree", "--name-only", f"{revision}:{CSRC}"],
+                             capture_output=True, text=True)
+    if listing.returncode != 0:
+        raise SystemExit(f"{spec}: {listing.stderr.strip()}")
+    folder = workdir / hashlib.sha256(revision.encode()).hexdigest()[:12]
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in listing.stdout.split():
+        if name.endswith((".cpp", ".h")):
+            text = subprocess.run(["git", "-C", str(REPO), "show", f"{revision}:{CSRC}/{name}"],
+                                  capture_output=True, check=True).stdout
+            (folder / name).write_bytes(text)
+    return folder
+
+
+def build(folder: Path):
+    """The extension built from ``folder`` (cached by the hash of its sources)."""
+    digest = hashlib.sha256()
+    for path in sorted(folder.iterdir()):
+        if path.suffix in (".cpp", ".h"):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    cpp_extension = cpu_backend._import_cpp_extension()
+    path = cpu_backend._ninja_on_path()
+    if path is None:
+        raise SystemExit("ninja is not installed (pip install ninja)")
+    os.environ["PATH"] = path
+    return cpp_extension.load(name=f"timm_sortconv_ab_{digest.hexdigest()[:16]}",
+                              sources=[str(folder / "sort_conv_cpu.cpp")], extra_include_paths=[str(folder)],
+                              extra_cflags=cpu_backend._CFLAGS, extra_ldflags=cpu_backend._LDFLAGS)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("versions", nargs="+", help="git:<revision> or a folder with sort_conv_cpu.cpp")
+    parser.add_argument("--shape", default="100,32,32,28,7",
+                        help="B,C_in,C_out,H,k: a square H x H output, padding k // 2 (default: the issue's first)")
+    parser.add_argument("--variants", default="polar-ring,polar-global,square-ring,square-global")
+    parser.add_argument("--repeats", type=int, default=7, help="timed turns per version (median reported)")
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (1: CPU time)")
+    args = parser.parse_args(argv)
+    try:
+        args.shape = tuple(int(v) for v in args.shape.split(","))
+        assert len(args.shape) == 5 and min(args.shape) >= 1 and args.shape[4] % 2 == 1
+    except (ValueError, AssertionError):
+        parser.error(f"--shape takes B,C_in,C_out,H,k with an odd k, got {args.shape!r}")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    clock = time.process_time if args.threads == 1 else time.perf_counter
+    with tempfile.TemporaryDirectory() as workdir:
+        extensions = [build(checkout_csrc(spec, Path(workdir))) for spec in args.versions]
+    batch, channels, outputs, size, k = args.shape
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, channels, size + k - 1, size + k - 1, generator=generator)  # already padded
+    weight = torch.randn(outputs, channels, k, k, generator=generator) * 0.05
+    bias = torch.randn(outputs, generator=generator)
+    grad_output = torch.randn(batch, outputs, size, size, generator=generator)
+    print(f"shape B={batch}, {channels} -> {outputs}, {size}x{size}, k={k}; {args.threads} thread(s), "
+          f"{'CPU time' if args.threads == 1 else 'wall clock'}, median of {args.repeats} turns, ms")
+    saved = cpu_backend._extension
+    try:
+        for variant in args.variants.split(","):
+            geometry = get_geometry(k, *variant.split("-"))
+            forward = [[] for _ in extensions]
+            both = [[] for _ in extensions]
+            for turn in range(args.repeats + 1):  # turn 0 warms up
+                for i, extension in enumerate(extensions):
+                    cpu_backend._extension = extension
+                    start = clock()
+                    cpu_backend._forward(x, weight, bias, geometry, (1, 1), (1, 1), 1)
+                    middle = clock()
+                    cpu_backend._backward(grad_output, x, weight, geometry, (1, 1), (1, 1), 1, True, True)
+                    end = clock()
+                    if turn:
+                        forward[i].append(middle - start)
+                        both[i].append(end - start)
+            cells = [f"{spec}: fwd {statistics.median(f) * 1e3:.1f} f+b {statistics.median(b) * 1e3:.1f}"
+                     for spec, f, b in zip(args.versions, forward, both)]
+            print(f"{variant:14s} " + " | ".join(cells), flush=True)
+    finally:
+        cpu_backend._extension = saved
+
+
+if __name__ == "__main__":
+    main()
