@@ -456,28 +456,31 @@ struct Pair {
 // Batcher's odd-even merge sort for N values: geometry.batcher_comparators, rebuilt at compile time
 // so that the common sizes run unrolled with the values in registers. make_plan only uses it for a
 // segment whose comparators from Python are exactly these.
-template <int N>
-constexpr int batcher_count() {
-  int padded = 1, count = 0;
-  while (padded < N) padded *= 2;
+// Calls visit(lo, hi, p) for every comparator of the network for n values, in order; p is the stage:
+// the comparator belongs to the merge of the two sorted halves of a block of 2p values.
+template <typename F>
+constexpr void for_each_batcher_pair(int n, const F& visit) {
+  int padded = 1;
+  while (padded < n) padded *= 2;
   for (int p = 1; p < padded; p *= 2)
     for (int k = p; k >= 1; k /= 2)
       for (int j = k % p; j < padded - k; j += 2 * k)
         for (int i = 0; i < std::min(k, padded - j - k); ++i)
-          if ((i + j) / (2 * p) == (i + j + k) / (2 * p) && i + j + k < N) ++count;
+          if ((i + j) / (2 * p) == (i + j + k) / (2 * p) && i + j + k < n) visit(i + j, i + j + k, p);
+}
+
+template <int N>
+constexpr int batcher_count() {
+  int count = 0;
+  for_each_batcher_pair(N, [&](int, int, int) { ++count; });
   return count;
 }
 
 template <int N>
 constexpr std::array<Pair, batcher_count<N>()> batcher_network() {
   std::array<Pair, batcher_count<N>()> pairs{};
-  int padded = 1, count = 0;
-  while (padded < N) padded *= 2;
-  for (int p = 1; p < padded; p *= 2)
-    for (int k = p; k >= 1; k /= 2)
-      for (int j = k % p; j < padded - k; j += 2 * k)
-        for (int i = 0; i < std::min(k, padded - j - k); ++i)
-          if ((i + j) / (2 * p) == (i + j + k) / (2 * p) && i + j + k < N) pairs[count++] = {i + j, i + j + k};
+  int count = 0;
+  for_each_batcher_pair(N, [&](int lo, int hi, int) { pairs[count++] = {lo, hi}; });
   return pairs;
 }
 
@@ -492,26 +495,20 @@ template <int N>
 constexpr std::array<Pair, batcher_count<N>()> batcher_depth_first() {
   std::array<Pair, batcher_count<N>()> pairs{};
   std::array<int, batcher_count<N>()> key{};
-  int padded = 1, count = 0;
-  while (padded < N) padded *= 2;
-  for (int p = 1; p < padded; p *= 2)
-    for (int k = p; k >= 1; k /= 2)
-      for (int j = k % p; j < padded - k; j += 2 * k)
-        for (int i = 0; i < std::min(k, padded - j - k); ++i)
-          if ((i + j) / (2 * p) == (i + j + k) / (2 * p) && i + j + k < N) {
-            // Blocks in post-order (by their end, then the smaller first); a stable insertion keeps
-            // the order within a block.
-            const int start = (i + j) / (2 * p) * (2 * p);
-            const int this_key = (start + 2 * p) * 256 + 2 * p;
-            int at = count++;
-            while (at > 0 && key[at - 1] > this_key) {
-              key[at] = key[at - 1];
-              pairs[at] = pairs[at - 1];
-              --at;
-            }
-            key[at] = this_key;
-            pairs[at] = {i + j, i + j + k};
-          }
+  int count = 0;
+  for_each_batcher_pair(N, [&](int lo, int hi, int p) {
+    // Blocks in post-order (by their end, then the smaller first); a stable insertion keeps the order
+    // within a block.
+    const int this_key = (lo / (2 * p) * (2 * p) + 2 * p) * 256 + 2 * p;
+    int at = count++;
+    while (at > 0 && key[at - 1] > this_key) {
+      key[at] = key[at - 1];
+      pairs[at] = pairs[at - 1];
+      --at;
+    }
+    key[at] = this_key;
+    pairs[at] = {lo, hi};
+  });
   return pairs;
 }
 
@@ -783,10 +780,18 @@ void unsort_gradients(const Plan<scalar_t>& plan, scalar_t* grad,
 // forward 4-17% faster at the 7x7 shapes and for square sampling at 3x3. Polar sampling with
 // k = 3 and the backward pass (which records the swaps) measured no faster or slower, so they stage.
 #if defined(__AVX512F__)
-inline vfloat load_source(const float* p0, const float* p1, __mmask16 m0, __mmask16 m1, int64_t offset) {
+// Lane j of the vector at `offset` from the window corner: input[p0 + j] for the lanes in m0 and
+// input[p1 + j] for those in m1 (kTwo: there is a second piece). Masked-off lanes are never read.
+template <bool kTwo>
+inline __attribute__((always_inline)) vfloat load_pieces(const float* p0, const float* p1, __mmask16 m0,
+                                                         __mmask16 m1, int64_t offset) {
   __m512 v = _mm512_maskz_loadu_ps(m0, p0 + offset);
-  if (m1 != 0) v = _mm512_mask_loadu_ps(v, m1, p1 + offset);
+  if (kTwo) v = _mm512_mask_loadu_ps(v, m1, p1 + offset);
   return (vfloat)v;
+}
+
+inline vfloat load_source(const float* p0, const float* p1, __mmask16 m0, __mmask16 m1, int64_t offset) {
+  return m1 != 0 ? load_pieces<true>(p0, p1, m0, m1, offset) : load_pieces<false>(p0, p1, m0, m1, offset);
 }
 
 // One vector (kVecLanes lanes) of the N samples from slot `start`: read, sorted, stored to out[i * kLanes].
@@ -800,14 +805,6 @@ void sort_direct_fixed(const Plan<float>& plan, int64_t start, const float* p0, 
                           [&](int i) { return load_source(p0, p1, m0, m1, offset[i]); });
 #pragma GCC unroll 64
   for (int i = 0; i < N; ++i) store(out + i * lanes, v[i]);
-}
-
-template <bool kTwo>
-inline __attribute__((always_inline)) vfloat load_pieces(const float* p0, const float* p1, __mmask16 m0,
-                                                         __mmask16 m1, int64_t offset) {
-  __m512 v = _mm512_maskz_loadu_ps(m0, p0 + offset);
-  if (kTwo) v = _mm512_mask_loadu_ps(v, m1, p1 + offset);
-  return (vfloat)v;
 }
 
 // Polar sampling: samples [kStart, kStart + N) interpolated from the input. The tap positions are
