@@ -87,8 +87,7 @@ def _cpu_signature() -> str:
 def _extension_name() -> str:
     digest = hashlib.sha256()
     for part in (_SOURCE.read_bytes(), _POLAR_HEADER.read_bytes(), " ".join(_CFLAGS + _LDFLAGS).encode(),
-                 torch.__version__.encode(),
-                 sys.version.encode(), _cpu_signature().encode()):
+                 torch.__version__.encode(), sys.version.encode(), _cpu_signature().encode()):
         digest.update(part)
         digest.update(b"\0")
     return f"timm_sortconv_cpu_{digest.hexdigest()[:16]}"
