@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import statistics
 import subprocess
 import sys
@@ -68,14 +67,7 @@ def build(folder: Path):
     for path in sorted(folder.iterdir()):
         if path.suffix in (".cpp", ".h"):
             digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    cpp_extension = cpu_backend._import_cpp_extension()
-    path = cpu_backend._ninja_on_path()
-    if path is None:
-        raise SystemExit("ninja is not installed (pip install ninja)")
-    os.environ["PATH"] = path
-    return cpp_extension.load(name=f"timm_sortconv_ab_{digest.hexdigest()[:16]}",
-                              sources=[str(folder / "sort_conv_cpu.cpp")], extra_include_paths=[str(folder)],
-                              extra_cflags=cpu_backend._CFLAGS, extra_ldflags=cpu_backend._LDFLAGS)
+    return cpu_backend.build_extension(f"timm_sortconv_ab_{digest.hexdigest()[:16]}", folder)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -1,6 +1,16 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures and helpers."""
+import importlib.util
+
 import pytest
 import torch
+
+
+def load_script(path, name):
+    """The script at ``path`` (``scripts/*.py``, not a package module) imported as module ``name``."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ padded input and the weight; a NaN must stay local. The first test to run builds
 half a minute, once per machine: it is cached across processes); if it cannot be built the module is
 skipped with the build's reason.
 """
-import importlib.util
 import subprocess
 import warnings
 from pathlib import Path
@@ -16,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import load_script
 from timm_sortconv import SortConv2d, sort_conv2d
 from timm_sortconv.ops import cpu_backend
 from timm_sortconv.ops.backends import resolve_backend
@@ -292,11 +292,7 @@ def test_failed_build_warns_once_and_auto_uses_the_reference(monkeypatch):
 
 
 def load_ab_script():
-    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_kernel_ab.py"
-    spec = importlib.util.spec_from_file_location("bench_kernel_ab", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(Path(__file__).resolve().parent.parent / "scripts" / "bench_kernel_ab.py", "bench_kernel_ab")
 
 
 def test_kernel_ab_script_checks_its_input(tmp_path, capsys):

@@ -8,7 +8,6 @@ of their own call the scripts' ``main(argv)`` in this process, which saves the i
 """
 import csv
 import json
-import importlib.util
 import logging
 import signal
 import subprocess
@@ -20,6 +19,7 @@ import pytest
 import timm
 import torch
 import yaml
+from conftest import load_script
 from test_data import make_mnist
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,13 +32,6 @@ SCHEDULES = {
     "per-update": ["--sched", "step", "--decay-epochs", "0.5", "--decay-rate", "0.5", "--sched-on-updates"],
     "per-epoch": ["--sched", "step", "--decay-epochs", "1", "--decay-rate", "0.5"],
 }
-
-
-def load_script(path, name):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")

@@ -47,6 +47,10 @@
 
 #include "polar_taps.h"
 
+// Taps per polar sample: bilinear interpolation reads at most 4 window values (PolarTaps' second extent).
+constexpr int kPolarTaps = 4;
+static_assert(std::extent<decltype(PolarTaps<7>::kTap), 1>::value == kPolarTaps, "polar_taps.h: 4 taps per sample");
+
 namespace {
 
 typedef float vfloat __attribute__((vector_size(64)));
@@ -144,7 +148,7 @@ struct Plan {
   bool single_tap = true;  // square sampling: every sample is one window value, weight 1
   bool direct = false;     // every segment has an unrolled network or one slot, and sort_direct knows the sampling
   int polar_k = 0;         // polar sampling whose taps sit where PolarTaps<polar_k> says (k = 5, 7)
-  std::vector<scalar_t> polar_weight;  // then per sample, 4 tap weights in that order (0 past its count)
+  std::vector<scalar_t> polar_weight;  // then per sample, kPolarTaps weights in that order (0 past its count)
   std::vector<int64_t> sample_offset;    // square sampling: per sample, its flat offset in the window
   std::vector<int64_t> position_sample;  // square sampling: per row-major window position, its sample
   std::vector<int64_t> grid_offset;      // per row-major window position, its flat offset
@@ -350,10 +354,10 @@ Plan<scalar_t> make_plan(const at::Tensor& input, const at::Tensor& tap_offsets,
   // Not for k = 3: there the staged taps measured as fast (A/B, 64x64 maps) and the fused ones up to 10% slower.
   if (!plan.single_tap && (same_polar_taps<5>(taps_of) || same_polar_taps<7>(taps_of))) {
     plan.polar_k = static_cast<int>(kernel_size);
-    plan.polar_weight.assign(slots * 4, scalar_t(0));
+    plan.polar_weight.assign(slots * kPolarTaps, scalar_t(0));
     for (int64_t s = 0; s < slots; ++s) {
       for (size_t t = 0; t < taps_of[s].size(); ++t) {
-        plan.polar_weight[s * 4 + t] = static_cast<scalar_t>(taps_of[s][t].second);
+        plan.polar_weight[s * kPolarTaps + t] = static_cast<scalar_t>(taps_of[s][t].second);
       }
     }
   }
@@ -600,9 +604,9 @@ inline void apply_swap(__mmask8 swap, vdouble& a, vdouble& b) {
 template <typename vec>
 using SwapMask = typename SwapMaskOf<vec>::type;
 
+// Comparators [kFirst, kFirst + sizeof...(I)) of the depth-first network; swaps are indexed like them.
 // Always inlined, so that the values stay in the caller's registers (GCC otherwise keeps the larger
 // networks out of line and passes the values through memory).
-// Comparators [kFirst, kFirst + sizeof...(I)) of the depth-first network; swaps are indexed like them.
 template <int N, bool kRecord, int kFirst = 0, typename vec, size_t... I>
 inline __attribute__((always_inline)) void run_network(vec* v, SwapMask<vec>* swaps, std::index_sequence<I...>) {
   static constexpr auto pairs = batcher_depth_first<N>();
@@ -820,16 +824,16 @@ void sort_polar_fixed(const Plan<float>& plan, const float* p0, const float* p1,
     row[i] = plan.grid_offset[i * K];
     col[i] = plan.grid_offset[i];
   }
-  const float* weight = plan.polar_weight.data() + kStart * 4;
+  const float* weight = plan.polar_weight.data() + kStart * kPolarTaps;
   vfloat v[N];
   load_and_sort<N, false>(v, static_cast<SwapMask<vfloat>*>(nullptr), [&](int i) {
     const int s = kStart + i;
-    vfloat acc = splat(weight[i * 4])
+    vfloat acc = splat(weight[i * kPolarTaps])
                  * load_pieces<kTwo>(p0, p1, m0, m1, row[taps::kTap[s][0][0]] + col[taps::kTap[s][0][1]]);
 #pragma GCC unroll 4
-    for (int t = 1; t < 4; ++t) {
+    for (int t = 1; t < kPolarTaps; ++t) {
       if (t < taps::kCount[s]) {
-        acc += splat(weight[i * 4 + t])
+        acc += splat(weight[i * kPolarTaps + t])
                * load_pieces<kTwo>(p0, p1, m0, m1, row[taps::kTap[s][t][0]] + col[taps::kTap[s][t][1]]);
       }
     }

@@ -45,8 +45,8 @@ import torch
 from .backends import Backend, register_backend, run_recomputing
 from .geometry import SortGeometry
 
-__all__ = ["DISABLE_ENV", "MAX_KERNEL_SIZE", "POLAR_TAP_SIZES", "load_extension", "polar_tap_header", "sort_conv2d_cpu",
-           "supports_cpu"]
+__all__ = ["DISABLE_ENV", "MAX_KERNEL_SIZE", "POLAR_TAP_SIZES", "build_extension", "load_extension", "polar_tap_header",
+           "sort_conv2d_cpu", "supports_cpu"]
 
 DISABLE_ENV = "TIMM_SORTCONV_DISABLE_FAST"
 MAX_KERNEL_SIZE = 15
@@ -125,6 +125,26 @@ def _import_cpp_extension():
     return cpp_extension
 
 
+def build_extension(name: str, folder: Path, verbose: bool = False):
+    """Builds (or loads from the extension cache) ``folder/sort_conv_cpu.cpp`` with its headers as the
+    module ``name``, with this backend's flags; raises where it cannot be built. ``load_extension`` uses it
+    for the package's own sources, ``scripts/bench_kernel_ab.py`` for other versions of them."""
+    cpp_extension = _import_cpp_extension()
+    path = _ninja_on_path()
+    if path is None:
+        raise RuntimeError("ninja is not installed (pip install ninja)")
+    saved_path = os.environ.get("PATH")
+    os.environ["PATH"] = path
+    try:
+        return cpp_extension.load(name=name, sources=[str(folder / _SOURCE.name)], extra_include_paths=[str(folder)],
+                                  extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS, verbose=verbose)
+    finally:
+        if saved_path is None:
+            del os.environ["PATH"]
+        else:
+            os.environ["PATH"] = saved_path
+
+
 def load_extension(verbose: bool = False):
     """The compiled extension module, building it on first call; ``None`` if disabled or the build failed
     (a single warning says why)."""
@@ -135,21 +155,7 @@ def load_extension(verbose: bool = False):
         if _extension is not None or _build_failed:
             return _extension
         try:
-            cpp_extension = _import_cpp_extension()
-            path = _ninja_on_path()
-            if path is None:
-                raise RuntimeError("ninja is not installed (pip install ninja)")
-            saved_path = os.environ.get("PATH")
-            os.environ["PATH"] = path
-            try:
-                _extension = cpp_extension.load(name=_extension_name(), sources=[str(_SOURCE)],
-                                                extra_include_paths=[str(_SOURCE.parent)], extra_cflags=_CFLAGS,
-                                                extra_ldflags=_LDFLAGS, verbose=verbose)
-            finally:
-                if saved_path is None:
-                    del os.environ["PATH"]
-                else:
-                    os.environ["PATH"] = saved_path
+            _extension = build_extension(_extension_name(), _SOURCE.parent, verbose)
         except Exception as error:  # a missing compiler raises many different error types
             _build_failed = True
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
