@@ -163,6 +163,31 @@ def test_agrees_with_reference_large_kernels(sampling, sorting, k, threads):
         assert_agree(x, weight, bias, min_comparable=0.3, padding=k // 2, sampling=sampling, sorting=sorting)
 
 
+@pytest.mark.parametrize("size,k,stride", [(1, 3, 1), (2, 3, 1), (5, 5, 2), (6, 7, 1)])
+@pytest.mark.parametrize("sampling,sorting", VARIANTS, ids=VARIANT_IDS)
+def test_agrees_with_reference_when_blocks_span_images(sampling, sorting, size, k, stride, threads):
+    """Blocks of 32 (float32) or 16 (float64) output positions run across image boundaries; the forward
+    pass reads them from a per-thread copy of the images a block touches (up to all 32 for 1x1 outputs),
+    refilled as the blocks move on. 37 images of 1x1 to 6x6 outputs make every refill case happen."""
+    threads(1)
+    for dtype in (torch.float32, torch.float64):
+        x = randn(37, 3, size, size, seed=size, dtype=dtype)
+        weight, bias = randn(4, 3, k, k, seed=1, dtype=dtype), randn(4, seed=2, dtype=dtype)
+        assert_agree(x, weight, bias, min_comparable=0.5, stride=stride, padding=k // 2, sampling=sampling,
+                     sorting=sorting)
+
+
+def test_agrees_with_reference_on_images_read_in_place(threads):
+    """Images over kMaxCopiedImage (4 MiB) are read from the input itself, not from a per-thread copy."""
+    threads(2)
+    x = randn(2, 1, 1040, 1040, dtype=torch.float32)  # 4.3 MB per padded image
+    weight, bias = randn(2, 1, 3, 3, seed=1, dtype=torch.float32), randn(2, seed=2, dtype=torch.float32)
+    for sampling in ("square", "polar"):
+        fast = sort_conv2d(x, weight, bias, padding=1, sampling=sampling, sorting="global", backend="cpu")
+        reference = sort_conv2d(x, weight, bias, padding=1, sampling=sampling, sorting="global", backend="reference")
+        torch.testing.assert_close(fast, reference, **TOLERANCE[torch.float32])
+
+
 @pytest.mark.parametrize("batch", [1, 3])
 def test_agrees_with_reference_on_two_threads(batch, threads):
     """Two threads: with fewer images than threads they share blocks and keep private input gradients;
