@@ -1,8 +1,9 @@
 // Fused Sorting Convolution for CPU.
 //
-// Works on an already padded input (B, C, Hp, Wp) and computes 'valid' windows with stride and
-// dilation. Output positions are processed in blocks of kLanes (two SIMD vectors) consecutive
-// positions, across row and image boundaries so that no lane idles. Per block and input channel the
+// Works on an input (B, C, H, W) with zero padding (pad_* on each side, added while copying, see
+// ImageRing) and computes 'valid' windows of the padded input with stride and dilation. Output
+// positions are processed in blocks of kLanes (two SIMD vectors) consecutive positions, across row
+// and image boundaries so that no lane idles. Per block and input channel the
 // forward pass
 //   1. gathers the k*k samples of every window in ring order (square sampling: the grid values;
 //      polar sampling: bilinear interpolation of the staged k x k grid), as value[sample][lane];
@@ -15,8 +16,9 @@
 // with k = 5 or 7), steps 1 and 2 are one pass (sort_direct): each vector of lanes is read straight
 // from the input with masked loads (the end of one image row and the start of the next are its two
 // pieces), interpolated and sorted in registers and stored once, instead of being staged first.
-// The forward pass reads the windows from a per-thread copy of the images its blocks touch (ImageCopy):
-// one sequential copy per image instead of scattered first reads of every channel's rows.
+// Both passes read the windows from a per-thread copy of the images its blocks touch (ImageRing): one
+// sequential copy per image instead of scattered first reads of every channel's rows, which also adds
+// the zero padding, so the caller passes the input unpadded.
 // No column buffer is materialised: the sorted values stay in L1 between steps 2 and 3. A general
 // BLAS is avoided on purpose: on AMD CPUs MKL's sgemm runs well below the direct convolution that
 // nn.Conv2d uses (oneDNN), and the goal is a cost near that convolution.
@@ -25,7 +27,7 @@
 // overwritten, so a NaN stays exactly one value (it is not duplicated or dropped; it only leaves the
 // values around it unsorted, and every output whose window holds it is NaN anyway).
 //
-// Backward saves nothing but the padded input: per block and channel it gathers and sorts again,
+// Backward saves nothing but the input: per block and channel it gathers and sorts again,
 // recording each comparator's swap decisions (a lane mask, kept in L1), uses the sorted panel for
 // the weight gradient, and sends the panel's gradient back to sample order by replaying the recorded
 // swaps in reverse (the transpose of the permutation), then through the bilinear taps to the input.
@@ -158,10 +160,13 @@ struct Plan {
   TapTable<scalar_t> spreading;  // polar: the transpose, window positions from samples
   std::vector<int32_t> comparators;  // pairs (i, j), i < j, over ring-order slots, segment by segment
   std::vector<Segment> segments;
-  int64_t in_h = 0, in_w = 0, out_h = 0, out_w = 0;
+  int64_t in_h = 0, in_w = 0, out_h = 0, out_w = 0;  // in_*: the padded input
+  // The input as given (src_h x src_w) sits at (pad_top, pad_left) of the padded plane; the rest is zeros.
+  int64_t src_h = 0, src_w = 0, pad_top = 0, pad_left = 0;
   int64_t stride_h = 1, stride_w = 1;
 
   int64_t positions() const { return out_h * out_w; }
+  bool padded() const { return src_h != in_h || src_w != in_w; }
 };
 
 // Output positions of one image row, [col, col + cols) of row `row`, held by lanes [lane, lane + cols).
@@ -262,7 +267,8 @@ constexpr bool kUnrolledNetworks = false;
 template <typename scalar_t>
 Plan<scalar_t> make_plan(const at::Tensor& input, const at::Tensor& tap_offsets, const at::Tensor& tap_weights,
                          const at::Tensor& segments, const at::Tensor& comparators, int64_t kernel_size,
-                         int64_t stride_h, int64_t stride_w, int64_t dilation_h, int64_t dilation_w) {
+                         int64_t stride_h, int64_t stride_w, int64_t dilation_h, int64_t dilation_w,
+                         const std::array<int64_t, 4>& pad) {
   Plan<scalar_t> plan;
   const int64_t slots = kernel_size * kernel_size;
   TORCH_CHECK(kernel_size >= 1 && kernel_size % 2 == 1, "sort_conv_cpu: kernel_size must be odd, got ", kernel_size);
@@ -275,8 +281,15 @@ Plan<scalar_t> make_plan(const at::Tensor& input, const at::Tensor& tap_offsets,
   TORCH_CHECK(comparators.dim() == 2 && comparators.size(1) == 2, "sort_conv_cpu: comparators must be (n, 2)");
   plan.kernel_size = kernel_size;
   plan.slots = slots;
-  plan.in_h = input.size(2);
-  plan.in_w = input.size(3);
+  // pad: (left, right, top, bottom) zeros around the input, as F.pad takes them.
+  TORCH_CHECK(std::all_of(pad.begin(), pad.end(), [](int64_t p) { return p >= 0; }),
+              "sort_conv_cpu: padding must be >= 0");
+  plan.src_h = input.size(2);
+  plan.src_w = input.size(3);
+  plan.pad_left = pad[0];
+  plan.pad_top = pad[2];
+  plan.in_h = plan.src_h + pad[2] + pad[3];
+  plan.in_w = plan.src_w + pad[0] + pad[1];
   plan.stride_h = stride_h;
   plan.stride_w = stride_w;
   plan.out_h = (plan.in_h - dilation_h * (kernel_size - 1) - 1) / stride_h + 1;
@@ -1124,59 +1137,114 @@ void for_each_thread_range(int64_t batch, int64_t positions, int64_t threads, bo
                   [&](int64_t thread, int64_t first, int64_t last) { fn(thread, first * unit, last * unit); });
 }
 
-// A thread's copy of the input images that its blocks read, [first, first + count) side by side, in a
-// buffer reused from image to image. The gather of a block reads every channel plane a few rows at a
-// time, and rows of an image not yet in L2 came in far slower than one sequential copy brings them;
-// software prefetch of the same rows, a block or three ahead, did not help. Measured (A/B in one
-// process, 1 thread): the forward 13-18% faster at B=100, 32->32, 28x28, k=7, 9-14% at 14x14, 7-16%
-// with 64x64 maps and k=3 (1.1 MB images), 0-5% at 64x64 and k=7; with 2 threads, 10-16% at 28x28.
-// Larger images (a 4.3 MB one measured within noise) are read in place.
+// A thread's copy of the input images that its blocks read, [first, first + count) side by side and
+// padded, in a buffer reused from image to image; in the backward pass also the gradient of those
+// padded images, added to the input gradient (without the padding) as images leave the ring.
+//
+// The gather of a block reads every channel plane a few rows at a time, and rows of an image not yet
+// in L2 came in far slower than one sequential copy brings them; software prefetch of the same rows, a
+// block or three ahead, did not help. Measured (A/B in one process, 1 thread): the forward 13-18%
+// faster at B=100, 32->32, 28x28, k=7, 9-14% at 14x14, 7-16% with 64x64 maps and k=3 (1.1 MB images),
+// 0-5% at 64x64 and k=7; with 2 threads, 10-16% at 28x28. The copy also does the zero padding, so
+// the caller need not pad (nor keep a padded input for the backward). Larger images without padding
+// (a 4.3 MB one measured within noise) are read, and their gradient written, in place.
 constexpr int64_t kMaxCopiedImage = int64_t(4) << 20;  // bytes
 
 template <typename scalar_t>
-struct ImageCopy {
-  const scalar_t* input;
-  int64_t batch, image_size, capacity;
-  bool enabled;
-  std::vector<scalar_t> data;
-  int64_t first = 0, count = 0;
+class ImageRing {
+ public:
+  int64_t first = 0;  // the first image held (or, in place, the first image of the block)
 
-  ImageCopy(const scalar_t* input, int64_t batch, int64_t image_size, int64_t positions)
-      : input(input), batch(batch), image_size(image_size),
+  // grad_input: (B, C, src_h, src_w), or nullptr for the forward pass.
+  ImageRing(const Plan<scalar_t>& plan, const scalar_t* input, scalar_t* grad_input, int64_t batch, int64_t channels)
+      : plan_(plan), input_(input), grad_input_(grad_input), batch_(batch), channels_(channels),
+        source_size_(channels * plan.src_h * plan.src_w), image_size_(channels * plan.in_h * plan.in_w),
         // A block of kLanes positions spans at most this many images.
-        capacity(std::min(batch, (kLanes<scalar_t> - 2) / positions + 2)),
-        enabled(image_size * static_cast<int64_t>(sizeof(scalar_t)) <= kMaxCopiedImage) {
-    if (enabled) data.resize(capacity * image_size);
+        capacity_(std::min(batch, (kLanes<scalar_t> - 2) / plan.positions() + 2)),
+        enabled_(plan.padded() || image_size_ * static_cast<int64_t>(sizeof(scalar_t)) <= kMaxCopiedImage) {
+    // Zeros: the padding is never written after this.
+    if (enabled_) data_.assign(capacity_ * image_size_, scalar_t(0));
+    if (enabled_ && grad_input_ != nullptr) grad_.assign(capacity_ * image_size_, scalar_t(0));
   }
 
-  // Values readable from image `first` on (make_block's `readable`).
-  int64_t readable() const { return enabled ? capacity * image_size : (batch - first) * image_size; }
+  // Image `first`'s padded planes, and its gradient (a block's input offsets count from there).
+  const scalar_t* images() const { return enabled_ ? data_.data() : input_ + first * image_size_; }
+  scalar_t* grads() { return enabled_ ? grad_.data() : grad_input_ + first * image_size_; }
+  // Values readable from images() on (make_block's `readable`).
+  int64_t readable() const { return enabled_ ? capacity_ * image_size_ : (batch_ - first) * image_size_; }
 
-  // Makes images [lo, hi] (hi - lo < capacity) available; returns where image `first` begins.
-  const scalar_t* cover(int64_t lo, int64_t hi) {
-    if (!enabled) {
+  // Makes images [lo, hi] (hi - lo < capacity) available.
+  void cover(int64_t lo, int64_t hi) {
+    if (!enabled_) {
       first = lo;
-      return input + lo * image_size;
+      return;
     }
-    if (lo < first || hi >= first + count) {
-      const int64_t next = std::min(capacity, batch - lo);
-      // Images already held move to their new place; the others are copied from the input.
-      const int64_t kept_lo = std::max(lo, first), kept_hi = std::min(lo + next, first + count);
-      if (kept_lo < kept_hi) {
-        std::memmove(data.data() + (kept_lo - lo) * image_size, data.data() + (kept_lo - first) * image_size,
-                     (kept_hi - kept_lo) * image_size * sizeof(scalar_t));
-      }
-      for (int64_t image = lo; image < lo + next; ++image) {
-        if (image < kept_lo || image >= kept_hi) {
-          std::memcpy(data.data() + (image - lo) * image_size, input + image * image_size,
-                      image_size * sizeof(scalar_t));
-        }
-      }
-      first = lo;
-      count = next;
+    if (lo >= first && hi < first + count_) return;
+    const int64_t next = std::min(capacity_, batch_ - lo);
+    const int64_t kept_lo = std::max(lo, first), kept_hi = std::min(lo + next, first + count_);
+    for (int64_t image = first; image < first + count_; ++image) {
+      if (image < kept_lo || image >= kept_hi) flush(image, image - first);
     }
-    return data.data();
+    // Images already held move to their new place; the others are copied from the input.
+    if (kept_lo < kept_hi) {
+      move(data_, kept_lo - first, kept_lo - lo, kept_hi - kept_lo);
+      if (!grad_.empty()) move(grad_, kept_lo - first, kept_lo - lo, kept_hi - kept_lo);
+    }
+    for (int64_t image = lo; image < lo + next; ++image) {
+      if (image >= kept_lo && image < kept_hi) continue;
+      copy_in(image, image - lo);
+      if (!grad_.empty()) std::fill_n(grad_.data() + (image - lo) * image_size_, image_size_, scalar_t(0));
+    }
+    first = lo;
+    count_ = next;
   }
+
+  // Adds the gradient of the images still held to grad_input (at the end of the thread's blocks).
+  void finish() {
+    for (int64_t slot = 0; slot < count_; ++slot) flush(first + slot, slot);
+    count_ = 0;
+  }
+
+ private:
+  void move(std::vector<scalar_t>& buffer, int64_t from, int64_t to, int64_t images) {
+    std::memmove(buffer.data() + to * image_size_, buffer.data() + from * image_size_,
+                 images * image_size_ * sizeof(scalar_t));
+  }
+
+  void copy_in(int64_t image, int64_t slot) {
+    const scalar_t* src = input_ + image * source_size_;
+    scalar_t* dst = data_.data() + slot * image_size_;
+    if (!plan_.padded()) {
+      std::memcpy(dst, src, image_size_ * sizeof(scalar_t));
+      return;
+    }
+    for (int64_t row = 0; row < channels_ * plan_.src_h; ++row) {
+      const int64_t channel = row / plan_.src_h, r = row % plan_.src_h;
+      std::memcpy(dst + (channel * plan_.in_h + r + plan_.pad_top) * plan_.in_w + plan_.pad_left,
+                  src + row * plan_.src_w, plan_.src_w * sizeof(scalar_t));
+    }
+  }
+
+  void flush(int64_t image, int64_t slot) {
+    if (grad_.empty()) return;
+    const scalar_t* src = grad_.data() + slot * image_size_;
+    scalar_t* dst = grad_input_ + image * source_size_;
+    for (int64_t row = 0; row < channels_ * plan_.src_h; ++row) {
+      const int64_t channel = row / plan_.src_h, r = row % plan_.src_h;
+      const scalar_t* from = src + (channel * plan_.in_h + r + plan_.pad_top) * plan_.in_w + plan_.pad_left;
+      scalar_t* to = dst + row * plan_.src_w;
+#pragma omp simd
+      for (int64_t x = 0; x < plan_.src_w; ++x) to[x] += from[x];
+    }
+  }
+
+  const Plan<scalar_t>& plan_;
+  const scalar_t* input_;
+  scalar_t* grad_input_;
+  int64_t batch_, channels_, source_size_, image_size_, capacity_;
+  bool enabled_;
+  std::vector<scalar_t> data_, grad_;
+  int64_t count_ = 0;
 };
 
 template <typename scalar_t, bool kUnitStride>
@@ -1192,12 +1260,13 @@ void forward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scalar
     // stage_windows may write a vector past its last row.
     std::vector<scalar_t> panel(panel_channels * slots * lanes + half), grid(slots * lanes + half);
     std::vector<scalar_t> tile(shape.out_channels * lanes);
-    ImageCopy<scalar_t> copy(input, shape.batch, shape.channels * plane, positions);
+    ImageRing<scalar_t> ring(plan, input, nullptr, shape.batch, shape.channels);
     for (int64_t first = begin; first < end; first += lanes) {
       const int64_t last = std::min(first + lanes, end);
-      const scalar_t* images = copy.cover(first / positions, (last - 1) / positions);
-      const Block block = make_block<scalar_t, kUnitStride>(plan, first, last, shape.channels * plane, copy.first,
-                                                            copy.readable(), shape.channels);
+      ring.cover(first / positions, (last - 1) / positions);
+      const scalar_t* images = ring.images();
+      const Block block = make_block<scalar_t, kUnitStride>(plan, first, last, shape.channels * plane, ring.first,
+                                                            ring.readable(), shape.channels);
       for (int64_t o = 0; o < shape.out_channels; ++o) {
         std::fill(tile.begin() + o * lanes, tile.begin() + (o + 1) * lanes, bias != nullptr ? bias[o] : scalar_t(0));
       }
@@ -1266,10 +1335,14 @@ void backward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scala
     std::vector<SwapMask<vec>> swaps(std::max<size_t>(1, plan.comparators.size()));
     scalar_t* grad_in = grad_input_parts.empty() ? grad_input : grad_input_parts[thread].data();
     scalar_t* grad_weight = need_weight ? grad_weight_parts[thread].data() : nullptr;
+    ImageRing<scalar_t> ring(plan, input, need_input ? grad_in : nullptr, shape.batch, shape.channels);
     for (int64_t first = begin; first < end; first += lanes) {
-      const Block block = make_block<scalar_t, kUnitStride>(plan, first, std::min(first + lanes, end),
-                                                            shape.channels * plane, 0, shape.batch * shape.channels * plane,
-                                                            shape.channels);
+      const int64_t last = std::min(first + lanes, end);
+      ring.cover(first / positions, (last - 1) / positions);
+      const scalar_t* images = ring.images();
+      scalar_t* grad_images = need_input ? ring.grads() : nullptr;
+      const Block block = make_block<scalar_t, kUnitStride>(plan, first, last, shape.channels * plane, ring.first,
+                                                            ring.readable(), shape.channels);
       const int64_t count = block.count;
       std::fill(grad_tile.begin(), grad_tile.end(), scalar_t(0));
       for (int64_t o = 0; o < shape.out_channels; ++o) {
@@ -1289,7 +1362,7 @@ void backward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scala
       }
       for (int64_t channel = 0; channel < shape.channels; ++channel) {
         const int64_t g = channel / cg;
-        gather_samples<scalar_t, kUnitStride>(plan, input + channel * plane, block, grid.data(), value.data());
+        gather_samples<scalar_t, kUnitStride>(plan, images + channel * plane, block, grid.data(), value.data());
         sort_samples<scalar_t, true>(plan, value.data(), swaps.data());
         if (need_weight) {
           gemm_reduce(value.data(), slots, count, grad_tile_t.data() + g * lanes * outputs_padded, outputs_padded,
@@ -1303,9 +1376,10 @@ void backward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scala
                   grad_samples.data(), false);
         unsort_gradients(plan, grad_samples.data(), swaps.data());
         scatter_gradients<scalar_t, kUnitStride>(plan, block, grad_samples.data(), grad_grid.data(),
-                                                 grad_in + channel * plane);
+                                                 grad_images + channel * plane);
       }
     }
+    ring.finish();
   });
 }
 
@@ -1394,7 +1468,8 @@ at::Tensor sort_conv_forward(const at::Tensor& input, const at::Tensor& weight_s
                              const c10::optional<at::Tensor>& bias, const at::Tensor& tap_offsets,
                              const at::Tensor& tap_weights, const at::Tensor& segments, const at::Tensor& comparators,
                              int64_t kernel_size, int64_t stride_h, int64_t stride_w, int64_t dilation_h,
-                             int64_t dilation_w, int64_t groups) {
+                             int64_t dilation_w, int64_t groups, int64_t pad_left, int64_t pad_right, int64_t pad_top,
+                             int64_t pad_bottom) {
   const Shape shape = check_tensors(input, weight_slots, groups, kernel_size);
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->scalar_type() == input.scalar_type() && bias->numel() == shape.out_channels,
@@ -1403,7 +1478,8 @@ at::Tensor sort_conv_forward(const at::Tensor& input, const at::Tensor& weight_s
   at::Tensor output;
   AT_DISPATCH_FLOATING_TYPES(input.scalar_type(), "sort_conv_forward", [&] {
     const auto plan = make_plan<scalar_t>(input, tap_offsets, tap_weights, segments, comparators, kernel_size,
-                                          stride_h, stride_w, dilation_h, dilation_w);
+                                          stride_h, stride_w, dilation_h, dilation_w,
+                                          {pad_left, pad_right, pad_top, pad_bottom});
     output = forward_impl<scalar_t>(input, weight_slots, bias, plan, shape);
   });
   return output;
@@ -1414,14 +1490,16 @@ std::vector<at::Tensor> sort_conv_backward(const at::Tensor& grad_output, const 
                                            const at::Tensor& tap_weights, const at::Tensor& segments,
                                            const at::Tensor& comparators, int64_t kernel_size, int64_t stride_h,
                                            int64_t stride_w, int64_t dilation_h, int64_t dilation_w, int64_t groups,
-                                           bool need_input_grad, bool need_weight_grad) {
+                                           bool need_input_grad, bool need_weight_grad, int64_t pad_left,
+                                           int64_t pad_right, int64_t pad_top, int64_t pad_bottom) {
   const Shape shape = check_tensors(input, weight_slots, groups, kernel_size);
   TORCH_CHECK(grad_output.is_contiguous() && grad_output.scalar_type() == input.scalar_type(),
               "sort_conv_cpu: grad_output must be contiguous with the input's dtype");
   std::vector<at::Tensor> result;
   AT_DISPATCH_FLOATING_TYPES(input.scalar_type(), "sort_conv_backward", [&] {
     const auto plan = make_plan<scalar_t>(input, tap_offsets, tap_weights, segments, comparators, kernel_size,
-                                          stride_h, stride_w, dilation_h, dilation_w);
+                                          stride_h, stride_w, dilation_h, dilation_w,
+                                          {pad_left, pad_right, pad_top, pad_bottom});
     TORCH_CHECK(grad_output.dim() == 4 && grad_output.size(0) == shape.batch
                     && grad_output.size(1) == shape.out_channels && grad_output.size(2) == plan.out_h
                     && grad_output.size(3) == plan.out_w,
@@ -1435,6 +1513,17 @@ std::vector<at::Tensor> sort_conv_backward(const at::Tensor& grad_output, const 
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Fused Sorting Convolution on CPU (gather + sorting network + micro-GEMM)";
-  m.def("forward", &sort_conv_forward, "SC forward on a padded input");
-  m.def("backward", &sort_conv_backward, "SC backward; returns (grad_input, grad_weight in slot order)");
+  namespace py = pybind11;
+  m.def("forward", &sort_conv_forward, "SC forward; the input is padded with pad_* zeros on each side",
+        py::arg("input"), py::arg("weight_slots"), py::arg("bias"), py::arg("tap_offsets"), py::arg("tap_weights"),
+        py::arg("segments"), py::arg("comparators"), py::arg("kernel_size"), py::arg("stride_h"),
+        py::arg("stride_w"), py::arg("dilation_h"), py::arg("dilation_w"), py::arg("groups"),
+        py::arg("pad_left") = 0, py::arg("pad_right") = 0, py::arg("pad_top") = 0, py::arg("pad_bottom") = 0);
+  m.def("backward", &sort_conv_backward,
+        "SC backward; returns (grad_input of the unpadded input, grad_weight in slot order)", py::arg("grad_output"),
+        py::arg("input"), py::arg("weight_slots"), py::arg("tap_offsets"), py::arg("tap_weights"),
+        py::arg("segments"), py::arg("comparators"), py::arg("kernel_size"), py::arg("stride_h"),
+        py::arg("stride_w"), py::arg("dilation_h"), py::arg("dilation_w"), py::arg("groups"),
+        py::arg("need_input_grad"), py::arg("need_weight_grad"), py::arg("pad_left") = 0, py::arg("pad_right") = 0,
+        py::arg("pad_top") = 0, py::arg("pad_bottom") = 0);
 }

@@ -1,7 +1,9 @@
 """Backend registry: the reference path and the fast kernels that must agree with it.
 
 A backend is a callable ``fn(x_padded, weight, bias, geometry, stride, dilation, groups)`` plus a
-``supports(...)`` predicate with the same arguments. ``backend="auto"`` takes the first registered
+``supports(...)`` predicate with the same arguments (given the input before padding: no predicate
+depends on its height or width). A backend with ``zero_padding`` also takes ``pad=(left, right, top,
+bottom)`` and an unpadded input, and pads it with zeros itself. ``backend="auto"`` takes the first registered
 fast backend that supports the call and falls back to the reference path otherwise; while tracing,
 scripting, compiling or exporting it always takes the reference path, which is made of ordinary
 PyTorch operators that those tools understand.
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from .reference import sort_conv2d_reference
@@ -28,6 +31,8 @@ class Backend:
     available: Callable[[], bool]
     # Whether backend="auto" may pick it; a backend not yet measured on its hardware is opt-in.
     auto: bool = True
+    # Whether fn(..., pad=(left, right, top, bottom)) pads an unpadded input with zeros itself.
+    zero_padding: bool = False
 
 
 _BACKENDS: Dict[str, Backend] = {}
@@ -75,9 +80,16 @@ def resolve_backend(name: str, *args) -> Backend:
     return backend
 
 
-def run_backend(name: str, x, weight, bias, geometry, stride, dilation, groups) -> torch.Tensor:
-    args = (x, weight, bias, geometry, stride, dilation, groups)
-    return resolve_backend(name, *args).fn(*args)
+def run_backend(name: str, x, weight, bias, geometry, stride, dilation, groups, pad=(0, 0, 0, 0),
+                padding_mode: str = "zeros") -> torch.Tensor:
+    """Runs a call on its backend; ``pad`` (``F.pad``'s order) is added here with ``padding_mode``, or by a
+    ``zero_padding`` backend itself when the mode is ``"zeros"``."""
+    backend = resolve_backend(name, x, weight, bias, geometry, stride, dilation, groups)
+    if any(pad) and backend.zero_padding and padding_mode == "zeros":
+        return backend.fn(x, weight, bias, geometry, stride, dilation, groups, pad=tuple(pad))
+    if any(pad):
+        x = F.pad(x, pad, mode="constant" if padding_mode == "zeros" else padding_mode)
+    return backend.fn(x, weight, bias, geometry, stride, dilation, groups)
 
 
 # A fast backend's kernels: forward(x, weight, bias, geometry, stride, dilation, groups) -> output, and
@@ -88,7 +100,7 @@ BackwardKernel = Callable[..., Tuple[Optional[torch.Tensor], Optional[torch.Tens
 
 
 class _RecomputingSortConv(torch.autograd.Function):
-    """Autograd of the fast backends: saves only the padded input and the weight (as given, no copies) and
+    """Autograd of the fast backends: saves only the input and the weight (as given, no copies) and
     lets the backward kernel sort again instead of keeping the sorted columns or their permutation."""
 
     @staticmethod

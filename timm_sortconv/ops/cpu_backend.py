@@ -9,7 +9,9 @@ float32 forward pass with unit stride (square sampling, and polar sampling with 
 positions are compiled in from ``csrc/polar_taps.h``) gathering and sorting are one pass straight from
 the input into registers.
 
-Backward keeps only the padded input and the weight (no index tensors, no columns): it gathers and
+Zero padding is added inside the kernel, while it copies each image it works on into a per-thread
+buffer (other padding modes arrive padded by ``F.pad``). Backward keeps only the input, unpadded, and
+the weight (no index tensors, no columns): it gathers and
 sorts again, recording the network's swap decisions, forms the weight gradient from the sorted
 panel, and routes the panel's gradient back to the samples by replaying the swaps in reverse, then
 to the input through the same taps.
@@ -29,6 +31,7 @@ double backward raises.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -224,19 +227,28 @@ def _weight_slots(weight: torch.Tensor, tables: _Tables) -> torch.Tensor:
     return flat.index_select(2, tables.slot_to_grid).reshape(weight.shape[0], -1).contiguous()
 
 
-def _forward(x, weight, bias, geometry, stride, dilation, groups):
+NO_PADDING = (0, 0, 0, 0)
+
+
+def _padding_kwargs(pad: Tuple[int, int, int, int]) -> Dict[str, int]:
+    """The extension's zero-padding arguments (``F.pad``'s order); none for an input already padded, so
+    that ``scripts/bench_kernel_ab.py`` can run kernel versions from before they existed."""
+    return dict(zip(("pad_left", "pad_right", "pad_top", "pad_bottom"), pad)) if any(pad) else {}
+
+
+def _forward(x, weight, bias, geometry, stride, dilation, groups, pad=NO_PADDING):
     tables = _tables_for(geometry)
     return load_extension().forward(x, _weight_slots(weight, tables), bias, tables.tap_offsets, tables.tap_weights,
                                     tables.segments, tables.comparators, geometry.kernel_size, stride[0], stride[1],
-                                    dilation[0], dilation[1], groups)
+                                    dilation[0], dilation[1], groups, **_padding_kwargs(pad))
 
 
-def _backward(grad_output, x, weight, geometry, stride, dilation, groups, need_input, need_weight):
+def _backward(grad_output, x, weight, geometry, stride, dilation, groups, need_input, need_weight, pad=NO_PADDING):
     tables = _tables_for(geometry)
     grad_input, grad_weight_slots = load_extension().backward(
         grad_output, x, _weight_slots(weight, tables), tables.tap_offsets, tables.tap_weights, tables.segments,
         tables.comparators, geometry.kernel_size, stride[0], stride[1], dilation[0], dilation[1], groups,
-        need_input, need_weight)
+        need_input, need_weight, **_padding_kwargs(pad))
     grad_weight = None
     if need_weight:
         out_channels, in_per_group = weight.shape[:2]
@@ -246,8 +258,13 @@ def _backward(grad_output, x, weight, geometry, stride, dilation, groups, need_i
 
 
 def sort_conv2d_cpu(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], geometry: SortGeometry,
-                    stride: Tuple[int, int], dilation: Tuple[int, int], groups: int) -> torch.Tensor:
-    """SC on an already padded CPU input with the fused kernel (the backend's ``fn``); backward sorts again."""
+                    stride: Tuple[int, int], dilation: Tuple[int, int], groups: int,
+                    pad: Tuple[int, int, int, int] = NO_PADDING) -> torch.Tensor:
+    """SC on a CPU input with the fused kernel (the backend's ``fn``), which adds ``pad`` zeros (``F.pad``'s
+    order) itself; backward sorts again and returns the gradient of the unpadded input."""
+    if any(pad):
+        return run_recomputing(functools.partial(_forward, pad=pad), functools.partial(_backward, pad=pad), x,
+                               weight, bias, geometry, stride, dilation, groups)
     return run_recomputing(_forward, _backward, x, weight, bias, geometry, stride, dilation, groups)
 
 
@@ -263,4 +280,4 @@ def supports_cpu(x, weight, bias, geometry: SortGeometry, stride, dilation, grou
     )
 
 
-register_backend(Backend("cpu", sort_conv2d_cpu, supports_cpu, _available))
+register_backend(Backend("cpu", sort_conv2d_cpu, supports_cpu, _available, zero_padding=True))

@@ -4,7 +4,6 @@ from __future__ import annotations
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
-import torch.nn.functional as F
 
 from .backends import run_backend
 from .geometry import check_kernel_size, check_variant, get_geometry
@@ -109,12 +108,9 @@ def sort_conv2d(
     stride = _pair(stride, "stride", 1)
     dilation = _pair(dilation, "dilation", 1)
     pad = resolve_padding(padding, k, stride, dilation)
-    if any(pad):
-        mode = "constant" if padding_mode == "zeros" else padding_mode
-        input = F.pad(input, pad, mode=mode)
-    hp, wp = input.shape[2], input.shape[3]
+    hp, wp = input.shape[2] + pad[2] + pad[3], input.shape[3] + pad[0] + pad[1]
     if hp < dilation[0] * (k - 1) + 1 or wp < dilation[1] * (k - 1) + 1:
         raise RuntimeError(f"sort_conv2d: padded input size ({hp}, {wp}) is smaller than the dilated kernel "
                            f"({dilation[0] * (k - 1) + 1}, {dilation[1] * (k - 1) + 1})")
     geometry = get_geometry(k, sampling, sorting)
-    return run_backend(backend, input, weight, bias, geometry, stride, dilation, groups)
+    return run_backend(backend, input, weight, bias, geometry, stride, dilation, groups, pad, padding_mode)
