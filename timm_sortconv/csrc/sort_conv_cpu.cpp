@@ -1060,29 +1060,22 @@ void load_lanes(const Plan<scalar_t>& plan, const Block& block, const scalar_t* 
   }
 }
 
-// Adds the block's sample gradients grad_samples[slots][lanes] to the input plane through the taps.
-// They are first summed per window position in grad_grid[k*k][lanes] (in registers, over the taps
-// that read each position, then stored once); the
-// k*k shifted read-modify-writes of the plane then go column of the window by column, so that
-// consecutive ones touch different rows: shifted vectors that partly overlap a store still in
-// flight cannot be forwarded and stall.
+// The window positions' gradients by_position[k*k][lanes] added to the plane, run by run. The k*k
+// shifted read-modify-writes of the plane go column of the window by column, so that consecutive ones
+// touch different rows: shifted vectors that partly overlap a store still in flight cannot be
+// forwarded and stall.
 template <typename scalar_t, bool kUnitStride>
-void scatter_gradients(const Plan<scalar_t>& plan, const Block& block, const scalar_t* grad_samples,
-                       scalar_t* grad_grid, scalar_t* grad_channel) {
+void scatter_runs(const Plan<scalar_t>& plan, const Run* runs, int64_t count, const scalar_t* by_position,
+                  scalar_t* grad_channel) {
   constexpr int64_t lanes = kLanes<scalar_t>;
   const int64_t step = kUnitStride ? 1 : plan.stride_w;
-  const scalar_t* by_position = grad_samples;
-  if (!plan.single_tap) {
-    apply_taps(plan.spreading, grad_samples, grad_grid);
-    by_position = grad_grid;
-  }
   for (int64_t column = 0; column < plan.kernel_size; ++column) {
     for (int64_t row = 0; row < plan.kernel_size; ++row) {
       const int64_t q = row * plan.kernel_size + column;
       // Square sampling: the gradient of window position q is that of the sample read from it.
       const scalar_t* position_grad = by_position + (plan.single_tap ? plan.position_sample[q] : q) * lanes;
-      for (int64_t i = 0; i < block.runs; ++i) {
-        const Run& run = block.run[i];
+      for (int64_t i = 0; i < count; ++i) {
+        const Run& run = runs[i];
         scalar_t* __restrict dst = grad_channel + run.input + plan.grid_offset[q];
         const scalar_t* __restrict src = position_grad + run.lane;
 #pragma omp simd
@@ -1092,6 +1085,79 @@ void scatter_gradients(const Plan<scalar_t>& plan, const Block& block, const sca
       }
     }
   }
+}
+
+#if defined(__AVX512F__)
+// scatter_runs for one run in float32 with unit stride, where a window row spans at most 16 values
+// more than the run ((k - 1) * dilation <= 16): per window row, the k column gradients of the run's
+// lanes are shifted into place in registers and summed, and the row of the plane is updated once,
+// three masked vectors wide, instead of k times.
+// Measured (A/B in one process, 1 thread): the backward 5-11% faster at B=100, 32->32, 28x28, k=7, 5-8%
+// with k=5; with k=3 (64x64 maps) 0-4% slower, so there the runs take scatter_runs.
+constexpr int64_t kMinRowScatter = 5;
+
+bool row_scatter(const Plan<float>& plan) {
+  const int64_t k = plan.kernel_size;
+  return k >= kMinRowScatter && (k - 1) * (plan.grid_offset[1] - plan.grid_offset[0]) <= 16;
+}
+
+// The rows are addressed from run.input - run.lane, which is never negative: every run but the first
+// (lane 0) starts an output row, so its offset is at least that row's index times the padded width,
+// and its lane at most the same index times the output width.
+void scatter_run_rows(const Plan<float>& plan, const Run& run, const float* by_position, float* grad_channel) {
+  const int64_t k = plan.kernel_size, dilation = plan.grid_offset[1] - plan.grid_offset[0];
+  const int64_t spread = (k - 1) * dilation;
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const uint32_t run_mask = static_cast<uint32_t>(((uint64_t(1) << run.cols) - 1) << run.lane);
+  const __mmask16 in0 = static_cast<__mmask16>(run_mask), in1 = static_cast<__mmask16>(run_mask >> 16);
+  const uint64_t out_mask = ((uint64_t(1) << (run.cols + spread)) - 1) << run.lane;
+  const __mmask16 out[3] = {static_cast<__mmask16>(out_mask), static_cast<__mmask16>(out_mask >> 16),
+                            static_cast<__mmask16>(out_mask >> 32)};
+  for (int64_t row = 0; row < k; ++row) {
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps(), acc2 = _mm512_setzero_ps();
+    for (int64_t column = 0; column < k; ++column) {
+      const int64_t q = row * k + column;
+      const float* g = by_position + (plan.single_tap ? plan.position_sample[q] : q) * kLanes<float>;
+      const __m512 g0 = _mm512_maskz_loadu_ps(in0, g), g1 = _mm512_maskz_loadu_ps(in1, g + 16);
+      // Output lane x of the 48 takes input lane x - shift: index (x - shift + 16) mod 32 of (g0, g1).
+      const int shift = static_cast<int>(column * dilation);
+      const __m512i index = _mm512_and_si512(_mm512_add_epi32(lane, _mm512_set1_epi32(16 - shift)),
+                                             _mm512_set1_epi32(31));
+      const __mmask16 shifted = static_cast<__mmask16>(0xFFFFu << shift);
+      acc0 = _mm512_add_ps(acc0, _mm512_maskz_permutexvar_ps(shifted, index, g0));
+      acc1 = _mm512_add_ps(acc1, _mm512_permutex2var_ps(g0, index, g1));
+      acc2 = _mm512_add_ps(acc2, _mm512_maskz_permutexvar_ps(static_cast<__mmask16>(~shifted), index, g1));
+    }
+    float* dst = grad_channel + (run.input - run.lane) + plan.grid_offset[row * k];
+    const __m512 acc[3] = {acc0, acc1, acc2};
+    for (int v = 0; v < 3; ++v) {
+      if (out[v] == 0) continue;
+      const __m512 old = _mm512_maskz_loadu_ps(out[v], dst + 16 * v);
+      _mm512_mask_storeu_ps(dst + 16 * v, out[v], _mm512_add_ps(old, acc[v]));
+    }
+  }
+}
+#endif
+
+// Adds the block's sample gradients grad_samples[slots][lanes] to the input plane through the taps
+// (polar sampling: first summed per window position in grad_grid[k*k][lanes]).
+template <typename scalar_t, bool kUnitStride>
+void scatter_gradients(const Plan<scalar_t>& plan, const Block& block, const scalar_t* grad_samples,
+                       scalar_t* grad_grid, scalar_t* grad_channel) {
+  const scalar_t* by_position = grad_samples;
+  if (!plan.single_tap) {
+    apply_taps(plan.spreading, grad_samples, grad_grid);
+    by_position = grad_grid;
+  }
+#if defined(__AVX512F__)
+  if constexpr (kUnitStride && std::is_same<scalar_t, float>::value) {
+    if (row_scatter(plan)) {
+      for (int64_t i = 0; i < block.runs; ++i) scatter_run_rows(plan, block.run[i], by_position, grad_channel);
+      return;
+    }
+  }
+#endif
+  scatter_runs<scalar_t, kUnitStride>(plan, block.run, block.runs, by_position, grad_channel);
 }
 
 struct Shape {
