@@ -1,5 +1,6 @@
 """Shared pytest fixtures and helpers."""
 import importlib.util
+import sys
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ def load_script(path, name):
     """The script at ``path`` (``scripts/*.py``, not a package module) imported as module ``name``."""
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 

@@ -350,3 +350,16 @@ def test_kernel_ab_script_extracts_a_revision(tmp_path):
                                capture_output=True, check=True).stdout
     assert (folder / "sort_conv_cpu.cpp").read_bytes() == committed
     assert (folder / "polar_taps.h").is_file()
+
+
+def test_benchmark_script_shape_sets(capsys):
+    """`bench_sortconv.py --shapes` takes the named shape sets (the issue's, and the same layers with k = 5,
+    which the goal covers and the issue's table leaves out), model names and 'none', and names them on error."""
+    bench = load_script(Path(__file__).resolve().parent.parent / "scripts" / "bench_sortconv.py", "bench_sortconv")
+    assert bench.parse_args(["--shapes", "issue,k5,scnn_p_rs_7,none"]).shapes == "issue,k5,scnn_p_rs_7,none"
+    assert {shape.kernel_size for shape in bench.SHAPE_SETS["k5"][1]} == {5}
+    assert {shape.kernel_size for shape in bench.SHAPE_SETS["issue"][1]} == {3, 7}
+    with pytest.raises(SystemExit) as error:
+        bench.parse_args(["--shapes", "k9"])
+    assert error.value.code == 2
+    assert "unknown shape set 'k9'; accepted: issue, k5, none" in capsys.readouterr().err
