@@ -188,10 +188,11 @@ def test_agrees_with_reference_on_images_read_in_place(threads):
     assert_agree(x, weight, bias, padding=0, sampling="square", sorting="global")
 
 
-@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("batch", [1, 2, 3])
 def test_agrees_with_reference_on_two_threads(batch, threads):
     """Two threads: with fewer images than threads they share blocks and keep private input gradients;
-    otherwise each owns whole images. The shape is large enough to be split."""
+    otherwise each owns whole images, and its copy of the images (and their gradient) holds none of the
+    other thread's. The shape is large enough to be split."""
     threads(2)
     x, weight, bias = randn(batch, 8, 24, 40, dtype=torch.float32), randn(16, 8, 5, 5, seed=1, dtype=torch.float32), \
         randn(16, dtype=torch.float32)

@@ -1221,12 +1221,17 @@ class ImageRing {
  public:
   int64_t first = 0;  // the first image held (or, in place, the first image of the block)
 
-  // grad_input: (B, C, src_h, src_w), or nullptr for the forward pass.
-  ImageRing(const Plan<scalar_t>& plan, const scalar_t* input, scalar_t* grad_input, int64_t batch, int64_t channels)
+  // For the thread's output positions [begin, end); grad_input: (B, C, src_h, src_w), or nullptr for the
+  // forward pass. Only images that those positions read are ever held: in the backward a thread that owns
+  // whole images adds into grad_input with no lock, so it must never flush another thread's image.
+  ImageRing(const Plan<scalar_t>& plan, const scalar_t* input, scalar_t* grad_input, int64_t batch, int64_t channels,
+            int64_t begin, int64_t end)
       : plan_(plan), input_(input), grad_input_(grad_input), batch_(batch), channels_(channels),
         source_size_(channels * plan.src_h * plan.src_w), image_size_(channels * plan.in_h * plan.in_w),
+        image_end_((end - 1) / plan.positions() + 1),
         // A block of kLanes positions spans at most this many images.
-        capacity_(std::min(batch, (kLanes<scalar_t> - 2) / plan.positions() + 2)),
+        capacity_(std::max<int64_t>(1, std::min(image_end_ - begin / plan.positions(),
+                                                (kLanes<scalar_t> - 2) / plan.positions() + 2))),
         enabled_(plan.padded() || image_size_ * static_cast<int64_t>(sizeof(scalar_t)) <= kMaxCopiedImage) {
     // Zeros: the padding is never written after this.
     if (enabled_) data_.assign(capacity_ * image_size_, scalar_t(0));
@@ -1246,7 +1251,7 @@ class ImageRing {
       return;
     }
     if (lo >= first && hi < first + count_) return;
-    const int64_t next = std::min(capacity_, batch_ - lo);
+    const int64_t next = std::min(capacity_, image_end_ - lo);
     const int64_t kept_lo = std::max(lo, first), kept_hi = std::min(lo + next, first + count_);
     for (int64_t image = first; image < first + count_; ++image) {
       if (image < kept_lo || image >= kept_hi) flush(image, image - first);
@@ -1307,7 +1312,7 @@ class ImageRing {
   const Plan<scalar_t>& plan_;
   const scalar_t* input_;
   scalar_t* grad_input_;
-  int64_t batch_, channels_, source_size_, image_size_, capacity_;
+  int64_t batch_, channels_, source_size_, image_size_, image_end_, capacity_;
   bool enabled_;
   std::vector<scalar_t> data_, grad_;
   int64_t count_ = 0;
@@ -1326,7 +1331,7 @@ void forward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scalar
     // stage_windows may write a vector past its last row.
     std::vector<scalar_t> panel(panel_channels * slots * lanes + half), grid(slots * lanes + half);
     std::vector<scalar_t> tile(shape.out_channels * lanes);
-    ImageRing<scalar_t> ring(plan, input, nullptr, shape.batch, shape.channels);
+    ImageRing<scalar_t> ring(plan, input, nullptr, shape.batch, shape.channels, begin, end);
     for (int64_t first = begin; first < end; first += lanes) {
       const int64_t last = std::min(first + lanes, end);
       ring.cover(first / positions, (last - 1) / positions);
@@ -1401,7 +1406,7 @@ void backward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scala
     std::vector<SwapMask<vec>> swaps(std::max<size_t>(1, plan.comparators.size()));
     scalar_t* grad_in = grad_input_parts.empty() ? grad_input : grad_input_parts[thread].data();
     scalar_t* grad_weight = need_weight ? grad_weight_parts[thread].data() : nullptr;
-    ImageRing<scalar_t> ring(plan, input, need_input ? grad_in : nullptr, shape.batch, shape.channels);
+    ImageRing<scalar_t> ring(plan, input, need_input ? grad_in : nullptr, shape.batch, shape.channels, begin, end);
     for (int64_t first = begin; first < end; first += lanes) {
       const int64_t last = std::min(first + lanes, end);
       ring.cover(first / positions, (last - 1) / positions);
