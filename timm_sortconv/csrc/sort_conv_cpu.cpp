@@ -1212,8 +1212,10 @@ void for_each_thread_range(int64_t batch, int64_t positions, int64_t threads, bo
 // block or three ahead, did not help. Measured (A/B in one process, 1 thread): the forward 13-18%
 // faster at B=100, 32->32, 28x28, k=7, 9-14% at 14x14, 7-16% with 64x64 maps and k=3 (1.1 MB images),
 // 0-5% at 64x64 and k=7; with 2 threads, 10-16% at 28x28. The copy also does the zero padding, so
-// the caller need not pad (nor keep a padded input for the backward). Larger images without padding
-// (a 4.3 MB one measured within noise) are read, and their gradient written, in place.
+// the caller need not pad (nor keep a padded input for the backward). Without padding, images are read
+// (and their gradient written) in place where they are larger (a 4.3 MB one measured within noise) or
+// where the thread's positions do not make up a whole image: with fewer images than threads, every
+// thread would copy whole images to read a part of each (sort_conv2d_cpu pads those calls itself).
 constexpr int64_t kMaxCopiedImage = int64_t(4) << 20;  // bytes
 
 template <typename scalar_t>
@@ -1232,7 +1234,8 @@ class ImageRing {
         // A block of kLanes positions spans at most this many images.
         capacity_(std::max<int64_t>(1, std::min(image_end_ - begin / plan.positions(),
                                                 (kLanes<scalar_t> - 2) / plan.positions() + 2))),
-        enabled_(plan.padded() || image_size_ * static_cast<int64_t>(sizeof(scalar_t)) <= kMaxCopiedImage) {
+        enabled_(plan.padded() || (end - begin >= plan.positions()
+                                   && image_size_ * static_cast<int64_t>(sizeof(scalar_t)) <= kMaxCopiedImage)) {
     // Zeros: the padding is never written after this.
     if (enabled_) data_.assign(capacity_ * image_size_, scalar_t(0));
     if (enabled_ && grad_input_ != nullptr) grad_.assign(capacity_ * image_size_, scalar_t(0));

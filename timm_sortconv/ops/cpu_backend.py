@@ -10,7 +10,7 @@ positions are compiled in from ``csrc/polar_taps.h``) gathering and sorting are 
 the input into registers.
 
 Zero padding is added inside the kernel, while it copies each image it works on into a per-thread
-buffer (other padding modes arrive padded by ``F.pad``). Backward keeps only the input, unpadded, and
+buffer (other padding modes, and calls with fewer images than threads, are padded by ``F.pad`` first). Backward keeps only the input, unpadded, and
 the weight (no index tensors, no columns): it gathers and
 sorts again, recording the network's swap decisions, forms the weight gradient from the sorted
 panel, and routes the panel's gradient back to the samples by replaying the swaps in reverse, then
@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Dict, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
 from .backends import Backend, register_backend, run_recomputing
 from .geometry import SortGeometry
@@ -262,6 +263,10 @@ def sort_conv2d_cpu(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
                     pad: Tuple[int, int, int, int] = NO_PADDING) -> torch.Tensor:
     """SC on a CPU input with the fused kernel (the backend's ``fn``), which adds ``pad`` zeros (``F.pad``'s
     order) itself; backward sorts again and returns the gradient of the unpadded input."""
+    if any(pad) and x.shape[0] < torch.get_num_threads():
+        # The kernel pads while each thread copies the images it reads; with fewer images than threads
+        # every thread would copy whole images to read a part of each, so pad once here instead.
+        x, pad = F.pad(x, pad), NO_PADDING
     if any(pad):
         return run_recomputing(functools.partial(_forward, pad=pad), functools.partial(_backward, pad=pad), x,
                                weight, bias, geometry, stride, dilation, groups)
