@@ -4,9 +4,9 @@ A backend is a callable ``fn(x_padded, weight, bias, geometry, stride, dilation,
 ``supports(...)`` predicate with the same arguments (given the input before padding: no predicate
 depends on its height or width). A backend with ``zero_padding`` also takes ``pad=(left, right, top,
 bottom)`` and an unpadded input, and pads it with zeros itself. ``backend="auto"`` takes the first
-registered fast backend that supports the call and falls back to the reference path otherwise; while tracing,
-scripting, compiling or exporting it always takes the reference path, which is made of ordinary
-PyTorch operators that those tools understand.
+registered fast backend that supports the call and falls back to the reference path otherwise; while
+tracing, scripting, compiling or exporting it always takes the reference path, which is made of
+ordinary PyTorch operators that those tools understand.
 """
 from __future__ import annotations
 

@@ -10,11 +10,11 @@ positions are compiled in from ``csrc/polar_taps.h``) gathering and sorting are 
 the input into registers.
 
 Zero padding is added inside the kernel, while it copies each image it works on into a per-thread
-buffer (other padding modes, and calls with fewer images than threads, are padded by ``F.pad`` first). Backward keeps only the input, unpadded, and
-the weight (no index tensors, no columns): it gathers and
-sorts again, recording the network's swap decisions, forms the weight gradient from the sorted
-panel, and routes the panel's gradient back to the samples by replaying the swaps in reverse, then
-to the input through the same taps.
+buffer (other padding modes, and calls with fewer images than threads, are padded by ``F.pad``
+first). Backward keeps only the input, unpadded, and the weight (no index tensors, no columns): it
+gathers and sorts again, recording the network's swap decisions, forms the weight gradient from the
+sorted panel, and routes the panel's gradient back to the samples by replaying the swaps in reverse,
+then to the input through the same taps.
 
 The extension is compiled with ``torch.utils.cpp_extension.load`` the first time ``backend="auto"``
 (or ``"cpu"``) needs it (``-O3 -march=native``, OpenMP through ``at::parallel_for``) into PyTorch's
@@ -267,10 +267,8 @@ def sort_conv2d_cpu(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
         # The kernel pads while each thread copies the images it reads; with fewer images than threads
         # every thread would copy whole images to read a part of each, so pad once here instead.
         x, pad = F.pad(x, pad), NO_PADDING
-    if any(pad):
-        return run_recomputing(functools.partial(_forward, pad=pad), functools.partial(_backward, pad=pad), x,
-                               weight, bias, geometry, stride, dilation, groups)
-    return run_recomputing(_forward, _backward, x, weight, bias, geometry, stride, dilation, groups)
+    return run_recomputing(functools.partial(_forward, pad=pad), functools.partial(_backward, pad=pad), x, weight,
+                           bias, geometry, stride, dilation, groups)
 
 
 def supports_cpu(x, weight, bias, geometry: SortGeometry, stride, dilation, groups) -> bool:
