@@ -1285,6 +1285,12 @@ class ImageRing {
                  images * image_size_ * sizeof(scalar_t));
   }
 
+  // Where row `row` of an image as given (channel * src_h + r) starts in the padded image.
+  int64_t padded_offset(int64_t row) const {
+    const int64_t channel = row / plan_.src_h, r = row % plan_.src_h;
+    return (channel * plan_.in_h + r + plan_.pad_top) * plan_.in_w + plan_.pad_left;
+  }
+
   void copy_in(int64_t image, int64_t slot) {
     const scalar_t* src = input_ + image * source_size_;
     scalar_t* dst = data_.data() + slot * image_size_;
@@ -1293,9 +1299,7 @@ class ImageRing {
       return;
     }
     for (int64_t row = 0; row < channels_ * plan_.src_h; ++row) {
-      const int64_t channel = row / plan_.src_h, r = row % plan_.src_h;
-      std::memcpy(dst + (channel * plan_.in_h + r + plan_.pad_top) * plan_.in_w + plan_.pad_left,
-                  src + row * plan_.src_w, plan_.src_w * sizeof(scalar_t));
+      std::memcpy(dst + padded_offset(row), src + row * plan_.src_w, plan_.src_w * sizeof(scalar_t));
     }
   }
 
@@ -1304,8 +1308,7 @@ class ImageRing {
     const scalar_t* src = grad_.data() + slot * image_size_;
     scalar_t* dst = grad_input_ + image * source_size_;
     for (int64_t row = 0; row < channels_ * plan_.src_h; ++row) {
-      const int64_t channel = row / plan_.src_h, r = row % plan_.src_h;
-      const scalar_t* from = src + (channel * plan_.in_h + r + plan_.pad_top) * plan_.in_w + plan_.pad_left;
+      const scalar_t* from = src + padded_offset(row);
       scalar_t* to = dst + row * plan_.src_w;
 #pragma omp simd
       for (int64_t x = 0; x < plan_.src_w; ++x) to[x] += from[x];
