@@ -27,6 +27,9 @@ class SortConv2d(nn.Conv2d):
         sampling: ``"polar"`` (bilinear samples on circles, near-invariant to any angle) or
             ``"square"`` (the grid itself, exact only at multiples of 90 degrees).
         sorting: ``"ring"`` (sort each Chebyshev ring, keeps radial structure) or ``"global"``.
+        ring_density: polar samples per kernel position (default 1): ``m > 1`` reads ring ``r`` at ``8rm``
+            points and averages runs of ``m`` sorted values, for near-invariance at every angle (see
+            :func:`~timm_sortconv.ops.sort_conv2d`); same weights.
         backend: ``"auto"``, ``"reference"`` or a fast backend's name.
 
     Shape:
@@ -54,11 +57,12 @@ class SortConv2d(nn.Conv2d):
         *,
         sampling: str = "polar",
         sorting: str = "ring",
+        ring_density: int = 1,
         backend: str = "auto",
     ) -> None:
-        # Validates kernel_size, sampling and sorting, and builds the sampling tables now, so that a
-        # traced, compiled or exported forward finds them cached instead of recording their construction.
-        get_geometry(kernel_size, sampling, sorting)
+        # Validates kernel_size, sampling, sorting and ring_density, and builds the sampling tables now, so
+        # that a traced, compiled or exported forward finds them cached instead of recording their construction.
+        get_geometry(kernel_size, sampling, sorting, ring_density)
         # nn.Conv2d's own message does not say which values were given.
         if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1 \
                 or in_channels % groups or out_channels % groups:
@@ -68,6 +72,7 @@ class SortConv2d(nn.Conv2d):
                          padding_mode, device, dtype)
         self.sampling = sampling
         self.sorting = sorting
+        self.ring_density = ring_density
         self.backend = check_backend_name(backend)
 
     def _conv_forward(self, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -75,11 +80,13 @@ class SortConv2d(nn.Conv2d):
         if unbatched:
             input = input.unsqueeze(0)
         out = sort_conv2d(input, weight, bias, self.stride, self.padding, self.dilation, self.groups,
-                          self.padding_mode, sampling=self.sampling, sorting=self.sorting, backend=self.backend)
+                          self.padding_mode, sampling=self.sampling, sorting=self.sorting,
+                          ring_density=self.ring_density, backend=self.backend)
         return out.squeeze(0) if unbatched else out
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, sampling={self.sampling}, sorting={self.sorting}, backend={self.backend}"
+        density = f", ring_density={self.ring_density}" if self.ring_density != 1 else ""
+        return f"{super().extra_repr()}, sampling={self.sampling}, sorting={self.sorting}{density}, backend={self.backend}"
 
     @classmethod
     def from_conv(cls, conv: nn.Conv2d, *, sampling: str = "polar", sorting: str = "ring",

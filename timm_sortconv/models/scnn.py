@@ -13,7 +13,8 @@ invariant to rotations by multiples of 90 degrees, and polar sampling keeps them
 Paper: `Sorted Convolutional Network for Achieving Continuous Rotational Invariance` (Mo & Zhao, IEEE SPL 2024)
 - https://arxiv.org/abs/2305.14462
 """
-from typing import Any, Dict, List, Optional, Sequence
+from functools import partial
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -22,12 +23,11 @@ from timm.layers import ClassifierHead
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 
 from ..hub import HUB_ORG, bundled_weights_dir
+from ..lowpass import GaussianBlur2d, create_downsample
 from ..sortify import fixed_variant_args, get_conv_layer
 from ._common import PAPER_CFG, ConvNormAct, SequentialClassifierMixin
 
 __all__ = ['SCNN']
-
-_DOWNSAMPLE = {'max': nn.MaxPool2d, 'avg': nn.AvgPool2d}
 
 
 class SCNN(SequentialClassifierMixin, nn.Module):
@@ -41,8 +41,16 @@ class SCNN(SequentialClassifierMixin, nn.Module):
         in_chans: input channels.
         channels: widths of the six convolutions.
         global_pool: timm pooling type (``'avg'``, ``'max'``, ``'avgmax'``, ``'catavgmax'``; all keep invariance).
-        downsample: the two 2x2 stride-2 poolings: ``'max'`` (the paper's) or ``'avg'`` (a low-pass that
-            changes less when the map is rotated off the grid; same parameters, see RESULTS.md).
+        downsample: the two 2x downsamplings: ``'max'`` (the paper's 2x2 max pooling), ``'avg'`` (2x2
+            average pooling), ``'blur-max'`` or ``'blur-avg'`` (2x2 max pooling at stride 1 or nothing, then
+            a binomial low-pass at stride 2: :class:`~timm_sortconv.lowpass.BlurPool2d`). All keep the
+            exact quarter-turn invariance and add no parameters; RESULTS.md measures them.
+        ring_density: polar samples per kernel position in every SC layer (``SortConv2d(ring_density=)``):
+            ``m > 1`` reads ring ``r`` at ``8rm`` points and averages runs of ``m`` sorted values; same
+            parameters, about ``m`` times the sorting work. 1 (the paper's) for plain convolutions.
+        blur_sigma: standard deviation (pixels) of a fixed Gaussian blur before each of the six
+            convolutions, one number for all or six; 0 for none. It removes the content that varies
+            fastest between SC's samples (see :mod:`timm_sortconv.lowpass`); no parameters.
         drop_rate: dropout before the classifier.
         bn_momentum, bn_eps: BatchNorm settings (timm's ``train.py`` passes them when asked).
 
@@ -60,6 +68,8 @@ class SCNN(SequentialClassifierMixin, nn.Module):
             channels: Sequence[int] = (32, 32, 64, 64, 128, 128),
             global_pool: str = 'avg',
             downsample: str = 'max',
+            ring_density: int = 1,
+            blur_sigma: Union[float, Sequence[float]] = 0.,
             drop_rate: float = 0.,
             bn_momentum: float = 0.1,
             bn_eps: float = 1e-5,
@@ -70,9 +80,17 @@ class SCNN(SequentialClassifierMixin, nn.Module):
         dd = {'device': device, 'dtype': dtype}
         if len(channels) != 6:
             raise ValueError(f"SCNN has six convolutions, got channels={tuple(channels)}")
-        if downsample not in _DOWNSAMPLE:
-            raise ValueError(f"downsample={downsample!r} is not supported; expected one of {sorted(_DOWNSAMPLE)}")
+        blur_sigmas = (blur_sigma,) * 6 if isinstance(blur_sigma, (int, float)) else tuple(blur_sigma)
+        if len(blur_sigmas) != 6 or any(not isinstance(s, (int, float)) or s < 0 for s in blur_sigmas):
+            raise ValueError(f"blur_sigma must be a number >= 0 or six of them (one per convolution), "
+                             f"got {blur_sigma!r}")
+        create_downsample(downsample)  # checks the name before anything is built
         conv_layer = get_conv_layer(sampling, sorting)
+        if ring_density != 1:
+            if sampling is None:
+                raise ValueError(f"ring_density={ring_density!r} needs Sorting Convolutions; plain convolutions "
+                                 "(sampling=None) have no rings")
+            conv_layer = partial(conv_layer, ring_density=ring_density)
         self.num_classes = num_classes
         self.in_chans = in_chans
         self.sampling = sampling
@@ -90,9 +108,10 @@ class SCNN(SequentialClassifierMixin, nn.Module):
             if idx in (2, 4):
                 self.feature_info.append(dict(num_chs=prev_chs, reduction=net_stride, module=f'features.{len(layers) - 1}'))
                 self.feature_ends.append(len(layers) - 1)
-                layers.append(_DOWNSAMPLE[downsample](kernel_size=2, stride=2))
+                layers.append(create_downsample(downsample))
                 net_stride *= 2
-            layers.append(ConvNormAct(prev_chs, chs, k, conv_layer, bn_momentum, bn_eps, **dd))
+            blur = GaussianBlur2d(blur_sigmas[idx]) if blur_sigmas[idx] > 0 else None
+            layers.append(ConvNormAct(prev_chs, chs, k, conv_layer, bn_momentum, bn_eps, pre=blur, **dd))
             prev_chs = chs
         self.features = nn.Sequential(*layers)
         self.feature_info.append(dict(num_chs=prev_chs, reduction=net_stride, module=f'features.{len(layers) - 1}'))

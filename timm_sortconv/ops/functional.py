@@ -4,9 +4,10 @@ from __future__ import annotations
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
+import torch.nn.functional as F
 
 from .backends import run_backend
-from .geometry import check_kernel_size, check_variant, get_geometry
+from .geometry import check_kernel_size, check_variant, get_geometry, square_slot_form
 
 __all__ = ["sort_conv2d", "PADDING_MODES"]
 
@@ -65,6 +66,7 @@ def sort_conv2d(
     *,
     sampling: str = "polar",
     sorting: str = "ring",
+    ring_density: int = 1,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Sorting Convolution of ``input`` with an ordinary convolution ``weight``.
@@ -84,6 +86,12 @@ def sort_conv2d(
         padding_mode: ``"zeros"``, ``"reflect"``, ``"replicate"`` or ``"circular"`` (as ``nn.Conv2d``).
         sampling: ``"polar"`` (default) or ``"square"``.
         sorting: ``"ring"`` (default) or ``"global"``.
+        ring_density: ``m >= 1`` (polar sampling): ring ``r`` is read at ``8rm`` points and each run of
+            ``m`` consecutive sorted values is averaged before it meets its weight, which makes the sorted
+            values of a ring nearly invariant to any rotation, not only to multiples of ``45/r`` degrees
+            (:mod:`timm_sortconv.ops.geometry`). The reference path computes it as it is; the fast
+            backends compute it as a larger kernel (:func:`~timm_sortconv.ops.geometry.square_slot_form`),
+            which costs about ``m`` times the sorting and the product of density 1.
         backend: ``"auto"`` (the fastest backend that supports the call), ``"reference"`` or the name of
             a fast backend (see :func:`timm_sortconv.ops.available_backends`).
 
@@ -112,5 +120,24 @@ def sort_conv2d(
     if hp < dilation[0] * (k - 1) + 1 or wp < dilation[1] * (k - 1) + 1:
         raise RuntimeError(f"sort_conv2d: padded input size ({hp}, {wp}) is smaller than the dilated kernel "
                            f"({dilation[0] * (k - 1) + 1}, {dilation[1] * (k - 1) + 1})")
-    geometry = get_geometry(k, sampling, sorting)
+    geometry = get_geometry(k, sampling, sorting, ring_density)
+    if geometry.samples != k * k and backend != "reference":
+        return _run_square_form(backend, input, weight, bias, geometry, stride, dilation, groups, pad, padding_mode)
     return run_backend(backend, input, weight, bias, geometry, stride, dilation, groups, pad, padding_mode)
+
+
+def _run_square_form(backend, x, weight, bias, geometry, stride, dilation, groups, pad, padding_mode):
+    """A geometry with more samples than ``k*k`` run as its square slot form: the weight spread over the
+    larger kernel's slots and the input padded for the larger kernel (with zeros: its taps never read
+    them, the output keeps its size)."""
+    square, index, scale = square_slot_form(geometry)
+    big, k = square.kernel_size, geometry.kernel_size
+    flat = weight.reshape(weight.shape[0], weight.shape[1], k * k)
+    spread = flat.index_select(2, index.to(weight.device)) * scale.to(device=weight.device, dtype=weight.dtype)
+    unused = spread.new_zeros(spread.shape[0], spread.shape[1], big * big - geometry.samples)
+    big_weight = torch.cat([spread, unused], dim=2).reshape(weight.shape[0], weight.shape[1], big, big)
+    if padding_mode != "zeros" and any(pad):
+        x, pad = F.pad(x, pad, mode=padding_mode), (0, 0, 0, 0)
+    extra_h, extra_w = dilation[0] * (big - k) // 2, dilation[1] * (big - k) // 2
+    pad = (pad[0] + extra_w, pad[1] + extra_w, pad[2] + extra_h, pad[3] + extra_h)
+    return run_backend(backend, x, big_weight, bias, square, stride, dilation, groups, pad, "zeros")

@@ -8,9 +8,11 @@ Steps, for an already padded input ``(B, C, Hp, Wp)``:
 1. **Patches.** The ``k*k`` window values of every output position, taken by strided slicing of the
    padded input in ring order: ``(B, C, Ho, Wo, k*k)``.
 2. **Sampling.** Square sampling uses them as they are; polar sampling multiplies them by the
-   ``(k*k, k*k)`` bilinear interpolation matrix of :mod:`timm_sortconv.ops.geometry`.
+   ``(samples, k*k)`` bilinear interpolation matrix of :mod:`timm_sortconv.ops.geometry` (``samples =
+   k*k`` except with a ring density above 1).
 3. **Sorting.** ``torch.sort`` along the last axis, per ring segment or over all slots.
-4. **Convolution.** One contraction with the weight rearranged into slot order, per group.
+4. **Convolution.** One contraction with the weight rearranged into slot order (each slot's kernel
+   position, times the slot's scale at a ring density above 1), per group.
 """
 from __future__ import annotations
 
@@ -40,9 +42,9 @@ def _patches(x: torch.Tensor, geometry: SortGeometry, stride: Tuple[int, int], d
 
 def sorted_patches(x: torch.Tensor, geometry: SortGeometry, stride: Tuple[int, int], dilation: Tuple[int, int],
                    out_size: Tuple[int, int]) -> torch.Tensor:
-    """The sampled and sorted windows ``(B, C, Ho, Wo, k*k)`` in slot order, for a padded input."""
+    """The sampled and sorted windows ``(B, C, Ho, Wo, samples)`` in slot order, for a padded input."""
     patches = _patches(x, geometry, stride, dilation, out_size)
-    if geometry.sampling == "polar":
+    if geometry.sampling != "square":
         # Row-major window values -> ring-order bilinear samples.
         interpolation = geometry.interpolation.to(device=patches.device, dtype=patches.dtype)
         patches = torch.matmul(patches, interpolation.t())
@@ -54,9 +56,12 @@ def sorted_patches(x: torch.Tensor, geometry: SortGeometry, stride: Tuple[int, i
 
 
 def slot_weight(weight: torch.Tensor, geometry: SortGeometry) -> torch.Tensor:
-    """The weight ``(O, C/g, k, k)`` flattened into slot order ``(O, C/g, k*k)``."""
+    """The weight ``(O, C/g, k, k)`` flattened into slot order ``(O, C/g, samples)``."""
     flat = weight.reshape(weight.shape[0], weight.shape[1], -1)
-    return flat.index_select(2, geometry.slot_to_grid.to(weight.device))
+    slots = flat.index_select(2, geometry.slot_to_grid.to(weight.device))
+    if geometry.slot_scale is not None:
+        slots = slots * geometry.slot_scale.to(device=weight.device, dtype=weight.dtype)
+    return slots
 
 
 def sort_conv2d_reference(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -70,8 +75,8 @@ def sort_conv2d_reference(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
     cols = sorted_patches(x, geometry, stride, dilation, (ho, wo))
     w = slot_weight(weight, geometry)
     out_channels = w.shape[0]
-    cols = cols.reshape(batch, groups, channels // groups, ho, wo, k * k)
-    w = w.reshape(groups, out_channels // groups, channels // groups, k * k).to(cols.dtype)
+    cols = cols.reshape(batch, groups, channels // groups, ho, wo, geometry.samples)
+    w = w.reshape(groups, out_channels // groups, channels // groups, geometry.samples).to(cols.dtype)
     out = torch.einsum("bgchws,gocs->bgohw", cols, w).reshape(batch, out_channels, ho, wo)
     if bias is not None:
         out = out + bias.to(out.dtype).view(1, -1, 1, 1)
