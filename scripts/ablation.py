@@ -23,6 +23,18 @@ For a network that is exactly invariant to quarter turns (every SCNN on 28x28 in
 0..80 give the same mean as 0..350, at a quarter of the cost: ``--angles 0:90:10`` is what screening
 rows use, and the full 36 angles what peers (not exactly quarter-turn invariant) and final rows use.
 
+Peers (``--model`` names that are not timm models; their packages are not dependencies of timm-sortconv,
+install them where you run this, e.g. ``pip install e2cnn gmr-conv torchio`` in a separate environment):
+
+* ``e2cnn``: an E(2)-CNN (Weiler & Cesa 2019, package ``e2cnn``) laid out as the SCNN: six
+  rotation-equivariant convolutions of the group C_N (``rotations``, default 8) on regular fields, with as
+  many channels as the SCNN's (``channels``, each ``N`` channels one field), kernels ``kernel_size`` (7)
+  x4 then 3 x2, inner BatchNorm and ReLU, 2x2 max pooling after the second and fourth, then pooling over
+  the group (invariant to C_N), global average pooling and a linear layer.
+* ``gmr:<timm model>``: that model with every ``k x k`` convolution (``k > 1``) replaced by GMR-Conv
+  (``GMR_Conv.GMR_Conv2d``, Du et al. 2025: radially symmetric Gaussian-mixture-ring kernels), as the
+  package's ``convert_to_gmr_conv`` does for stride-1 convolutions.
+
 Outputs: ``<results>/<name>/seed<S>.json`` (the numbers, the command, the per-image results packed as
 base64 bits) and ``<output>/<name>/seed<S>.pth`` (the weights). A seed whose JSON exists is skipped.
 ``--table`` prints the Markdown table of every row under ``--results``.
@@ -93,6 +105,63 @@ def rotated_sweep(data_dir: str, samples: int, angles: List[float], cache_dir: s
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(result, path)
     return result
+
+
+MNIST_CFG = {"mean": (0.1307,), "std": (0.3081,)}
+
+
+class E2CNN(torch.nn.Module):
+    """The ``e2cnn`` peer of the module docstring."""
+
+    def __init__(self, rotations: int = 8, channels=(32, 32, 64, 64, 128, 128), kernel_size: int = 7,
+                 num_classes: int = 10):
+        super().__init__()
+        from e2cnn import gspaces, nn as enn
+
+        space = gspaces.Rot2dOnR2(N=rotations)
+        self.in_type = field = enn.FieldType(space, [space.trivial_repr])
+        layers = []
+        for i, (width, k) in enumerate(zip(channels, (kernel_size,) * 4 + (3, 3))):
+            if i in (2, 4):
+                layers.append(enn.PointwiseMaxPool(field, 2))
+            out = enn.FieldType(space, [space.regular_repr] * (width // rotations))
+            layers += [enn.R2Conv(field, out, k, padding=k // 2, bias=False), enn.InnerBatchNorm(out),
+                       enn.ReLU(out, inplace=True)]
+            field = out
+        layers.append(enn.GroupPooling(field))
+        self.features = enn.SequentialModule(*layers)
+        self.fc = torch.nn.Linear(channels[-1] // rotations, num_classes)
+        self.pretrained_cfg = MNIST_CFG
+        self.geometric_tensor = enn.GeometricTensor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.features(self.geometric_tensor(x, self.in_type)).tensor
+        return self.fc(x.mean((2, 3)))
+
+
+def gmr_convert(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` with its stride-1 ``k x k`` convolutions (``k > 1``) replaced by ``GMR_Conv2d``."""
+    from GMR_Conv import GMR_Conv2d
+
+    for name, child in module.named_children():
+        if type(child) is torch.nn.Conv2d and child.kernel_size[0] > 1:
+            if child.stride != (1, 1):
+                raise SystemExit(f"gmr: {name} has stride {child.stride}; only stride-1 convolutions are converted")
+            setattr(module, name, GMR_Conv2d(child.in_channels, child.out_channels, child.kernel_size,
+                                             padding=child.padding, dilation=child.dilation, groups=child.groups,
+                                             bias=child.bias is not None))
+        else:
+            gmr_convert(child)
+    return module
+
+
+def create_model(name: str, kwargs: Dict) -> torch.nn.Module:
+    """A timm model, or one of the peers of the module docstring."""
+    if name == "e2cnn":
+        return E2CNN(**kwargs)
+    if name.startswith("gmr:"):
+        return gmr_convert(timm.create_model(name[4:], **kwargs))
+    return timm.create_model(name, **kwargs)
 
 
 def normalise(images: torch.Tensor, cfg: dict) -> torch.Tensor:
@@ -175,7 +244,7 @@ def run(args) -> None:
             print(f"{out} exists: skipped")
             continue
         torch.manual_seed(seed)
-        model = timm.create_model(args.model, **kwargs)
+        model = create_model(args.model, kwargs)
         params = sum(p.numel() for p in model.parameters())
         print(f"{args.name} seed {seed}: {args.model} {kwargs} ({params} parameters), "
               f"{len(train_images)} images x {args.epochs} epochs", flush=True)
