@@ -41,31 +41,33 @@ def bilinear(image, y, x):
 
 
 def naive_dense(image, weight, cy, cx, density, sorting):
-    """One output value of a single-channel, single-filter SC with ring density ``density`` at (cy, cx),
-    from the definition: 8rm points on ring r, sorted, runs of m averaged, laid out as density 1 lays
-    out its sorted values (ring: ring r's positions row-major; global: the whole window row-major)."""
+    """One output value of a single-channel, single-filter SC with ring density ``density`` (an int, or
+    one per ring) at (cy, cx), from the definition: 8r*m_r points on ring r, sorted, runs of m_r averaged,
+    laid out as density 1 lays out its sorted values (ring: ring r's positions row-major; global: the
+    whole window row-major)."""
     k = len(weight)
     n = k // 2
+    per_ring = density if isinstance(density, tuple) else (density,) * n
     rings = {0: [image[cy][cx]] * (density if sorting == "global" else 1)}
     for r in range(1, n + 1):
-        count = 8 * r * density
+        count = 8 * r * per_ring[r - 1]
         rings[r] = [bilinear(image, cy + r * math.sin(2 * math.pi * j / count), cx + r * math.cos(2 * math.pi * j / count))
                     for j in range(count)]
 
-    def runs(values):
+    def runs(values, m):
         values = sorted(values)
-        return [sum(values[i:i + density]) / density for i in range(0, len(values), density)]
+        return [sum(values[i:i + m]) / m for i in range(0, len(values), m)]
 
     out = 0.0
     if sorting == "global":
-        averaged = runs([v for r in range(n + 1) for v in rings[r]])
+        averaged = runs([v for r in range(n + 1) for v in rings[r]], density)
         for i, value in enumerate(averaged):
             out += weight[i // k][i % k] * value
         return out
     out += weight[n][n] * rings[0][0]
     for r in range(1, n + 1):
         positions = [(dy, dx) for dy in range(-r, r + 1) for dx in range(-r, r + 1) if max(abs(dy), abs(dx)) == r]
-        for (dy, dx), value in zip(positions, runs(rings[r])):
+        for (dy, dx), value in zip(positions, runs(rings[r], per_ring[r - 1])):
             out += weight[dy + n][dx + n] * value
     return out
 
@@ -93,8 +95,27 @@ def test_dense_geometry_reads_m_points_per_position_and_averages_runs_of_m(k, de
     for start, end in g.segments:
         if end - start > 1:
             assert (g.slot_to_grid[start:end].view(-1, density) == g.slot_to_grid[start:end:density, None]).all()
-    assert torch.allclose(g.slot_scale[g.slot_to_grid != centre], torch.tensor(1.0 / density, dtype=torch.float64))
+    if g.samples > 1:
+        assert torch.allclose(g.slot_scale[g.slot_to_grid != centre], torch.tensor(1.0 / density, dtype=torch.float64))
+    else:  # a 1x1 kernel with ring sorting has no ring to read more densely
+        assert g.slot_scale is None
     assert torch.allclose(g.tap_weights.sum(1), torch.ones(expected, dtype=torch.float64))
+
+
+def test_per_ring_density():
+    g = get_geometry(7, "polar", "ring", (3, 2, 1))
+    assert g.samples == 81 and g.segments == ((0, 1), (1, 25), (25, 57), (57, 81))
+    assert g.slot_scale.tolist() == [1.0] + [1 / 3] * 24 + [1 / 2] * 32 + [1.0] * 24
+    assert torch.equal(torch.bincount(g.slot_to_grid, minlength=49)[get_geometry(7).slot_to_grid],
+                       torch.tensor([1] + [3] * 8 + [2] * 16 + [1] * 24))
+    square, _, _ = square_slot_form(g)
+    assert square.kernel_size == 9 and square.segments == g.segments  # 81 samples fill 9 x 9: nothing unused
+    assert get_geometry(7, "polar", "ring", [3, 2, 1]) is g
+    for bad in ((3, 2), (2, 2, 0)):
+        with pytest.raises(ValueError, match="one int >= 1 for each of the 3 rings"):
+            get_geometry(7, "polar", "ring", bad)
+    with pytest.raises(ValueError, match="sorting='ring'"):
+        get_geometry(7, "polar", "global", (3, 2, 1))
 
 
 @pytest.mark.parametrize("r", (1, 2, 3))
@@ -144,11 +165,10 @@ def test_bad_ring_density(kwargs, match):
 # Operator
 # -------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("k", (3, 5))
-@pytest.mark.parametrize("density", (2, 3))
-@pytest.mark.parametrize("sorting", SORTINGS)
+@pytest.mark.parametrize("k, density, sorting", [(k, m, s) for k in (3, 5) for m in (2, 3) for s in SORTINGS]
+                         + [(5, (2, 1), "ring"), (5, (1, 3), "ring"), (7, (3, 2, 1), "ring")])
 def test_dense_operator_agrees_with_the_definition(k, density, sorting):
-    image, weight = randn(1, 1, 7, 6, seed=k), randn(1, 1, k, k, seed=k + density)
+    image, weight = randn(1, 1, 7, 6, seed=k), randn(1, 1, k, k, seed=k + 1)
     out = sc(image, weight, padding=k // 2, sorting=sorting, ring_density=density)
     rows, w = image[0, 0].tolist(), weight[0, 0].tolist()
     for cy in range(7):
@@ -203,13 +223,17 @@ def test_dense_rings_change_less_under_rotation_between_quarter_turns(sorting):
 @pytest.mark.parametrize("k", (3, 5, 7))
 @pytest.mark.parametrize("sorting", SORTINGS)
 @pytest.mark.parametrize("config", [dict(), dict(stride=2), dict(dilation=2), dict(groups=2),
-                                    dict(padding_mode="reflect")])
+                                    dict(padding_mode="reflect"), dict(ring_density="per ring")])
 def test_cpu_backend_agrees_with_the_reference_in_value_and_gradient(k, sorting, config):
+    if config.get("ring_density") == "per ring":
+        if sorting == "global":
+            pytest.skip("per-ring densities are for ring sorting")
+        config = dict(ring_density=tuple(range(k // 2, 0, -1)))
     x = randn(2, 4, 12, 11, seed=k).requires_grad_()
     weight = randn(6, 4 // config.get("groups", 1), k, k, seed=k + 1).requires_grad_()
     bias = randn(6, seed=k + 2).requires_grad_()
     dilation = config.get("dilation", 1)
-    args = dict(padding=dilation * (k // 2), sorting=sorting, ring_density=2, **config)
+    args = dict(padding=dilation * (k // 2), sorting=sorting, **{"ring_density": 2, **config})
     outs, grads = [], []
     for backend in ("reference", "cpu"):
         out = sort_conv2d(x, weight, bias, backend=backend, **args)
@@ -289,11 +313,12 @@ def test_bad_downsample_and_blur_pool_mode():
 
 
 @pytest.mark.parametrize("kwargs", [dict(blur_sigma=0.7), dict(downsample="blur-max"), dict(downsample="blur-avg"),
-                                    dict(ring_density=2), dict(blur_sigma=(0.7, 0, 0, 0, 0, 0))])
+                                    dict(ring_density=2), dict(blur_sigma=(0.7, 0, 0, 0, 0, 0)),
+                                    dict(ring_density=(2, 1))])
 def test_scnn_options_keep_parameters_and_exact_quarter_turn_invariance(kwargs):
     torch.manual_seed(0)
-    paper = timm.create_model("scnn_p_rs_3")
-    model = timm.create_model("scnn_p_rs_3", **kwargs).double().eval()
+    paper = timm.create_model("scnn_p_rs_5")
+    model = timm.create_model("scnn_p_rs_5", **kwargs).double().eval()
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in paper.named_parameters()]
     model.load_state_dict(paper.state_dict())  # no new state: the filters are fixed, not saved
     x = torch.randn(2, 1, 28, 28, dtype=torch.float64)
@@ -310,5 +335,8 @@ def test_scnn_options_keep_parameters_and_exact_quarter_turn_invariance(kwargs):
 def test_scnn_bad_options(kwargs, match):
     with pytest.raises(ValueError, match=match):
         timm.create_model("scnn_p_rs_3", **kwargs)
+    # a per-ring density gives the 3x3 layers its first ring's
+    model = timm.create_model("scnn_p_rs_5", ring_density=(2, 1))
+    assert [m.ring_density for m in model.modules() if isinstance(m, SortConv2d)] == [(2, 1)] * 4 + [(2,)] * 2
     with pytest.raises(ValueError, match="no rings"):
         timm.create_model("scnn_baseline_3", ring_density=2)

@@ -29,7 +29,7 @@ class SortConv2d(nn.Conv2d):
         sorting: ``"ring"`` (sort each Chebyshev ring, keeps radial structure) or ``"global"``.
         ring_density: polar samples per kernel position (default 1): ``m > 1`` reads ring ``r`` at ``8rm``
             points and averages runs of ``m`` sorted values, for near-invariance at every angle (see
-            :func:`~timm_sortconv.ops.sort_conv2d`); same weights.
+            :func:`~timm_sortconv.ops.sort_conv2d`); same weights. For ring sorting also one per ring.
         backend: ``"auto"``, ``"reference"`` or a fast backend's name.
 
     Shape:
@@ -57,7 +57,7 @@ class SortConv2d(nn.Conv2d):
         *,
         sampling: str = "polar",
         sorting: str = "ring",
-        ring_density: int = 1,
+        ring_density=1,
         backend: str = "auto",
     ) -> None:
         # Validates kernel_size, sampling, sorting and ring_density, and builds the sampling tables now, so

@@ -47,7 +47,9 @@ class SCNN(SequentialClassifierMixin, nn.Module):
             exact quarter-turn invariance and add no parameters; RESULTS.md measures them.
         ring_density: polar samples per kernel position in every SC layer (``SortConv2d(ring_density=)``):
             ``m > 1`` reads ring ``r`` at ``8rm`` points and averages runs of ``m`` sorted values; same
-            parameters, about ``m`` times the sorting work. 1 (the paper's) for plain convolutions.
+            parameters, about ``m`` times the sorting work. Or one per ring of the ``K x K`` layers
+            (ring sorting), e.g. ``(3, 2, 1)``; the ``3 x 3`` layers take the first. 1 (the paper's) for
+            plain convolutions.
         blur_sigma: standard deviation (pixels) of a fixed Gaussian blur before each of the six
             convolutions, one number for all or six; 0 for none. It removes the content that varies
             fastest between SC's samples (see :mod:`timm_sortconv.lowpass`); no parameters.
@@ -68,7 +70,7 @@ class SCNN(SequentialClassifierMixin, nn.Module):
             channels: Sequence[int] = (32, 32, 64, 64, 128, 128),
             global_pool: str = 'avg',
             downsample: str = 'max',
-            ring_density: int = 1,
+            ring_density: Union[int, Sequence[int]] = 1,
             blur_sigma: Union[float, Sequence[float]] = 0.,
             drop_rate: float = 0.,
             bn_momentum: float = 0.1,
@@ -90,7 +92,7 @@ class SCNN(SequentialClassifierMixin, nn.Module):
             if sampling is None:
                 raise ValueError(f"ring_density={ring_density!r} needs Sorting Convolutions; plain convolutions "
                                  "(sampling=None) have no rings")
-            conv_layer = partial(conv_layer, ring_density=ring_density)
+            conv_layer = partial(_dense_conv, conv_layer, ring_density)
         self.num_classes = num_classes
         self.in_chans = in_chans
         self.sampling = sampling
@@ -120,6 +122,13 @@ class SCNN(SequentialClassifierMixin, nn.Module):
         self.num_features = self.head_hidden_size = prev_chs
         self.head = ClassifierHead(prev_chs, num_classes, pool_type=global_pool, drop_rate=drop_rate, **dd)
 
+
+
+def _dense_conv(conv_layer, ring_density, in_chs: int, out_chs: int, kernel_size: int, **kwargs) -> nn.Module:
+    """``conv_layer`` with ``ring_density``; a per-ring density gives a smaller kernel its first rings'."""
+    if not isinstance(ring_density, int):
+        ring_density = tuple(ring_density)[:kernel_size // 2]
+    return conv_layer(in_chs, out_chs, kernel_size, ring_density=ring_density, **kwargs)
 
 
 def _create_scnn(variant: str, kernel_size: int, sampling: Optional[str], sorting: Optional[str],

@@ -66,7 +66,7 @@ def sort_conv2d(
     *,
     sampling: str = "polar",
     sorting: str = "ring",
-    ring_density: int = 1,
+    ring_density: Union[int, Sequence[int]] = 1,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Sorting Convolution of ``input`` with an ordinary convolution ``weight``.
@@ -91,7 +91,8 @@ def sort_conv2d(
             values of a ring nearly invariant to any rotation, not only to multiples of ``45/r`` degrees
             (:mod:`timm_sortconv.ops.geometry`). The reference path computes it as it is; the fast
             backends compute it as a larger kernel (:func:`~timm_sortconv.ops.geometry.square_slot_form`),
-            which costs about ``m`` times the sorting and the product of density 1.
+            which costs about ``m`` times the sorting and the product of density 1. For ring sorting it
+            may be one density per ring, e.g. ``(3, 2, 1)`` for ``k = 7``.
         backend: ``"auto"`` (the fastest backend that supports the call), ``"reference"`` or the name of
             a fast backend (see :func:`timm_sortconv.ops.available_backends`).
 

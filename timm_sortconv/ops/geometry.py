@@ -21,7 +21,10 @@ statistics jump whenever the rotation is not a multiple of ``45/r`` degrees. Eac
 consecutive sorted values is averaged and takes the weight that one sorted value takes at density 1, so
 the layer keeps its ``k*k`` weights: a geometry of density ``m`` has ``1 + 4n(n+1)m`` samples for
 ring sorting (the centre once) and ``m*k*k`` for global sorting (the centre ``m`` times, so that the
-sorted values split into ``k*k`` runs of ``m``), more than the ``k*k`` slots of density 1.
+sorted values split into ``k*k`` runs of ``m``), more than the ``k*k`` slots of density 1. For ring
+sorting the density may also be given per ring, ``(m_1, ..., m_n)``: ring ``r`` is read at ``8r m_r``
+points, e.g. ``(3, 2, 1)`` for ``k = 7`` spends the extra samples on the inner rings, whose ``8r`` points
+are the sparsest in angle, and has ``1 + 24 + 32 + 24 = 81 = 9*9`` samples.
 :attr:`SortGeometry.slot_to_grid` then sends ``m`` slots to each kernel position and
 :attr:`SortGeometry.slot_scale` is ``1/m``. :func:`square_slot_form` lays such a geometry onto the
 ``K*K`` slots of a larger odd ``K`` (unused slots get zero weight), for backends that take one sample
@@ -37,7 +40,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -155,10 +158,10 @@ class SortGeometry:
         tap_weights: ``(k*k, T)`` float64 bilinear weights; each row sums to 1.
         interpolation: ``(k*k, k*k)`` float64 matrix mapping the row-major window to ring-order samples.
         slot_to_grid: ``(k*k,)`` int64 row-major kernel position that multiplies each sorted slot.
-        ring_density: ``m``: samples per kernel position (see the module docstring); with ``m > 1`` the
-            sample tables above have :attr:`samples` rows instead of ``k*k``.
-        slot_scale: ``None`` at density 1, else ``(samples,)`` float64 factors (``1/m``) that the weight
-            of each sorted slot is multiplied by.
+        ring_density: ``m`` or ``(m_1, ..., m_n)``: samples per kernel position (see the module
+            docstring); above 1 the sample tables above have :attr:`samples` rows instead of ``k*k``.
+        slot_scale: ``None`` at density 1, else ``(samples,)`` float64 factors (``1/m`` of the slot's
+            ring) that the weight of each sorted slot is multiplied by.
     """
 
     kernel_size: int
@@ -169,7 +172,7 @@ class SortGeometry:
     tap_weights: torch.Tensor
     interpolation: torch.Tensor
     slot_to_grid: torch.Tensor
-    ring_density: int = 1
+    ring_density: Union[int, Tuple[int, ...]] = 1
     slot_scale: Optional[torch.Tensor] = None
 
     @property
@@ -205,11 +208,26 @@ def check_variant(sampling: str, sorting: str) -> None:
         raise ValueError(f"unknown sorting={sorting!r}; accepted: {', '.join(map(repr, SORTINGS))}")
 
 
-def check_ring_density(ring_density, sampling: str) -> int:
-    """Returns ``ring_density`` (an int >= 1; above 1 only with polar sampling) or raises ``ValueError``."""
-    if isinstance(ring_density, bool) or not isinstance(ring_density, int) or ring_density < 1:
-        raise ValueError(f"ring_density must be an int >= 1 (samples per kernel position), got {ring_density!r}")
-    if ring_density > 1 and sampling != "polar":
+def check_ring_density(ring_density, kernel_size: int, sampling: str, sorting: str) -> Union[int, Tuple[int, ...]]:
+    """Returns ``ring_density`` as given (an int >= 1, or for ring sorting one int >= 1 per ring; above 1
+    only with polar sampling), a per-ring list as a tuple, or raises ``ValueError``."""
+    def valid(m):
+        return isinstance(m, int) and not isinstance(m, bool) and m >= 1
+
+    rings = kernel_size // 2
+    if isinstance(ring_density, (tuple, list)):
+        if sorting != "ring" or len(ring_density) != rings or not all(map(valid, ring_density)):
+            raise ValueError(f"a per-ring ring_density needs sorting='ring' and one int >= 1 for each of the {rings} "
+                             f"rings of a {kernel_size}x{kernel_size} kernel, got ring_density={ring_density!r}, "
+                             f"sorting={sorting!r}")
+        ring_density = tuple(ring_density)
+        dense = any(m > 1 for m in ring_density)
+    elif not valid(ring_density):
+        raise ValueError(f"ring_density must be an int >= 1 (samples per kernel position) or, for ring sorting, "
+                         f"one per ring, got {ring_density!r}")
+    else:
+        dense = ring_density > 1
+    if dense and sampling != "polar":
         raise ValueError(f"ring_density={ring_density} needs sampling='polar': square sampling reads each grid "
                          f"position once and has no denser points to read, got sampling={sampling!r}")
     return ring_density
@@ -221,7 +239,8 @@ def check_ring_density(ring_density, sampling: str) -> int:
 _GEOMETRIES: Dict[Tuple[int, str, str, int], SortGeometry] = {}
 
 
-def get_geometry(kernel_size: int, sampling: str = "polar", sorting: str = "ring", ring_density: int = 1) -> SortGeometry:
+def get_geometry(kernel_size: int, sampling: str = "polar", sorting: str = "ring",
+                 ring_density: Union[int, Tuple[int, ...]] = 1) -> SortGeometry:
     """The cached :class:`SortGeometry` for an odd ``kernel_size``, a variant and a ring density.
 
     Example:
@@ -232,18 +251,21 @@ def get_geometry(kernel_size: int, sampling: str = "polar", sorting: str = "ring
         True
         >>> get_geometry(3, "polar", "ring", ring_density=2).segments
         ((0, 1), (1, 17))
+        >>> get_geometry(7, "polar", "ring", ring_density=(3, 2, 1)).samples
+        81
     """
     k = check_kernel_size(kernel_size)
     check_variant(sampling, sorting)
-    key = (k, sampling, sorting, check_ring_density(ring_density, sampling))
+    key = (k, sampling, sorting, check_ring_density(ring_density, k, sampling, sorting))
     if key not in _GEOMETRIES:
         _GEOMETRIES[key] = _build_geometry(*key)
     return _GEOMETRIES[key]
 
 
-def _build_geometry(k: int, sampling: str, sorting: str, density: int) -> SortGeometry:
+def _build_geometry(k: int, sampling: str, sorting: str, density) -> SortGeometry:
     n = k // 2
     grid = ring_grid_offsets(k)
+    per_ring = density if isinstance(density, tuple) else (density,) * n
     if sampling == "square":
         taps = [[(dy, dx, 1.0)] for dy, dx in grid]
     else:
@@ -251,7 +273,7 @@ def _build_geometry(k: int, sampling: str, sorting: str, density: int) -> SortGe
         # sorting, whose sorted values must split into k*k runs of `density`.
         taps = [[(0, 0, 1.0)]] * (density if sorting == "global" else 1)
         for r in range(1, n + 1):
-            taps += [_bilinear_taps(y, x) for y, x in polar_points(r, 8 * r * density)]
+            taps += [_bilinear_taps(y, x) for y, x in polar_points(r, 8 * r * per_ring[r - 1])]
     width = max(len(t) for t in taps)
     taps = [t + [(*t[0][:2], 0.0)] * (width - len(t)) for t in taps]
     interpolation_rows = []
@@ -266,24 +288,24 @@ def _build_geometry(k: int, sampling: str, sorting: str, density: int) -> SortGe
     offsets = torch.tensor([[(dy, dx) for dy, dx, _ in t] for t in taps], dtype=torch.long)
     weights = torch.tensor([[w for _, _, w in t] for t in taps], dtype=torch.float64)
     interpolation = torch.tensor(interpolation_rows, dtype=torch.float64)
-    # Ring r's samples follow the 1 + 4(r-1)r*density inside it; at density 1 these are the ring-order slots.
-    ring_bounds = [(0, 1)] + [(1 + 4 * (r - 1) * r * density, 1 + 4 * r * (r + 1) * density) for r in range(1, n + 1)]
+    scales = [1.0]
     if sorting == "ring":
-        segments = tuple(ring_bounds)
-        # The sorted run j of `density` values in a ring goes to the ring's j-th position (ring order is
-        # row-major within a ring).
-        positions = [(dy + n) * k + (dx + n) for dy, dx in grid]
-        slot_to_grid = torch.tensor(positions[:1] + [positions[(2 * r - 1) ** 2 + j // density]
-                                                     for r in range(1, n + 1) for j in range(8 * r * density)],
-                                    dtype=torch.long)
+        # Ring r's 8r*m_r samples follow those inside it; at density 1 these are the ring-order slots.
+        bounds, positions = [(0, 1)], [(dy + n) * k + (dx + n) for dy, dx in grid]
+        slot_to_grid = positions[:1]
+        for r, m in enumerate(per_ring, start=1):
+            bounds.append((bounds[-1][1], bounds[-1][1] + 8 * r * m))
+            # The sorted run j of m values goes to the ring's j-th position (row-major within a ring).
+            slot_to_grid += [positions[(2 * r - 1) ** 2 + j // m] for j in range(8 * r * m)]
+            scales += [1.0 / m] * (8 * r * m)
+        segments = tuple(bounds)
+        slot_to_grid = torch.tensor(slot_to_grid, dtype=torch.long)
     else:
         segments = ((0, k * k * density),)
         slot_to_grid = torch.arange(k * k * density) // density
-    slot_scale = None
-    if density > 1:
-        slot_scale = torch.full((len(taps),), 1.0 / density, dtype=torch.float64)
-        if sorting == "ring":
-            slot_scale[0] = 1.0  # the centre's single sample
+        scales = [1.0 / density] * (k * k * density)
+    slot_scale = torch.tensor(scales, dtype=torch.float64) if max(per_ring, default=1) > 1 or (
+        sorting == "global" and density > 1) else None
     return SortGeometry(k, sampling, sorting, segments, offsets, weights, interpolation, slot_to_grid, density,
                         slot_scale)
 
@@ -301,7 +323,7 @@ def square_slot_form(geometry: SortGeometry) -> Tuple[SortGeometry, torch.Tensor
     centre), and slot ``s`` multiplies kernel position ``s`` (row-major). A ``(O, C, k, k)`` weight becomes
     ``square``'s ``(O, C, K, K)`` weight as ``w.flatten(2)[..., index] * scale`` for the first ``samples``
     positions and zeros after them. Its ``sampling`` names ``k`` and the density (e.g.
-    ``"polar-k7-x2"``), so that caches keyed by kernel size and variant do not mix it with a real
+    ``"polar-k7-x2"`` or ``"polar-k7-x3,2,1"``), so that caches keyed by kernel size and variant do not mix it with a real
     ``K x K`` geometry. A geometry of density 1 is returned as it is, with ``scale`` all ones.
     """
     key = (geometry.kernel_size, geometry.sampling, geometry.sorting, geometry.ring_density)
@@ -328,7 +350,9 @@ def square_slot_form(geometry: SortGeometry) -> Tuple[SortGeometry, torch.Tensor
         interpolation[:samples, columns] = geometry.interpolation
         interpolation[samples:, (big * big) // 2] = 1.0
         segments = geometry.segments + tuple((s, s + 1) for s in range(samples, big * big))
-        square = SortGeometry(big, f"{geometry.sampling}-k{k}-x{geometry.ring_density}", geometry.sorting, segments,
+        density = geometry.ring_density
+        label = ",".join(map(str, density)) if isinstance(density, tuple) else str(density)
+        square = SortGeometry(big, f"{geometry.sampling}-k{k}-x{label}", geometry.sorting, segments,
                               offsets, weights, interpolation, torch.arange(big * big))
         form = (square, geometry.slot_to_grid, scale)
     _SQUARE_FORMS[key] = form
