@@ -17,15 +17,24 @@ theta (:func:`timm_sortconv.invariance.rotate`, bilinear about the map's centre,
   input is the plain rotated accuracy (float rotation, no 8-bit rounding); repairing at the pooled features
   is the upright accuracy. The accuracy a stage adds when repaired is what the layers up to it lose.
 
-Example::
+``--operator`` instead probes one SC window, no network and no data: smooth random images (sums of
+Gaussian blobs of width ``--blob-sigma`` pixels, optionally blurred by ``--blur`` more) are rendered on
+the grid exactly, upright and rotated by each angle about the window's centre pixel, and for each ring the relative change of the window's sorted (and, at a ring density
+above 1, averaged) ring values is reported, median over ``--fields`` images. Rendering is exact, so
+what changes is the operator's own response: where the ring's points fall between the pixels, how many
+there are.
+
+Examples::
 
     python scripts/dip_probe.py --data-dir DATA --model scnn_p_rs_7 --pretrained --samples 500 \\
         --angles 10,20,30,45 --out results/mnist/ablation/probe_scnn_p_rs_7.json
+    python scripts/dip_probe.py --operator --angles 10,22.5,30,45 --ring-density 1 2 "(3,2,1)"
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 from typing import Callable, List, Tuple
 
 import timm
@@ -112,9 +121,66 @@ def format_result(result) -> str:
     return "\n".join(lines)
 
 
+def blob_images(count: int, blob_sigma: float, blur: float, angle: float, size: int = 15, seed: int = 0):
+    """``(count, 1, size, size)`` smooth images, each the same sum of Gaussian blobs (random centres, real
+    coordinates) turned by ``angle`` degrees about the centre pixel, rendered exactly (a blur of ``blur``
+    pixels widens each blob: the Gaussians' widths add in quadrature)."""
+    gen = torch.Generator().manual_seed(seed)
+    centres = (torch.rand(count, 6, 2, generator=gen, dtype=torch.float64) * 2 - 1) * 4
+    heights = torch.randn(count, 6, generator=gen, dtype=torch.float64)
+    width2 = blob_sigma ** 2 + blur ** 2
+    t = math.radians(angle)
+    # y down, x right: a counter-clockwise turn on screen maps (y, x) -> (y cos - x sin, x cos + y sin)
+    turned = torch.stack((centres[..., 0] * math.cos(t) - centres[..., 1] * math.sin(t),
+                          centres[..., 1] * math.cos(t) + centres[..., 0] * math.sin(t)), -1)
+    coords = torch.arange(size, dtype=torch.float64) - size // 2
+    d2 = (coords.view(1, 1, -1, 1, 1) - turned[:, None, None, :, 0]) ** 2 \
+        + (coords.view(1, 1, 1, -1, 1) - turned[:, None, None, :, 1]) ** 2
+    images = (heights[:, None, None, :] * blob_sigma ** 2 / width2 * torch.exp(-d2 / (2 * width2))).sum(-1)
+    return images.view(count, 1, size, size)
+
+
+def operator_probe(angles, densities, blob_sigmas, blurs, fields: int, kernel_size: int = 7):
+    """Rows ``(blob_sigma, blur, density, angle, [change of ring 1, ..., ring n])`` as described above."""
+    from timm_sortconv.ops import sort_conv2d
+    from timm_sortconv.ops.geometry import get_geometry
+
+    k, n = kernel_size, kernel_size // 2
+    ring_of = torch.tensor([max(abs(q // k - n), abs(q % k - n)) for q in range(k * k)])
+    one_hot = torch.eye(k * k, dtype=torch.float64).view(k * k, 1, k, k)
+    rows = []
+    for blob_sigma in blob_sigmas:
+        for blur in blurs:
+            upright = blob_images(fields, blob_sigma, blur, 0.0)
+            for density in densities:
+                get_geometry(k, "polar", "ring", density)  # checks the density
+                centre = upright.shape[-1] // 2 - n
+
+                def values(images):
+                    out = sort_conv2d(images, one_hot, sampling="polar", sorting="ring", ring_density=density,
+                                      backend="reference")
+                    return out[:, :, centre, centre]
+
+                before = values(upright)
+                for angle in angles:
+                    after = values(blob_images(fields, blob_sigma, blur, angle))
+                    changes = []
+                    for r in range(1, n + 1):
+                        a, b = after[:, ring_of == r], before[:, ring_of == r]
+                        spread = (b - b.mean(1, keepdim=True)).norm(dim=1).clamp_min(1e-12)
+                        changes.append(((a - b).norm(dim=1) / spread).median().item())
+                    rows.append((blob_sigma, blur, density, angle, changes))
+    return rows
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data-dir", required=True, help="MNIST folder")
+    parser.add_argument("--data-dir", help="MNIST folder")
+    parser.add_argument("--operator", action="store_true", help="probe one SC window on smooth images (no data)")
+    parser.add_argument("--ring-density", nargs="+", default=["1", "2"], help="densities to compare (--operator)")
+    parser.add_argument("--blob-sigma", type=float, nargs="+", default=[1.0], help="blob widths (--operator)")
+    parser.add_argument("--blur", type=float, nargs="+", default=[0.0], help="extra blurs (--operator)")
+    parser.add_argument("--fields", type=int, default=2000, help="random images (--operator)")
     parser.add_argument("--model", default="scnn_p_rs_7")
     parser.add_argument("--pretrained", action="store_true", help="the bundled weights")
     parser.add_argument("--checkpoint", default="", help="weights to load instead")
@@ -123,6 +189,22 @@ def main(argv=None):
     parser.add_argument("--angles", default="10,20,30,45", help="degrees, START:STOP:STEP or a list")
     parser.add_argument("--out", default="", help="write the result as JSON here")
     args = parser.parse_args(argv)
+    if args.operator:
+        import ast
+
+        densities = [ast.literal_eval(d) for d in args.ring_density]
+        rows = operator_probe(parse_rotations(args.angles), densities, args.blob_sigma, args.blur, args.fields)
+        print("blob sigma | blur | ring density | angle | median relative change of the sorted values, ring 1..n")
+        for blob_sigma, blur, density, angle, changes in rows:
+            print(f"{blob_sigma:10g} | {blur:4g} | {str(density):>12} | {angle:5g} | "
+                  + "  ".join(f"{100 * c:5.1f}%" for c in changes))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump([dict(blob_sigma=b, blur=u, density=str(d), angle=a, ring_change=c)
+                           for b, u, d, a, c in rows], f, indent=1)
+        return
+    if not args.data_dir:
+        parser.error("--data-dir is needed (or --operator)")
     kwargs = dict(kv.split("=", 1) for kv in args.model_kwargs)
     model = timm.create_model(args.model, pretrained=args.pretrained, checkpoint_path=args.checkpoint, **kwargs)
     model.eval()
