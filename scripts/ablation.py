@@ -23,6 +23,10 @@ For a network that is exactly invariant to quarter turns (every SCNN on 28x28 in
 0..80 give the same mean as 0..350, at a quarter of the cost: ``--angles 0:90:10`` is what screening
 rows use, and the full 36 angles what peers (not exactly quarter-turn invariant) and final rows use.
 
+``--pretrained`` trains nothing: it sweeps the bundled weights of ``--model`` built with
+``--model-kwargs``, which tests an option that adds no parameters (e.g. ``ring_density=2``) on weights
+trained without it.
+
 Peers (``--model`` names that are not timm models; their packages are not dependencies of timm-sortconv,
 install them where you run this, e.g. ``pip install e2cnn gmr-conv torchio`` in a separate environment):
 
@@ -236,7 +240,8 @@ def run(args) -> None:
     weights_dir = Path(args.output) / args.name
     rows_dir.mkdir(parents=True, exist_ok=True)
     weights_dir.mkdir(parents=True, exist_ok=True)
-    train_images, train_labels, _ = load_split(args.data_dir, "train", args.train_samples, seed=42)
+    if not args.pretrained:
+        train_images, train_labels, _ = load_split(args.data_dir, "train", args.train_samples, seed=42)
     sweep_images, sweep_labels = rotated_sweep(args.data_dir, args.sweep_samples, angles, args.cache_dir)
     for seed in args.seeds:
         out = rows_dir / f"seed{seed}.json"
@@ -244,17 +249,23 @@ def run(args) -> None:
             print(f"{out} exists: skipped")
             continue
         torch.manual_seed(seed)
-        model = create_model(args.model, kwargs)
+        if args.pretrained:
+            model = timm.create_model(args.model, pretrained=True, **kwargs)
+            seconds, train_samples = 0.0, 0
+        else:
+            model = create_model(args.model, kwargs)
+            train_samples = len(train_images)
         params = sum(p.numel() for p in model.parameters())
         print(f"{args.name} seed {seed}: {args.model} {kwargs} ({params} parameters), "
-              f"{len(train_images)} images x {args.epochs} epochs", flush=True)
-        seconds = train(model, train_images, train_labels, args, seed)
-        torch.save(model.state_dict(), weights_dir / f"seed{seed}.pth")
+              + ("bundled weights" if args.pretrained else f"{train_samples} images x {args.epochs} epochs"), flush=True)
+        if not args.pretrained:
+            seconds = train(model, train_images, train_labels, args, seed)
+            torch.save(model.state_dict(), weights_dir / f"seed{seed}.pth")
         start = time.time()
         correct = sweep_correct(model, sweep_images, sweep_labels)
         result = summarise(correct, angles)
         result.update(name=args.name, model=args.model, model_kwargs=kwargs, seed=seed, params=params,
-                      train_samples=len(train_images), epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
+                      train_samples=train_samples, epochs=0 if args.pretrained else args.epochs, batch_size=args.batch_size, lr=args.lr,
                       train_seconds=round(seconds, 1), sweep_seconds=round(time.time() - start, 1),
                       threads=torch.get_num_threads(),
                       command="python scripts/ablation.py " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
@@ -283,8 +294,8 @@ def table(results: str) -> str:
 
         worst_angles = sorted({f"{s['worst_angle']:g}" for s in seeds})
         first = seeds[0]
-        lines.append(f"| {row.name} | {len(seeds)} | {first['params']:,} | {first['train_samples']:,} x "
-                     f"{first['epochs']} | {cell('mean')} | {cell('upright')} | {cell('worst')} "
+        trained = f"{first['train_samples']:,} x {first['epochs']}" if first["epochs"] else "bundled"
+        lines.append(f"| {row.name} | {len(seeds)} | {first['params']:,} | {trained} | {cell('mean')} | {cell('upright')} | {cell('worst')} "
                      f"({'/'.join(worst_angles)}) | {cell('dip')} |")
     return "\n".join(lines)
 
@@ -300,6 +311,7 @@ def main(argv=None) -> None:
     parser.add_argument("--batch-size", type=int, default=50)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--pretrained", action="store_true", help="sweep the bundled weights, train nothing")
     parser.add_argument("--sweep-samples", type=int, default=2000)
     parser.add_argument("--angles", default="0:90:10", help="START:STOP:STEP or a list, degrees")
     parser.add_argument("--results", default="results/mnist/ablation/screen")
