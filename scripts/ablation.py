@@ -265,7 +265,8 @@ def run(args) -> None:
         correct = sweep_correct(model, sweep_images, sweep_labels)
         result = summarise(correct, angles)
         result.update(name=args.name, model=args.model, model_kwargs=kwargs, seed=seed, params=params,
-                      train_samples=train_samples, epochs=0 if args.pretrained else args.epochs, batch_size=args.batch_size, lr=args.lr,
+                      train_samples=train_samples, epochs=0 if args.pretrained else args.epochs,
+                      batch_size=args.batch_size, lr=args.lr,
                       train_seconds=round(seconds, 1), sweep_seconds=round(time.time() - start, 1),
                       threads=torch.get_num_threads(),
                       command="python scripts/ablation.py " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
