@@ -257,7 +257,8 @@ def run(args) -> None:
             train_samples = len(train_images)
         params = sum(p.numel() for p in model.parameters())
         print(f"{args.name} seed {seed}: {args.model} {kwargs} ({params} parameters), "
-              + ("bundled weights" if args.pretrained else f"{train_samples} images x {args.epochs} epochs"), flush=True)
+              + ("bundled weights" if args.pretrained else f"{train_samples} images x {args.epochs} epochs"),
+              flush=True)
         if not args.pretrained:
             seconds = train(model, train_images, train_labels, args, seed)
             torch.save(model.state_dict(), weights_dir / f"seed{seed}.pth")
@@ -296,7 +297,8 @@ def table(results: str) -> str:
         worst_angles = sorted({f"{s['worst_angle']:g}" for s in seeds})
         first = seeds[0]
         trained = f"{first['train_samples']:,} x {first['epochs']}" if first["epochs"] else "bundled"
-        lines.append(f"| {row.name} | {len(seeds)} | {first['params']:,} | {trained} | {cell('mean')} | {cell('upright')} | {cell('worst')} "
+        lines.append(f"| {row.name} | {len(seeds)} | {first['params']:,} | {trained} | {cell('mean')} | "
+                     f"{cell('upright')} | {cell('worst')} "
                      f"({'/'.join(worst_angles)}) | {cell('dip')} |")
     return "\n".join(lines)
 

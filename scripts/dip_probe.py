@@ -19,10 +19,10 @@ theta (:func:`timm_sortconv.invariance.rotate`, bilinear about the map's centre,
 
 ``--operator`` instead probes one SC window, no network and no data: smooth random images (sums of
 Gaussian blobs of width ``--blob-sigma`` pixels, optionally blurred by ``--blur`` more) are rendered on
-the grid exactly, upright and rotated by each angle about the window's centre pixel, and for each ring the relative change of the window's sorted (and, at a ring density
-above 1, averaged) ring values is reported, median over ``--fields`` images. Rendering is exact, so
-what changes is the operator's own response: where the ring's points fall between the pixels, how many
-there are.
+the grid exactly, upright and rotated by each angle about the window's centre pixel, and for each ring
+the relative change of the window's sorted (and, at a ring density above 1, averaged) ring values is
+reported, median over ``--fields`` images. Rendering is exact, so what changes is the operator's own
+response: where the ring's points fall between the pixels, and how many there are.
 
 Examples::
 

@@ -51,8 +51,8 @@ def naive_dense(image, weight, cy, cx, density, sorting):
     rings = {0: [image[cy][cx]] * (density if sorting == "global" else 1)}
     for r in range(1, n + 1):
         count = 8 * r * per_ring[r - 1]
-        rings[r] = [bilinear(image, cy + r * math.sin(2 * math.pi * j / count), cx + r * math.cos(2 * math.pi * j / count))
-                    for j in range(count)]
+        angles = [2 * math.pi * j / count for j in range(count)]
+        rings[r] = [bilinear(image, cy + r * math.sin(a), cx + r * math.cos(a)) for a in angles]
 
     def runs(values, m):
         values = sorted(values)
@@ -213,7 +213,8 @@ def test_dense_rings_change_less_under_rotation_between_quarter_turns(sorting):
         # one output channel per kernel position: its one-hot weight picks one averaged run
         one_hot = torch.eye(49, dtype=torch.float64).view(49, 1, 7, 7)
         for density in change:
-            before, after = (sc(image(angle), one_hot, sorting=sorting, ring_density=density)[0, :, centre - 3, centre - 3]
+            before, after = (sc(image(angle), one_hot, sorting=sorting, ring_density=density)[0, :, centre - 3,
+                                                                                               centre - 3]
                              for angle in (0, 20))
             change[density] += ((after - before).norm() / before.norm()).item() / 20
     assert change[4] < change[1] / 2, change

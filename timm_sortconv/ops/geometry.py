@@ -323,8 +323,8 @@ def square_slot_form(geometry: SortGeometry) -> Tuple[SortGeometry, torch.Tensor
     centre), and slot ``s`` multiplies kernel position ``s`` (row-major). A ``(O, C, k, k)`` weight becomes
     ``square``'s ``(O, C, K, K)`` weight as ``w.flatten(2)[..., index] * scale`` for the first ``samples``
     positions and zeros after them. Its ``sampling`` names ``k`` and the density (e.g.
-    ``"polar-k7-x2"`` or ``"polar-k7-x3,2,1"``), so that caches keyed by kernel size and variant do not mix it with a real
-    ``K x K`` geometry. A geometry of density 1 is returned as it is, with ``scale`` all ones.
+    ``"polar-k7-x2"`` or ``"polar-k7-x3,2,1"``), so that caches keyed by kernel size and variant do not
+    mix it with a real ``K x K`` geometry. A geometry of density 1 is returned as it is, with ``scale`` all ones.
     """
     key = (geometry.kernel_size, geometry.sampling, geometry.sorting, geometry.ring_density)
     if key in _SQUARE_FORMS:
