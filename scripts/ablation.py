@@ -168,8 +168,13 @@ def create_model(name: str, kwargs: Dict) -> torch.nn.Module:
     return timm.create_model(name, **kwargs)
 
 
+CANVAS = 28  # --canvas: images are padded with black (0) to CANVAS x CANVAS before normalisation
+
+
 def normalise(images: torch.Tensor, cfg: dict) -> torch.Tensor:
-    return (images.float().unsqueeze(-3) / 255 - cfg["mean"][0]) / cfg["std"][0]
+    pad = (CANVAS - images.shape[-1]) // 2
+    x = F.pad(images.float(), (pad, pad, pad, pad)) if pad else images.float()
+    return (x.unsqueeze(-3) / 255 - cfg["mean"][0]) / cfg["std"][0]
 
 
 def train(model, images, labels, args, seed: int) -> float:
@@ -269,7 +274,7 @@ def run(args) -> None:
                       train_samples=train_samples, epochs=0 if args.pretrained else args.epochs,
                       batch_size=args.batch_size, lr=args.lr,
                       train_seconds=round(seconds, 1), sweep_seconds=round(time.time() - start, 1),
-                      threads=torch.get_num_threads(),
+                      threads=torch.get_num_threads(), canvas=CANVAS,
                       command="python scripts/ablation.py " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
                       correct=pack(correct))
         out.write_text(json.dumps(result, indent=1))
@@ -315,6 +320,9 @@ def main(argv=None) -> None:
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--pretrained", action="store_true", help="sweep the bundled weights, train nothing")
+    parser.add_argument("--canvas", type=int, default=28,
+                        help="pad the 28x28 images (after rotating them) with black to this even size, for "
+                             "training and sweep alike: moves the digit away from the map borders")
     parser.add_argument("--sweep-samples", type=int, default=2000)
     parser.add_argument("--angles", default="0:90:10", help="START:STOP:STEP or a list, degrees")
     parser.add_argument("--results", default="results/mnist/ablation/screen")
@@ -330,6 +338,10 @@ def main(argv=None) -> None:
         return
     if not args.name or not args.data_dir:
         parser.error("--name and --data-dir are needed to run a row")
+    if args.canvas < 28 or args.canvas % 2:
+        parser.error(f"--canvas must be an even size >= 28, got {args.canvas}")
+    global CANVAS
+    CANVAS = args.canvas
     torch.set_num_threads(args.threads)
     run(args)
 

@@ -50,6 +50,10 @@ class SCNN(SequentialClassifierMixin, nn.Module):
             parameters, about ``m`` times the sorting work. Or one per ring of the ``K x K`` layers
             (ring sorting), e.g. ``(3, 2, 1)``; the ``3 x 3`` layers take the first. 1 (the paper's) for
             plain convolutions.
+        padding_mode: how the six convolutions pad their input (``nn.Conv2d``'s ``'zeros'``, the paper's,
+            or ``'replicate'``, ``'reflect'``, ``'circular'``). With ``'zeros'`` every map has a frame of
+            zeros around it, which the layers see as content (the background of a normalised MNIST image is
+            not 0) and which, unlike the digit, does not turn with the input.
         blur_sigma: standard deviation (pixels) of a fixed Gaussian blur before each of the six
             convolutions, one number for all or six; 0 for none. It removes the content that varies
             fastest between SC's samples (see :mod:`timm_sortconv.lowpass`); no parameters.
@@ -71,6 +75,7 @@ class SCNN(SequentialClassifierMixin, nn.Module):
             global_pool: str = 'avg',
             downsample: str = 'max',
             ring_density: Union[int, Sequence[int]] = 1,
+            padding_mode: str = 'zeros',
             blur_sigma: Union[float, Sequence[float]] = 0.,
             drop_rate: float = 0.,
             bn_momentum: float = 0.1,
@@ -88,6 +93,8 @@ class SCNN(SequentialClassifierMixin, nn.Module):
                              f"got {blur_sigma!r}")
         create_downsample(downsample)  # checks the name before anything is built
         conv_layer = get_conv_layer(sampling, sorting)
+        if padding_mode != 'zeros':
+            conv_layer = partial(conv_layer, padding_mode=padding_mode)
         if ring_density != 1:
             if sampling is None:
                 raise ValueError(f"ring_density={ring_density!r} needs Sorting Convolutions; plain convolutions "
