@@ -68,6 +68,7 @@ import torch
 import torch.nn.functional as F
 
 import timm_sortconv.models  # noqa: F401  (registers the SC models)
+from timm_sortconv.models import SCNN
 from timm_sortconv.data import RotatedDataset, cap_samples, create_dataset, parse_rotations
 
 
@@ -160,7 +161,12 @@ def gmr_convert(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def create_model(name: str, kwargs: Dict) -> torch.nn.Module:
-    """A timm model, or one of the peers of the module docstring."""
+    """A timm model, ``"scnn"`` (``timm_sortconv.models.SCNN(**kwargs)``, for variants that no entrypoint
+    names, e.g. ``sampling="polar-offset"``), or one of the peers of the module docstring."""
+    if name == "scnn":
+        model = SCNN(**kwargs)
+        model.pretrained_cfg = MNIST_CFG
+        return model
     if name == "e2cnn":
         return E2CNN(**kwargs)
     if name.startswith("gmr:"):

@@ -140,8 +140,9 @@ def blob_images(count: int, blob_sigma: float, blur: float, angle: float, size: 
     return images.view(count, 1, size, size)
 
 
-def operator_probe(angles, densities, blob_sigmas, blurs, fields: int, kernel_size: int = 7):
-    """Rows ``(blob_sigma, blur, density, angle, [change of ring 1, ..., ring n])`` as described above."""
+def operator_probe(angles, samplings, densities, blob_sigmas, blurs, fields: int, kernel_size: int = 7):
+    """Rows ``(blob_sigma, blur, sampling, density, angle, [change of ring 1, ..., ring n])`` as described
+    above."""
     from timm_sortconv.ops import sort_conv2d
     from timm_sortconv.ops.geometry import get_geometry
 
@@ -152,24 +153,25 @@ def operator_probe(angles, densities, blob_sigmas, blurs, fields: int, kernel_si
     for blob_sigma in blob_sigmas:
         for blur in blurs:
             upright = blob_images(fields, blob_sigma, blur, 0.0)
-            for density in densities:
-                get_geometry(k, "polar", "ring", density)  # checks the density
-                centre = upright.shape[-1] // 2 - n
+            for sampling in samplings:
+                for density in densities:
+                    get_geometry(k, sampling, "ring", density)  # checks the variant and the density
+                    centre = upright.shape[-1] // 2 - n
 
-                def values(images):
-                    out = sort_conv2d(images, one_hot, sampling="polar", sorting="ring", ring_density=density,
-                                      backend="reference")
-                    return out[:, :, centre, centre]
+                    def values(images):
+                        out = sort_conv2d(images, one_hot, sampling=sampling, sorting="ring", ring_density=density,
+                                          backend="reference")
+                        return out[:, :, centre, centre]
 
-                before = values(upright)
-                for angle in angles:
-                    after = values(blob_images(fields, blob_sigma, blur, angle))
-                    changes = []
-                    for r in range(1, n + 1):
-                        a, b = after[:, ring_of == r], before[:, ring_of == r]
-                        spread = (b - b.mean(1, keepdim=True)).norm(dim=1).clamp_min(1e-12)
-                        changes.append(((a - b).norm(dim=1) / spread).median().item())
-                    rows.append((blob_sigma, blur, density, angle, changes))
+                    before = values(upright)
+                    for angle in angles:
+                        after = values(blob_images(fields, blob_sigma, blur, angle))
+                        changes = []
+                        for r in range(1, n + 1):
+                            a, b = after[:, ring_of == r], before[:, ring_of == r]
+                            spread = (b - b.mean(1, keepdim=True)).norm(dim=1).clamp_min(1e-12)
+                            changes.append(((a - b).norm(dim=1) / spread).median().item())
+                        rows.append((blob_sigma, blur, sampling, density, angle, changes))
     return rows
 
 
@@ -178,6 +180,7 @@ def main(argv=None):
     parser.add_argument("--data-dir", help="MNIST folder")
     parser.add_argument("--operator", action="store_true", help="probe one SC window on smooth images (no data)")
     parser.add_argument("--ring-density", nargs="+", default=["1", "2"], help="densities to compare (--operator)")
+    parser.add_argument("--sampling", nargs="+", default=["polar"], help="polar samplings to compare (--operator)")
     parser.add_argument("--blob-sigma", type=float, nargs="+", default=[1.0], help="blob widths (--operator)")
     parser.add_argument("--blur", type=float, nargs="+", default=[0.0], help="extra blurs (--operator)")
     parser.add_argument("--fields", type=int, default=2000, help="random images (--operator)")
@@ -193,15 +196,17 @@ def main(argv=None):
         import ast
 
         densities = [ast.literal_eval(d) for d in args.ring_density]
-        rows = operator_probe(parse_rotations(args.angles), densities, args.blob_sigma, args.blur, args.fields)
-        print("blob sigma | blur | ring density | angle | median relative change of the sorted values, ring 1..n")
-        for blob_sigma, blur, density, angle, changes in rows:
-            print(f"{blob_sigma:10g} | {blur:4g} | {str(density):>12} | {angle:5g} | "
+        rows = operator_probe(parse_rotations(args.angles), args.sampling, densities, args.blob_sigma, args.blur,
+                              args.fields)
+        print("blob sigma | blur | sampling | ring density | angle | median relative change of the sorted values, "
+              "ring 1..n")
+        for blob_sigma, blur, sampling, density, angle, changes in rows:
+            print(f"{blob_sigma:10g} | {blur:4g} | {sampling:>12} | {str(density):>12} | {angle:5g} | "
                   + "  ".join(f"{100 * c:5.1f}%" for c in changes))
         if args.out:
             with open(args.out, "w") as f:
-                json.dump([dict(blob_sigma=b, blur=u, density=str(d), angle=a, ring_change=c)
-                           for b, u, d, a, c in rows], f, indent=1)
+                json.dump([dict(blob_sigma=b, blur=u, sampling=s, density=str(d), angle=a, ring_change=c)
+                           for b, u, s, d, a, c in rows], f, indent=1)
         return
     if not args.data_dir:
         parser.error("--data-dir is needed (or --operator)")

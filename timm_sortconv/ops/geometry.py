@@ -13,18 +13,26 @@ samples, then ring 2's sixteen, and so on. Ring ``r`` occupies slots ``[(2r-1)^2
   inside the window. The points of the first quadrant are computed with ``cos``/``sin`` and the other
   three quadrants are exact 90-degree rotations of them, so the tap tables are exactly symmetric under
   ``torch.rot90`` and 90-degree equivariance holds to the last bit of the weights.
+* ``sampling="polar-offset"``: as ``"polar"``, with every ring's points turned by half their angular
+  step, to ``2*pi*(j + 1/2)/(8r)``. No point then lies on an axis or a diagonal.
+  With ``"polar"`` the points on the axes read one pixel exactly while the others are blends of
+  up to four, so a ring's values differ in how blurred they are, in a pattern that repeats every 90
+  degrees and that a rotation by 45 degrees swaps (the axis and diagonal points change roles): a cue
+  to the orientation of the content that training can learn and that turns with the input. With the
+  offset, ring 1's eight points are images of one another under the grid's symmetries (quarter turns
+  and mirrors), so each is read through the same blend.
 
-**Ring density.** With ``ring_density=m > 1`` (polar sampling only) ring ``r`` is read at ``8rm``
-points, angle ``2*pi*j/(8rm)``, instead of ``8r``. Sorted, the ``8rm`` values are close to the
-quantiles of the ring's values, which a rotation by any angle barely moves, whereas ``8r`` order
-statistics jump whenever the rotation is not a multiple of ``45/r`` degrees. Each run of ``m``
-consecutive sorted values is averaged and takes the weight that one sorted value takes at density 1, so
-the layer keeps its ``k*k`` weights: a geometry of density ``m`` has ``1 + 4n(n+1)m`` samples for
-ring sorting (the centre once) and ``m*k*k`` for global sorting (the centre ``m`` times, so that the
-sorted values split into ``k*k`` runs of ``m``), more than the ``k*k`` slots of density 1. For ring
-sorting the density may also be given per ring, ``(m_1, ..., m_n)``: ring ``r`` is read at ``8r m_r``
-points, e.g. ``(3, 2, 1)`` for ``k = 7`` spends the extra samples on the inner rings, whose ``8r`` points
-are the sparsest in angle, and has ``1 + 24 + 32 + 24 = 81 = 9*9`` samples.
+**Ring density.** With ``ring_density=m > 1`` (polar sampling, either kind) ring ``r`` is read at
+``8rm`` points, angle ``2*pi*j/(8rm)`` (``2*pi*(j + 1/2)/(8rm)`` with the offset), instead of ``8r``.
+Sorted, the ``8rm`` values are close to the quantiles of the ring's values, which a rotation by any
+angle barely moves, whereas ``8r`` order statistics jump whenever the rotation is not a multiple of
+``45/r`` degrees. Each run of ``m`` consecutive sorted values is averaged and takes the weight that one
+sorted value takes at density 1, so the layer keeps its ``k*k`` weights: a geometry of density ``m`` has
+``1 + 4n(n+1)m`` samples for ring sorting (the centre once) and ``m*k*k`` for global sorting (the centre
+``m`` times, so that the sorted values split into ``k*k`` runs of ``m``), more than the ``k*k`` slots of
+density 1. For ring sorting the density may also be given per ring, ``(m_1, ..., m_n)``: ring ``r`` is
+read at ``8r m_r`` points, e.g. ``(3, 2, 1)`` for ``k = 7`` spends the extra samples on the inner rings,
+whose ``8r`` points are the sparsest in angle, and has ``1 + 24 + 32 + 24 = 81 = 9*9`` samples.
 :attr:`SortGeometry.slot_to_grid` then sends ``m`` slots to each kernel position and
 :attr:`SortGeometry.slot_scale` is ``1/m``. :func:`square_slot_form` lays such a geometry onto the
 ``K*K`` slots of a larger odd ``K`` (unused slots get zero weight), for backends that take one sample
@@ -59,7 +67,7 @@ __all__ = [
     "square_slot_form",
 ]
 
-SAMPLINGS = ("square", "polar")
+SAMPLINGS = ("square", "polar", "polar-offset")
 SORTINGS = ("ring", "global")
 
 # Tap weights closer than this to 0 or 1 are snapped: cos(pi/2) is 6e-17, not 0, and a tap of weight
@@ -83,10 +91,10 @@ def row_major_offsets(kernel_size: int) -> List[Tuple[int, int]]:
     return [(dy, dx) for dy in range(-n, n + 1) for dx in range(-n, n + 1)]
 
 
-def polar_points(radius: int, count: Optional[int] = None) -> List[Tuple[float, float]]:
+def polar_points(radius: int, count: Optional[int] = None, offset: float = 0.0) -> List[Tuple[float, float]]:
     """The ``count`` (default ``8 * radius``, a multiple of 4) points ``(y, x)`` on the circle of that
-    radius, angle ``2*pi*j/count`` from the +x axis, in order of ``j``. The first quadrant is computed;
-    the others are its exact rotations ``(y, x) -> (x, -y)`` by 90 degrees."""
+    radius, angle ``2*pi*(j + offset)/count`` from the +x axis, in order of ``j``. The first quadrant is
+    computed; the others are its exact rotations ``(y, x) -> (x, -y)`` by 90 degrees."""
     count = 8 * radius if count is None else count
     if count % 4:
         raise ValueError(f"polar_points needs a multiple of 4 points (a quarter turn maps them onto themselves), "
@@ -94,7 +102,7 @@ def polar_points(radius: int, count: Optional[int] = None) -> List[Tuple[float, 
     quarter = count // 4
     first = []
     for j in range(quarter):
-        angle = 2.0 * math.pi * j / count
+        angle = 2.0 * math.pi * (j + offset) / count
         first.append((radius * math.sin(angle), radius * math.cos(angle)))
     points = list(first)
     for _ in range(3):
@@ -227,8 +235,8 @@ def check_ring_density(ring_density, kernel_size: int, sampling: str, sorting: s
                          f"one per ring, got {ring_density!r}")
     else:
         dense = ring_density > 1
-    if dense and sampling != "polar":
-        raise ValueError(f"ring_density={ring_density} needs sampling='polar': square sampling reads each grid "
+    if dense and sampling == "square":
+        raise ValueError(f"ring_density={ring_density} needs a polar sampling: square sampling reads each grid "
                          f"position once and has no denser points to read, got sampling={sampling!r}")
     return ring_density
 
@@ -266,6 +274,7 @@ def _build_geometry(k: int, sampling: str, sorting: str, density) -> SortGeometr
     n = k // 2
     grid = ring_grid_offsets(k)
     per_ring = density if isinstance(density, tuple) else (density,) * n
+    offset = 0.5 if sampling == "polar-offset" else 0.0
     if sampling == "square":
         taps = [[(dy, dx, 1.0)] for dy, dx in grid]
     else:
@@ -273,7 +282,7 @@ def _build_geometry(k: int, sampling: str, sorting: str, density) -> SortGeometr
         # sorting, whose sorted values must split into k*k runs of `density`.
         taps = [[(0, 0, 1.0)]] * (density if sorting == "global" else 1)
         for r in range(1, n + 1):
-            taps += [_bilinear_taps(y, x) for y, x in polar_points(r, 8 * r * per_ring[r - 1])]
+            taps += [_bilinear_taps(y, x) for y, x in polar_points(r, 8 * r * per_ring[r - 1], offset)]
     width = max(len(t) for t in taps)
     taps = [t + [(*t[0][:2], 0.0)] * (width - len(t)) for t in taps]
     interpolation_rows = []

@@ -1,4 +1,5 @@
-"""Dense ring sampling (``ring_density``) and the fixed low-pass layers of :mod:`timm_sortconv.lowpass`.
+"""The sampling options beyond the paper's (``ring_density``, ``sampling="polar-offset"``), the fixed
+low-pass layers of :mod:`timm_sortconv.lowpass` and the SCNN options built on them.
 
 The properties asserted: the geometry is what the docstring says (points on their circles at their
 angles, ``m`` sorted slots per kernel position, the quarter-turn symmetry of the tap tables), the operator
@@ -150,7 +151,7 @@ def test_square_slot_form_holds_the_same_samples_in_a_larger_window(k, sorting):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(sampling="square", ring_density=2), "needs sampling='polar'"),
+    (dict(sampling="square", ring_density=2), "needs a polar sampling"),
     (dict(ring_density=0), "int >= 1"),
     (dict(ring_density=1.5), "int >= 1"),
 ])
@@ -269,6 +270,61 @@ def test_module_passes_ring_density():
     x = randn(1, 2, 8, 8)
     assert torch.equal(conv(x), sc(x, conv.weight, conv.bias, padding=2, ring_density=2))
     assert "ring_density=2" in repr(conv)
+
+
+# -------------------------------------------------------------------------------------------------------
+# polar-offset sampling
+# -------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("k", (3, 5, 7, 9))
+def test_offset_points_sit_half_a_step_off_the_axes_and_diagonals(k):
+    g = get_geometry(k, "polar-offset", "ring")
+    for r in range(1, k // 2 + 1):
+        for j, slot in enumerate(range((2 * r - 1) ** 2, (2 * r + 1) ** 2)):
+            offsets, weights = g.tap_offsets[slot].tolist(), g.tap_weights[slot].tolist()
+            y = sum(w * dy for (dy, dx), w in zip(offsets, weights))
+            x = sum(w * dx for (dy, dx), w in zip(offsets, weights))
+            angle = 2 * math.pi * (j + 0.5) / (8 * r)
+            assert (y, x) == (pytest.approx(r * math.sin(angle), abs=1e-12), pytest.approx(r * math.cos(angle), abs=1e-12))
+            assert min(abs(y), abs(x), abs(abs(y) - abs(x))) > 0.1, "no point on an axis or a diagonal"
+
+
+def test_offset_ring_one_reads_every_point_through_the_same_blend():
+    """The grid's symmetries map ring 1's offset points onto one another, so their four bilinear weights
+    are the same numbers; the paper's points mix exact reads (one weight 1) and blends."""
+    def blend(sampling, slot):
+        return tuple(sorted(round(w, 12) for w in get_geometry(3, sampling, "ring").tap_weights[slot].tolist()))
+
+    blends = {sampling: {blend(sampling, slot) for slot in range(1, 9)} for sampling in ("polar", "polar-offset")}
+    assert len(blends["polar-offset"]) == 1
+    assert len(blends["polar"]) == 2
+
+
+@pytest.mark.parametrize("k", (3, 5, 7))
+@pytest.mark.parametrize("sorting", SORTINGS)
+@pytest.mark.parametrize("density", (1, 2))
+def test_offset_operator_is_exactly_equivariant_to_quarter_turns_on_every_backend(k, sorting, density):
+    x, weight = randn(2, 3, 11, 11, seed=k), randn(4, 3, k, k, seed=k + 1)
+    outs = {}
+    for backend in ["reference"] + [b for b in ("cpu",) if b in available_backends()]:
+        args = dict(padding=k // 2, sampling="polar-offset", sorting=sorting, ring_density=density, backend=backend)
+        out = sort_conv2d(x, weight, **args)
+        for turns in (1, 2, 3):
+            turned = sort_conv2d(torch.rot90(x, turns, (2, 3)), weight, **args)
+            assert (turned - torch.rot90(out, turns, (2, 3))).abs().max() < 1e-12, backend
+        outs[backend] = out
+    for out in outs.values():
+        assert (out - outs["reference"]).abs().max() < 1e-10
+    assert not torch.allclose(outs["reference"], sc(x, weight, padding=k // 2, sorting=sorting, ring_density=density))
+
+
+def test_offset_gradcheck():
+    x = randn(1, 2, 5, 5, seed=1).requires_grad_()
+    weight = randn(2, 2, 3, 3, seed=2).requires_grad_()
+    backends = ["reference"] + [b for b in ("cpu",) if b in available_backends()]
+    for backend in backends:
+        assert torch.autograd.gradcheck(
+            lambda x, w: sort_conv2d(x, w, padding=1, sampling="polar-offset", backend=backend), (x, weight))
 
 
 # -------------------------------------------------------------------------------------------------------
