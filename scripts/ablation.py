@@ -7,7 +7,8 @@ options (``--model``, ``--model-kwargs``) unless a flag of the recipe is changed
 * **Training**: a seeded slice of ``--train-samples`` images of MNIST's 50,000-image training split (the
   same images for every row and seed), ``--epochs`` epochs, batch ``--batch-size``, Adam at ``--lr``
   decayed to zero by a cosine over the updates, no weight decay, no augmentation: the recipe of
-  ``scripts/configs/mnist_scnn_short.yaml``, in a plain loop (no loader processes). The model kept is the
+  ``scripts/configs/mnist_scnn_short.yaml``, in a plain loop (no loader processes); ``--weight-decay``
+  adds decoupled weight decay (AdamW). The model kept is the
   last one. ``--seeds`` are training seeds (initialisation and image order).
 * **Sweep**: a fixed seeded slice of ``--sweep-samples`` MNIST test images (the slice RESULTS.md's
   2,000-image sweeps use), each rotated by every angle of ``--angles`` exactly as MNIST-rot is made
@@ -41,7 +42,13 @@ install them where you run this, e.g. ``pip install e2cnn gmr-conv torchio`` in 
 
 Outputs: ``<results>/<name>/seed<S>.json`` (the numbers, the command, the per-image results packed as
 base64 bits) and ``<output>/<name>/seed<S>.pth`` (the weights). A seed whose JSON exists is skipped.
-``--table`` prints the Markdown table of every row under ``--results``.
+``--table`` prints the Markdown table of every row under ``--results``. ``--features`` measures, for
+every trained seed under ``--results`` (and for the same network untrained, from its seed), how far the
+pooled features (the classifier's input) of the first ``--feature-samples`` sweep images move when the
+images are rotated by 45 degrees: the mean of ``||f(rotated) - f(upright)||`` relative to the mean
+``||f(upright)||``, and relative to the mean distance between the ten class centroids of the upright
+features (how far the rotation moves an image compared with how far apart the classes are); it writes
+``<results>/features.json``.
 
 Example::
 
@@ -186,7 +193,7 @@ def normalise(images: torch.Tensor, cfg: dict) -> torch.Tensor:
 def train(model, images, labels, args, seed: int) -> float:
     """The recipe of the module docstring; returns the training time in seconds."""
     cfg = model.pretrained_cfg
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     steps_per_epoch = len(images) // args.batch_size
     total = steps_per_epoch * args.epochs
     model.train()
@@ -278,7 +285,7 @@ def run(args) -> None:
         result = summarise(correct, angles)
         result.update(name=args.name, model=args.model, model_kwargs=kwargs, seed=seed, params=params,
                       train_samples=train_samples, epochs=0 if args.pretrained else args.epochs,
-                      batch_size=args.batch_size, lr=args.lr,
+                      batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
                       train_seconds=round(seconds, 1), sweep_seconds=round(time.time() - start, 1),
                       threads=torch.get_num_threads(), canvas=CANVAS,
                       command="python scripts/ablation.py " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
@@ -287,6 +294,47 @@ def run(args) -> None:
         print(f"  mean {result['mean']:.2f} +- {result['mean_se']:.2f}, upright {result['upright']:.2f}, "
               f"worst {result['worst']:.2f} at {result['worst_angle']:g}, dip {result['dip']:.2f} "
               f"+- {result['dip_se']:.2f} (train {seconds / 60:.1f} min)", flush=True)
+
+
+@torch.no_grad()
+def pooled_features(model, images: torch.Tensor) -> torch.Tensor:
+    model.eval()
+    x = normalise(images, model.pretrained_cfg)
+    if hasattr(model, "forward_head"):
+        return model.forward_head(model.forward_features(x), pre_logits=True).double()
+    return model.features(model.geometric_tensor(x, model.in_type)).tensor.mean((2, 3)).double()
+
+
+def feature_change(model, upright: torch.Tensor, rotated: torch.Tensor, labels: torch.Tensor) -> Dict:
+    """The two ratios of ``--features`` (see the module docstring) for one model."""
+    f0, f1 = pooled_features(model, upright), pooled_features(model, rotated)
+    moved = (f1 - f0).norm(dim=1).mean()
+    centroids = torch.stack([f0[labels == c].mean(0) for c in range(10)])
+    between = torch.cdist(centroids, centroids).sum() / 90
+    return {"relative": (moved / f0.norm(dim=1).mean()).item(), "to_class_distance": (moved / between).item()}
+
+
+def features(args) -> None:
+    images, labels = rotated_sweep(args.data_dir, args.sweep_samples, [0.0, 45.0], args.cache_dir)
+    images, labels = images[:, :args.feature_samples], labels[:args.feature_samples]
+    rows = []
+    for path in sorted(Path(args.results).glob("*/seed*.json")):
+        row = json.loads(path.read_text())
+        weights = Path(args.output) / row["name"] / f"{path.stem}.pth"
+        if row["epochs"] == 0 or not weights.is_file():
+            continue
+        torch.manual_seed(row["seed"])
+        model = create_model(row["model"], row["model_kwargs"])
+        untrained = feature_change(model, images[0], images[1], labels)
+        model.train()  # as when the weights were saved (e2cnn keeps expanded filters only in eval mode)
+        model.load_state_dict(torch.load(weights))
+        trained = feature_change(model, images[0], images[1], labels)
+        rows.append(dict(name=row["name"], seed=row["seed"], dip=row["dip"], trained=trained, untrained=untrained))
+        print(f"| {row['name']} | {row['seed']} | {row['dip']:.2f} | {100 * untrained['relative']:.1f}% | "
+              f"{100 * trained['relative']:.1f}% | {trained['to_class_distance']:.3f} |", flush=True)
+    (Path(args.results) / "features.json").write_text(json.dumps(dict(
+        angle=45, images=len(labels), command="python scripts/ablation.py " + " ".join(map(shlex.quote, sys.argv[1:])),
+        rows=rows), indent=1))
 
 
 def table(results: str) -> str:
@@ -324,6 +372,7 @@ def main(argv=None) -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=50)
     parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--weight-decay", type=float, default=0.0, help="decoupled (AdamW); 0: Adam, the recipe's")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--pretrained", action="store_true", help="sweep the bundled weights, train nothing")
     parser.add_argument("--canvas", type=int, default=28,
@@ -338,9 +387,18 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="intra-op threads (default 1: on a shared machine two spinning threads measured slower)")
     parser.add_argument("--table", action="store_true", help="print the table of --results and exit")
+    parser.add_argument("--features", action="store_true", help="pooled-feature change at 45 degrees of every "
+                        "trained seed under --results (and of its untrained network), then exit")
+    parser.add_argument("--feature-samples", type=int, default=500)
     args = parser.parse_args(argv)
     if args.table:
         print(table(args.results))
+        return
+    if args.features:
+        torch.set_num_threads(args.threads)
+        print("| row | seed | dip | feature change untrained | trained | trained, to class distance |\n"
+              "|---|---|---|---|---|---|")
+        features(args)
         return
     if not args.name or not args.data_dir:
         parser.error("--name and --data-dir are needed to run a row")
