@@ -339,9 +339,16 @@ def features(args) -> None:
 
 def table(results: str) -> str:
     """The Markdown table of every row under ``results``: per row the mean over its seeds, with the
-    spread between seeds (sd) and the mean per-seed standard error over images (se)."""
-    lines = ["| row | seeds | params | train | mean | upright | worst (angle) | dip |",
-             "|---|---|---|---|---|---|---|---|"]
+    spread between seeds (sd) and the mean per-seed standard error over images (se); and, where
+    ``--features`` measured the row's seeds, their mean feature change (untrained, trained, trained
+    relative to the class centroids' distance)."""
+    measured = Path(results) / "features.json"
+    changes: Dict[str, List[Dict]] = {}
+    for entry in json.loads(measured.read_text())["rows"] if measured.is_file() else []:
+        changes.setdefault(entry["name"], []).append(entry)
+    lines = ["| row | seeds | params | train | mean | upright | worst (angle) | dip | feature change at 45 degrees: "
+             "untrained, trained, trained / class distance |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for row in sorted(p for p in Path(results).iterdir() if p.is_dir()):
         seeds = [json.loads(f.read_text()) for f in sorted(row.glob("seed*.json"))]
         if not seeds:
@@ -354,11 +361,17 @@ def table(results: str) -> str:
             return f"{values.mean():.2f} (se {se:.2f}{sd})"
 
         worst_angles = sorted({f"{s['worst_angle']:g}" for s in seeds})
+        measured_seeds = changes.get(row.name, [])
+        change = "-"
+        if measured_seeds:
+            mean = lambda key, sub: np.mean([m[sub][key] for m in measured_seeds])  # noqa: E731
+            change = (f"{100 * mean('relative', 'untrained'):.1f}%, {100 * mean('relative', 'trained'):.1f}%, "
+                      f"{mean('to_class_distance', 'trained'):.3f} ({len(measured_seeds)} seeds)")
         first = seeds[0]
         trained = f"{first['train_samples']:,} x {first['epochs']}" if first["epochs"] else "bundled"
         lines.append(f"| {row.name} | {len(seeds)} | {first['params']:,} | {trained} | {cell('mean')} | "
                      f"{cell('upright')} | {cell('worst')} "
-                     f"({'/'.join(worst_angles)}) | {cell('dip')} |")
+                     f"({'/'.join(worst_angles)}) | {cell('dip')} | {change} |")
     return "\n".join(lines)
 
 
