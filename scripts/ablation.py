@@ -43,7 +43,8 @@ install them where you run this, e.g. ``pip install e2cnn gmr-conv torchio`` in 
 Outputs: ``<results>/<name>/seed<S>.json`` (the numbers, the command, the per-image results packed as
 base64 bits) and ``<output>/<name>/seed<S>.pth`` (the weights). A seed whose JSON exists is skipped.
 ``--table`` prints the Markdown table of every row under ``--results``. ``--features`` measures, for
-every trained seed under ``--results`` (and for the same network untrained, from its seed), how far the
+every trained seed under ``--results`` (bundled weights for ``--pretrained`` rows), and for the same network
+untrained, from its seed, how far the
 pooled features (the classifier's input) of the first ``--feature-samples`` sweep images move when the
 images are rotated by 45 degrees: the mean of ``||f(rotated) - f(upright)||`` relative to the mean
 ``||f(upright)||``, and relative to the mean distance between the ten class centroids of the upright
@@ -315,19 +316,25 @@ def feature_change(model, upright: torch.Tensor, rotated: torch.Tensor, labels: 
 
 
 def features(args) -> None:
+    global CANVAS
     images, labels = rotated_sweep(args.data_dir, args.sweep_samples, [0.0, 45.0], args.cache_dir)
     images, labels = images[:, :args.feature_samples], labels[:args.feature_samples]
     rows = []
     for path in sorted(Path(args.results).glob("*/seed*.json")):
         row = json.loads(path.read_text())
         weights = Path(args.output) / row["name"] / f"{path.stem}.pth"
-        if row["epochs"] == 0 or not weights.is_file():
+        bundled = row["epochs"] == 0
+        CANVAS = row.get("canvas", 28)
+        if not (bundled or weights.is_file()):
             continue
         torch.manual_seed(row["seed"])
         model = create_model(row["model"], row["model_kwargs"])
         untrained = feature_change(model, images[0], images[1], labels)
-        model.train()  # as when the weights were saved (e2cnn keeps expanded filters only in eval mode)
-        model.load_state_dict(torch.load(weights))
+        if bundled:
+            model = timm.create_model(row["model"], pretrained=True, **row["model_kwargs"])
+        else:
+            model.train()  # as when the weights were saved (e2cnn keeps expanded filters only in eval mode)
+            model.load_state_dict(torch.load(weights))
         trained = feature_change(model, images[0], images[1], labels)
         rows.append(dict(name=row["name"], seed=row["seed"], dip=row["dip"], trained=trained, untrained=untrained))
         print(f"| {row['name']} | {row['seed']} | {row['dip']:.2f} | {100 * untrained['relative']:.1f}% | "
