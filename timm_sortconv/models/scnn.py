@@ -35,7 +35,8 @@ class SCNN(SequentialClassifierMixin, nn.Module):
 
     Args:
         kernel_size: kernel of the first four convolutions (odd).
-        sampling: ``'polar'`` or ``'square'``, or ``None`` with ``sorting=None`` for ``nn.Conv2d``.
+        sampling: ``'polar'``, ``'polar-offset'`` or ``'square'``, or ``None`` with ``sorting=None`` for
+            ``nn.Conv2d``.
         sorting: ``'ring'`` or ``'global'``, or ``None``.
         num_classes: classifier outputs (0: no classifier).
         in_chans: input channels.

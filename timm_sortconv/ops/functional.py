@@ -84,7 +84,8 @@ def sort_conv2d(
         stride, padding, dilation, groups: as in :func:`torch.nn.functional.conv2d`; ``padding`` may be
             ``"same"`` or ``"valid"``.
         padding_mode: ``"zeros"``, ``"reflect"``, ``"replicate"`` or ``"circular"`` (as ``nn.Conv2d``).
-        sampling: ``"polar"`` (default) or ``"square"``.
+        sampling: ``"polar"`` (default), ``"polar-offset"`` (the polar points turned by half a step, off the
+            axes and diagonals) or ``"square"``.
         sorting: ``"ring"`` (default) or ``"global"``.
         ring_density: ``m >= 1`` (polar sampling): ring ``r`` is read at ``8rm`` points and each run of
             ``m`` consecutive sorted values is averaged before it meets its weight, which makes the sorted
