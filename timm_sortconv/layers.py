@@ -1,16 +1,23 @@
-"""``SortConv2d``: a drop-in ``nn.Conv2d`` whose windows are sampled and sorted before the product."""
+"""The Sorting Convolution layers: drop-in ``nn.Conv2d`` modules whose windows are sampled and sorted before the product.
+
+* :class:`SortConv2d`: ``nn.Conv2d``'s constructor, parameters and padding, plus ``sampling``, ``sorting``
+  and ``backend``;
+* :class:`SortConv2dSame`: the same with TensorFlow-style dynamic "SAME" padding, the twin of timm's
+  ``Conv2dSame`` (what :func:`timm_sortconv.sortify` puts in its place).
+"""
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
 import torch.nn as nn
+from timm.layers import pad_same, register_notrace_module
 
 from .ops.backends import check_backend_name
 from .ops.functional import sort_conv2d
 from .ops.geometry import get_geometry
 
-__all__ = ["SortConv2d"]
+__all__ = ["SortConv2d", "SortConv2dSame"]
 
 
 class SortConv2d(nn.Conv2d):
@@ -106,3 +113,45 @@ class SortConv2d(nn.Conv2d):
         if conv.bias is not None:
             new.bias.requires_grad_(conv.bias.requires_grad)
         return new
+
+
+# timm's FX feature extraction (features_only=True, feature_cls="fx") treats these as leaves: the
+# operator validates shapes in Python, which symbolic tracing cannot follow.
+register_notrace_module(SortConv2d)
+
+
+@register_notrace_module
+class SortConv2dSame(SortConv2d):
+    """``SortConv2d`` with TensorFlow-style dynamic "SAME" padding, the sorting twin of timm's ``Conv2dSame``.
+
+    The input is padded by ``timm.layers.pad_same`` for its actual size (asymmetric, more on the
+    bottom/right, for strided layers), then sorted and convolved without further padding, exactly
+    where ``Conv2dSame`` would convolve.
+
+    Args:
+        as :class:`~timm_sortconv.SortConv2d`; ``padding`` must be ``0`` or ``"same"`` (the padding is
+        computed per call).
+
+    Example:
+        >>> conv = SortConv2dSame(3, 8, 3, stride=2)
+        >>> conv(torch.randn(1, 3, 15, 15)).shape
+        torch.Size([1, 8, 8, 8])
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
+                 groups: int = 1, bias: bool = True, padding_mode: str = "zeros", device=None, dtype=None, *,
+                 sampling: str = "polar", sorting: str = "ring", backend: str = "auto") -> None:
+        if padding not in (0, (0, 0), "same"):
+            raise ValueError(f"SortConv2dSame computes its padding per call; pass padding=0 or 'same', "
+                             f"got padding={padding!r}")
+        if padding_mode != "zeros":
+            raise ValueError(f"SortConv2dSame pads with zeros like timm's Conv2dSame; got padding_mode={padding_mode!r}")
+        super().__init__(in_channels, out_channels, kernel_size, stride, 0, dilation, groups, bias, padding_mode,
+                         device, dtype, sampling=sampling, sorting=sorting, backend=backend)
+
+    def _conv_forward(self, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        input = pad_same(input, self.kernel_size, self.stride, self.dilation)
+        return super()._conv_forward(input, weight, bias)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, padding=same (dynamic)"

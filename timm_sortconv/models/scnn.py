@@ -22,8 +22,8 @@ from timm.layers import ClassifierHead
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 
 from ..hub import HUB_ORG, bundled_weights_dir
-from ..sortify import fixed_variant_args, get_conv_layer
-from ._common import PAPER_CFG, ConvNormAct, SequentialClassifierMixin
+from ._common import PAPER_CFG, SequentialClassifierMixin
+from ._conv import ConvNormAct, fixed_variant_args, get_conv_layer
 
 __all__ = ['SCNN']
 
@@ -37,6 +37,7 @@ class SCNN(SequentialClassifierMixin, nn.Module):
         kernel_size: kernel of the first four convolutions (odd).
         sampling: ``'polar'`` or ``'square'``, or ``None`` with ``sorting=None`` for ``nn.Conv2d``.
         sorting: ``'ring'`` or ``'global'``, or ``None``.
+        backend: the ``SortConv2d`` backend (``'auto'``, ``'reference'`` or a fast backend's name).
         num_classes: classifier outputs (0: no classifier).
         in_chans: input channels.
         channels: widths of the six convolutions.
@@ -55,6 +56,7 @@ class SCNN(SequentialClassifierMixin, nn.Module):
             kernel_size: int = 7,
             sampling: Optional[str] = 'polar',
             sorting: Optional[str] = 'ring',
+            backend: str = 'auto',
             num_classes: int = 10,
             in_chans: int = 1,
             channels: Sequence[int] = (32, 32, 64, 64, 128, 128),
@@ -72,11 +74,9 @@ class SCNN(SequentialClassifierMixin, nn.Module):
             raise ValueError(f"SCNN has six convolutions, got channels={tuple(channels)}")
         if downsample not in _DOWNSAMPLE:
             raise ValueError(f"downsample={downsample!r} is not supported; expected one of {sorted(_DOWNSAMPLE)}")
-        conv_layer = get_conv_layer(sampling, sorting)
+        conv_layer = get_conv_layer(sampling, sorting, backend)
         self.num_classes = num_classes
         self.in_chans = in_chans
-        self.sampling = sampling
-        self.sorting = sorting
         self.drop_rate = drop_rate
         self.grad_checkpointing = False
         self.feature_info = []
