@@ -7,17 +7,34 @@
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from timm.layers import pad_same, register_notrace_module
 
 from .ops.backends import check_backend_name
-from .ops.functional import sort_conv2d
+from .ops.functional import sort_conv2d_zero_padded
 from .ops.geometry import get_geometry
 
 __all__ = ["SortConv2d", "SortConv2dSame"]
+
+
+def _sort_conv_forward(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], stride: List[int],
+                       padding: List[int], padding_mode: str, dilation: List[int], groups: int, sampling: str,
+                       sorting: str, backend: str) -> torch.Tensor:
+    """The layers' forward: ``nn.Conv2d``'s padding (``padding`` in ``F.pad``'s order) and unbatched inputs,
+    then the operator. Arguments are the module's own, checked when it was built; TorchScript compiles it."""
+    unbatched = input.dim() == 3
+    if unbatched:
+        input = input.unsqueeze(0)
+    if padding_mode != "zeros":
+        input = F.pad(input, padding, mode=padding_mode)
+        padding = [0, 0, 0, 0]
+    out = sort_conv2d_zero_padded(input, weight, bias, [stride[0], stride[1]], [padding[0], padding[1], padding[2],
+                                  padding[3]], [dilation[0], dilation[1]], groups, sampling, sorting, backend)
+    return out.squeeze(0) if unbatched else out
 
 
 class SortConv2d(nn.Conv2d):
@@ -78,12 +95,9 @@ class SortConv2d(nn.Conv2d):
         self.backend = check_backend_name(backend)
 
     def _conv_forward(self, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        unbatched = isinstance(input, torch.Tensor) and input.dim() == 3
-        if unbatched:
-            input = input.unsqueeze(0)
-        out = sort_conv2d(input, weight, bias, self.stride, self.padding, self.dilation, self.groups,
-                          self.padding_mode, sampling=self.sampling, sorting=self.sorting, backend=self.backend)
-        return out.squeeze(0) if unbatched else out
+        return _sort_conv_forward(input, weight, bias, self.stride, self._reversed_padding_repeated_twice,
+                                  self.padding_mode, self.dilation, self.groups, self.sampling, self.sorting,
+                                  self.backend)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, sampling={self.sampling}, sorting={self.sorting}, backend={self.backend}"
@@ -151,7 +165,8 @@ class SortConv2dSame(SortConv2d):
 
     def _conv_forward(self, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         input = pad_same(input, self.kernel_size, self.stride, self.dilation)
-        return super()._conv_forward(input, weight, bias)
+        return _sort_conv_forward(input, weight, bias, self.stride, [0, 0, 0, 0], "zeros", self.dilation, self.groups,
+                                  self.sampling, self.sorting, self.backend)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, padding=same (dynamic)"

@@ -51,14 +51,18 @@ class DenseLayer(nn.Module):
         self.drop_rate = float(drop_rate)
         self.grad_checkpointing = False
 
-    def _new_features(self, *features: torch.Tensor) -> torch.Tensor:
+    def _new_features(self, features: List[torch.Tensor]) -> torch.Tensor:
         return self.conv(self.norm(torch.cat(features, 1)))
+
+    @torch.jit.unused
+    def _checkpointed(self, features: List[torch.Tensor]) -> torch.Tensor:
+        return checkpoint(lambda *inputs: self._new_features(list(inputs)), *features)
 
     def forward(self, features: List[torch.Tensor]) -> torch.Tensor:
         if self.grad_checkpointing and not torch.jit.is_scripting() and any(f.requires_grad for f in features):
-            x = checkpoint(self._new_features, *features)
+            x = self._checkpointed(features)
         else:
-            x = self._new_features(*features)
+            x = self._new_features(features)
         if self.drop_rate > 0:
             x = F.dropout(x, p=self.drop_rate, training=self.training)
         return x

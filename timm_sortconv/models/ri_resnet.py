@@ -132,8 +132,9 @@ class SortResNet(nn.Module):
     ) -> None:
         super().__init__()
         dd = {'device': device, 'dtype': dtype}
-        if len(layers) != len(channels):
-            raise ValueError(f"one block count per stage: got layers={tuple(layers)}, channels={tuple(channels)}")
+        if len(layers) != 4 or len(channels) != 4:
+            raise ValueError(f"ResNet has four stages: give four block counts and four widths, got "
+                             f"layers={tuple(layers)}, channels={tuple(channels)}")
         conv_layer = get_conv_layer(sampling, sorting, backend)
         norm_layer = partial(nn.BatchNorm2d, eps=bn_eps, momentum=bn_momentum)
         self.num_classes = num_classes
@@ -218,8 +219,9 @@ class SortResNet(nn.Module):
         self.global_pool.train(self.training)
         self.fc.train(self.training)
 
+    @torch.jit.unused
     def _stages(self) -> List[nn.Module]:
-        return [getattr(self, name) for name in self.stage_names]
+        return [self.layer1, self.layer2, self.layer3, self.layer4]
 
     def forward_intermediates(
             self,
@@ -289,8 +291,10 @@ class SortResNet(nn.Module):
         if self.grad_checkpointing and not torch.jit.is_scripting():
             x = checkpoint_seq(self._stages(), x, flatten=True)
         else:
-            for stage in self._stages():
-                x = stage(x)
+            x = self.layer1(x)
+            x = self.layer2(x)
+            x = self.layer3(x)
+            x = self.layer4(x)
         return x
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:

@@ -22,12 +22,13 @@ extension cache (``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extension
 processes load it at once. The build's name carries a hash of the source, the flags, the torch and
 Python versions and the CPU's model and feature flags: a cache is never reused on another CPU or
 after an edit. If the build fails (no compiler, no ninja), one warning is issued and
-``backend="auto"`` uses the reference path. ``TIMM_SORTCONV_DISABLE_FAST=1`` switches the backend off.
+``backend="auto"`` uses the reference path. ``TIMM_SORTCONV_DISABLE_FAST=1`` switches the backend off
+(:func:`timm_sortconv.ops.backends.fast_disabled`).
 
 Supported (``supports_cpu``): CPU tensors of float32 or float64 (input, weight and bias of one
-dtype), odd ``k <= 15``, any stride, dilation and groups, outside ``torch.autocast`` (whose
-lower-precision matmuls the reference path follows). The backward is ``once_differentiable``:
-double backward raises.
+dtype), odd ``k <= 15``, any stride, dilation and groups. Under ``torch.autocast`` on the CPU the
+operator computes SC in float32 (see :mod:`.operator`), so this kernel runs there too. A gradient whose
+own graph is being built (double backward) is computed by the operator through the reference path.
 """
 from __future__ import annotations
 
@@ -46,13 +47,12 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .backends import Backend, register_backend, run_recomputing
+from .backends import NO_PADDING, Backend, fast_disabled, register_backend
 from .geometry import SortGeometry
 
-__all__ = ["DISABLE_ENV", "MAX_KERNEL_SIZE", "POLAR_TAP_SIZES", "build_extension", "load_extension", "polar_tap_header",
+__all__ = ["MAX_KERNEL_SIZE", "POLAR_TAP_SIZES", "build_extension", "load_extension", "polar_tap_header",
            "sort_conv2d_cpu", "supports_cpu"]
 
-DISABLE_ENV = "TIMM_SORTCONV_DISABLE_FAST"
 MAX_KERNEL_SIZE = 15
 SUPPORTED_DTYPES = (torch.float32, torch.float64)
 
@@ -67,10 +67,6 @@ _LDFLAGS = ["-fopenmp"]
 _lock = threading.Lock()
 _extension = None
 _build_failed = False
-
-
-def _disabled() -> bool:
-    return os.environ.get(DISABLE_ENV, "").strip().lower() not in ("", "0", "false", "no")
 
 
 def _cpu_signature() -> str:
@@ -153,7 +149,7 @@ def load_extension(verbose: bool = False):
     """The compiled extension module, building it on first call; ``None`` if disabled or the build failed
     (a single warning says why)."""
     global _extension, _build_failed
-    if _extension is not None or _build_failed or _disabled():
+    if _extension is not None or _build_failed or fast_disabled():
         return _extension
     with _lock:
         if _extension is not None or _build_failed:
@@ -164,7 +160,8 @@ def load_extension(verbose: bool = False):
             _build_failed = True
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             warnings.warn(f"timm_sortconv: the fused CPU backend could not be built ({first_line}); "
-                          f"SortConv2d uses the (slower) reference path. Set {DISABLE_ENV}=1 to silence this.",
+                          "SortConv2d uses the (slower) reference path. Set TIMM_SORTCONV_DISABLE_FAST=1 to silence "
+                          "this.",
                           RuntimeWarning, stacklevel=2)
     return _extension
 
@@ -228,7 +225,6 @@ def _weight_slots(weight: torch.Tensor, tables: _Tables) -> torch.Tensor:
     return flat.index_select(2, tables.slot_to_grid).reshape(weight.shape[0], -1).contiguous()
 
 
-NO_PADDING = (0, 0, 0, 0)
 
 
 def _padding_kwargs(pad: Tuple[int, int, int, int]) -> Dict[str, int]:
@@ -258,17 +254,33 @@ def _backward(grad_output, x, weight, geometry, stride, dilation, groups, need_i
     return grad_input, grad_weight
 
 
+def _pad_when_fewer_images_than_threads(x: torch.Tensor, pad: Tuple[int, int, int, int]):
+    """The kernel pads while each thread copies the images it reads; with fewer images than threads every
+    thread would copy whole images to read a part of each, so such calls are padded once here instead."""
+    if any(pad) and x.shape[0] < torch.get_num_threads():
+        return F.pad(x, pad), NO_PADDING
+    return x, pad
+
+
 def sort_conv2d_cpu(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], geometry: SortGeometry,
                     stride: Tuple[int, int], dilation: Tuple[int, int], groups: int,
                     pad: Tuple[int, int, int, int] = NO_PADDING) -> torch.Tensor:
-    """SC on a CPU input with the fused kernel (the backend's ``fn``), which adds ``pad`` zeros (``F.pad``'s
-    order) itself; backward sorts again and returns the gradient of the unpadded input."""
-    if any(pad) and x.shape[0] < torch.get_num_threads():
-        # The kernel pads while each thread copies the images it reads; with fewer images than threads
-        # every thread would copy whole images to read a part of each, so pad once here instead.
-        x, pad = F.pad(x, pad), NO_PADDING
-    return run_recomputing(functools.partial(_forward, pad=pad), functools.partial(_backward, pad=pad), x, weight,
-                           bias, geometry, stride, dilation, groups)
+    """The backend's forward kernel: SC of a contiguous CPU input, with ``pad`` zeros (``F.pad``'s order)
+    added by the kernel itself."""
+    x, pad = _pad_when_fewer_images_than_threads(x, pad)
+    return _forward(x, weight, bias, geometry, stride, dilation, groups, pad)
+
+
+def sort_conv2d_cpu_backward(grad_output, x, weight, geometry, stride, dilation, groups, need_input, need_weight,
+                             pad=NO_PADDING):
+    """The backend's backward kernel: sorts again and returns the gradients of the unpadded ``x`` and ``weight``."""
+    padded, kernel_pad = _pad_when_fewer_images_than_threads(x, pad)
+    grad_input, grad_weight = _backward(grad_output, padded, weight, geometry, stride, dilation, groups, need_input,
+                                        need_weight, kernel_pad)
+    if grad_input is not None and padded is not x:  # padded here: cut the padding's gradient off
+        left, _, top, _ = pad
+        grad_input = grad_input[:, :, top:top + x.shape[2], left:left + x.shape[3]]
+    return grad_input, grad_weight
 
 
 def supports_cpu(x, weight, bias, geometry: SortGeometry, stride, dilation, groups) -> bool:
@@ -278,9 +290,8 @@ def supports_cpu(x, weight, bias, geometry: SortGeometry, stride, dilation, grou
         all(t.device.type == "cpu" and t.dtype == x.dtype for t in tensors)
         and x.dtype in SUPPORTED_DTYPES
         and geometry.kernel_size <= MAX_KERNEL_SIZE
-        and not torch.is_autocast_enabled("cpu")
-        and not _disabled()
     )
 
 
-register_backend(Backend("cpu", sort_conv2d_cpu, supports_cpu, _available, zero_padding=True))
+register_backend(Backend("cpu", sort_conv2d_cpu, sort_conv2d_cpu_backward, supports_cpu, _available,
+                         zero_padding=True))

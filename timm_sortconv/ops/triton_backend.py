@@ -22,7 +22,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .backends import Backend, register_backend, run_recomputing
+from .backends import Backend, register_backend
 from .geometry import SortGeometry
 
 try:
@@ -36,7 +36,6 @@ __all__ = ["MAX_KERNEL_SIZE", "MAX_OUT_PER_GROUP", "sort_conv2d_triton", "suppor
 MAX_KERNEL_SIZE = 7
 MAX_OUT_PER_GROUP = 256
 BLOCK_POSITIONS = 16
-DISABLE_ENV = "TIMM_SORTCONV_DISABLE_FAST"
 
 
 def _next_power_of_two(n: int, minimum: int = 16) -> int:
@@ -223,9 +222,15 @@ def _backward(grad_output, x, weight, geometry, stride, dilation, groups, need_i
 
 
 def sort_conv2d_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], geometry: SortGeometry,
-                       stride: Tuple[int, int], dilation: Tuple[int, int], groups: int) -> torch.Tensor:
-    """SC on an already padded input with the Triton kernels (the backend's ``fn``); backward ranks again."""
-    return run_recomputing(_forward, _backward, x, weight, bias, geometry, stride, dilation, groups)
+                       stride: Tuple[int, int], dilation: Tuple[int, int], groups: int, pad=(0, 0, 0, 0)) -> torch.Tensor:
+    """The backend's forward kernel, on an already padded input."""
+    return _forward(x, weight, bias, geometry, stride, dilation, groups)
+
+
+def sort_conv2d_triton_backward(grad_output, x, weight, geometry, stride, dilation, groups, need_input, need_weight,
+                                pad=(0, 0, 0, 0)):
+    """The backend's backward kernel: ranks again; gradients of the padded input and the weight."""
+    return _backward(grad_output, x, weight, geometry, stride, dilation, groups, need_input, need_weight)
 
 
 def supports_triton(x, weight, bias, geometry: SortGeometry, stride, dilation, groups) -> bool:
@@ -238,8 +243,6 @@ def supports_triton(x, weight, bias, geometry: SortGeometry, stride, dilation, g
         and x.dtype in (torch.float32, torch.float64)
         and geometry.kernel_size <= MAX_KERNEL_SIZE
         and weight.shape[0] // groups <= MAX_OUT_PER_GROUP
-        and not torch.is_autocast_enabled("cuda")
-        and os.environ.get(DISABLE_ENV, "").strip().lower() in ("", "0", "false", "no")
     )
 
 
@@ -248,5 +251,5 @@ def _available() -> bool:
 
 
 # Not yet run on a GPU: backend="auto" takes it only with TIMM_SORTCONV_TRITON_AUTO=1 (backend="triton" always).
-register_backend(Backend("triton", sort_conv2d_triton, supports_triton, _available,
+register_backend(Backend("triton", sort_conv2d_triton, sort_conv2d_triton_backward, supports_triton, _available,
                          auto=os.environ.get("TIMM_SORTCONV_TRITON_AUTO", "") == "1"))
