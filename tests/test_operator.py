@@ -49,8 +49,7 @@ def count_calls(monkeypatch):
     return install
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("backend,dtype", [("reference", torch.float64), ("cpu", torch.float32)])
 def test_opcheck(backend, dtype):
     """torch.library's own checks: schema, fake (meta) kernel against the real one, autograd registration,
     and the operator inside AOTAutograd, with and without bias and padding."""
@@ -70,9 +69,10 @@ def test_double_backward(sampling, sorting, backend):
     """Second derivatives (gradient penalties, Hessian-vector products) are right on every backend."""
     if backend == "cpu":
         fast_backend()
-    layer = SortConv2d(2, 3, 3, padding=1, sampling=sampling, sorting=sorting, backend=backend).double()
-    x = randn(2, 2, 5, 5).requires_grad_()
-    assert torch.autograd.gradgradcheck(lambda x, w, b: layer._conv_forward(x, w, b), (x, layer.weight, layer.bias))
+    layer = SortConv2d(2, 2, 3, padding=1, sampling=sampling, sorting=sorting, backend=backend).double()
+    x = randn(1, 2, 4, 4).requires_grad_()
+    assert torch.autograd.gradgradcheck(lambda x, w, b: layer._conv_forward(x, w, b), (x, layer.weight, layer.bias),
+                                        fast_mode=True)
 
 
 def test_a_gradient_penalty_reaches_the_weights():
