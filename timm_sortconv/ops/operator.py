@@ -122,7 +122,7 @@ def sort_conv2d_backward_op(grad_output: Tensor, input: Tensor, weight: Tensor, 
     x, kernel_pad = _padded_for(chosen, input.contiguous(), pad)
     grad_x, grad_weight = chosen.backward(grad_output.contiguous(), x, weight.contiguous(), geometry, stride_,
                                           dilation_, groups, need_input, need_weight, kernel_pad)
-    if grad_x is not None and x is not input and x.shape != input.shape:  # padded here: cut the padding off
+    if grad_x is not None and x.shape != input.shape:  # padded here: cut the padding off
         grad_x = grad_x[:, :, pad[2]:pad[2] + input.shape[2], pad[0]:pad[0] + input.shape[3]]
     empty = input.new_empty(0)
     return (grad_x.contiguous() if need_input else empty), (grad_weight.contiguous() if need_weight else empty)
