@@ -126,9 +126,12 @@ class _RecomputingSortConv(torch.autograd.Function):
 
 
 def run_recomputing(forward_kernel: ForwardKernel, backward_kernel: BackwardKernel, x, weight, bias, geometry,
-                    stride, dilation, groups) -> torch.Tensor:
-    """Runs a fast backend's kernels on contiguous tensors, through autograd only when a gradient is needed."""
-    x, weight = x.contiguous(), weight.contiguous()
+                    stride, dilation, groups, keep_channels_last: bool = False) -> torch.Tensor:
+    """Runs a fast backend's kernels on contiguous tensors, through autograd only when a gradient is needed;
+    with ``keep_channels_last`` an input contiguous in ``torch.channels_last`` order is passed as it is."""
+    if not (keep_channels_last and x.is_contiguous(memory_format=torch.channels_last)):
+        x = x.contiguous()
+    weight = weight.contiguous()
     bias = bias.contiguous() if bias is not None else None
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
         return _RecomputingSortConv.apply(forward_kernel, backward_kernel, x, weight, bias, geometry, stride,

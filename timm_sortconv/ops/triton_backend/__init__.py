@@ -1,0 +1,383 @@
+"""The Triton backend for CUDA tensors (``backend="triton"``).
+
+Kernels are generated per geometry (:mod:`.source`): each lane of a program sorts one (output position,
+input channel) window with the geometry's comparator network, in registers, reading the input in place
+(zero padding is a masked read, so autograd keeps only the input and the weight, as for ``nn.Conv2d``).
+Three paths use them (:mod:`.config` chooses per call and holds every block size):
+
+* ``direct``: few input channels per group (depthwise convolutions, first layers): FMAs into a
+  [positions, groups, outputs] tile; the backward sorts again, records the swaps, and adds the input and
+  weight gradients with atomics.
+* ``fused`` (forward): an implicit GEMM; each sorted slot tile goes straight into ``tl.dot``.
+* ``columns``: sorted columns written for a bounded chunk of images and multiplied by cuBLAS. Also the
+  backward of every call that is not direct: the weight and column gradients are cuBLAS products, a kernel
+  sorts again and replays the recorded swaps in reverse to send the column gradient back through the taps,
+  and ``F.fold`` gathers it per input pixel.
+
+Precision: sorting and interpolation are exact in the input's precision (float16/bfloat16 inputs are
+interpolated and sorted in float32 and rounded once; rounding is monotonic, so that is the rounding of the
+exactly sorted values). Products accumulate in float32 (float64 for float64). A float32 product uses TF32
+exactly where ``torch.backends.cudnn.allow_tf32`` (read per call) lets a convolution use it. Under
+``torch.autocast`` float32 tensors are cast to the autocast dtype first, as autocast does for
+``F.conv2d``, and the result has that dtype.
+
+Supported (:func:`supports_triton`): CUDA tensors of one device and of one dtype among float16, bfloat16,
+float32 and float64 (after autocast's cast), odd ``k <= 9``, any stride, dilation, groups, number of
+channels, zero padding, ``torch.channels_last`` inputs and any batch size. Larger kernels take the reference
+path (their networks, 120+ values per segment, would not fit a lane's registers); so do other padding modes,
+which ``run_backend`` pads with ``F.pad`` first. The backward is ``once_differentiable``.
+
+``backend="auto"`` leaves this backend out unless ``TIMM_SORTCONV_TRITON_AUTO=1`` is set: it has not yet been
+measured faster than the reference path on a GPU. Its correctness is tested on CPU tensors through Triton's
+interpreter (``TRITON_INTERPRET=1``), and natively where a CUDA device is present.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from ..backends import Backend, register_backend, run_recomputing
+from ..geometry import SortGeometry
+from . import config
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = None
+
+__all__ = ["DISABLE_ENV", "MAX_KERNEL_SIZE", "SUPPORTED_DTYPES", "backward", "forward", "sort_conv2d_triton",
+           "supports_triton"]
+
+DISABLE_ENV = "TIMM_SORTCONV_DISABLE_FAST"
+AUTO_ENV = "TIMM_SORTCONV_TRITON_AUTO"
+MAX_KERNEL_SIZE = 9
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+NO_PADDING = (0, 0, 0, 0)
+
+
+@dataclass(frozen=True)
+class _Call:
+    """Sizes of one call, and the position arguments every kernel takes."""
+
+    geometry: SortGeometry
+    batch: int
+    channels: int
+    height: int
+    width: int
+    out_channels: int
+    groups: int
+    out_h: int
+    out_w: int
+    stride: Tuple[int, int]
+    dilation: Tuple[int, int]
+    pad: Tuple[int, int, int, int]
+
+    @classmethod
+    def of(cls, x, weight, geometry, stride, dilation, groups, pad) -> "_Call":
+        k = geometry.kernel_size
+        batch, channels, height, width = x.shape
+        out_h = (height + pad[2] + pad[3] - dilation[0] * (k - 1) - 1) // stride[0] + 1
+        out_w = (width + pad[0] + pad[1] - dilation[1] * (k - 1) - 1) // stride[1] + 1
+        return cls(geometry, batch, channels, height, width, weight.shape[0], groups, out_h, out_w, tuple(stride),
+                   tuple(dilation), tuple(pad))
+
+    @property
+    def slots(self) -> int:
+        return self.geometry.kernel_size ** 2
+
+    @property
+    def in_per_group(self) -> int:
+        return self.channels // self.groups
+
+    @property
+    def out_per_group(self) -> int:
+        return self.out_channels // self.groups
+
+    @property
+    def largest_segment(self) -> int:
+        return max(end - start for start, end in self.geometry.segments)
+
+    def position_args(self, x: torch.Tensor, images: int) -> tuple:
+        """``n_pos, L, out_w, H, W, sxb, sxc, sxh, sxw, stride_h, stride_w, dil_h, dil_w, pad_t, pad_l``."""
+        positions = self.out_h * self.out_w
+        return (images * positions, positions, self.out_w, self.height, self.width, *x.stride(), *self.stride,
+                *self.dilation, self.pad[2], self.pad[0])
+
+
+def _compute_dtype(dtype: torch.dtype):
+    """Triton dtype of sampling, sorting and accumulation: float64 for float64, else float32."""
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "tf32" if dtype == torch.float32 and torch.backends.cudnn.allow_tf32 else "ieee"
+
+
+@contextmanager
+def _cublas_like_conv(dtype: torch.dtype):
+    """cuBLAS products as a convolution would compute them: TF32 for float32 exactly where
+    ``torch.backends.cudnn.allow_tf32`` allows it, and float32 accumulation for half types."""
+    matmul = torch.backends.cuda.matmul
+    saved = (matmul.allow_tf32, matmul.allow_fp16_reduced_precision_reduction,
+             matmul.allow_bf16_reduced_precision_reduction)
+    matmul.allow_tf32 = dtype == torch.float32 and torch.backends.cudnn.allow_tf32
+    matmul.allow_fp16_reduced_precision_reduction = False
+    matmul.allow_bf16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        (matmul.allow_tf32, matmul.allow_fp16_reduced_precision_reduction,
+         matmul.allow_bf16_reduced_precision_reduction) = saved
+
+
+def _empty_output(x: torch.Tensor, call: _Call) -> torch.Tensor:
+    """The output, channels_last where the input is (as ``F.conv2d`` makes it)."""
+    channels_last = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+    return torch.empty(call.batch, call.out_channels, call.out_h, call.out_w, dtype=x.dtype, device=x.device,
+                       memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+
+
+def _weight_in_slots(weight: torch.Tensor, call: _Call) -> torch.Tensor:
+    """``(O, C/g, k, k)`` -> ``(G, O/g, C/g, slots)``, slots in the geometry's order."""
+    flat = weight.reshape(call.groups, call.out_per_group, call.in_per_group, call.slots)
+    return flat.index_select(3, call.geometry.slot_to_grid.to(weight.device))
+
+
+def _weight_from_slots(grad: torch.Tensor, call: _Call) -> torch.Tensor:
+    """The inverse of :func:`_weight_in_slots`: ``(G, O/g, C/g, slots)`` -> ``(O, C/g, k, k)``."""
+    grid_to_slot = torch.argsort(call.geometry.slot_to_grid).to(grad.device)
+    k = call.geometry.kernel_size
+    return grad.index_select(3, grid_to_slot).reshape(call.out_channels, call.in_per_group, k, k)
+
+
+def _slot_major(weight: torch.Tensor, call: _Call) -> torch.Tensor:
+    """The weight laid out ``[group, slot, in_per_group, out_per_group]`` for the fused and direct kernels."""
+    return _weight_in_slots(weight, call).permute(0, 3, 2, 1).contiguous()
+
+
+def _from_slot_major(grad: torch.Tensor, call: _Call) -> torch.Tensor:
+    return _weight_from_slots(grad.permute(0, 3, 2, 1), call)
+
+
+def _direct_forward(x, weight, bias, call: _Call):
+    kernels = load_kernels(call.geometry)
+    out = _empty_output(x, call)
+    block_p, block_g, block_j, warps = config.direct_blocks(call.largest_segment, call.groups, call.out_per_group)
+    grid = (triton.cdiv(call.batch * call.out_h * call.out_w, block_p), triton.cdiv(call.groups, block_g),
+            triton.cdiv(call.out_per_group, block_j))
+    kernels["direct_forward_kernel"][grid](
+        x, _slot_major(weight, call), bias if bias is not None else x, out, call.groups, call.in_per_group,
+        call.out_per_group, *call.position_args(x, call.batch), *out.stride(), COMPUTE=_compute_dtype(x.dtype),
+        HAS_BIAS=bias is not None, BLOCK_P=block_p, BLOCK_G=block_g, BLOCK_J=block_j, num_warps=warps)
+    return out
+
+
+def _fused_forward(x, weight, bias, call: _Call):
+    kernels = load_kernels(call.geometry)
+    out = _empty_output(x, call)
+    block_p, block_c, block_o, warps = config.fused_blocks(call.largest_segment, call.out_per_group)
+    grid = (triton.cdiv(call.batch * call.out_h * call.out_w, block_p), triton.cdiv(call.out_per_group, block_o),
+            call.groups)
+    compute = _compute_dtype(x.dtype)
+    kernels["fused_forward_kernel"][grid](
+        x, _slot_major(weight, call), bias if bias is not None else x, out, call.in_per_group, call.out_per_group,
+        *call.position_args(x, call.batch), *out.stride(), COMPUTE=compute, ACCUMULATE=compute,
+        PRECISION=_dot_precision(x.dtype), HAS_BIAS=bias is not None, BLOCK_P=block_p, BLOCK_C=block_c,
+        BLOCK_O=block_o, num_warps=warps)
+    return out
+
+
+def _chunks(call: _Call, element_size: int):
+    """``(first, end)`` image ranges of the columns path."""
+    images = config.column_images(call.channels * call.slots * call.out_h * call.out_w * element_size, call.batch)
+    for first in range(0, call.batch, images):
+        yield first, min(call.batch, first + images)
+
+
+def _launch_columns(x, columns, column_strides, call: _Call, first: int, end: int):
+    """Sorted columns of images [first, end) into ``columns`` (strides: image, channel, slot)."""
+    block_p, block_c, warps = config.column_blocks(call.largest_segment)
+    part = x[first:end]
+    grid = (triton.cdiv((end - first) * call.out_h * call.out_w, block_p), triton.cdiv(call.channels, block_c))
+    load_kernels(call.geometry)["columns_kernel"][grid](
+        part, columns, call.channels, *call.position_args(part, end - first), *column_strides,
+        COMPUTE=_compute_dtype(x.dtype), BLOCK_P=block_p, BLOCK_C=block_c, num_warps=warps)
+
+
+def _columns_forward(x, weight, bias, call: _Call):
+    positions = call.out_h * call.out_w
+    depth = call.in_per_group * call.slots
+    weight_rows = _weight_in_slots(weight, call).reshape(call.groups, call.out_per_group, depth)
+    out = torch.empty(call.batch, call.out_channels, call.out_h, call.out_w, dtype=x.dtype, device=x.device)
+    with _cublas_like_conv(x.dtype):
+        for first, end in _chunks(call, x.element_size()):
+            images = end - first
+            # [image, channel, slot, position]: the product writes the output's own layout.
+            columns = torch.empty(images, call.channels, call.slots, positions, dtype=x.dtype, device=x.device)
+            _launch_columns(x, columns, columns.stride()[:3], call, first, end)
+            torch.matmul(weight_rows, columns.view(images, call.groups, depth, positions),
+                         out=out[first:end].view(images, call.groups, call.out_per_group, positions))
+    if bias is not None:
+        out += bias.view(1, -1, 1, 1)
+    return out
+
+
+def _fold(windows: torch.Tensor, call: _Call) -> torch.Tensor:
+    """Window-value gradients ``(images, C * k*k, L)`` summed into the input's pixels by ``F.fold``."""
+    left, right, top, bottom = call.pad
+    k = call.geometry.kernel_size
+    if left == right and top == bottom:
+        return F.fold(windows, (call.height, call.width), k, dilation=call.dilation, padding=(top, left),
+                      stride=call.stride)
+    padded = F.fold(windows, (call.height + top + bottom, call.width + left + right), k, dilation=call.dilation,
+                    stride=call.stride)
+    return padded[:, :, top:top + call.height, left:left + call.width]
+
+
+def _columns_backward(grad_out, x, weight, call: _Call, need_input: bool, need_weight: bool):
+    positions = call.out_h * call.out_w
+    depth = call.in_per_group * call.slots
+    weight_rows = _weight_in_slots(weight, call).reshape(call.groups, call.out_per_group, depth)
+    accumulate = torch.float64 if x.dtype == torch.float64 else torch.float32
+    grad_rows = torch.zeros(call.groups, call.out_per_group, depth, dtype=accumulate, device=x.device) \
+        if need_weight else None
+    grad_input = torch.empty_like(x, memory_format=torch.contiguous_format) if need_input else None
+    compute = _compute_dtype(x.dtype)
+    block_p, block_c, warps = config.column_blocks(call.largest_segment)
+    with _cublas_like_conv(x.dtype):
+        for first, end in _chunks(call, x.element_size()):
+            images = end - first
+            # [group, out, image * position]: each product below is one GEMM per group over the chunk.
+            grad_part = (grad_out[first:end].view(images, call.groups, call.out_per_group, positions)
+                         .permute(1, 2, 0, 3).reshape(call.groups, call.out_per_group, images * positions))
+            if need_weight:
+                # [channel, slot, image, position]: a group's rows are (channel, slot), its columns (image, l).
+                columns = torch.empty(call.channels, call.slots, images, positions, dtype=x.dtype, device=x.device)
+                _launch_columns(x, columns, (columns.stride(2), columns.stride(0), columns.stride(1)), call, first,
+                                end)
+                grad_rows += torch.matmul(grad_part, columns.view(call.groups, depth, images * positions)
+                                          .transpose(1, 2)).to(accumulate)
+                del columns
+            if need_input:
+                grad_columns = torch.matmul(weight_rows.transpose(1, 2), grad_part)  # [channel, slot, image, l]
+                windows = torch.empty(images, call.channels, call.slots, positions, dtype=accumulate,
+                                      device=x.device)
+                part = x[first:end]
+                grid = (triton.cdiv(images * positions, block_p), triton.cdiv(call.channels, block_c))
+                load_kernels(call.geometry)["unsort_kernel"][grid](
+                    part, grad_columns, windows, call.channels, *call.position_args(part, images), positions,
+                    call.slots * images * positions, images * positions, *windows.stride()[:3], COMPUTE=compute,
+                    BLOCK_P=block_p, BLOCK_C=block_c, num_warps=warps)
+                del grad_columns
+                grad_input[first:end] = _fold(windows.view(images, call.channels * call.slots, positions), call)
+    grad_weight = None
+    if need_weight:
+        grad_weight = _weight_from_slots(grad_rows.view(call.groups, call.out_per_group, call.in_per_group,
+                                                        call.slots), call).to(weight.dtype)
+    return grad_input, grad_weight
+
+
+def _direct_backward(grad_out, x, weight, call: _Call, need_input: bool, need_weight: bool):
+    accumulate = torch.float64 if x.dtype == torch.float64 else torch.float32
+    weight_slots = _slot_major(weight, call)
+    # Same strides as x (contiguous or channels_last), which the kernel addresses both by.
+    grad_x = torch.zeros_like(x, dtype=accumulate) if need_input else x
+    grad_w = torch.zeros(weight_slots.shape, dtype=accumulate, device=x.device) if need_weight else weight_slots
+    assert grad_x.stride() == x.stride()
+    block_p, block_g, block_j, warps = config.direct_blocks(call.largest_segment, call.groups, call.out_per_group)
+    grid = (triton.cdiv(call.batch * call.out_h * call.out_w, block_p), triton.cdiv(call.groups, block_g),
+            triton.cdiv(call.out_per_group, block_j))
+    load_kernels(call.geometry)["direct_backward_kernel"][grid](
+        x, weight_slots, grad_out, grad_x, grad_w, call.groups, call.in_per_group, call.out_per_group,
+        *call.position_args(x, call.batch), *grad_out.stride(), COMPUTE=_compute_dtype(x.dtype),
+        NEED_X=bool(need_input), NEED_W=bool(need_weight), BLOCK_P=block_p, BLOCK_G=block_g, BLOCK_J=block_j,
+        num_warps=warps)
+    grad_input = grad_x.to(x.dtype) if need_input else None
+    grad_weight = _from_slot_major(grad_w, call).to(weight.dtype) if need_weight else None
+    return grad_input, grad_weight
+
+
+def forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], geometry: SortGeometry,
+            stride: Tuple[int, int], dilation: Tuple[int, int], groups: int,
+            pad: Tuple[int, int, int, int] = NO_PADDING) -> torch.Tensor:
+    """SC of ``x`` (contiguous or channels_last, unpadded: ``pad`` zeros in ``F.pad``'s order are read as
+    zeros) with ``weight`` and ``bias`` of x's dtype, on the path :func:`config.choose_path` picks."""
+    call = _Call.of(x, weight, geometry, stride, dilation, groups, pad)
+    path = config.choose_path(call.in_per_group, call.out_per_group)
+    if path == "direct":
+        return _direct_forward(x, weight, bias, call)
+    if path == "fused":
+        return _fused_forward(x, weight, bias, call)
+    return _columns_forward(x, weight, bias, call)
+
+
+def backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, geometry: SortGeometry,
+             stride: Tuple[int, int], dilation: Tuple[int, int], groups: int, need_input: bool, need_weight: bool,
+             pad: Tuple[int, int, int, int] = NO_PADDING) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """``(grad_input, grad_weight)`` of :func:`forward` for a contiguous ``grad_out`` (None where not needed)."""
+    call = _Call.of(x, weight, geometry, stride, dilation, groups, pad)
+    if config.choose_path(call.in_per_group, call.out_per_group) == "direct":
+        return _direct_backward(grad_out, x, weight, call, need_input, need_weight)
+    return _columns_backward(grad_out, x, weight, call, need_input, need_weight)
+
+
+def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
+def _cast_for_autocast(tensors, dtype: Optional[torch.dtype]):
+    """Float32 tensors cast to autocast's dtype, as autocast casts the arguments of ``F.conv2d``."""
+    return [t.to(dtype) if dtype is not None and t is not None and t.dtype == torch.float32 else t for t in tensors]
+
+
+def sort_conv2d_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], geometry: SortGeometry,
+                       stride: Tuple[int, int], dilation: Tuple[int, int], groups: int,
+                       pad: Tuple[int, int, int, int] = NO_PADDING) -> torch.Tensor:
+    """SC with the Triton kernels (the backend's ``fn``); ``pad`` zeros are added inside the kernels and the
+    backward sorts again, so autograd keeps only the input and the weight."""
+    dtype = _autocast_dtype(x.device.type)
+    x, weight, bias = _cast_for_autocast((x, weight, bias), dtype)
+    run = functools.partial(run_recomputing, functools.partial(forward, pad=pad), functools.partial(backward, pad=pad),
+                            x, weight, bias, geometry, stride, dilation, groups, keep_channels_last=True)
+    if dtype is None:
+        return run()
+    with torch.autocast(x.device.type, enabled=False):
+        return run()
+
+
+def _disabled() -> bool:
+    return os.environ.get(DISABLE_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def supports_triton(x, weight, bias, geometry: SortGeometry, stride, dilation, groups) -> bool:
+    """Whether the kernels compute this call as the reference path does: Triton installed, CUDA tensors of
+    one device with one dtype among :data:`SUPPORTED_DTYPES` once autocast has cast them, ``k <=``
+    :data:`MAX_KERNEL_SIZE` (beyond, the sorting networks would not fit a lane's registers), and the
+    backend not switched off by ``TIMM_SORTCONV_DISABLE_FAST``."""
+    tensors = [t for t in _cast_for_autocast((x, weight, bias), _autocast_dtype(x.device.type)) if t is not None]
+    return (
+        triton is not None
+        and x.is_cuda
+        and all(t.device == x.device and t.dtype == tensors[0].dtype for t in tensors)
+        and tensors[0].dtype in SUPPORTED_DTYPES
+        and geometry.kernel_size <= MAX_KERNEL_SIZE
+        and not _disabled()
+    )
+
+
+def _available() -> bool:
+    return triton is not None and torch.cuda.is_available()
+
+
+if triton is not None:
+    from .source import load_kernels
+
+register_backend(Backend("triton", sort_conv2d_triton, supports_triton, _available,
+                         auto=os.environ.get(AUTO_ENV, "") == "1", zero_padding=True))

@@ -1,0 +1,97 @@
+"""Launch settings of the Triton backend, in one place: the choices a GPU measurement decides.
+
+Which kernels compute a call (:func:`choose_path`):
+
+* ``"direct"``: groups with fewer input channels than a matrix instruction's depth (depthwise
+  convolutions, a network's first layer) and few outputs per group. Lanes are (position, group) windows;
+  the products are FMAs into a [positions, groups, outputs] tile; the backward adds the input and weight
+  gradients with atomics.
+* ``"fused"`` (forward only): an implicit GEMM, each program sorting a tile of (position, input channel)
+  windows and multiplying every sorted slot into its output tile with ``tl.dot``; the windows are sorted
+  once per block of ``BLOCK_O`` outputs (once in all where the group has at most ``FUSED_MAX_BLOCK_O``).
+* ``"columns"``: the sorted columns are written once, a bounded number of images at a time
+  (``COLUMN_CHUNK_BYTES``), and multiplied by cuBLAS (``torch.matmul``). The backward of every call that
+  is not direct takes this path: the column and weight gradients are two cuBLAS products, a kernel sorts
+  again and sends the column gradient back to the window values, and ``F.fold`` gathers them per input
+  pixel (no atomics).
+
+``TIMM_SORTCONV_TRITON_PATH=direct|fused|columns`` forces one path for every call (benchmarks compare them
+that way); each is exact for any call.
+
+The block sizes below keep the values one lane holds (the largest sorted segment: 9, 16, 25, 24, 49,
+32, 81 for the variants up to k = 9) at about 100 registers per thread; ``scripts/triton_kernel_report.py``
+compiles every kernel for an H100 (sm_90) on any machine and prints registers and spills per setting.
+"""
+from __future__ import annotations
+
+import os
+from typing import Tuple
+
+__all__ = ["PATH_ENV", "PATHS", "FORWARD_PATH", "choose_path", "column_blocks", "fused_blocks", "direct_blocks",
+           "column_images"]
+
+PATH_ENV = "TIMM_SORTCONV_TRITON_PATH"
+PATHS = ("direct", "fused", "columns")
+
+# The path of calls with enough channels per group for tl.dot: "fused" or "columns". Unmeasured on a GPU;
+# scripts/bench_sortconv.py --device cuda --triton-paths fused,columns times both.
+FORWARD_PATH = "fused"
+# tl.dot needs K >= 16: groups with fewer input channels run direct when they have at most
+# DIRECT_MAX_OUT_PER_GROUP outputs, else through the columns (cuBLAS has no such bound).
+DOT_MIN_CHANNELS = 16
+DIRECT_MAX_OUT_PER_GROUP = 64
+
+FUSED_BLOCK_C = 16
+FUSED_MAX_BLOCK_O = 128
+# Sorted columns (and, in the backward, their gradient and the window gradients) per chunk of images.
+COLUMN_CHUNK_BYTES = 256 << 20
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def choose_path(in_per_group: int, out_per_group: int) -> str:
+    """The forward path of a call; the backward is ``"direct"`` for direct calls, else ``"columns"``."""
+    forced = os.environ.get(PATH_ENV, "").strip().lower()
+    if forced:
+        if forced not in PATHS:
+            raise ValueError(f"{PATH_ENV}={forced!r} is not a path; accepted: {', '.join(PATHS)}")
+        return forced
+    if in_per_group < DOT_MIN_CHANNELS:
+        return "direct" if out_per_group <= DIRECT_MAX_OUT_PER_GROUP else "columns"
+    return FORWARD_PATH
+
+
+def column_blocks(largest_segment: int) -> Tuple[int, int, int]:
+    """(BLOCK_P, BLOCK_C, num_warps) of the columns and unsort kernels: positions along the block (the
+    contiguous axis of NCHW inputs), one or two lanes per thread."""
+    if largest_segment <= 16:
+        return 64, 4, 4
+    return 64, 2, 4
+
+
+def fused_blocks(largest_segment: int, out_per_group: int) -> Tuple[int, int, int, int]:
+    """(BLOCK_P, BLOCK_C, BLOCK_O, num_warps) of the fused forward kernel."""
+    block_o = max(16, min(FUSED_MAX_BLOCK_O, _next_power_of_two(out_per_group)))
+    if largest_segment <= 16:
+        return 64, FUSED_BLOCK_C, block_o, 4
+    if largest_segment <= 32:
+        return 64, FUSED_BLOCK_C, block_o, 8
+    if largest_segment <= 49:
+        return 32, FUSED_BLOCK_C, block_o, 8
+    return 16, FUSED_BLOCK_C, block_o, 8
+
+
+def direct_blocks(largest_segment: int, groups: int, out_per_group: int) -> Tuple[int, int, int, int]:
+    """(BLOCK_P, BLOCK_G, BLOCK_J, num_warps) of the direct kernels: about 256 lanes (128 for segments
+    of more than 16 values) over positions and groups, and up to 32 outputs per group per program."""
+    block_g = min(16, _next_power_of_two(groups))
+    block_j = min(32, _next_power_of_two(out_per_group))
+    lanes = 256 if largest_segment <= 16 else 128
+    return max(16, lanes // block_g), block_g, block_j, 4
+
+
+def column_images(bytes_per_image: int, batch: int) -> int:
+    """Images per chunk of the columns path, so that a chunk's columns stay within COLUMN_CHUNK_BYTES."""
+    return max(1, min(batch, COLUMN_CHUNK_BYTES // max(1, bytes_per_image)))
