@@ -86,6 +86,11 @@ class _Writer:
 
 _NAN = "propagate_nan=tl.PropagateNan.ALL"
 
+
+def _bit(bit: int) -> int:
+    """The int32 constant with only ``bit`` set (bit 31 is the sign bit: a negative constant)."""
+    return (1 << bit) - (1 << 32 if bit == 31 else 0)
+
 # The arguments every kernel takes to find its lanes' windows: output positions (flat over the images
 # of the launch), the input's size and strides, and the convolution's stride, dilation and zero padding.
 _POSITION_ARGS = ("n_pos, L, out_w, H, W, sxb, sxc, sxh, sxw, stride_h, stride_w, dil_h, dil_w, pad_t, pad_l")
@@ -102,36 +107,56 @@ class _Kernel:
         self.comparators = {segment: depth_first([(a, b) for a, b in geometry.comparators()
                                                   if segment[0] <= a < segment[1]])
                             for segment in geometry.segments}
-        self.used_rows = sorted({q // self.k for sample in self.taps for q, _ in sample})
-        self.used_cols = sorted({q % self.k for sample in self.taps for q, _ in sample})
+        self.used = sorted({q for sample in self.taps for q, _ in sample})
+        self.weights = {w: n for n, w in enumerate(sorted({w for sample in self.taps for _, w in sample} - {1.0}))}
+        # Per-lane row masks (ok_row{r}) already formed in the current channel block.
+        self.row_masks: set = set()
 
     def header(self, name: str, args: str) -> None:
         self.write("", "", "@triton.jit", f"def {name}({args}):")
         self.write.depth = 1
 
     def positions(self) -> None:
-        """Lane positions of the program's block: ``pos`` [BLOCK_P, 1] offsets into x and the row/column
-        bounds of every window row and column (zero padding = masked reads)."""
+        """Lane positions of the program's block: ``pos`` [BLOCK_P, 1], the offset of each window's
+        top-left corner in x; per window row and column used, whether it lies inside the input
+        (``row_ok{r}``, which also holds ``p_ok``, and ``col_ok{c}``: zero padding is a masked read);
+        per window position ``off{q}``, its offset from the corner; the tap weights ``tw{n}``."""
         w = self.write
-        w("p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)",
+        # Index arithmetic in int64: no offset overflows on large tensors (and Triton's interpreter checks
+        # every int32 operation for overflow, which made it several times slower).
+        w("p = tl.program_id(0).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)",
           "p_ok = p < n_pos",
           "image = p // L",
           "l = p % L",
           "ih0 = (l // out_w) * stride_h - pad_t",
           "iw0 = (l % out_w) * stride_w - pad_l",
-          "pos = (image.to(tl.int64) * sxb + ih0 * sxh + iw0 * sxw)[:, None]")
-        for r in self.used_rows:
-            w(f"row_ok{r} = ((ih0 + {r} * dil_h >= 0) & (ih0 + {r} * dil_h < H))[:, None]")
-        for c in self.used_cols:
-            w(f"col_ok{c} = ((iw0 + {c} * dil_w >= 0) & (iw0 + {c} * dil_w < W))[:, None]")
+          "pos = (image * sxb + ih0 * sxh + iw0 * sxw)[:, None]",
+          "row_step = dil_h.to(tl.int64)",
+          "col_step = dil_w.to(tl.int64)")
+        for r in sorted({q // self.k for q in self.used}):
+            w(f"row_ok{r} = (p_ok & (ih0 + {r} * row_step >= 0) & (ih0 + {r} * row_step < H))[:, None]")
+        for c in sorted({q % self.k for q in self.used}):
+            w(f"col_ok{c} = ((iw0 + {c} * col_step >= 0) & (iw0 + {c} * col_step < W))[:, None]")
+        for q in self.used:
+            r, c = divmod(q, self.k)
+            w(f"off{q} = {r} * row_step * sxh + {c} * col_step * sxw")
+        for weight, n in self.weights.items():
+            w(f"tw{n} = tl.full([], {weight!r}, COMPUTE)")
 
-    def window_offset(self, q: int) -> str:
-        r, c = divmod(q, self.k)
-        return f"({r} * dil_h) * sxh + ({c} * dil_w) * sxw"
+    def new_channel_block(self) -> None:
+        """Forget the row masks of the previous block of channels (``lane_ok`` changed)."""
+        self.row_masks = set()
 
     def window_mask(self, q: int) -> str:
+        """The mask of window position q's reads for every lane, forming its row's mask first if needed."""
         r, c = divmod(q, self.k)
-        return f"lane_ok & row_ok{r} & col_ok{c}"
+        if r not in self.row_masks:
+            self.row_masks.add(r)
+            self.write(f"ok_row{r} = lane_ok & row_ok{r}")
+        return f"ok_row{r} & col_ok{c}"
+
+    def scaled(self, name: str, weight: float) -> str:
+        return name if weight == 1.0 else f"{name} * tw{self.weights[weight]}"
 
     def sample(self, i: int, loaded: set) -> None:
         """``s{i}`` = sample i of every lane, reading the window values it needs that this segment has not."""
@@ -139,17 +164,14 @@ class _Kernel:
         for q, _ in self.taps[i]:
             if q not in loaded:
                 loaded.add(q)
-                w(f"v{q} = tl.load(x_lane + ({self.window_offset(q)}), mask={self.window_mask(q)}, "
-                  "other=0.0).to(COMPUTE)")
-        terms = self.taps[i]
-        if len(terms) == 1 and terms[0][1] == 1.0:
-            w(f"s{i} = v{terms[0][0]}")
-        else:
-            w(f"s{i} = " + " + ".join(f"v{q} * tl.full([], {weight!r}, COMPUTE)" for q, weight in terms))
+                mask = self.window_mask(q)
+                w(f"v{q} = tl.load(x_lane + off{q}, mask={mask}, other=0.0).to(COMPUTE)")
+        w(f"s{i} = " + " + ".join(self.scaled(f"v{q}", weight) for q, weight in self.taps[i]))
 
     def sort_segment(self, segment: Tuple[int, int], record: bool) -> None:
         """Samples of ``segment`` formed and sorted into ``s{start}..s{end-1}``; with ``record`` the swap
-        decisions are kept in ``swaps{word}`` (bit ``t % 32`` of word ``t // 32`` for comparator t)."""
+        decisions are kept in ``swaps{word}`` (bit ``t % 32`` of word ``t // 32`` for comparator t: an or
+        and a select per comparator, and an and and a compare to read it back)."""
         w = self.write
         start, end = segment
         defined: set = set()
@@ -169,7 +191,7 @@ class _Kernel:
                   f"s{b} = tl.where(swap, s{a}, s{b})",
                   f"s{a} = lo")
                 w(f"swaps{word} = swap.to(tl.int32)" if bit == 0 else
-                  f"swaps{word} = swaps{word} | (swap.to(tl.int32) << {bit})")
+                  f"swaps{word} = tl.where(swap, swaps{word} | {_bit(bit)}, swaps{word})")
             else:
                 w(f"lo = tl.minimum(s{a}, s{b}, {_NAN})",
                   f"s{b} = tl.maximum(s{a}, s{b}, {_NAN})",
@@ -182,7 +204,7 @@ class _Kernel:
         for t in reversed(range(len(pairs))):
             a, b = pairs[t]
             word, bit = divmod(t, 32)
-            w(f"swap = ((swaps{word} >> {bit}) & 1) != 0",
+            w(f"swap = (swaps{word} & {_bit(bit)}) != 0",
               f"lo = tl.where(swap, g{b}, g{a})",
               f"g{b} = tl.where(swap, g{a}, g{b})",
               f"g{a} = lo")
@@ -201,7 +223,7 @@ class _Kernel:
         w = self.write
         for i in range(*segment):
             for q, weight in self.taps[i]:
-                term = f"g{i}" if weight == 1.0 else f"g{i} * tl.full([], {weight!r}, COMPUTE)"
+                term = self.scaled(f"g{i}", weight)
                 w(f"gv{q} = gv{q} + {term}" if q in started else f"gv{q} = {term}")
                 started.add(q)
 
@@ -220,7 +242,7 @@ def _columns_kernel(geometry: SortGeometry) -> str:
     w("c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)",
       "lane_ok = p_ok[:, None] & (c < C)[None, :]",
       "x_lane = x_ptr + pos + (c.to(tl.int64) * sxc)[None, :]",
-      "cols_lane = cols_ptr + (image.to(tl.int64) * scb + l)[:, None] + (c.to(tl.int64) * scc)[None, :]")
+      "cols_lane = cols_ptr + (image * scb + l)[:, None] + (c.to(tl.int64) * scc)[None, :]")
     for segment in geometry.segments:
         kernel.sort_segment(segment, record=False)
         for i in range(*segment):
@@ -240,8 +262,8 @@ def _unsort_kernel(geometry: SortGeometry) -> str:
     w("c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)",
       "lane_ok = p_ok[:, None] & (c < C)[None, :]",
       "x_lane = x_ptr + pos + (c.to(tl.int64) * sxc)[None, :]",
-      "grad_lane = grad_cols_ptr + (image.to(tl.int64) * sgb + l)[:, None] + (c.to(tl.int64) * sgc)[None, :]",
-      "windows_lane = windows_ptr + (image.to(tl.int64) * swb + l)[:, None] + (c.to(tl.int64) * swc)[None, :]")
+      "grad_lane = grad_cols_ptr + (image * sgb + l)[:, None] + (c.to(tl.int64) * sgc)[None, :]",
+      "windows_lane = windows_ptr + (image * swb + l)[:, None] + (c.to(tl.int64) * swc)[None, :]")
     started: set = set()
     last = kernel.last_segment_of_positions()
     out_type = "windows_ptr.dtype.element_ty"
@@ -279,6 +301,7 @@ def _fused_forward_kernel(geometry: SortGeometry) -> str:
       "slot_stride = in_per_group * out_per_group",
       "for c0 in range(0, in_per_group, BLOCK_C):")
     w.depth += 1
+    kernel.new_channel_block()
     w("c = c0 + tl.arange(0, BLOCK_C)",
       "c_ok = c < in_per_group",
       "lane_ok = p_ok[:, None] & c_ok[None, :]",
@@ -293,7 +316,7 @@ def _fused_forward_kernel(geometry: SortGeometry) -> str:
     w.depth -= 1
     w("if HAS_BIAS:",
       "    acc += tl.load(bias_ptr + group * out_per_group + o, mask=o_ok, other=0.0).to(ACCUMULATE)[None, :]",
-      "out = out_ptr + (image.to(tl.int64) * sob + (l // out_w) * soh + (l % out_w) * sow)[:, None] "
+      "out = out_ptr + (image * sob + (l // out_w) * soh + (l % out_w) * sow)[:, None] "
       "+ ((group * out_per_group + o).to(tl.int64) * soc)[None, :]",
       "tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=p_ok[:, None] & o_ok[None, :])")
     return kernel.source()
@@ -314,7 +337,7 @@ def _direct_prologue(kernel: _Kernel, slots: int) -> None:
       "lane_ok = p_ok[:, None] & g_ok[None, :]",
       "gj_ok = g_ok[:, None] & (j < out_per_group)[None, :]",
       "out_ok = lane_ok[:, :, None] & gj_ok[None, :, :]",
-      "out_offset = (image.to(tl.int64) * sob + (l // out_w) * soh + (l % out_w) * sow)[:, None, None] "
+      "out_offset = (image * sob + (l // out_w) * soh + (l % out_w) * sow)[:, None, None] "
       "+ ((g[:, None] * out_per_group + j[None, :]).to(tl.int64) * soc)[None, :, :]",
       "slot_stride = in_per_group * out_per_group")
 
@@ -323,6 +346,7 @@ def _direct_channel_loop(kernel: _Kernel, slots: int) -> None:
     w = kernel.write
     w("for c in range(0, in_per_group):")
     w.depth += 1
+    kernel.new_channel_block()
     w("x_offset = pos + ((g * in_per_group + c).to(tl.int64) * sxc)[None, :]",
       f"w_offset = (g[:, None] * ({slots} * in_per_group) + c) * out_per_group + j[None, :]",
       "x_lane = x_ptr + x_offset",
@@ -386,8 +410,8 @@ def _direct_backward_kernel(geometry: SortGeometry) -> str:
         kernel.unsort_segment(segment)
         kernel.window_gradients(segment, started)
         for q in sorted(q for q, seg in last.items() if seg == index):
-            w(f"tl.atomic_add(grad_x_lane + ({kernel.window_offset(q)}), gv{q}.to(grad_x_ptr.dtype.element_ty), "
-              f"mask={kernel.window_mask(q)})")
+            mask = kernel.window_mask(q)
+            w(f"tl.atomic_add(grad_x_lane + off{q}, gv{q}.to(grad_x_ptr.dtype.element_ty), mask={mask})")
         w.depth -= 1
     return kernel.source()
 
