@@ -140,9 +140,9 @@ def test_every_geometry_is_tested_forward_and_backward():
 def test_several_blocks_of_positions_channels_and_outputs(path):
     # 3 x 9 x 9 positions (several position blocks), 20 channels (several channel blocks of the columns
     # kernels, two iterations of the fused kernel's channel loop), and more outputs per group than one block
-    # of the fused (128) or direct (32) kernel.
+    # of the fused (128) or direct (4) kernel.
     geometry = get_geometry(3, "polar", "ring")
-    channels, out_per_group = {"direct": (4, 40), "fused": (20, 130), "columns": (20, 20)}[path]
+    channels, out_per_group = {"direct": (4, 6), "fused": (20, 130), "columns": (20, 20)}[path]
     for index in (0, 2):  # groups 1 and depthwise
         check_against_reference(index, geometry, grads=path != "fused", channels=channels if index == 0 else 4,
                                 out_per_group=out_per_group, batch=3, size=(9, 9))
@@ -287,9 +287,10 @@ def test_generated_source_holds_the_geometry():
 
 def test_path_rule(monkeypatch):
     monkeypatch.delenv(config.PATH_ENV, raising=False)
-    assert config.choose_path(1, 32) == "direct"  # a first layer
     assert config.choose_path(1, 1) == "direct"  # depthwise
-    assert config.choose_path(3, 128) == "columns"  # too few channels for tl.dot, too many outputs for FMAs
+    assert config.choose_path(4, 4) == "direct"  # grouped, few channels per group
+    assert config.choose_path(1, 32) == "columns"  # a first layer: too few channels for tl.dot, too many outputs
+    assert config.choose_path(3, 128) == "columns"  # for the direct kernels' FMAs
     assert config.choose_path(64, 64) == config.FORWARD_PATH
     monkeypatch.setenv(config.PATH_ENV, "columns")
     assert config.choose_path(1, 1) == "columns"

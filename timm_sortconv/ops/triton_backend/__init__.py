@@ -52,8 +52,8 @@ try:
 except ImportError:  # CPU-only installs
     triton = None
 
-__all__ = ["DISABLE_ENV", "MAX_KERNEL_SIZE", "SUPPORTED_DTYPES", "backward", "forward", "sort_conv2d_triton",
-           "supports_triton"]
+__all__ = ["DISABLE_ENV", "KERNELS", "MAX_KERNEL_SIZE", "SUPPORTED_DTYPES", "backward", "forward", "launch_settings",
+           "sort_conv2d_triton", "supports_triton"]
 
 DISABLE_ENV = "TIMM_SORTCONV_DISABLE_FAST"
 AUTO_ENV = "TIMM_SORTCONV_TRITON_AUTO"
@@ -99,10 +99,6 @@ class _Call:
     @property
     def out_per_group(self) -> int:
         return self.out_channels // self.groups
-
-    @property
-    def largest_segment(self) -> int:
-        return max(end - start for start, end in self.geometry.segments)
 
     def position_args(self, x: torch.Tensor, images: int) -> tuple:
         """``n_pos, L, out_w, H, W, sxb, sxc, sxh, sxw, stride_h, stride_w, dil_h, dil_w, pad_t, pad_l``."""
@@ -166,31 +162,62 @@ def _from_slot_major(grad: torch.Tensor, call: _Call) -> torch.Tensor:
     return _weight_from_slots(grad.permute(0, 3, 2, 1), call)
 
 
+KERNELS = ("columns_kernel", "unsort_kernel", "fused_forward_kernel", "direct_forward_kernel",
+           "direct_backward_kernel")
+
+
+def launch_settings(kernel: str, geometry: SortGeometry, dtype: torch.dtype, groups: int, in_per_group: int,
+                    out_per_group: int, has_bias: bool = True, need_input: bool = True,
+                    need_weight: bool = True) -> dict:
+    """The compile-time arguments (block sizes, dtypes, flags, ``num_warps``, ``num_stages``) with which
+    the backend launches ``kernel`` (one of :data:`KERNELS`) for such a call; ``scripts/triton_kernel_report.py``
+    compiles the kernels with them."""
+    segment = max(end - start for start, end in geometry.segments)
+    compute = _compute_dtype(dtype)
+    if kernel in ("columns_kernel", "unsort_kernel"):
+        block_p, block_c, warps = config.column_blocks(segment)
+        return dict(COMPUTE=compute, BLOCK_P=block_p, BLOCK_C=block_c, num_warps=warps, num_stages=1)
+    if kernel == "fused_forward_kernel":
+        block_p, block_c, block_o, warps = config.fused_blocks(segment, out_per_group)
+        # One stage: software pipelining would keep a buffer per sorted slot's weight tile and stage (Triton
+        # took 442 s to compile such a 7x7 kernel, which then spilled), for tiles that hit the cache anyway.
+        return dict(COMPUTE=compute, ACCUMULATE=compute, PRECISION=_dot_precision(dtype), HAS_BIAS=has_bias,
+                    BLOCK_P=block_p, BLOCK_C=block_c, BLOCK_O=block_o, num_warps=warps, num_stages=1)
+    block_p, block_g, block_j, warps = config.direct_blocks(segment, groups, out_per_group)
+    meta = dict(COMPUTE=compute, BLOCK_P=block_p, BLOCK_G=block_g, BLOCK_J=block_j, num_warps=warps, num_stages=1)
+    if kernel == "direct_forward_kernel":
+        return dict(meta, HAS_BIAS=has_bias)
+    if kernel == "direct_backward_kernel":
+        return dict(meta, NEED_X=bool(need_input), NEED_W=bool(need_weight))
+    raise ValueError(f"unknown kernel {kernel!r}; accepted: {', '.join(KERNELS)}")
+
+
+def _settings(kernel: str, call: _Call, dtype: torch.dtype, **flags) -> dict:
+    return launch_settings(kernel, call.geometry, dtype, call.groups, call.in_per_group, call.out_per_group, **flags)
+
+
+def _direct_grid(call: _Call, meta: dict) -> tuple:
+    return (triton.cdiv(call.batch * call.out_h * call.out_w, meta["BLOCK_P"]),
+            triton.cdiv(call.groups, meta["BLOCK_G"]), triton.cdiv(call.out_per_group, meta["BLOCK_J"]))
+
+
 def _direct_forward(x, weight, bias, call: _Call):
-    kernels = load_kernels(call.geometry)
     out = _empty_output(x, call)
-    block_p, block_g, block_j, warps = config.direct_blocks(call.largest_segment, call.groups, call.out_per_group)
-    grid = (triton.cdiv(call.batch * call.out_h * call.out_w, block_p), triton.cdiv(call.groups, block_g),
-            triton.cdiv(call.out_per_group, block_j))
-    kernels["direct_forward_kernel"][grid](
+    meta = _settings("direct_forward_kernel", call, x.dtype, has_bias=bias is not None)
+    load_kernels(call.geometry)["direct_forward_kernel"][_direct_grid(call, meta)](
         x, _slot_major(weight, call), bias if bias is not None else x, out, call.groups, call.in_per_group,
-        call.out_per_group, *call.position_args(x, call.batch), *out.stride(), COMPUTE=_compute_dtype(x.dtype),
-        HAS_BIAS=bias is not None, BLOCK_P=block_p, BLOCK_G=block_g, BLOCK_J=block_j, num_warps=warps)
+        call.out_per_group, *call.position_args(x, call.batch), *out.stride(), **meta)
     return out
 
 
 def _fused_forward(x, weight, bias, call: _Call):
-    kernels = load_kernels(call.geometry)
     out = _empty_output(x, call)
-    block_p, block_c, block_o, warps = config.fused_blocks(call.largest_segment, call.out_per_group)
-    grid = (triton.cdiv(call.batch * call.out_h * call.out_w, block_p), triton.cdiv(call.out_per_group, block_o),
-            call.groups)
-    compute = _compute_dtype(x.dtype)
-    kernels["fused_forward_kernel"][grid](
+    meta = _settings("fused_forward_kernel", call, x.dtype, has_bias=bias is not None)
+    grid = (triton.cdiv(call.batch * call.out_h * call.out_w, meta["BLOCK_P"]),
+            triton.cdiv(call.out_per_group, meta["BLOCK_O"]), call.groups)
+    load_kernels(call.geometry)["fused_forward_kernel"][grid](
         x, _slot_major(weight, call), bias if bias is not None else x, out, call.in_per_group, call.out_per_group,
-        *call.position_args(x, call.batch), *out.stride(), COMPUTE=compute, ACCUMULATE=compute,
-        PRECISION=_dot_precision(x.dtype), HAS_BIAS=bias is not None, BLOCK_P=block_p, BLOCK_C=block_c,
-        BLOCK_O=block_o, num_warps=warps)
+        *call.position_args(x, call.batch), *out.stride(), **meta)
     return out
 
 
@@ -201,14 +228,16 @@ def _chunks(call: _Call, element_size: int):
         yield first, min(call.batch, first + images)
 
 
+def _column_grid(call: _Call, meta: dict, images: int) -> tuple:
+    return (triton.cdiv(images * call.out_h * call.out_w, meta["BLOCK_P"]), triton.cdiv(call.channels, meta["BLOCK_C"]))
+
+
 def _launch_columns(x, columns, column_strides, call: _Call, first: int, end: int):
     """Sorted columns of images [first, end) into ``columns`` (strides: image, channel, slot)."""
-    block_p, block_c, warps = config.column_blocks(call.largest_segment)
+    meta = _settings("columns_kernel", call, x.dtype)
     part = x[first:end]
-    grid = (triton.cdiv((end - first) * call.out_h * call.out_w, block_p), triton.cdiv(call.channels, block_c))
-    load_kernels(call.geometry)["columns_kernel"][grid](
-        part, columns, call.channels, *call.position_args(part, end - first), *column_strides,
-        COMPUTE=_compute_dtype(x.dtype), BLOCK_P=block_p, BLOCK_C=block_c, num_warps=warps)
+    load_kernels(call.geometry)["columns_kernel"][_column_grid(call, meta, end - first)](
+        part, columns, call.channels, *call.position_args(part, end - first), *column_strides, **meta)
 
 
 def _columns_forward(x, weight, bias, call: _Call):
@@ -249,8 +278,7 @@ def _columns_backward(grad_out, x, weight, call: _Call, need_input: bool, need_w
     grad_rows = torch.zeros(call.groups, call.out_per_group, depth, dtype=accumulate, device=x.device) \
         if need_weight else None
     grad_input = torch.empty_like(x, memory_format=torch.contiguous_format) if need_input else None
-    compute = _compute_dtype(x.dtype)
-    block_p, block_c, warps = config.column_blocks(call.largest_segment)
+    meta = _settings("unsort_kernel", call, x.dtype)
     with _cublas_like_conv(x.dtype):
         for first, end in _chunks(call, x.element_size()):
             images = end - first
@@ -270,11 +298,9 @@ def _columns_backward(grad_out, x, weight, call: _Call, need_input: bool, need_w
                 windows = torch.empty(images, call.channels, call.slots, positions, dtype=accumulate,
                                       device=x.device)
                 part = x[first:end]
-                grid = (triton.cdiv(images * positions, block_p), triton.cdiv(call.channels, block_c))
-                load_kernels(call.geometry)["unsort_kernel"][grid](
+                load_kernels(call.geometry)["unsort_kernel"][_column_grid(call, meta, images)](
                     part, grad_columns, windows, call.channels, *call.position_args(part, images), positions,
-                    call.slots * images * positions, images * positions, *windows.stride()[:3], COMPUTE=compute,
-                    BLOCK_P=block_p, BLOCK_C=block_c, num_warps=warps)
+                    call.slots * images * positions, images * positions, *windows.stride()[:3], **meta)
                 del grad_columns
                 grad_input[first:end] = _fold(windows.view(images, call.channels * call.slots, positions), call)
     grad_weight = None
@@ -291,14 +317,10 @@ def _direct_backward(grad_out, x, weight, call: _Call, need_input: bool, need_we
     grad_x = torch.zeros_like(x, dtype=accumulate) if need_input else x
     grad_w = torch.zeros(weight_slots.shape, dtype=accumulate, device=x.device) if need_weight else weight_slots
     assert grad_x.stride() == x.stride()
-    block_p, block_g, block_j, warps = config.direct_blocks(call.largest_segment, call.groups, call.out_per_group)
-    grid = (triton.cdiv(call.batch * call.out_h * call.out_w, block_p), triton.cdiv(call.groups, block_g),
-            triton.cdiv(call.out_per_group, block_j))
-    load_kernels(call.geometry)["direct_backward_kernel"][grid](
+    meta = _settings("direct_backward_kernel", call, x.dtype, need_input=need_input, need_weight=need_weight)
+    load_kernels(call.geometry)["direct_backward_kernel"][_direct_grid(call, meta)](
         x, weight_slots, grad_out, grad_x, grad_w, call.groups, call.in_per_group, call.out_per_group,
-        *call.position_args(x, call.batch), *grad_out.stride(), COMPUTE=_compute_dtype(x.dtype),
-        NEED_X=bool(need_input), NEED_W=bool(need_weight), BLOCK_P=block_p, BLOCK_G=block_g, BLOCK_J=block_j,
-        num_warps=warps)
+        *call.position_args(x, call.batch), *grad_out.stride(), **meta)
     grad_input = grad_x.to(x.dtype) if need_input else None
     grad_weight = _from_slot_major(grad_w, call).to(weight.dtype) if need_weight else None
     return grad_input, grad_weight

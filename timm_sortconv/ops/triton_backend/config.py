@@ -37,9 +37,11 @@ PATHS = ("direct", "fused", "columns")
 # scripts/bench_sortconv.py --device cuda --triton-paths fused,columns times both.
 FORWARD_PATH = "fused"
 # tl.dot needs K >= 16: groups with fewer input channels run direct when they have at most
-# DIRECT_MAX_OUT_PER_GROUP outputs, else through the columns (cuBLAS has no such bound).
+# DIRECT_MAX_OUT_PER_GROUP outputs (depthwise convolutions), else through the columns (cuBLAS has no such
+# bound, and few input channels make few columns). A direct program keeps every output's weight of every
+# slot live (the compiler hoists their loads): 4 outputs x 49 slots is about what fits.
 DOT_MIN_CHANNELS = 16
-DIRECT_MAX_OUT_PER_GROUP = 64
+DIRECT_MAX_OUT_PER_GROUP = 4
 
 FUSED_BLOCK_C = 16
 FUSED_MAX_BLOCK_O = 128
@@ -84,12 +86,11 @@ def fused_blocks(largest_segment: int, out_per_group: int) -> Tuple[int, int, in
 
 
 def direct_blocks(largest_segment: int, groups: int, out_per_group: int) -> Tuple[int, int, int, int]:
-    """(BLOCK_P, BLOCK_G, BLOCK_J, num_warps) of the direct kernels: about 256 lanes (128 for segments
-    of more than 16 values) over positions and groups, and up to 32 outputs per group per program."""
-    block_g = min(16, _next_power_of_two(groups))
-    block_j = min(32, _next_power_of_two(out_per_group))
-    lanes = 256 if largest_segment <= 16 else 128
-    return max(16, lanes // block_g), block_g, block_j, 4
+    """(BLOCK_P, BLOCK_G, BLOCK_J, num_warps) of the direct kernels: one group per program (its weights are
+    then one value per slot and output for all threads) and 256 positions (128 for segments of more than
+    16 values), and up to DIRECT_MAX_OUT_PER_GROUP outputs (more, forced by PATH_ENV: several programs)."""
+    block_j = min(DIRECT_MAX_OUT_PER_GROUP, _next_power_of_two(out_per_group))
+    return (256 if largest_segment <= 16 else 128), 1, block_j, 4
 
 
 def column_images(bytes_per_image: int, batch: int) -> int:

@@ -113,11 +113,15 @@ class _Kernel:
         self.row_masks: set = set()
 
     def header(self, name: str, args: str) -> None:
-        self.write("", "", "@triton.jit", f"def {name}({args}):")
+        """The kernel's signature. Its integer arguments are not specialized (Triton would otherwise compile
+        again for each value that is 1 or a multiple of 16, e.g. for the last, smaller batch of an epoch:
+        these kernels take tens of seconds to compile)."""
+        integers = [a.strip() for a in args.split(",") if not a.strip().endswith("_ptr") and ":" not in a]
+        self.write("", "", f"@triton.jit(do_not_specialize={integers!r})", f"def {name}({args}):")
         self.write.depth = 1
 
     def positions(self) -> None:
-        """Lane positions of the program's block: ``pos`` [BLOCK_P, 1], the offset of each window's
+        """Lane positions of the program's block: ``pos`` [1, BLOCK_P], the offset of each window's
         top-left corner in x; per window row and column used, whether it lies inside the input
         (``row_ok{r}``, which also holds ``p_ok``, and ``col_ok{c}``: zero padding is a masked read);
         per window position ``off{q}``, its offset from the corner; the tap weights ``tw{n}``."""
@@ -130,13 +134,13 @@ class _Kernel:
           "l = p % L",
           "ih0 = (l // out_w) * stride_h - pad_t",
           "iw0 = (l % out_w) * stride_w - pad_l",
-          "pos = (image * sxb + ih0 * sxh + iw0 * sxw)[:, None]",
+          "pos = (image * sxb + ih0 * sxh + iw0 * sxw)[None, :]",
           "row_step = dil_h.to(tl.int64)",
           "col_step = dil_w.to(tl.int64)")
         for r in sorted({q // self.k for q in self.used}):
-            w(f"row_ok{r} = (p_ok & (ih0 + {r} * row_step >= 0) & (ih0 + {r} * row_step < H))[:, None]")
+            w(f"row_ok{r} = (p_ok & (ih0 + {r} * row_step >= 0) & (ih0 + {r} * row_step < H))[None, :]")
         for c in sorted({q % self.k for q in self.used}):
-            w(f"col_ok{c} = ((iw0 + {c} * col_step >= 0) & (iw0 + {c} * col_step < W))[:, None]")
+            w(f"col_ok{c} = ((iw0 + {c} * col_step >= 0) & (iw0 + {c} * col_step < W))[None, :]")
         for q in self.used:
             r, c = divmod(q, self.k)
             w(f"off{q} = {r} * row_step * sxh + {c} * col_step * sxw")
@@ -240,9 +244,9 @@ def _columns_kernel(geometry: SortGeometry) -> str:
                                     "BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr")
     kernel.positions()
     w("c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)",
-      "lane_ok = p_ok[:, None] & (c < C)[None, :]",
-      "x_lane = x_ptr + pos + (c.to(tl.int64) * sxc)[None, :]",
-      "cols_lane = cols_ptr + (image * scb + l)[:, None] + (c.to(tl.int64) * scc)[None, :]")
+      "lane_ok = (c < C)[:, None] & p_ok[None, :]",
+      "x_lane = x_ptr + pos + (c.to(tl.int64) * sxc)[:, None]",
+      "cols_lane = cols_ptr + (image * scb + l)[None, :] + (c.to(tl.int64) * scc)[:, None]")
     for segment in geometry.segments:
         kernel.sort_segment(segment, record=False)
         for i in range(*segment):
@@ -260,10 +264,10 @@ def _unsort_kernel(geometry: SortGeometry) -> str:
                                    "swc, swq, COMPUTE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr")
     kernel.positions()
     w("c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)",
-      "lane_ok = p_ok[:, None] & (c < C)[None, :]",
-      "x_lane = x_ptr + pos + (c.to(tl.int64) * sxc)[None, :]",
-      "grad_lane = grad_cols_ptr + (image * sgb + l)[:, None] + (c.to(tl.int64) * sgc)[None, :]",
-      "windows_lane = windows_ptr + (image * swb + l)[:, None] + (c.to(tl.int64) * swc)[None, :]")
+      "lane_ok = (c < C)[:, None] & p_ok[None, :]",
+      "x_lane = x_ptr + pos + (c.to(tl.int64) * sxc)[:, None]",
+      "grad_lane = grad_cols_ptr + (image * sgb + l)[None, :] + (c.to(tl.int64) * sgc)[:, None]",
+      "windows_lane = windows_ptr + (image * swb + l)[None, :] + (c.to(tl.int64) * swc)[:, None]")
     started: set = set()
     last = kernel.last_segment_of_positions()
     out_type = "windows_ptr.dtype.element_ty"
@@ -277,14 +281,15 @@ def _unsort_kernel(geometry: SortGeometry) -> str:
             w(f"tl.store(windows_lane + {q} * swq, gv{q}.to({out_type}), mask=lane_ok)")
     for q in range(kernel.k ** 2):
         if q not in last:  # a window position no sample reads: its gradient is zero
-            w(f"tl.store(windows_lane + {q} * swq, tl.zeros([BLOCK_P, BLOCK_C], {out_type}), mask=lane_ok)")
+            w(f"tl.store(windows_lane + {q} * swq, tl.zeros([BLOCK_C, BLOCK_P], {out_type}), mask=lane_ok)")
     return kernel.source()
 
 
 def _fused_forward_kernel(geometry: SortGeometry) -> str:
     """The forward pass as an implicit GEMM: per block of positions and of one group's output channels,
     the loop over the group's input channels (BLOCK_C at a time) sorts each lane's windows and multiplies
-    every sorted slot tile [BLOCK_P, BLOCK_C] into the output tile with ``tl.dot`` (weight ``w`` laid out
+    every sorted slot tile (lanes [BLOCK_C, BLOCK_P], transposed) into the output tile [BLOCK_P, BLOCK_O] with
+    ``tl.dot`` (weight ``w`` laid out
     [group, slot, in_per_group, out_per_group]). Grid: (position blocks, output blocks, groups)."""
     kernel = _Kernel(geometry)
     w = kernel.write
@@ -304,15 +309,15 @@ def _fused_forward_kernel(geometry: SortGeometry) -> str:
     kernel.new_channel_block()
     w("c = c0 + tl.arange(0, BLOCK_C)",
       "c_ok = c < in_per_group",
-      "lane_ok = p_ok[:, None] & c_ok[None, :]",
-      "x_lane = x_ptr + pos + ((group * in_per_group + c).to(tl.int64) * sxc)[None, :]",
+      "lane_ok = c_ok[:, None] & p_ok[None, :]",
+      "x_lane = x_ptr + pos + ((group * in_per_group + c).to(tl.int64) * sxc)[:, None]",
       f"w_lane = w_ptr + (group * {slots} * in_per_group + c)[:, None] * out_per_group + o[None, :]",
       "w_ok = c_ok[:, None] & o_ok[None, :]")
     for segment in geometry.segments:
         kernel.sort_segment(segment, record=False)
         for i in range(*segment):
-            w(f"acc = tl.dot(s{i}.to(w_ptr.dtype.element_ty), tl.load(w_lane + {i} * slot_stride, mask=w_ok, "
-              "other=0.0), acc, input_precision=PRECISION)")
+            w(f"acc = tl.dot(tl.trans(s{i}.to(w_ptr.dtype.element_ty)), tl.load(w_lane + {i} * slot_stride, "
+              "mask=w_ok, other=0.0), acc, input_precision=PRECISION)")
     w.depth -= 1
     w("if HAS_BIAS:",
       "    acc += tl.load(bias_ptr + group * out_per_group + o, mask=o_ok, other=0.0).to(ACCUMULATE)[None, :]",
@@ -322,23 +327,25 @@ def _fused_forward_kernel(geometry: SortGeometry) -> str:
     return kernel.source()
 
 
-# The direct kernels' lanes are (position, group) windows and each program keeps an accumulator tile
-# [BLOCK_P, BLOCK_G, BLOCK_J] for BLOCK_J of each group's outputs; products are plain FMAs, for groups
-# with too few input channels for a matrix instruction (depthwise convolutions, first layers).
+# The direct kernels' lanes are (group, position) windows and each program keeps an accumulator tile
+# [BLOCK_J, BLOCK_G, BLOCK_P] for BLOCK_J of each group's outputs; products are plain FMAs, for groups
+# with too few input channels for a matrix instruction (depthwise convolutions, first layers). Positions
+# are the last axis, which Triton spreads over the threads: a lane's sorted values broadcast over the
+# outputs in its own thread, and reads and writes of NCHW tensors are coalesced.
 _DIRECT_ARGS = (f"groups, in_per_group, out_per_group, {_POSITION_ARGS}, sob, soc, soh, sow")
 
 
-def _direct_prologue(kernel: _Kernel, slots: int) -> None:
+def _direct_prologue(kernel: _Kernel) -> None:
     w = kernel.write
     kernel.positions()
     w("g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)",
       "j = tl.program_id(2) * BLOCK_J + tl.arange(0, BLOCK_J)",
       "g_ok = g < groups",
-      "lane_ok = p_ok[:, None] & g_ok[None, :]",
-      "gj_ok = g_ok[:, None] & (j < out_per_group)[None, :]",
-      "out_ok = lane_ok[:, :, None] & gj_ok[None, :, :]",
-      "out_offset = (image * sob + (l // out_w) * soh + (l % out_w) * sow)[:, None, None] "
-      "+ ((g[:, None] * out_per_group + j[None, :]).to(tl.int64) * soc)[None, :, :]",
+      "lane_ok = g_ok[:, None] & p_ok[None, :]",
+      "jg_ok = (j < out_per_group)[:, None] & g_ok[None, :]",
+      "out_ok = jg_ok[:, :, None] & lane_ok[None, :, :]",
+      "out_offset = (image * sob + (l // out_w) * soh + (l % out_w) * sow)[None, None, :] "
+      "+ ((g[None, :] * out_per_group + j[:, None]).to(tl.int64) * soc)[:, :, None]",
       "slot_stride = in_per_group * out_per_group")
 
 
@@ -347,14 +354,14 @@ def _direct_channel_loop(kernel: _Kernel, slots: int) -> None:
     w("for c in range(0, in_per_group):")
     w.depth += 1
     kernel.new_channel_block()
-    w("x_offset = pos + ((g * in_per_group + c).to(tl.int64) * sxc)[None, :]",
-      f"w_offset = (g[:, None] * ({slots} * in_per_group) + c) * out_per_group + j[None, :]",
+    w("x_offset = pos + ((g * in_per_group + c).to(tl.int64) * sxc)[:, None]",
+      f"w_offset = (g[None, :] * ({slots} * in_per_group) + c) * out_per_group + j[:, None]",
       "x_lane = x_ptr + x_offset",
       "w_lane = w_ptr + w_offset")
 
 
 def _direct_forward_kernel(geometry: SortGeometry) -> str:
-    """out[position, g * out_per_group + j] for a tile of positions, groups and outputs j; weight laid out
+    """out[g * out_per_group + j, position] for a tile of outputs j, groups and positions; weight laid out
     [group, slot, in_per_group, out_per_group]. Grid: (position blocks, group blocks, output blocks)."""
     kernel = _Kernel(geometry)
     w = kernel.write
@@ -362,18 +369,18 @@ def _direct_forward_kernel(geometry: SortGeometry) -> str:
     kernel.header("direct_forward_kernel",
                   f"x_ptr, w_ptr, bias_ptr, out_ptr, {_DIRECT_ARGS}, COMPUTE: tl.constexpr, HAS_BIAS: tl.constexpr, "
                   "BLOCK_P: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_J: tl.constexpr")
-    _direct_prologue(kernel, slots)
-    w("acc = tl.zeros([BLOCK_P, BLOCK_G, BLOCK_J], COMPUTE)")
+    _direct_prologue(kernel)
+    w("acc = tl.zeros([BLOCK_J, BLOCK_G, BLOCK_P], COMPUTE)")
     _direct_channel_loop(kernel, slots)
     for segment in geometry.segments:
         kernel.sort_segment(segment, record=False)
         for i in range(*segment):
-            w(f"acc += s{i}[:, :, None] * tl.load(w_lane + {i} * slot_stride, mask=gj_ok, other=0.0)"
-              ".to(COMPUTE)[None, :, :]")
+            w(f"acc += tl.load(w_lane + {i} * slot_stride, mask=jg_ok, other=0.0).to(COMPUTE)[:, :, None] "
+              f"* s{i}[None, :, :]")
     w.depth -= 1
     w("if HAS_BIAS:",
-      "    acc += tl.load(bias_ptr + g[:, None] * out_per_group + j[None, :], mask=gj_ok, other=0.0)"
-      ".to(COMPUTE)[None, :, :]",
+      "    acc += tl.load(bias_ptr + g[None, :] * out_per_group + j[:, None], mask=jg_ok, other=0.0)"
+      ".to(COMPUTE)[:, :, None]",
       "tl.store(out_ptr + out_offset, acc.to(out_ptr.dtype.element_ty), mask=out_ok)")
     return kernel.source()
 
@@ -381,7 +388,7 @@ def _direct_forward_kernel(geometry: SortGeometry) -> str:
 def _direct_backward_kernel(geometry: SortGeometry) -> str:
     """The direct kernels' backward: per channel the windows are sorted again recording the swaps; the
     weight gradient (layout of ``w``) and the input gradient (``grad_x``, the input's strides) are added
-    with atomics: per program a [BLOCK_G, BLOCK_J] tile per slot, and every lane's window gradients."""
+    with atomics: per program a [BLOCK_J, BLOCK_G] tile per slot, and every lane's window gradients."""
     kernel = _Kernel(geometry)
     w = kernel.write
     slots = kernel.k ** 2
@@ -389,7 +396,7 @@ def _direct_backward_kernel(geometry: SortGeometry) -> str:
                   f"x_ptr, w_ptr, grad_out_ptr, grad_x_ptr, grad_w_ptr, {_DIRECT_ARGS}, COMPUTE: tl.constexpr, "
                   "NEED_X: tl.constexpr, NEED_W: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_G: tl.constexpr, "
                   "BLOCK_J: tl.constexpr")
-    _direct_prologue(kernel, slots)
+    _direct_prologue(kernel)
     w("grad_out = tl.load(grad_out_ptr + out_offset, mask=out_ok, other=0.0).to(COMPUTE)")
     _direct_channel_loop(kernel, slots)
     w("grad_x_lane = grad_x_ptr + x_offset",
@@ -400,13 +407,13 @@ def _direct_backward_kernel(geometry: SortGeometry) -> str:
         kernel.sort_segment(segment, record=True)
         w("if NEED_W:")
         for i in range(*segment):
-            w(f"    tl.atomic_add(grad_w_lane + {i} * slot_stride, tl.sum(s{i}[:, :, None] * grad_out, axis=0), "
-              "mask=gj_ok)")
+            w(f"    tl.atomic_add(grad_w_lane + {i} * slot_stride, tl.sum(s{i}[None, :, :] * grad_out, axis=2), "
+              "mask=jg_ok)")
         w("if NEED_X:")
         w.depth += 1
         for i in range(*segment):
-            w(f"g{i} = tl.sum(grad_out * tl.load(w_lane + {i} * slot_stride, mask=gj_ok, other=0.0)"
-              ".to(COMPUTE)[None, :, :], axis=2)")
+            w(f"g{i} = tl.sum(tl.load(w_lane + {i} * slot_stride, mask=jg_ok, other=0.0).to(COMPUTE)[:, :, None] "
+              "* grad_out, axis=0)")
         kernel.unsort_segment(segment)
         kernel.window_gradients(segment, started)
         for q in sorted(q for q, seg in last.items() if seg == index):
