@@ -14,6 +14,7 @@ depthwise) rotate through them so that each value meets each path.
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+from conftest import load_script  # noqa: E402
 from timm_sortconv import sort_conv2d  # noqa: E402
 from timm_sortconv.ops import triton_backend  # noqa: E402
 from timm_sortconv.ops.backends import resolve_backend  # noqa: E402
@@ -287,16 +289,17 @@ def test_generated_source_holds_the_geometry():
 
 def test_path_rule(monkeypatch):
     monkeypatch.delenv(config.PATH_ENV, raising=False)
-    assert config.choose_path(1, 1) == "direct"  # depthwise
-    assert config.choose_path(4, 4) == "direct"  # grouped, few channels per group
-    assert config.choose_path(1, 32) == "columns"  # a first layer: too few channels for tl.dot, too many outputs
-    assert config.choose_path(3, 128) == "columns"  # for the direct kernels' FMAs
-    assert config.choose_path(64, 64) == config.FORWARD_PATH
+    assert config.choose_path(1, 1, 49) == "direct"  # depthwise
+    assert config.choose_path(4, 4, 9) == "direct"  # grouped, few channels per group
+    assert config.choose_path(1, 32, 9) == "columns"  # a first layer: too few channels for tl.dot, too many
+    assert config.choose_path(3, 128, 24) == "columns"  # outputs for the direct kernels' FMAs
+    assert config.choose_path(64, 64, 9) == config.FORWARD_PATH
+    assert config.choose_path(64, 64, 24) == "columns"  # larger windows: the fused kernel would spill
     monkeypatch.setenv(config.PATH_ENV, "columns")
-    assert config.choose_path(1, 1) == "columns"
+    assert config.choose_path(1, 1, 9) == "columns"
     monkeypatch.setenv(config.PATH_ENV, "fast")
     with pytest.raises(ValueError, match="direct, fused, columns"):
-        config.choose_path(1, 1)
+        config.choose_path(1, 1, 9)
 
 
 def test_precision_follows_cudnn_allow_tf32(monkeypatch):
@@ -331,3 +334,35 @@ def test_supports_on_cuda():
     assert not triton_backend.supports_triton(x, big, None, get_geometry(11, "polar", "ring"), (1, 1), (1, 1), 1)
     assert not triton_backend.supports_triton(x, weight.double(), None, get_geometry(3, "polar", "ring"), (1, 1),
                                               (1, 1), 1)
+
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def test_benchmark_cuda_options():
+    bench = load_script(SCRIPTS / "bench_sortconv.py", "bench_sortconv")
+    args = bench.parse_args(["--device", "cuda", "--shapes", "gpu,scnn_p_rs_7", "--kernel-sizes", "3,5,7",
+                             "--precisions", "fp32,bf16,fp16", "--triton-paths", "auto,fused,columns,direct"])
+    assert args.device == "cuda" and args.kernel_sizes == "3,5,7"
+    assert [shape.kernel_size for shape in bench.SHAPE_SETS["gpu"][1]] == [7, 7, 3, 3, 3]
+    for wrong in (["--precisions", "fp8"], ["--triton-paths", "fast"], ["--kernel-sizes", "4"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--device", "cuda", *wrong])
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the dry run's Triton kernels run in the interpreter's subprocess")
+def test_benchmark_dry_run(capsys):
+    # The --device cuda code on tiny CPU tensors: every column of the layer table and the throughput table.
+    bench = load_script(SCRIPTS / "bench_sortconv.py", "bench_sortconv")
+    bench.main(["--device", "cuda", "--dry-run", "--shapes", "gpu", "--variants", "polar-ring,square-global",
+                "--precisions", "fp32,bf16", "--triton-paths", "auto,columns"])
+    bench.main(["--device", "cuda", "--dry-run", "--shapes", "none", "--throughput"])
+    lines = capsys.readouterr().out.splitlines()
+    headers = [line for line in lines if line.startswith("| shape |")]
+    assert len(headers) == 2 and "| conv fp32 f+b | conv default fwd |" in headers[0]
+    assert "| conv bf16 f+b |" in headers[1] and "| triton[columns]/conv f+b |" in headers[1]
+    rows = [line.split(" | ") for line in lines if line.startswith("| B=2, C_in=4")]
+    assert len(rows) == 4 and all(len(row) == len(headers[0].split(" | ")) for row in rows[:2])
+    assert all(float(cell) > 0 for row in rows for cell in row[3:5])
+    throughput = [line for line in lines if line.startswith("| scnn_p_rs_7 |") or line.startswith("| ri_")]
+    assert len(throughput) == 3  # three models, one precision

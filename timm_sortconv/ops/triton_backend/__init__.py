@@ -93,6 +93,10 @@ class _Call:
         return self.geometry.kernel_size ** 2
 
     @property
+    def largest_segment(self) -> int:
+        return max(end - start for start, end in self.geometry.segments)
+
+    @property
     def in_per_group(self) -> int:
         return self.channels // self.groups
 
@@ -332,7 +336,7 @@ def forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     """SC of ``x`` (contiguous or channels_last, unpadded: ``pad`` zeros in ``F.pad``'s order are read as
     zeros) with ``weight`` and ``bias`` of x's dtype, on the path :func:`config.choose_path` picks."""
     call = _Call.of(x, weight, geometry, stride, dilation, groups, pad)
-    path = config.choose_path(call.in_per_group, call.out_per_group)
+    path = config.choose_path(call.in_per_group, call.out_per_group, call.largest_segment)
     if path == "direct":
         return _direct_forward(x, weight, bias, call)
     if path == "fused":
@@ -345,7 +349,7 @@ def backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, geom
              pad: Tuple[int, int, int, int] = NO_PADDING) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """``(grad_input, grad_weight)`` of :func:`forward` for a contiguous ``grad_out`` (None where not needed)."""
     call = _Call.of(x, weight, geometry, stride, dilation, groups, pad)
-    if config.choose_path(call.in_per_group, call.out_per_group) == "direct":
+    if config.choose_path(call.in_per_group, call.out_per_group, call.largest_segment) == "direct":
         return _direct_backward(grad_out, x, weight, call, need_input, need_weight)
     return _columns_backward(grad_out, x, weight, call, need_input, need_weight)
 

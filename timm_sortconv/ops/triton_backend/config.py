@@ -6,7 +6,7 @@ Which kernels compute a call (:func:`choose_path`):
   convolutions, a network's first layer) and few outputs per group. Lanes are (position, group) windows;
   the products are FMAs into a [positions, groups, outputs] tile; the backward adds the input and weight
   gradients with atomics.
-* ``"fused"`` (forward only): an implicit GEMM, each program sorting a tile of (position, input channel)
+* ``"fused"`` (forward only, small windows): an implicit GEMM, each program sorting a tile of (position, input channel)
   windows and multiplying every sorted slot into its output tile with ``tl.dot``; the windows are sorted
   once per block of ``BLOCK_O`` outputs (once in all where the group has at most ``FUSED_MAX_BLOCK_O``).
 * ``"columns"``: the sorted columns are written once, a bounded number of images at a time
@@ -33,9 +33,13 @@ __all__ = ["PATH_ENV", "PATHS", "FORWARD_PATH", "choose_path", "column_blocks", 
 PATH_ENV = "TIMM_SORTCONV_TRITON_PATH"
 PATHS = ("direct", "fused", "columns")
 
-# The path of calls with enough channels per group for tl.dot: "fused" or "columns". Unmeasured on a GPU;
-# scripts/bench_sortconv.py --device cuda --triton-paths fused,columns times both.
+# The path of calls with enough channels per group for tl.dot: "fused" where the geometry's largest sorted
+# segment has at most FUSED_MAX_SEGMENT values, else "columns". Unmeasured on a GPU (scripts/bench_sortconv.py
+# --device cuda --triton-paths fused,columns times both); chosen from the sm_90 compile report: the fused
+# kernel compiles without spills for 3x3 windows (9 values, 185 registers) and spills from 16 values on
+# (k = 5 ring: 344 spilled bytes in float32; k = 7 ring: 1456), where the columns kernel does not spill.
 FORWARD_PATH = "fused"
+FUSED_MAX_SEGMENT = 9
 # tl.dot needs K >= 16: groups with fewer input channels run direct when they have at most
 # DIRECT_MAX_OUT_PER_GROUP outputs (depthwise convolutions), else through the columns (cuBLAS has no such
 # bound, and few input channels make few columns). A direct program keeps every output's weight of every
@@ -53,7 +57,7 @@ def _next_power_of_two(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def choose_path(in_per_group: int, out_per_group: int) -> str:
+def choose_path(in_per_group: int, out_per_group: int, largest_segment: int) -> str:
     """The forward path of a call; the backward is ``"direct"`` for direct calls, else ``"columns"``."""
     forced = os.environ.get(PATH_ENV, "").strip().lower()
     if forced:
@@ -62,7 +66,7 @@ def choose_path(in_per_group: int, out_per_group: int) -> str:
         return forced
     if in_per_group < DOT_MIN_CHANNELS:
         return "direct" if out_per_group <= DIRECT_MAX_OUT_PER_GROUP else "columns"
-    return FORWARD_PATH
+    return FORWARD_PATH if largest_segment <= FUSED_MAX_SEGMENT else "columns"
 
 
 def column_blocks(largest_segment: int) -> Tuple[int, int, int]:
