@@ -375,7 +375,7 @@ DRY_RUN_SHAPES = [LayerShape(2, 4, 4, 6, 6, 3)]
 
 def cuda_median_times(fns: Dict[str, Callable[[], object]], repeats: int, device: torch.device) -> Dict[str, float]:
     """Median seconds of each function (one warm-up call each, then taking turns), timed with CUDA events
-    on a GPU and the wall clock elsewhere."""
+    on a GPU and the wall clock elsewhere; NaN with ``repeats`` 0 (the warm-up alone: compiles kernels)."""
     for fn in fns.values():
         fn()
     samples: Dict[str, List[float]] = {name: [] for name in fns}
@@ -393,7 +393,7 @@ def cuda_median_times(fns: Dict[str, Callable[[], object]], repeats: int, device
                 begin = time.perf_counter()
                 fn()
                 samples[name].append(time.perf_counter() - begin)
-    return {name: statistics.median(values) for name, values in samples.items()}
+    return {name: statistics.median(values) if values else float("nan") for name, values in samples.items()}
 
 
 @contextlib.contextmanager
