@@ -99,9 +99,10 @@ _POSITION_ARGS = ("n_pos, L, out_w, H, W, sxb, sxc, sxh, sxw, stride_h, stride_w
 class _Kernel:
     """Emits one kernel: its window reads, samples, sorting networks and their reverse."""
 
-    def __init__(self, geometry: SortGeometry) -> None:
+    def __init__(self, geometry: SortGeometry, name: str, args: str) -> None:
         self.geometry = geometry
         self.k = geometry.kernel_size
+        self.slots = self.k ** 2
         self.taps = sample_taps(geometry)
         self.write = _Writer()
         self.comparators = {segment: depth_first([(a, b) for a, b in geometry.comparators()
@@ -111,6 +112,7 @@ class _Kernel:
         self.weights = {w: n for n, w in enumerate(sorted({w for sample in self.taps for _, w in sample} - {1.0}))}
         # Per-lane row masks (ok_row{r}) already formed in the current channel block.
         self.row_masks: set = set()
+        self.header(name, args)
 
     def header(self, name: str, args: str) -> None:
         """The kernel's signature. Its integer arguments are not specialized (Triton would otherwise compile
@@ -235,18 +237,27 @@ class _Kernel:
         return "\n".join(self.write.lines)
 
 
+def _channel_lanes(kernel: _Kernel, buffers: List[Tuple[str, str, str, str]]) -> None:
+    """Lanes of the columns kernels: a block of channels ``c`` (rows) by the block of positions, ``x_lane``
+    pointing at each lane's window corner, and per ``(name, pointer, image stride, channel stride)`` a
+    pointer to each lane's entry of a [image, channel, ..., position] buffer (positions contiguous)."""
+    kernel.positions()
+    kernel.write("c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)",
+                 "lane_ok = (c < C)[:, None] & p_ok[None, :]",
+                 "x_lane = x_ptr + pos + (c.to(tl.int64) * sxc)[:, None]")
+    for name, pointer, image_stride, channel_stride in buffers:
+        kernel.write(f"{name} = {pointer} + (image * {image_stride} + l)[None, :] "
+                     f"+ (c.to(tl.int64) * {channel_stride})[:, None]")
+
+
 def _columns_kernel(geometry: SortGeometry) -> str:
     """``columns[image, c, slot, l]`` (strides scb, scc, scs; l contiguous) = sorted samples of channel c's
     window at output position l. Grid: (position blocks, channel blocks)."""
-    kernel = _Kernel(geometry)
+    kernel = _Kernel(geometry, "columns_kernel",
+                     f"x_ptr, cols_ptr, C, {_POSITION_ARGS}, scb, scc, scs, COMPUTE: tl.constexpr, "
+                     "BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr")
     w = kernel.write
-    kernel.header("columns_kernel", f"x_ptr, cols_ptr, C, {_POSITION_ARGS}, scb, scc, scs, COMPUTE: tl.constexpr, "
-                                    "BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr")
-    kernel.positions()
-    w("c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)",
-      "lane_ok = (c < C)[:, None] & p_ok[None, :]",
-      "x_lane = x_ptr + pos + (c.to(tl.int64) * sxc)[:, None]",
-      "cols_lane = cols_ptr + (image * scb + l)[None, :] + (c.to(tl.int64) * scc)[:, None]")
+    _channel_lanes(kernel, [("cols_lane", "cols_ptr", "scb", "scc")])
     for segment in geometry.segments:
         kernel.sort_segment(segment, record=False)
         for i in range(*segment):
@@ -258,16 +269,12 @@ def _unsort_kernel(geometry: SortGeometry) -> str:
     """``windows[image, c, q, l]`` (strides swb, swc, swq) = the gradient of window value q of channel c's
     window at position l, from the sorted columns' gradient ``grad_cols`` (strides sgb, sgc, sgs): the
     windows are sorted again recording the swaps, the gradient replayed through them and the taps."""
-    kernel = _Kernel(geometry)
+    kernel = _Kernel(geometry, "unsort_kernel",
+                     f"x_ptr, grad_cols_ptr, windows_ptr, C, {_POSITION_ARGS}, sgb, sgc, sgs, swb, "
+                     "swc, swq, COMPUTE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr")
     w = kernel.write
-    kernel.header("unsort_kernel", f"x_ptr, grad_cols_ptr, windows_ptr, C, {_POSITION_ARGS}, sgb, sgc, sgs, swb, "
-                                   "swc, swq, COMPUTE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr")
-    kernel.positions()
-    w("c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)",
-      "lane_ok = (c < C)[:, None] & p_ok[None, :]",
-      "x_lane = x_ptr + pos + (c.to(tl.int64) * sxc)[:, None]",
-      "grad_lane = grad_cols_ptr + (image * sgb + l)[None, :] + (c.to(tl.int64) * sgc)[:, None]",
-      "windows_lane = windows_ptr + (image * swb + l)[None, :] + (c.to(tl.int64) * swc)[:, None]")
+    _channel_lanes(kernel, [("grad_lane", "grad_cols_ptr", "sgb", "sgc"),
+                            ("windows_lane", "windows_ptr", "swb", "swc")])
     started: set = set()
     last = kernel.last_segment_of_positions()
     out_type = "windows_ptr.dtype.element_ty"
@@ -279,7 +286,7 @@ def _unsort_kernel(geometry: SortGeometry) -> str:
         kernel.window_gradients(segment, started)
         for q in sorted(q for q, seg in last.items() if seg == index):
             w(f"tl.store(windows_lane + {q} * swq, gv{q}.to({out_type}), mask=lane_ok)")
-    for q in range(kernel.k ** 2):
+    for q in range(kernel.slots):
         if q not in last:  # a window position no sample reads: its gradient is zero
             w(f"tl.store(windows_lane + {q} * swq, tl.zeros([BLOCK_C, BLOCK_P], {out_type}), mask=lane_ok)")
     return kernel.source()
@@ -288,16 +295,14 @@ def _unsort_kernel(geometry: SortGeometry) -> str:
 def _fused_forward_kernel(geometry: SortGeometry) -> str:
     """The forward pass as an implicit GEMM: per block of positions and of one group's output channels,
     the loop over the group's input channels (BLOCK_C at a time) sorts each lane's windows and multiplies
-    every sorted slot tile (lanes [BLOCK_C, BLOCK_P], transposed) into the output tile [BLOCK_P, BLOCK_O] with
-    ``tl.dot`` (weight ``w`` laid out
-    [group, slot, in_per_group, out_per_group]). Grid: (position blocks, output blocks, groups)."""
-    kernel = _Kernel(geometry)
+    every sorted slot tile (lanes [BLOCK_C, BLOCK_P], transposed) into the output tile [BLOCK_P, BLOCK_O]
+    with ``tl.dot`` (weight ``w`` laid out [group, slot, in_per_group, out_per_group]). Grid: (position
+    blocks, output blocks, groups)."""
+    kernel = _Kernel(geometry, "fused_forward_kernel",
+                     f"x_ptr, w_ptr, bias_ptr, out_ptr, in_per_group, out_per_group, {_POSITION_ARGS}, sob, soc, soh, "
+                     "sow, COMPUTE: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr, "
+                     "HAS_BIAS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_O: tl.constexpr")
     w = kernel.write
-    slots = kernel.k ** 2
-    kernel.header("fused_forward_kernel",
-                  f"x_ptr, w_ptr, bias_ptr, out_ptr, in_per_group, out_per_group, {_POSITION_ARGS}, sob, soc, soh, "
-                  "sow, COMPUTE: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr, "
-                  "HAS_BIAS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_O: tl.constexpr")
     kernel.positions()
     w("group = tl.program_id(2)",
       "o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)",
@@ -311,7 +316,7 @@ def _fused_forward_kernel(geometry: SortGeometry) -> str:
       "c_ok = c < in_per_group",
       "lane_ok = c_ok[:, None] & p_ok[None, :]",
       "x_lane = x_ptr + pos + ((group * in_per_group + c).to(tl.int64) * sxc)[:, None]",
-      f"w_lane = w_ptr + (group * {slots} * in_per_group + c)[:, None] * out_per_group + o[None, :]",
+      f"w_lane = w_ptr + (group * {kernel.slots} * in_per_group + c)[:, None] * out_per_group + o[None, :]",
       "w_ok = c_ok[:, None] & o_ok[None, :]")
     for segment in geometry.segments:
         kernel.sort_segment(segment, record=False)
@@ -349,13 +354,13 @@ def _direct_prologue(kernel: _Kernel) -> None:
       "slot_stride = in_per_group * out_per_group")
 
 
-def _direct_channel_loop(kernel: _Kernel, slots: int) -> None:
+def _direct_channel_loop(kernel: _Kernel) -> None:
     w = kernel.write
     w("for c in range(0, in_per_group):")
     w.depth += 1
     kernel.new_channel_block()
     w("x_offset = pos + ((g * in_per_group + c).to(tl.int64) * sxc)[:, None]",
-      f"w_offset = (g[None, :] * ({slots} * in_per_group) + c) * out_per_group + j[:, None]",
+      f"w_offset = (g[None, :] * ({kernel.slots} * in_per_group) + c) * out_per_group + j[:, None]",
       "x_lane = x_ptr + x_offset",
       "w_lane = w_ptr + w_offset")
 
@@ -363,15 +368,13 @@ def _direct_channel_loop(kernel: _Kernel, slots: int) -> None:
 def _direct_forward_kernel(geometry: SortGeometry) -> str:
     """out[g * out_per_group + j, position] for a tile of outputs j, groups and positions; weight laid out
     [group, slot, in_per_group, out_per_group]. Grid: (position blocks, group blocks, output blocks)."""
-    kernel = _Kernel(geometry)
+    kernel = _Kernel(geometry, "direct_forward_kernel",
+                     f"x_ptr, w_ptr, bias_ptr, out_ptr, {_DIRECT_ARGS}, COMPUTE: tl.constexpr, HAS_BIAS: tl.constexpr, "
+                     "BLOCK_P: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_J: tl.constexpr")
     w = kernel.write
-    slots = kernel.k ** 2
-    kernel.header("direct_forward_kernel",
-                  f"x_ptr, w_ptr, bias_ptr, out_ptr, {_DIRECT_ARGS}, COMPUTE: tl.constexpr, HAS_BIAS: tl.constexpr, "
-                  "BLOCK_P: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_J: tl.constexpr")
     _direct_prologue(kernel)
     w("acc = tl.zeros([BLOCK_J, BLOCK_G, BLOCK_P], COMPUTE)")
-    _direct_channel_loop(kernel, slots)
+    _direct_channel_loop(kernel)
     for segment in geometry.segments:
         kernel.sort_segment(segment, record=False)
         for i in range(*segment):
@@ -389,16 +392,14 @@ def _direct_backward_kernel(geometry: SortGeometry) -> str:
     """The direct kernels' backward: per channel the windows are sorted again recording the swaps; the
     weight gradient (layout of ``w``) and the input gradient (``grad_x``, the input's strides) are added
     with atomics: per program a [BLOCK_J, BLOCK_G] tile per slot, and every lane's window gradients."""
-    kernel = _Kernel(geometry)
+    kernel = _Kernel(geometry, "direct_backward_kernel",
+                     f"x_ptr, w_ptr, grad_out_ptr, grad_x_ptr, grad_w_ptr, {_DIRECT_ARGS}, COMPUTE: tl.constexpr, "
+                     "NEED_X: tl.constexpr, NEED_W: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_G: tl.constexpr, "
+                     "BLOCK_J: tl.constexpr")
     w = kernel.write
-    slots = kernel.k ** 2
-    kernel.header("direct_backward_kernel",
-                  f"x_ptr, w_ptr, grad_out_ptr, grad_x_ptr, grad_w_ptr, {_DIRECT_ARGS}, COMPUTE: tl.constexpr, "
-                  "NEED_X: tl.constexpr, NEED_W: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_G: tl.constexpr, "
-                  "BLOCK_J: tl.constexpr")
     _direct_prologue(kernel)
     w("grad_out = tl.load(grad_out_ptr + out_offset, mask=out_ok, other=0.0).to(COMPUTE)")
-    _direct_channel_loop(kernel, slots)
+    _direct_channel_loop(kernel)
     w("grad_x_lane = grad_x_ptr + x_offset",
       "grad_w_lane = grad_w_ptr + w_offset")
     started: set = set()
