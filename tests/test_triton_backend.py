@@ -41,8 +41,10 @@ kernel_test = pytest.mark.skipif(not (INTERPRETED or NATIVE),
 
 @pytest.mark.skipif(INTERPRETED or NATIVE, reason="the kernel tests run in this process")
 def test_kernels_in_the_interpreter():
+    # There every test runs but this one and those that need CUDA or Triton's compiler (run here).
+    skip = ("test_kernels_in_the_interpreter", "test_supports_on_cuda", "test_kernels_compile_for_sm90")
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
-                             "not test_kernels_in_the_interpreter and not test_supports_on_cuda", __file__],
+                             " and ".join(f"not {name}" for name in skip), __file__],
                             env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
     summary = result.stdout.strip().splitlines()[-1]
@@ -366,3 +368,26 @@ def test_benchmark_dry_run(capsys):
     assert all(float(cell) > 0 for row in rows for cell in row[3:5])
     throughput = [line for line in lines if line.startswith("| scnn_p_rs_7 |") or line.startswith("| ri_")]
     assert len(throughput) == 3  # three models, one precision
+
+
+def ptxas_available() -> bool:
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        return os.path.exists(get_ptxas(90).path)
+    except Exception:  # no NVIDIA backend in this Triton build
+        return False
+
+
+@pytest.mark.skipif(INTERPRETED or not ptxas_available(), reason="compiles with Triton's NVIDIA backend (ptxas)")
+def test_kernels_compile_for_sm90(tmp_path):
+    # The generated source through Triton's real compiler (the interpreter runs it as Python), for an H100,
+    # with the launch settings the backend uses; the fused kernel's products are tensor-core instructions.
+    report = load_script(SCRIPTS / "triton_kernel_report.py", "triton_kernel_report")
+    from timm_sortconv.ops.triton_backend.source import load_kernels
+
+    geometry = get_geometry(3, "polar", "ring")
+    for kernel in triton_backend.KERNELS:
+        meta = triton_backend.launch_settings(kernel, geometry, torch.float32, 1, 32, 32)
+        cells = report.compile_kernel(load_kernels(geometry)[kernel], torch.float32, meta, 90, tmp_path)
+        assert cells["SASS"] > 0 and (cells["mma"] > 0) == (kernel == "fused_forward_kernel"), (kernel, cells)

@@ -5,10 +5,10 @@ input channel) window with the geometry's comparator network, in registers, read
 (zero padding is a masked read, so autograd keeps only the input and the weight, as for ``nn.Conv2d``).
 Three paths use them (:mod:`.config` chooses per call and holds every block size):
 
-* ``direct``: few input channels per group (depthwise convolutions, first layers): FMAs into a
-  [positions, groups, outputs] tile; the backward sorts again, records the swaps, and adds the input and
+* ``direct``: groups with few input and output channels (depthwise convolutions): FMAs into an
+  [outputs, groups, positions] tile; the backward sorts again, records the swaps, and adds the input and
   weight gradients with atomics.
-* ``fused`` (forward): an implicit GEMM; each sorted slot tile goes straight into ``tl.dot``.
+* ``fused`` (forward, 3x3 windows): an implicit GEMM; each sorted slot tile goes straight into ``tl.dot``.
 * ``columns``: sorted columns written for a bounded chunk of images and multiplied by cuBLAS. Also the
   backward of every call that is not direct: the weight and column gradients are cuBLAS products, a kernel
   sorts again and replays the recorded swaps in reverse to send the column gradient back through the taps,
@@ -23,9 +23,17 @@ exactly where ``torch.backends.cudnn.allow_tf32`` (read per call) lets a convolu
 
 Supported (:func:`supports_triton`): CUDA tensors of one device and of one dtype among float16, bfloat16,
 float32 and float64 (after autocast's cast), odd ``k <= 9``, any stride, dilation, groups, number of
-channels, zero padding, ``torch.channels_last`` inputs and any batch size. Larger kernels take the reference
-path (their networks, 120+ values per segment, would not fit a lane's registers); so do other padding modes,
-which ``run_backend`` pads with ``F.pad`` first. The backward is ``once_differentiable``.
+channels, padding (zeros inside the kernels; other modes through ``F.pad`` first), ``torch.channels_last``
+inputs and any batch size. Larger kernels take the reference path: their networks (up to 121 values per
+segment) would not fit a lane's registers. The backward is ``once_differentiable``.
+
+Compilation: Triton compiles a kernel the first time a geometry, dtype and block configuration meets it,
+and keeps it in its cache (``TRITON_CACHE_DIR``, by default ``~/.triton/cache``) for later processes. The
+sorting networks are long straight-line programs, and Triton's coalescing pass takes time that grows with
+the number of memory accesses times the program's length: seconds for 3x3 windows, minutes for the 7x7
+and 9x9 backward kernels (``scripts/triton_kernel_report.py`` compiles them all ahead, for any GPU
+architecture, without one). Integer arguments are not specialized, so other batch sizes or image sizes
+reuse the compiled kernels.
 
 ``backend="auto"`` leaves this backend out unless ``TIMM_SORTCONV_TRITON_AUTO=1`` is set: it has not yet been
 measured faster than the reference path on a GPU. Its correctness is tested on CPU tensors through Triton's
