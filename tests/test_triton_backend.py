@@ -297,6 +297,8 @@ def test_path_rule(monkeypatch):
     assert config.choose_path(3, 128, 24) == "columns"  # outputs for the direct kernels' FMAs
     assert config.choose_path(64, 64, 9) == config.FORWARD_PATH
     assert config.choose_path(64, 64, 24) == "columns"  # larger windows: the fused kernel would spill
+    assert config.choose_path(64, 64, 9, 1000, 132) == config.FORWARD_PATH
+    assert config.choose_path(64, 64, 9, 64, 132) == "columns"  # too few programs to fill the GPU
     monkeypatch.setenv(config.PATH_ENV, "columns")
     assert config.choose_path(1, 1, 9) == "columns"
     monkeypatch.setenv(config.PATH_ENV, "fast")

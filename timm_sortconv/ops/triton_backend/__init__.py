@@ -222,12 +222,26 @@ def _direct_forward(x, weight, bias, call: _Call):
     return out
 
 
+def _fused_grid(call: _Call, meta: dict) -> tuple:
+    return (triton.cdiv(call.batch * call.out_h * call.out_w, meta["BLOCK_P"]),
+            triton.cdiv(call.out_per_group, meta["BLOCK_O"]), call.groups)
+
+
+def _fused_occupancy(x, weight, call: _Call) -> Tuple[int, int]:
+    """(programs of the fused kernel, multiprocessors of x's GPU; 0 off CUDA) for :func:`config.choose_path`."""
+    if not x.is_cuda:
+        return 0, 0
+    meta = _settings("fused_forward_kernel", call, x.dtype)
+    programs = 1
+    for size in _fused_grid(call, meta):
+        programs *= size
+    return programs, torch.cuda.get_device_properties(x.device).multi_processor_count
+
+
 def _fused_forward(x, weight, bias, call: _Call):
     out = _empty_output(x, call)
     meta = _settings("fused_forward_kernel", call, x.dtype, has_bias=bias is not None)
-    grid = (triton.cdiv(call.batch * call.out_h * call.out_w, meta["BLOCK_P"]),
-            triton.cdiv(call.out_per_group, meta["BLOCK_O"]), call.groups)
-    load_kernels(call.geometry)["fused_forward_kernel"][grid](
+    load_kernels(call.geometry)["fused_forward_kernel"][_fused_grid(call, meta)](
         x, _slot_major(weight, call), bias if bias is not None else x, out, call.in_per_group, call.out_per_group,
         *call.position_args(x, call.batch), *out.stride(), **meta)
     return out
@@ -344,7 +358,8 @@ def forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     """SC of ``x`` (contiguous or channels_last, unpadded: ``pad`` zeros in ``F.pad``'s order are read as
     zeros) with ``weight`` and ``bias`` of x's dtype, on the path :func:`config.choose_path` picks."""
     call = _Call.of(x, weight, geometry, stride, dilation, groups, pad)
-    path = config.choose_path(call.in_per_group, call.out_per_group, call.largest_segment)
+    path = config.choose_path(call.in_per_group, call.out_per_group, call.largest_segment,
+                              *_fused_occupancy(x, weight, call))
     if path == "direct":
         return _direct_forward(x, weight, bias, call)
     if path == "fused":

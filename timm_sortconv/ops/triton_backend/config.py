@@ -40,6 +40,10 @@ PATHS = ("direct", "fused", "columns")
 # (k = 5 ring: 344 spilled bytes in float32; k = 7 ring: 1456), where the columns kernel does not spill.
 FORWARD_PATH = "fused"
 FUSED_MAX_SEGMENT = 9
+# The fused kernel has one program per block of positions and of outputs, each looping over all input
+# channels: with fewer than this many programs per multiprocessor (e.g. 32 images of 8x8 with 256 channels:
+# 64 programs on an H100's 132) the GPU idles, and the columns path's cuBLAS product splits the reduction.
+FUSED_MIN_PROGRAMS_PER_SM = 2
 # tl.dot needs K >= 16: groups with fewer input channels run direct when they have at most
 # DIRECT_MAX_OUT_PER_GROUP outputs (depthwise convolutions), else through the columns (cuBLAS has no such
 # bound, and few input channels make few columns). A direct program keeps every output's weight of every
@@ -57,8 +61,11 @@ def _next_power_of_two(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def choose_path(in_per_group: int, out_per_group: int, largest_segment: int) -> str:
-    """The forward path of a call; the backward is ``"direct"`` for direct calls, else ``"columns"``."""
+def choose_path(in_per_group: int, out_per_group: int, largest_segment: int, fused_programs: int = 0,
+                multiprocessors: int = 0) -> str:
+    """The forward path of a call; the backward is ``"direct"`` for direct calls, else ``"columns"``.
+    ``fused_programs``: how many programs the fused kernel would launch, on a GPU of ``multiprocessors``
+    (0: unknown, e.g. in Triton's interpreter, which then does not count)."""
     forced = os.environ.get(PATH_ENV, "").strip().lower()
     if forced:
         if forced not in PATHS:
@@ -66,7 +73,9 @@ def choose_path(in_per_group: int, out_per_group: int, largest_segment: int) -> 
         return forced
     if in_per_group < DOT_MIN_CHANNELS:
         return "direct" if out_per_group <= DIRECT_MAX_OUT_PER_GROUP else "columns"
-    return FORWARD_PATH if largest_segment <= FUSED_MAX_SEGMENT else "columns"
+    if largest_segment > FUSED_MAX_SEGMENT or fused_programs < FUSED_MIN_PROGRAMS_PER_SM * multiprocessors:
+        return "columns"
+    return FORWARD_PATH
 
 
 def column_blocks(largest_segment: int) -> Tuple[int, int, int]:
