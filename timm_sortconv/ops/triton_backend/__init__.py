@@ -248,7 +248,8 @@ def _fused_forward(x, weight, bias, call: _Call):
 
 
 def _chunks(call: _Call, element_size: int):
-    """``(first, end)`` image ranges of the columns path."""
+    """``(first, end)`` image ranges of the columns path, for buffers of ``element_size`` bytes per column
+    entry together."""
     images = config.column_images(call.channels * call.slots * call.out_h * call.out_w * element_size, call.batch)
     for first in range(0, call.batch, images):
         yield first, min(call.batch, first + images)
@@ -306,7 +307,8 @@ def _columns_backward(grad_out, x, weight, call: _Call, need_input: bool, need_w
     grad_input = torch.empty_like(x, memory_format=torch.contiguous_format) if need_input else None
     meta = _settings("unsort_kernel", call, x.dtype)
     with _cublas_like_conv(x.dtype):
-        for first, end in _chunks(call, x.element_size()):
+        # Per chunk: the columns and their gradient (x's dtype), and the window gradients (accumulate's).
+        for first, end in _chunks(call, 2 * x.element_size() + torch.finfo(accumulate).bits // 8):
             images = end - first
             # [group, out, image * position]: each product below is one GEMM per group over the chunk.
             grad_part = (grad_out[first:end].view(images, call.groups, call.out_per_group, positions)

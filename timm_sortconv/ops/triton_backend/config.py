@@ -2,13 +2,14 @@
 
 Which kernels compute a call (:func:`choose_path`):
 
-* ``"direct"``: groups with fewer input channels than a matrix instruction's depth (depthwise
-  convolutions, a network's first layer) and few outputs per group. Lanes are (position, group) windows;
-  the products are FMAs into a [positions, groups, outputs] tile; the backward adds the input and weight
-  gradients with atomics.
-* ``"fused"`` (forward only, small windows): an implicit GEMM, each program sorting a tile of (position, input channel)
-  windows and multiplying every sorted slot into its output tile with ``tl.dot``; the windows are sorted
-  once per block of ``BLOCK_O`` outputs (once in all where the group has at most ``FUSED_MAX_BLOCK_O``).
+* ``"direct"``: groups with fewer input channels than a matrix instruction's depth and at most
+  ``DIRECT_MAX_OUT_PER_GROUP`` outputs (depthwise convolutions). Lanes are (group, position) windows, one
+  group per program; the products are FMAs into an [outputs, groups, positions] tile; the backward adds
+  the input and weight gradients with atomics.
+* ``"fused"`` (forward only, windows of at most ``FUSED_MAX_SEGMENT`` sorted values, enough programs to
+  fill the GPU): an implicit GEMM, each program sorting a tile of (input channel, position) windows and
+  multiplying every sorted slot into its output tile with ``tl.dot``; the windows are sorted once per
+  block of ``BLOCK_O`` outputs (once in all where the group has at most ``FUSED_MAX_BLOCK_O``).
 * ``"columns"``: the sorted columns are written once, a bounded number of images at a time
   (``COLUMN_CHUNK_BYTES``), and multiplied by cuBLAS (``torch.matmul``). The backward of every call that
   is not direct takes this path: the column and weight gradients are two cuBLAS products, a kernel sorts
@@ -53,7 +54,8 @@ DIRECT_MAX_OUT_PER_GROUP = 4
 
 FUSED_BLOCK_C = 16
 FUSED_MAX_BLOCK_O = 128
-# Sorted columns (and, in the backward, their gradient and the window gradients) per chunk of images.
+# Bytes of a chunk's buffers of the columns path (forward: the sorted columns; backward: the columns, their
+# gradient and the window gradients together), which bound the images per chunk.
 COLUMN_CHUNK_BYTES = 256 << 20
 
 
@@ -107,5 +109,5 @@ def direct_blocks(largest_segment: int, groups: int, out_per_group: int) -> Tupl
 
 
 def column_images(bytes_per_image: int, batch: int) -> int:
-    """Images per chunk of the columns path, so that a chunk's columns stay within COLUMN_CHUNK_BYTES."""
+    """Images per chunk of the columns path, so that a chunk's buffers stay within COLUMN_CHUNK_BYTES."""
     return max(1, min(batch, COLUMN_CHUNK_BYTES // max(1, bytes_per_image)))

@@ -129,7 +129,7 @@ class _Kernel:
         per window position ``off{q}``, its offset from the corner; the tap weights ``tw{n}``."""
         w = self.write
         # Index arithmetic in int64: no offset overflows on large tensors (and Triton's interpreter checks
-        # every int32 operation for overflow, which made it several times slower).
+        # every int32 operation for overflow, several times slower than the operation itself).
         w("p = tl.program_id(0).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)",
           "p_ok = p < n_pos",
           "image = p // L",
