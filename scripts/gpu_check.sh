@@ -12,8 +12,10 @@
 # markdown tables) and summary.txt with the versions and each stage's status and time.
 #
 # Stages:
-#   tests       the Triton backend's tests natively on the GPU (tests/test_triton_backend.py), and the
-#               CUDA test of test_sort_conv.py with backend="auto" taking the Triton backend
+#   tests       the Triton backend's tests natively on the GPU (tests/test_triton_backend.py, in 8 pytest-xdist
+#               workers so that kernels compile in parallel; the 9x9 cases, whose kernels take minutes to
+#               compile, are left to the interpreter run on the CPU), and the CUDA test of test_sort_conv.py
+#               with backend="auto" taking the Triton backend
 #   warmup      compiles every kernel the table needs, in parallel processes (Triton's compile takes tens
 #               of seconds per 7x7 kernel; its cache then serves the timed runs)
 #   table       the table: its five shapes x 4 variants x k 3, 5, 7, float32 and bf16/fp16 autocast,
@@ -82,7 +84,8 @@ stage() {  # stage NAME COMMAND...: runs it with the time left, output to $OUT/N
 for name in $STAGES; do
     case $name in
     tests)
-        stage tests "$PYTHON -m pytest -q -p no:cacheprovider tests/test_triton_backend.py && TIMM_SORTCONV_TRITON_AUTO=1 $PYTHON -m pytest -q -p no:cacheprovider tests/test_sort_conv.py -k cuda" ;;
+        workers=$($PYTHON -c "import xdist" 2>/dev/null && echo "-n 8")
+        stage tests "$PYTHON -m pytest -q -p no:cacheprovider $workers tests/test_triton_backend.py -k 'not 9-' && TIMM_SORTCONV_TRITON_AUTO=1 $PYTHON -m pytest -q -p no:cacheprovider tests/test_sort_conv.py -k cuda" ;;
     warmup)
         # One process per variant and kernel size, each running every call of the table once, untimed.
         jobs=()
