@@ -233,6 +233,22 @@ def test_autocast(path):
 
 @kernel_test
 @pytest.mark.parametrize("path", ["direct", "columns"], indirect=True)
+def test_one_gradient_alone(path):
+    # Frozen weights (input gradient only) and a frozen input (weight gradient only), as in fine-tuning.
+    geometry = get_geometry(3, "polar", "global")
+    x, weight, bias, stride, dilation, groups, pad = case(1, 3)
+    args = (geometry, stride, dilation, groups)
+    for wanted in ("x", "weight"):
+        tensors = {"x": x.clone().requires_grad_(wanted == "x"),
+                   "weight": weight.clone().requires_grad_(wanted == "weight")}
+        out = triton_backend.sort_conv2d_triton(tensors["x"], tensors["weight"], bias, *args, pad=pad)
+        grad, = torch.autograd.grad(out, tensors[wanted], randn(*out.shape, seed=9))
+        expected = run(reference, x, weight, bias, *args, pad)[1 if wanted == "x" else 2]
+        torch.testing.assert_close(grad, expected, rtol=1e-10, atol=1e-10)
+
+
+@kernel_test
+@pytest.mark.parametrize("path", ["direct", "columns"], indirect=True)
 def test_saves_only_the_input_and_the_weight(path):
     x, weight = randn(1, 2, 8, 8).requires_grad_(), randn(4, 2, 3, 3, seed=1).requires_grad_()
     saved = []
