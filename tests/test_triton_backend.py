@@ -364,7 +364,8 @@ def test_benchmark_cuda_options():
     args = bench.parse_args(["--device", "cuda", "--shapes", "gpu,scnn_p_rs_7", "--kernel-sizes", "3,5,7",
                              "--precisions", "fp32,bf16,fp16", "--triton-paths", "auto,fused,columns,direct"])
     assert args.device == "cuda" and args.kernel_sizes == "3,5,7"
-    assert [shape.kernel_size for shape in bench.SHAPE_SETS["gpu"][1]] == [7, 7, 3, 3, 3]
+    assert [shape.kernel_size for shape in bench.SHAPE_SETS["gpu"][1]] == [7, 7, 3, 3, 3, 7, 7]
+    assert [shape.groups for shape in bench.SHAPE_SETS["gpu"][1]][-2:] == [96, 384]  # depthwise
     for wrong in (["--precisions", "fp8"], ["--triton-paths", "fast"], ["--kernel-sizes", "4"]):
         with pytest.raises(SystemExit):
             bench.parse_args(["--device", "cuda", *wrong])
