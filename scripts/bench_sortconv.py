@@ -518,6 +518,27 @@ def cuda_bench_layer(shape: LayerShape, variants: Sequence[str], precision: str,
     return rows
 
 
+def print_cuda_profile(shape: LayerShape, variant: str, precision: str, path: str, device: torch.device) -> None:
+    """torch.profiler's kernels of three SC forward+backward calls on the Triton backend, by device time:
+    which of the sorting kernels, cuBLAS products and F.fold take the time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _, forward_backward, _ = cuda_layer_calls(shape, variant, "triton", device,
+                                              "tf32" if precision == "fp32" else precision, path)
+    forward_backward()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(3):
+            forward_backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    sort_by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(f"\n#### Profile: {shape.label()}, {variant}, {precision}, triton[{path}], 3 x forward+backward\n")
+    print("```")
+    print(prof.key_averages().table(sort_by=sort_by, row_limit=12, max_name_column_width=60))
+    print("```")
+
+
 def print_cuda_table(title: str, rows: List[dict], precision: str, paths: Sequence[str], reference: bool) -> None:
     """The issue's table: conv, SC Triton (per path), SC reference, and SC Triton over conv."""
     conv = ["conv fp32 fwd", "conv fp32 f+b", "conv default fwd", "conv default f+b"] if precision == "fp32" \
@@ -630,6 +651,11 @@ def main_cuda(args, variants: List[str], variant_given: bool) -> None:
                                             device):
                     rows.append((shape.label(), row))
             print_cuda_table(title, rows, precision, paths, reference_repeats > 0)
+            if args.profile:
+                for shape, layer_variants in entries:
+                    for variant in layer_variants:
+                        for path in paths:
+                            print_cuda_profile(shape, variant, precision, path, device)
     if args.throughput:
         print_cuda_throughput(args, precisions, device)
 
@@ -665,6 +691,8 @@ def parse_args(argv=None):
     parser.add_argument("--triton-paths", default="auto",
                         help="cuda: comma-separated Triton backend paths to time: auto (the backend's own choice), "
                              "direct, fused, columns")
+    parser.add_argument("--profile", action="store_true",
+                        help="cuda: after each table, torch.profiler's kernel times of SC forward+backward per row")
     parser.add_argument("--dry-run", action="store_true",
                         help="cuda: run the GPU table's code on tiny CPU tensors (set TRITON_INTERPRET=1)")
     args = parser.parse_args(argv)

@@ -7,7 +7,7 @@
 # out of git (.git/info/exclude): .carry/wheels and .carry/mnist. Then, on the device, one call (10 minutes
 # at most per call, so the stages run in order of priority and each is cut off at the time left):
 #     run(command="bash scripts/gpu_check.sh", carry=[".carry"])
-# or name the stages: tests warmup table models throughput mnist (default: all but mnist). Results are
+# or name the stages: tests warmup table profile models throughput mnist (default: all but mnist). Results are
 # written to $OUT (the device returns at most 8 files): <stage>.log (the benchmark stages' logs are their
 # markdown tables) and summary.txt with the versions and each stage's status and time.
 #
@@ -20,6 +20,8 @@
 #               of seconds per 7x7 kernel; its cache then serves the timed runs)
 #   table       the issue's table: its five shapes x 4 variants x k 3, 5, 7, float32 and bf16/fp16 autocast,
 #               the Triton paths auto/fused/columns and the reference path
+#   profile     torch.profiler's kernel times of forward+backward at the issue's first shape (k = 7) and a
+#               3x3 shape, float32 and bf16: where the time goes (sorting kernels, cuBLAS, F.fold)
 #   models      the SortConv2d layers of scnn_p_rs_7, ri_resnet18 and ri_densenet40
 #   throughput  training steps of the three models against their *_baseline twins
 #   mnist       the paper's MNIST protocol (scripts/configs/mnist_scnn.yaml, 100 epochs) on the Triton
@@ -45,7 +47,7 @@ fi
 
 OUT=${OUT:-$PWD/gpu_check_out}
 mkdir -p "$OUT"
-STAGES=${*:-tests warmup table models throughput}
+STAGES=${*:-tests warmup table profile models throughput}
 
 if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \
@@ -99,6 +101,8 @@ for name in $STAGES; do
         stage warmup "xargs -P 12 -I{} bash -c '{}' < /tmp/warmup_jobs.txt" ;;
     table)
         stage table "$BENCH --shapes gpu --kernel-sizes 3,5,7 --precisions fp32,bf16,fp16 --triton-paths auto,fused,columns --repeats 20" ;;
+    profile)
+        stage profile "$BENCH --shapes gpu --variants polar-ring,square-global --precisions fp32,bf16 --repeats 3 --skip-reference --profile" ;;
     models)
         stage models "$BENCH --shapes scnn_p_rs_7,ri_resnet18,ri_densenet40 --precisions fp32,bf16 --repeats 20 --skip-reference" ;;
     throughput)
@@ -110,7 +114,7 @@ for name in $STAGES; do
         mkdir -p "$OUT/mnist_run"
         cp /tmp/train/mnist_run/{last.pth.tar,summary.csv,args.yaml} "$OUT/mnist_run/" 2>/dev/null ;;
     *)
-        echo "unknown stage $name; accepted: prepare tests warmup table models throughput mnist" | tee -a "$OUT/summary.txt" ;;
+        echo "unknown stage $name; accepted: prepare tests warmup table profile models throughput mnist" | tee -a "$OUT/summary.txt" ;;
     esac
 done
 echo "total $(( $(date +%s) - START )) s" | tee -a "$OUT/summary.txt"

@@ -45,7 +45,7 @@ import functools
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -152,17 +152,28 @@ def _empty_output(x: torch.Tensor, call: _Call) -> torch.Tensor:
                        memory_format=torch.channels_last if channels_last else torch.contiguous_format)
 
 
+_slot_orders: Dict[tuple, Tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _slot_order(geometry: SortGeometry, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(slot_to_grid, grid_to_slot)`` on ``device``, cached: no host-to-device copy per call."""
+    key = (geometry.kernel_size, geometry.sampling, geometry.sorting, str(device))
+    if key not in _slot_orders:
+        _slot_orders[key] = (geometry.slot_to_grid.to(device), torch.argsort(geometry.slot_to_grid).to(device))
+    return _slot_orders[key]
+
+
 def _weight_in_slots(weight: torch.Tensor, call: _Call) -> torch.Tensor:
     """``(O, C/g, k, k)`` -> ``(G, O/g, C/g, slots)``, slots in the geometry's order."""
     flat = weight.reshape(call.groups, call.out_per_group, call.in_per_group, call.slots)
-    return flat.index_select(3, call.geometry.slot_to_grid.to(weight.device))
+    return flat.index_select(3, _slot_order(call.geometry, weight.device)[0])
 
 
 def _weight_from_slots(grad: torch.Tensor, call: _Call) -> torch.Tensor:
     """The inverse of :func:`_weight_in_slots`: ``(G, O/g, C/g, slots)`` -> ``(O, C/g, k, k)``."""
-    grid_to_slot = torch.argsort(call.geometry.slot_to_grid).to(grad.device)
     k = call.geometry.kernel_size
-    return grad.index_select(3, grid_to_slot).reshape(call.out_channels, call.in_per_group, k, k)
+    return (grad.index_select(3, _slot_order(call.geometry, grad.device)[1])
+            .reshape(call.out_channels, call.in_per_group, k, k))
 
 
 def _slot_major(weight: torch.Tensor, call: _Call) -> torch.Tensor:
