@@ -19,9 +19,11 @@ Which kernels compute a call (:func:`choose_path`):
 ``TIMM_SORTCONV_TRITON_PATH=direct|fused|columns`` forces one path for every call (benchmarks compare them
 that way); each is exact for any call.
 
-The block sizes below keep the values one lane holds (the largest sorted segment: 9, 16, 25, 24, 49,
-32, 81 for the variants up to k = 9) at about 100 registers per thread; ``scripts/triton_kernel_report.py``
-compiles every kernel for an H100 (sm_90) on any machine and prints registers and spills per setting.
+A lane holds the values of its largest sorted segment (9, 16, 25, 24, 49, 32, 81 for the variants up to
+k = 9), so the block sizes below give each thread one or two lanes (the columns and direct kernels: no
+spills up to k = 7 in the sm_90 compile report of BENCHMARKS.md). ``scripts/triton_kernel_report.py``
+compiles every kernel for an H100 (sm_90) on any machine and prints registers and spills per setting;
+the timings that should decide these constants need a GPU (``scripts/gpu_check.sh``).
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ PATHS = ("direct", "fused", "columns")
 # The path of calls with enough channels per group for tl.dot: "fused" where the geometry's largest sorted
 # segment has at most FUSED_MAX_SEGMENT values, else "columns". Unmeasured on a GPU (scripts/bench_sortconv.py
 # --device cuda --triton-paths fused,columns times both); chosen from the sm_90 compile report: the fused
-# kernel compiles without spills for 3x3 windows (9 values, 185 registers) and spills from 16 values on
+# kernel compiles without spills for 3x3 windows (9 values, 183-186 registers) and spills from 16 values on
 # (k = 5 ring: 344 spilled bytes in float32; k = 7 ring: 1456), where the columns kernel does not spill.
 FORWARD_PATH = "fused"
 FUSED_MAX_SEGMENT = 9
