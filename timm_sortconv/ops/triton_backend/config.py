@@ -20,8 +20,9 @@ Which kernels compute a call (:func:`choose_path`):
 that way); each is exact for any call.
 
 A lane holds the values of its largest sorted segment (9, 16, 25, 24, 49, 32, 81 for the variants up to
-k = 9), so the block sizes below give each thread one or two lanes (the columns and direct kernels: no
-spills up to k = 7 in the sm_90 compile report of BENCHMARKS.md). ``scripts/triton_kernel_report.py``
+k = 9), so the block sizes below give each thread one or two lanes (in the sm_90 compile report of
+BENCHMARKS.md the columns kernels and the direct forward do not spill up to k = 7; the direct backward
+spills 296 bytes at 7x7 polar rings, its 49 window gradients being live at once). ``scripts/triton_kernel_report.py``
 compiles every kernel for an H100 (sm_90) on any machine and prints registers and spills per setting;
 the timings that should decide these constants need a GPU (``scripts/gpu_check.sh``).
 """
