@@ -406,7 +406,8 @@ def test_kernels_compile_for_sm90(tmp_path):
     from timm_sortconv.ops.triton_backend.source import load_kernels
 
     geometry = get_geometry(3, "polar", "ring")
-    for kernel in triton_backend.KERNELS:
-        meta = triton_backend.launch_settings(kernel, geometry, torch.float32, 1, 32, 32)
-        cells = report.compile_kernel(load_kernels(geometry)[kernel], torch.float32, meta, 90, tmp_path)
+    cases = [(kernel, torch.float32) for kernel in triton_backend.KERNELS] + [("fused_forward_kernel", torch.float64)]
+    for kernel, dtype in cases:
+        meta = triton_backend.launch_settings(kernel, geometry, dtype, 1, 32, 32)
+        cells = report.compile_kernel(load_kernels(geometry)[kernel], dtype, meta, 90, tmp_path)
         assert cells["SASS"] > 0 and (cells["mma"] > 0) == (kernel == "fused_forward_kernel"), (kernel, cells)

@@ -321,8 +321,9 @@ def _fused_forward_kernel(geometry: SortGeometry) -> str:
     for segment in geometry.segments:
         kernel.sort_segment(segment, record=False)
         for i in range(*segment):
+            # out_dtype given: Triton 3.6 takes float32 unless told, even with a float64 accumulator.
             w(f"acc = tl.dot(tl.trans(s{i}.to(w_ptr.dtype.element_ty)), tl.load(w_lane + {i} * slot_stride, "
-              "mask=w_ok, other=0.0), acc, input_precision=PRECISION)")
+              "mask=w_ok, other=0.0), acc, input_precision=PRECISION, out_dtype=ACCUMULATE)")
     w.depth -= 1
     w("if HAS_BIAS:",
       "    acc += tl.load(bias_ptr + group * out_per_group + o, mask=o_ok, other=0.0).to(ACCUMULATE)[None, :]",
