@@ -9,7 +9,9 @@
 #     run(command="bash scripts/gpu_check.sh", carry=[".carry"])
 # or name the stages: tests warmup table profile models throughput mnist (default: all but mnist). Results are
 # written to $OUT (the device returns at most 8 files): <stage>.log (the benchmark stages' logs are their
-# markdown tables) and summary.txt with the versions and each stage's status and time.
+# markdown tables), summary.txt with the versions and each stage's status and time, and triton_cache.tgz:
+# the compiled kernels (minutes of compiling for the 7x7 backward kernels). Copy it to .carry/ before the
+# next call, which then starts from it (a machine given back loses its files).
 #
 # Stages:
 #   tests       the Triton backend's tests natively on the GPU (tests/test_triton_backend.py, in 8 pytest-xdist
@@ -57,6 +59,7 @@ else
     export PYTHONPATH=$PWD
 fi
 export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=/tmp/torch_extensions TRITON_CACHE_DIR=/tmp/triton_cache
+[ -f .carry/triton_cache.tgz ] && tar xzf .carry/triton_cache.tgz -C /tmp
 {
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     $PYTHON -c "import torch, triton, timm; print('torch', torch.__version__, 'triton', triton.__version__, 'timm', timm.__version__, 'cuda', torch.cuda.is_available())"
@@ -117,4 +120,11 @@ for name in $STAGES; do
         echo "unknown stage $name; accepted: prepare tests warmup table profile models throughput mnist" | tee -a "$OUT/summary.txt" ;;
     esac
 done
+if [ -d /tmp/triton_cache ]; then
+    tar czf "$OUT/triton_cache.tgz" -C /tmp triton_cache
+    if [ "$(stat -c %s "$OUT/triton_cache.tgz")" -gt $((15 << 20)) ]; then  # the device returns files up to 16 MiB
+        rm "$OUT/triton_cache.tgz"
+        echo "triton_cache.tgz left out: over 15 MiB" | tee -a "$OUT/summary.txt"
+    fi
+fi
 echo "total $(( $(date +%s) - START )) s" | tee -a "$OUT/summary.txt"
