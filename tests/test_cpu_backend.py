@@ -364,4 +364,4 @@ def test_benchmark_script_shape_sets(capsys):
     with pytest.raises(SystemExit) as error:
         bench.parse_args(["--shapes", "k9"])
     assert error.value.code == 2
-    assert "unknown shape set 'k9'; accepted: issue, k5, none" in capsys.readouterr().err
+    assert "unknown shape set 'k9'; accepted: issue, k5, gpu, none" in capsys.readouterr().err

@@ -49,6 +49,8 @@ class Backend:
     auto: bool = True
     # Whether its kernels take the unpadded input and pad=(left, right, top, bottom) zeros.
     zero_padding: bool = False
+    # Whether its kernels read an input contiguous in torch.channels_last order as it is (else: made contiguous).
+    channels_last: bool = False
 
 
 _BACKENDS: Dict[str, Backend] = {}

@@ -81,10 +81,20 @@ def _call(input: Tensor, weight: Tensor, bias: Optional[Tensor], stride, padding
 
 
 def _padded_for(chosen: Backend, x: Tensor, pad: Tuple[int, int, int, int]) -> Tuple[Tensor, Tuple[int, ...]]:
-    """The input as ``chosen`` takes it: unpadded with ``pad`` for a zero-padding backend, else padded here."""
+    """The input as ``chosen`` takes it: in a layout it reads, and unpadded with ``pad`` for a zero-padding
+    backend, else padded here."""
+    if not (chosen.channels_last and x.is_contiguous(memory_format=torch.channels_last)):
+        x = x.contiguous()
     if chosen.zero_padding or not any(pad):
         return x, pad
     return F.pad(x, pad), NO_PADDING
+
+
+def _memory_format(input: Tensor) -> torch.memory_format:
+    """The output's layout: channels_last for a channels_last input, as ``F.conv2d`` returns it."""
+    if input.is_contiguous(memory_format=torch.channels_last) and not input.is_contiguous():
+        return torch.channels_last
+    return torch.contiguous_format
 
 
 @torch.library.custom_op("timm_sortconv::sort_conv2d", mutates_args=())
@@ -92,10 +102,11 @@ def sort_conv2d_op(input: Tensor, weight: Tensor, bias: Optional[Tensor], stride
                    dilation: List[int], groups: int, sampling: str, sorting: str, backend: str) -> Tensor:
     chosen, geometry, stride_, dilation_ = _call(input, weight, bias, stride, padding, dilation, groups, sampling,
                                                  sorting, backend)
-    x, pad = _padded_for(chosen, input.contiguous(), tuple(int(p) for p in padding))
+    x, pad = _padded_for(chosen, input, tuple(int(p) for p in padding))
     bias = bias.contiguous() if bias is not None else None
-    # contiguous, as the fake kernel promises (the reference path's contraction may return another layout)
-    return chosen.forward(x, weight.contiguous(), bias, geometry, stride_, dilation_, groups, pad).contiguous()
+    out = chosen.forward(x, weight.contiguous(), bias, geometry, stride_, dilation_, groups, pad)
+    # the layout the fake kernel promises, whatever the backend returned
+    return out.contiguous(memory_format=_memory_format(input))
 
 
 def _output_shape(input: Tensor, weight: Tensor, stride, padding, dilation) -> List:
@@ -109,7 +120,8 @@ def _output_shape(input: Tensor, weight: Tensor, stride, padding, dilation) -> L
 @sort_conv2d_op.register_fake
 def _(input, weight, bias, stride, padding, dilation, groups, sampling, sorting, backend):
     check_input(input, weight, bias, groups)
-    return input.new_empty(_output_shape(input, weight, stride, padding, dilation))
+    return input.new_empty(_output_shape(input, weight, stride, padding, dilation)).contiguous(
+        memory_format=_memory_format(input))
 
 
 @torch.library.custom_op("timm_sortconv::sort_conv2d_backward", mutates_args=())
@@ -119,7 +131,7 @@ def sort_conv2d_backward_op(grad_output: Tensor, input: Tensor, weight: Tensor, 
     chosen, geometry, stride_, dilation_ = _call(input, weight, None, stride, padding, dilation, groups, sampling,
                                                  sorting, backend)
     pad = tuple(int(p) for p in padding)
-    x, kernel_pad = _padded_for(chosen, input.contiguous(), pad)
+    x, kernel_pad = _padded_for(chosen, input, pad)
     grad_x, grad_weight = chosen.backward(grad_output.contiguous(), x, weight.contiguous(), geometry, stride_,
                                           dilation_, groups, need_input, need_weight, kernel_pad)
     if grad_x is not None and x.shape != input.shape:  # padded here: cut the padding off
@@ -183,10 +195,13 @@ def _autocast_kernel(device_type: str):
 
     def autocast(*args):
         output_dtype = torch.get_autocast_dtype(device_type)
+        # float64 stays float64, as autocast leaves it; the CPU computes every other float type in float32
+        eligible = (torch.float16, torch.bfloat16, torch.float32) if device_type == "cpu" else (torch.float32,)
         dtype = torch.float32 if device_type == "cpu" else output_dtype
-        cast = [a.to(dtype) if isinstance(a, Tensor) and a.is_floating_point() else a for a in args]
+        cast = [a.to(dtype) if isinstance(a, Tensor) and a.dtype in eligible else a for a in args]
         with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
-            return torch.ops.timm_sortconv.sort_conv2d.default(*cast).to(output_dtype)
+            out = torch.ops.timm_sortconv.sort_conv2d.default(*cast)
+        return out if out.dtype == torch.float64 else out.to(output_dtype)
 
     return key, autocast
 
