@@ -8,8 +8,8 @@
 //   1. gathers the k*k samples of every window in ring order (square sampling: the grid values;
 //      polar sampling: bilinear interpolation of the staged k x k grid), as value[sample][lane];
 //   2. sorts every segment (a ring, or the whole window) with Batcher's odd-even merge network,
-//      each comparator a compare-exchange of whole vectors; with AVX-512 the common sizes are
-//      unrolled at compile time so that the values stay in registers;
+//      each comparator a compare-exchange (min and max) of whole vectors; in float32 the common
+//      sizes are unrolled at compile time so that the values stay in registers;
 //   3. multiplies the sorted panel with the weight (already in slot order) in a register-tiled
 //      micro-GEMM that accumulates the block's outputs for all output channels.
 // For the forward pass in float32 with AVX-512 and unit stride (square sampling, and polar sampling
@@ -34,7 +34,7 @@
 // Re-sorting was measured cheaper than storing a uint8 permutation (k*k bytes per input value,
 // written, page-faulted and read back) and it keeps the memory saved for backward to the input.
 #include <ATen/ATen.h>
-#if defined(__AVX512F__)
+#if defined(__SSE2__)
 #include <immintrin.h>
 #endif
 
@@ -55,10 +55,23 @@
 constexpr int kPolarTaps = 4;
 static_assert(std::extent<decltype(PolarTaps<7>::kTap), 1>::value == kPolarTaps, "polar_taps.h: 4 taps per sample");
 
+// One source, compiled once per instruction-set level (cpu_backend.ISA_LEVELS). The vectors are the
+// level's registers: 64 bytes with AVX-512, 32 with AVX2 (and AVX), 16 otherwise (SSE2, NEON), so that
+// GCC never splits a vector into several registers (splitting made the unrolled sorting networks take
+// minutes to compile and run from memory). x86 intrinsics are used only under the macros of the level
+// that has them; every other machine takes the portable GCC vector code.
+#if defined(__AVX512F__)
+#define TIMM_SORTCONV_VECTOR_BYTES 64
+#elif defined(__AVX__)
+#define TIMM_SORTCONV_VECTOR_BYTES 32
+#else
+#define TIMM_SORTCONV_VECTOR_BYTES 16
+#endif
+
 namespace {
 
-typedef float vfloat __attribute__((vector_size(64)));
-typedef double vdouble __attribute__((vector_size(64)));
+typedef float vfloat __attribute__((vector_size(TIMM_SORTCONV_VECTOR_BYTES)));
+typedef double vdouble __attribute__((vector_size(TIMM_SORTCONV_VECTOR_BYTES)));
 
 template <typename scalar_t>
 struct Simd;
@@ -72,13 +85,19 @@ struct Simd<double> {
 };
 
 template <typename scalar_t>
-constexpr int64_t kVecLanes = 64 / sizeof(scalar_t);
+constexpr int64_t kVecLanes = TIMM_SORTCONV_VECTOR_BYTES / sizeof(scalar_t);
 
 // Output positions per block: two vectors.
 template <typename scalar_t>
 constexpr int64_t kLanes = 2 * kVecLanes<scalar_t>;
-// Micro-GEMM register tile: kTileRows rows by kLanes columns of accumulators (24 vectors).
+// Micro-GEMM register tile: kTileRows rows by kLanes columns of accumulators (2 * kTileRows vectors),
+// plus the two panel vectors and a broadcast weight: 27 of AVX-512's and NEON's 32 registers, 15 of
+// AVX2's and SSE2's 16.
+#if defined(__AVX512F__) || defined(__aarch64__)
 constexpr int kTileRows = 12;
+#else
+constexpr int kTileRows = 6;
+#endif
 // Input channels whose sorted samples are multiplied together, up to this many samples.
 constexpr int64_t kPanelSlots = 256;
 
@@ -253,16 +272,10 @@ bool same_polar_taps(const std::vector<std::vector<std::pair<int64_t, double>>>&
   return true;
 }
 
-// Unrolled networks are compiled for float32 only, which training uses, and only with AVX-512 (see
-// TIMM_SORTCONV_FIXED_SIZES); float64 (tests, gradcheck) runs the same comparators from memory, and
-// the build stays short.
-#if defined(__AVX512F__)
+// Unrolled networks are compiled for float32 only, which training uses; float64 (tests, gradcheck)
+// runs the same comparators from memory, and the build stays short.
 template <typename scalar_t>
 constexpr bool kUnrolledNetworks = std::is_same<scalar_t, float>::value;
-#else
-template <typename scalar_t>
-constexpr bool kUnrolledNetworks = false;
-#endif
 
 template <typename scalar_t>
 Plan<scalar_t> make_plan(const at::Tensor& input, const at::Tensor& tap_offsets, const at::Tensor& tap_weights,
@@ -552,13 +565,42 @@ struct SwapMaskOf {
   using type = decltype(vec{} < vec{});
 };
 
-// The swap is decided by `b < a` and always permutes the pair (see the file comment on NaN).
+// (a, b) = (min, max) with the swap decided by `b < a`: the pair is always permuted (see the file
+// comment on NaN). x86 min/max return their second operand when the pair is unordered or equal, so
+// min(b, a) is exactly `b < a ? b : a` and max(a, b) is `b < a ? a : b`: two instructions, where GCC
+// compiles the portable expression below to a compare and two blends (NEON's min/max would turn a
+// NaN into two, so other machines keep that expression).
 template <typename vec>
-inline typename SwapMaskOf<vec>::type compare_exchange(vec& a, vec& b) {
+inline void min_max(vec& a, vec& b) {
   const auto swap = b < a;
   const vec lo = swap ? b : a, hi = swap ? a : b;
   a = lo;
   b = hi;
+}
+
+#define TIMM_SORTCONV_MIN_MAX(vec, reg, min, max)  \
+  inline void min_max(vec& a, vec& b) {             \
+    const vec lo = (vec)min((reg)b, (reg)a);        \
+    b = (vec)max((reg)a, (reg)b);                   \
+    a = lo;                                         \
+  }
+#if defined(__AVX512F__)
+TIMM_SORTCONV_MIN_MAX(vfloat, __m512, _mm512_min_ps, _mm512_max_ps)
+TIMM_SORTCONV_MIN_MAX(vdouble, __m512d, _mm512_min_pd, _mm512_max_pd)
+#elif defined(__AVX__)
+TIMM_SORTCONV_MIN_MAX(vfloat, __m256, _mm256_min_ps, _mm256_max_ps)
+TIMM_SORTCONV_MIN_MAX(vdouble, __m256d, _mm256_min_pd, _mm256_max_pd)
+#elif defined(__SSE2__)
+TIMM_SORTCONV_MIN_MAX(vfloat, __m128, _mm_min_ps, _mm_max_ps)
+TIMM_SORTCONV_MIN_MAX(vdouble, __m128d, _mm_min_pd, _mm_max_pd)
+#endif
+#undef TIMM_SORTCONV_MIN_MAX
+
+// min_max that also returns its swap decisions (unused, and dropped by the compiler, in the forward pass).
+template <typename vec>
+inline typename SwapMaskOf<vec>::type compare_exchange(vec& a, vec& b) {
+  const auto swap = b < a;
+  min_max(a, b);
   return swap;
 }
 
@@ -570,9 +612,7 @@ inline void apply_swap(const typename SwapMaskOf<vec>::type& swap, vec& a, vec& 
 }
 
 #if defined(__AVX512F__)
-// x86 min/max return their second operand when the pair is unordered or equal, so min(b, a) is
-// exactly `b < a ? b : a` and max(a, b) is `b < a ? a : b`: the same swap as above in two
-// instructions instead of a compare and two blends, and the decisions fit in a 16- or 8-bit mask.
+// With AVX-512 the decisions fit in a 16- or 8-bit mask register.
 template <>
 struct SwapMaskOf<vfloat> {
   using type = __mmask16;
@@ -584,19 +624,13 @@ struct SwapMaskOf<vdouble> {
 
 inline __mmask16 compare_exchange(vfloat& a, vfloat& b) {
   const __mmask16 swap = _mm512_cmp_ps_mask((__m512)b, (__m512)a, _CMP_LT_OQ);
-  const vfloat lo = (vfloat)_mm512_min_ps((__m512)b, (__m512)a);
-  const vfloat hi = (vfloat)_mm512_max_ps((__m512)a, (__m512)b);
-  a = lo;
-  b = hi;
+  min_max(a, b);
   return swap;
 }
 
 inline __mmask8 compare_exchange(vdouble& a, vdouble& b) {
   const __mmask8 swap = _mm512_cmp_pd_mask((__m512d)b, (__m512d)a, _CMP_LT_OQ);
-  const vdouble lo = (vdouble)_mm512_min_pd((__m512d)b, (__m512d)a);
-  const vdouble hi = (vdouble)_mm512_max_pd((__m512d)a, (__m512d)b);
-  a = lo;
-  b = hi;
+  min_max(a, b);
   return swap;
 }
 
@@ -682,15 +716,8 @@ void unsort_fixed(scalar_t* grad, const SwapMask<typename Simd<scalar_t>::vec>* 
 }
 
 // The segment sizes with an unrolled network: rings (8r) and whole windows (k*k) for k <= 7, and
-// the ring of k = 9. Other sizes run the comparators from Python over rows in memory. Without
-// AVX-512 the swap masks are whole vectors, for which GCC needs minutes to unroll the networks
-// (measured with -march=x86-64-v3: 21 s without them, 40 s with sizes 8-16, 76 s up to 25), so
-// there every size takes the loop.
-#if defined(__AVX512F__)
+// the ring of k = 9. Other sizes run the comparators from Python over rows in memory.
 #define TIMM_SORTCONV_FIXED_SIZES(X) X(8) X(9) X(16) X(24) X(25) X(32) X(49)
-#else
-#define TIMM_SORTCONV_FIXED_SIZES(X)
-#endif
 
 template <int N>
 bool same_network(const int32_t* pairs, int64_t count, int64_t start) {
