@@ -817,37 +817,78 @@ void unsort_gradients(const Plan<scalar_t>& plan, scalar_t* grad,
   }
 }
 
-// Gathering and sorting fused, for the forward pass in float32 with AVX-512 and unit stride: each
-// segment's samples are read straight from the input into registers with masked loads (polar: the
-// bilinear taps at compile-time positions, see sort_polar_fixed), sorted there and stored once into
-// the panel, instead of being staged first (stage_windows: a store and a reload of every window
-// value). Measured against staging, in one process with the two builds taking turns (1 thread): the
-// forward 4-17% faster at the 7x7 shapes and for square sampling at 3x3. Polar sampling with
-// k = 3 and the backward pass (which records the swaps) measured no faster or slower, so they stage.
+// Gathering and sorting fused, for the forward pass in float32 with masked loads (AVX-512, AVX2) and
+// unit stride: each segment's samples are read straight from the input into registers with masked
+// loads (polar: the bilinear taps at compile-time positions, see sort_polar_fixed), sorted there and
+// stored once into the panel, instead of being staged first (stage_windows: a store and a reload of
+// every window value). Measured against staging, in one process with the two builds taking turns (1
+// thread, AVX-512): the forward 4-17% faster at the 7x7 shapes and for square sampling at 3x3.
+// Polar sampling with k = 3 and the backward pass (which records the swaps) measured no faster or
+// slower, so they stage.
 #if defined(__AVX512F__)
-// Lane j of the vector at `offset` from the window corner: input[p0 + j] for the lanes in m0 and
-// input[p1 + j] for those in m1 (kTwo: there is a second piece). Masked-off lanes are never read.
+#define TIMM_SORTCONV_SORT_DIRECT 1
+using PieceMask = __mmask16;
+
+inline PieceMask piece_mask(uint32_t bits) { return static_cast<__mmask16>(bits); }
+
+// Lane j of the vector at `offset` from the window corner: p0[offset + j] for the lanes in m0 and
+// p1[offset + j] for those in m1 (kTwo: there is a second piece). Masked-off lanes are never read.
 template <bool kTwo>
-inline __attribute__((always_inline)) vfloat load_pieces(const float* p0, const float* p1, __mmask16 m0,
-                                                         __mmask16 m1, int64_t offset) {
+inline __attribute__((always_inline)) vfloat load_pieces(const float* p0, const float* p1, PieceMask m0,
+                                                         PieceMask m1, int64_t offset) {
   __m512 v = _mm512_maskz_loadu_ps(m0, p0 + offset);
   if (kTwo) v = _mm512_mask_loadu_ps(v, m1, p1 + offset);
   return (vfloat)v;
 }
+#elif defined(__AVX2__)
+#define TIMM_SORTCONV_SORT_DIRECT 1
+using PieceMask = __m256i;
 
-inline vfloat load_source(const float* p0, const float* p1, __mmask16 m0, __mmask16 m1, int64_t offset) {
-  return m1 != 0 ? load_pieces<true>(p0, p1, m0, m1, offset) : load_pieces<false>(p0, p1, m0, m1, offset);
+// Lane j set where bit j is.
+inline PieceMask piece_mask(uint32_t bits) {
+  const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  return _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(static_cast<int>(bits)), bit), bit);
 }
+
+// As above; masked-off lanes read as +0, so the two pieces combine with a bitwise or.
+template <bool kTwo>
+inline __attribute__((always_inline)) vfloat load_pieces(const float* p0, const float* p1, PieceMask m0,
+                                                         PieceMask m1, int64_t offset) {
+  __m256 v = _mm256_maskload_ps(p0 + offset, m0);
+  if (kTwo) v = _mm256_or_ps(v, _mm256_maskload_ps(p1 + offset, m1));
+  return (vfloat)v;
+}
+#endif
+
+#if defined(TIMM_SORTCONV_SORT_DIRECT)
+// One VectorSource with its masks in the level's form.
+struct Pieces {
+  const float* p0;
+  const float* p1;
+  PieceMask m0, m1;
+  bool two;
+
+  Pieces(const float* channel_input, const VectorSource& source)
+      : p0(channel_input + source.base[0]), p1(channel_input + source.base[1]), m0(piece_mask(source.mask[0])),
+        m1(piece_mask(source.mask[1])), two(source.mask[1] != 0) {}
+
+  template <bool kTwo>
+  inline __attribute__((always_inline)) vfloat load(int64_t offset) const {
+    return load_pieces<kTwo>(p0, p1, m0, m1, offset);
+  }
+
+  // The same, deciding per load whether there is a second piece (one instantiation of the caller).
+  vfloat load_any(int64_t offset) const { return two ? load<true>(offset) : load<false>(offset); }
+};
 
 // One vector (kVecLanes lanes) of the N samples from slot `start`: read, sorted, stored to out[i * kLanes].
 template <int N>
-void sort_direct_fixed(const Plan<float>& plan, int64_t start, const float* p0, const float* p1, __mmask16 m0,
-                       __mmask16 m1, float* out) {
+void sort_direct_fixed(const Plan<float>& plan, int64_t start, const Pieces& pieces, float* out) {
   constexpr int64_t lanes = kLanes<float>;
   const int64_t* offset = plan.sample_offset.data() + start;
   vfloat v[N];
   load_and_sort<N, false>(v, static_cast<SwapMask<vfloat>*>(nullptr),
-                          [&](int i) { return load_source(p0, p1, m0, m1, offset[i]); });
+                          [&](int i) { return pieces.load_any(offset[i]); });
 #pragma GCC unroll 64
   for (int i = 0; i < N; ++i) store(out + i * lanes, v[i]);
 }
@@ -856,8 +897,7 @@ void sort_direct_fixed(const Plan<float>& plan, int64_t start, const float* p0, 
 // compile-time constants (PolarTaps), so the compiler reads each window value once for all the
 // samples that share it (GCC merges identical loads) instead of once per tap.
 template <int K, int kStart, int N, bool kTwo>
-void sort_polar_fixed(const Plan<float>& plan, const float* p0, const float* p1, __mmask16 m0, __mmask16 m1,
-                      float* out) {
+void sort_polar_fixed(const Plan<float>& plan, const Pieces& pieces, float* out) {
   using taps = PolarTaps<K>;
   constexpr int64_t lanes = kLanes<float>;
   int64_t row[K], col[K];
@@ -869,13 +909,12 @@ void sort_polar_fixed(const Plan<float>& plan, const float* p0, const float* p1,
   vfloat v[N];
   load_and_sort<N, false>(v, static_cast<SwapMask<vfloat>*>(nullptr), [&](int i) {
     const int s = kStart + i;
-    vfloat acc = splat(weight[i * kPolarTaps])
-                 * load_pieces<kTwo>(p0, p1, m0, m1, row[taps::kTap[s][0][0]] + col[taps::kTap[s][0][1]]);
+    vfloat acc = splat(weight[i * kPolarTaps]) * pieces.load<kTwo>(row[taps::kTap[s][0][0]] + col[taps::kTap[s][0][1]]);
 #pragma GCC unroll 4
     for (int t = 1; t < kPolarTaps; ++t) {
       if (t < taps::kCount[s]) {
         acc += splat(weight[i * kPolarTaps + t])
-               * load_pieces<kTwo>(p0, p1, m0, m1, row[taps::kTap[s][t][0]] + col[taps::kTap[s][t][1]]);
+               * pieces.load<kTwo>(row[taps::kTap[s][t][0]] + col[taps::kTap[s][t][1]]);
       }
     }
     return acc;
@@ -886,12 +925,11 @@ void sort_polar_fixed(const Plan<float>& plan, const float* p0, const float* p1,
 
 // The segments of polar rings and windows for k = 5, 7 (slot ranges as geometry.py makes them).
 template <bool kTwo>
-void sort_polar_segment(const Plan<float>& plan, const Segment& segment, const float* p0, const float* p1,
-                        __mmask16 m0, __mmask16 m1, float* out) {
+void sort_polar_segment(const Plan<float>& plan, const Segment& segment, const Pieces& pieces, float* out) {
   const int64_t key = plan.polar_k * 10000 + segment.start * 100 + segment.size;
 #define TIMM_SORTCONV_CASE(k, start, size)                                 \
   case k * 10000 + start * 100 + size:                                     \
-    return sort_polar_fixed<k, start, size, kTwo>(plan, p0, p1, m0, m1, out);
+    return sort_polar_fixed<k, start, size, kTwo>(plan, pieces, out);
   switch (key) {
     TIMM_SORTCONV_CASE(5, 0, 1)
     TIMM_SORTCONV_CASE(5, 1, 8)
@@ -917,22 +955,19 @@ bool sort_direct(const Plan<float>& plan, const float* channel_input, const Bloc
   if (!plan.direct || !block.direct) return false;
   for (const auto& segment : plan.segments) {
     for (int64_t h = 0; h < lanes / half; ++h) {
-      const VectorSource& source = block.source[h];
-      const float* p0 = channel_input + source.base[0];
-      const float* p1 = channel_input + source.base[1];
-      const __mmask16 m0 = static_cast<__mmask16>(source.mask[0]), m1 = static_cast<__mmask16>(source.mask[1]);
+      const Pieces pieces(channel_input, block.source[h]);
       float* out = value + segment.start * lanes + h * half;
       if (plan.polar_k != 0) {
-        if (m1 != 0) {
-          sort_polar_segment<true>(plan, segment, p0, p1, m0, m1, out);
+        if (pieces.two) {
+          sort_polar_segment<true>(plan, segment, pieces, out);
         } else {
-          sort_polar_segment<false>(plan, segment, p0, p1, m0, m1, out);
+          sort_polar_segment<false>(plan, segment, pieces, out);
         }
         continue;
       }
-#define TIMM_SORTCONV_CASE(n)                                               \
-  case n:                                                                   \
-    sort_direct_fixed<n>(plan, segment.start, p0, p1, m0, m1, out); \
+#define TIMM_SORTCONV_CASE(n)                                \
+  case n:                                                    \
+    sort_direct_fixed<n>(plan, segment.start, pieces, out); \
     break;
       switch (segment.size) {
         TIMM_SORTCONV_CASE(1)
