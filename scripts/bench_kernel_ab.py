@@ -3,8 +3,8 @@
 
 On a shared or virtualised machine the same run can move by 10-20% from one minute to the next, far more
 than most kernel changes; timings taken in separate runs cannot tell such changes apart. This script
-builds every given version of ``timm_sortconv/csrc`` (a git revision, or a folder holding
-``sort_conv_cpu.cpp`` and its headers), loads them all into one process and, repeat after repeat, runs
+builds every given version of ``timm_sortconv/csrc`` (a git revision, or a folder holding its ``.cpp``
+and ``.h`` files) with ``cpu_backend.load_kernel``, loads them all into one process and, repeat after repeat, runs
 each version's forward and backward on the same tensors in turn, so that a slow minute slows them alike.
 It prints the median forward and forward + backward time of each version in milliseconds (CPU time of
 the process with one thread, wall clock otherwise). ``--isa`` builds every version for one instruction-set

@@ -1,13 +1,15 @@
-"""The fused CPU backend: a C++ extension (``timm_sortconv/csrc/sort_conv_cpu.cpp``) built on first use.
+"""The fused CPU backend: a C++ extension (``timm_sortconv/csrc``: the kernel in ``sort_conv_kernel.h``, one
+translation unit per dtype, Python bindings in ``sort_conv_cpu.cpp``) built on first use.
 
-For a block of 32 output positions (16 in float64) and one input channel at a time, the kernel
+For a block of output positions (two vectors: 32 float32 positions with AVX-512, 16 with AVX2, 8 on
+SSE2 or NEON; half as many in float64) and one input channel at a time, the kernel
 gathers the samples of every window (bilinear taps for polar sampling), sorts each ring or the whole
 window with the Batcher network of :meth:`SortGeometry.comparators` as vectorised compare-exchanges
 across the block, and multiplies the sorted panel straight into the block's outputs with a
 register-tiled micro-GEMM. Nothing of size ``k*k`` times the input is ever written to memory. In the
-float32 forward pass with unit stride (square sampling, and polar sampling with k = 5 or 7, whose tap
-positions are compiled in from ``csrc/polar_taps.h``) gathering and sorting are one pass straight from
-the input into registers.
+float32 forward pass with unit stride on AVX-512 and AVX2 (square sampling, and polar sampling with
+k = 5 or 7, whose tap positions are compiled in from ``csrc/polar_taps.h``) gathering and sorting are one
+pass straight from the input into registers, with masked loads.
 
 Zero padding is added inside the kernel, while it copies each image it works on into a per-thread
 buffer (other padding modes, and calls with fewer images than threads, are padded by ``F.pad``
@@ -211,7 +213,8 @@ def _import_cpp_extension():
 
 
 def _sources(folder: Path) -> Dict[str, bytes]:
-    """The kernel's sources in ``folder``: every ``.cpp`` and ``.h``, by name."""
+    """The kernel's sources in ``folder``: every ``.cpp`` (each compiled, ``sort_conv_cpu.cpp`` holding the
+    Python bindings) and ``.h``, by name."""
     if not (folder / _SOURCE_NAME).is_file():
         raise FileNotFoundError(f"{folder}: no {_SOURCE_NAME} there (give a folder like {SOURCE_DIR})")
     return {path.name: path.read_bytes() for path in sorted(folder.iterdir()) if path.suffix in (".cpp", ".h")}
@@ -255,7 +258,9 @@ def _build(sources: Dict[str, bytes], isa: str, verbose: bool) -> ModuleType:
     saved_path = os.environ.get("PATH")
     os.environ["PATH"] = path
     try:
-        return cpp_extension.load(name=name, sources=[str(source_folder / _SOURCE_NAME)],
+        # Every .cpp is a translation unit of its own (ninja compiles them in parallel).
+        units = [str(source_folder / file_name) for file_name in sources if file_name.endswith(".cpp")]
+        return cpp_extension.load(name=name, sources=units,
                                   extra_include_paths=[str(source_folder)],
                                   extra_cflags=list(_CFLAGS + ISA_LEVELS[isa].flags), extra_ldflags=list(_LDFLAGS),
                                   build_directory=str(build_directory), verbose=verbose)
