@@ -144,9 +144,9 @@ def test_agrees_with_reference(sampling, sorting, k, dtype, threads, isa):
 @pytest.mark.parametrize("width", [3, 5, 8, 14, 16, 17, 28, 33])
 @pytest.mark.parametrize("sampling,sorting", VARIANTS, ids=VARIANT_IDS)
 def test_agrees_with_reference_for_every_row_width(sampling, sorting, width, threads, isa):
-    """The forward pass of square sampling in float32 with unit stride reads each vector of 16 lanes
-    straight from the input when it holds at most two row pieces (widths >= 8 here, and every block of
-    wider rows), and stages it otherwise; every width and dilation must agree with the reference."""
+    """The forward pass of square sampling in float32 with unit stride reads each vector of lanes (16 with
+    AVX-512, 8 with AVX2) straight from the input when it holds at most two row pieces, and stages it
+    otherwise (and at the generic level); every width and dilation must agree with the reference."""
     threads(1)
     for index, (k, dilation) in enumerate([(3, 1), (7, 1), (5, 2), (7, 3), (5, 4)]):
         x = randn(2, 3, 6, width, seed=index, dtype=torch.float32)
@@ -178,8 +178,9 @@ def test_agrees_with_reference_large_kernels(sampling, sorting, k, threads, isa)
 @pytest.mark.parametrize("size,k,stride", [(1, 3, 1), (2, 3, 1), (5, 5, 2), (6, 7, 1)])
 @pytest.mark.parametrize("sampling,sorting", VARIANTS, ids=VARIANT_IDS)
 def test_agrees_with_reference_when_blocks_span_images(sampling, sorting, size, k, stride, threads, isa):
-    """Blocks of 32 (float32) or 16 (float64) output positions run across image boundaries; the forward
-    pass reads them from a per-thread copy of the images a block touches (up to all 32 for 1x1 outputs),
+    """Blocks of two vectors of output positions (32 float32 with AVX-512, 16 with AVX2, 8 at the generic
+    level) run across image boundaries; the forward pass reads them from a per-thread copy of the images a
+    block touches (up to one per position for 1x1 outputs),
     refilled as the blocks move on (the backward also adds each image's gradient to the input's as it
     leaves). 37 images of 1x1 to 6x6 outputs make every refill case happen; the padding differs between
     height and width."""

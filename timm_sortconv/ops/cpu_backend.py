@@ -117,7 +117,9 @@ def _disabled() -> bool:
 @functools.lru_cache(maxsize=None)
 def _cpu_features() -> frozenset:
     """The CPU's features under ``torch.cpu.get_capabilities()``'s names (cpuinfo, which also checks that
-    the OS saves the registers), with ``/proc/cpuinfo``'s flags where it exists (MOVBE is only there)."""
+    the OS saves the registers), or ``/proc/cpuinfo``'s flags with older torch. MOVBE, which cpuinfo does not
+    report, is read from ``/proc/cpuinfo``; without that file it is taken to come with AVX2, as it does on
+    Intel's AVX2 CPUs (since Haswell) and AMD's (since Excavator)."""
     features = set()
     capabilities = getattr(torch.cpu, "get_capabilities", None)
     if capabilities is not None:
@@ -137,7 +139,7 @@ def _cpu_features() -> frozenset:
                "avx512cd": "avx512_cd", "avx512dq": "avx512_dq", "avx512vl": "avx512_vl"}
     if capabilities is None:
         features |= {renamed.get(flag, flag) for flag in flags}
-    elif "movbe" in flags:
+    elif "movbe" in flags or (not flags and "avx2" in features):
         features.add("movbe")
     return frozenset(features)
 
