@@ -63,9 +63,9 @@ import torch.nn.functional as F
 from .backends import Backend, register_backend, run_recomputing
 from .geometry import SortGeometry
 
-__all__ = ["DISABLE_ENV", "ISA_ENV", "ISA_LEVELS", "MAX_KERNEL_SIZE", "POLAR_TAP_SIZES", "CpuKernel", "IsaLevel",
-           "cpu_isa", "load_extension", "load_kernel", "polar_tap_header", "runnable_isa_levels", "sort_conv2d_cpu",
-           "supports_cpu"]
+__all__ = ["DISABLE_ENV", "ISA_ENV", "ISA_LEVELS", "MAX_KERNEL_SIZE", "POLAR_TAP_SIZES", "SOURCE_DIR", "CpuKernel",
+           "IsaLevel", "cpu_isa", "extension_name", "load_extension", "load_kernel", "polar_tap_header",
+           "runnable_isa_levels", "sort_conv2d_cpu", "supports_cpu"]
 
 DISABLE_ENV = "TIMM_SORTCONV_DISABLE_FAST"
 ISA_ENV = "TIMM_SORTCONV_CPU_ISA"
