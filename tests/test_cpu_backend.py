@@ -465,6 +465,10 @@ def test_kernel_ab_script_checks_its_input(tmp_path, capsys):
         ab.checkout_csrc(str(tmp_path), tmp_path)
     with pytest.raises(SystemExit, match="no-such-revision"):
         ab.checkout_csrc("git:no-such-revision", tmp_path)
+    assert ab.split_version("git:HEAD@avx2", None) == ("git:HEAD", "avx2")
+    assert ab.split_version("path/to/csrc", "generic") == ("path/to/csrc", "generic")
+    with pytest.raises(SystemExit, match="unknown instruction-set level 'neon'; accepted: avx512, avx2, generic"):
+        ab.split_version("git:HEAD@neon", None)
 
 
 def test_kernel_ab_script_extracts_a_revision(tmp_path):
