@@ -1223,7 +1223,8 @@ void scatter_runs(const Plan<scalar_t>& plan, const Run* runs, int64_t count, co
 // lanes are shifted into place in registers and summed, and the row of the plane is updated once,
 // three masked vectors wide, instead of k times.
 // Measured (A/B in one process, 1 thread): the backward 5-11% faster at B=100, 32->32, 28x28, k=7, 5-8%
-// with k=5; with k=3 (64x64 maps) 0-4% slower, so there the runs take scatter_runs.
+// with k=5; with k=3 (64x64 maps) 0-4% slower, so there the runs take scatter_runs. AVX-512 only (its
+// two-source permutes have no single AVX2 instruction); the other levels take scatter_runs.
 constexpr int64_t kMinRowScatter = 5;
 
 bool row_scatter(const Plan<float>& plan) {
