@@ -720,7 +720,8 @@ def main(argv=None) -> None:
         sys.exit("the fused CPU backend could not be built; nothing to benchmark")
     print(f"torch {torch.__version__}, timm {timm.__version__}, timm_sortconv {timm_sortconv.__version__}, "
           f"threads {torch.get_num_threads()}, {args.clock} clock, extension ready in "
-          f"{time.perf_counter() - start:.1f} s")
+          f"{time.perf_counter() - start:.1f} s; CPU kernel level {cpu_backend.cpu_isa()}, PyTorch's "
+          f"{torch.backends.cpu.get_cpu_capability()}")
     reference_repeats = 0 if args.skip_reference else args.reference_repeats
     reference = reference_repeats > 0
     for name in args.shapes.split(","):
