@@ -25,7 +25,7 @@ For a network that is exactly invariant to quarter turns (every SCNN on 28x28 in
 rows use, and the full 36 angles what peers (not exactly quarter-turn invariant) and final rows use.
 
 ``--pretrained`` trains nothing: it sweeps the bundled weights of ``--model`` built with
-``--model-kwargs``, which tests an option that adds no parameters (e.g. ``ring_density=2``) on weights
+``--model-kwargs``, which tests an option that adds no parameters (e.g. ``blur_sigma=0.7``) on weights
 trained without it.
 
 Peers (``--model`` names that are not timm models; their packages are not dependencies of timm-sortconv,

@@ -3,11 +3,13 @@
 
 On a shared or virtualised machine the same run can move by 10-20% from one minute to the next, far more
 than most kernel changes; timings taken in separate runs cannot tell such changes apart. This script
-builds every given version of ``timm_sortconv/csrc`` (a git revision, or a folder holding
-``sort_conv_cpu.cpp`` and its headers), loads them all into one process and, repeat after repeat, runs
+builds every given version of ``timm_sortconv/csrc`` (a git revision, or a folder holding its ``.cpp``
+and ``.h`` files) with ``cpu_backend.load_kernel``, loads them all into one process and, repeat after repeat, runs
 each version's forward and backward on the same tensors in turn, so that a slow minute slows them alike.
 It prints the median forward and forward + backward time of each version in milliseconds (CPU time of
-the process with one thread, wall clock otherwise).
+the process with one thread, wall clock otherwise). ``--isa`` builds every version for one instruction-set
+level (``avx512``, ``avx2``, ``generic``; default: the level the package would use here), so that an AVX2
+build can be measured on an AVX-512 machine; ``version@isa`` sets it for one version.
 
 Only the kernel changes between versions: the geometry tables, the weight layout and the Python wrapper
 are today's (``timm_sortconv.ops.cpu_backend``), so versions must share the extension's interface.
@@ -15,6 +17,7 @@ are today's (``timm_sortconv.ops.cpu_backend``), so versions must share the exte
 Examples:
     python scripts/bench_kernel_ab.py git:HEAD~3 git:HEAD
     python scripts/bench_kernel_ab.py git:main path/to/edited/csrc --shape 10,64,64,64,3 --repeats 11
+    python scripts/bench_kernel_ab.py git:HEAD@avx2 git:HEAD@avx512
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional, Tuple
 
 import torch
 
@@ -61,18 +65,23 @@ def checkout_csrc(spec: str, workdir: Path) -> Path:
     return folder
 
 
-def build(folder: Path):
-    """The extension built from ``folder`` (cached by the hash of its sources)."""
-    digest = hashlib.sha256()
-    for path in sorted(folder.iterdir()):
-        if path.suffix in (".cpp", ".h"):
-            digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    return cpu_backend.build_extension(f"timm_sortconv_ab_{digest.hexdigest()[:16]}", folder)
+def split_version(spec: str, isa: Optional[str]) -> Tuple[str, Optional[str]]:
+    """``version@isa`` -> (version, isa); a version without ``@`` takes ``isa``."""
+    version, at, level = spec.rpartition("@")
+    if not at:
+        return spec, isa
+    if level not in cpu_backend.ISA_LEVELS:
+        raise SystemExit(f"{spec}: unknown instruction-set level {level!r}; accepted: "
+                         f"{', '.join(cpu_backend.ISA_LEVELS)}")
+    return version, level
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("versions", nargs="+", help="git:<revision> or a folder with sort_conv_cpu.cpp")
+    parser.add_argument("versions", nargs="+",
+                        help="git:<revision> or a folder with sort_conv_cpu.cpp, optionally followed by @<isa>")
+    parser.add_argument("--isa", choices=list(cpu_backend.ISA_LEVELS), default=None,
+                        help="instruction-set level to build the versions for (default: the package's choice)")
     parser.add_argument("--shape", default="100,32,32,28,7",
                         help="B,C_in,C_out,H,k: a square H x H output, padding k // 2 (default: the issue's first)")
     parser.add_argument("--variants", default="polar-ring,polar-global,square-ring,square-global")
@@ -92,7 +101,10 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     clock = time.process_time if args.threads == 1 else time.perf_counter
     with tempfile.TemporaryDirectory() as workdir:
-        extensions = [build(checkout_csrc(spec, Path(workdir))) for spec in args.versions]
+        kernels = []
+        for spec in args.versions:
+            version, isa = split_version(spec, args.isa)
+            kernels.append(cpu_backend.load_kernel(checkout_csrc(version, Path(workdir)), isa))
     batch, channels, outputs, size, k = args.shape
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(batch, channels, size + k - 1, size + k - 1, generator=generator)  # already padded
@@ -101,28 +113,24 @@ def main(argv=None) -> None:
     grad_output = torch.randn(batch, outputs, size, size, generator=generator)
     print(f"shape B={batch}, {channels} -> {outputs}, {size}x{size}, k={k}; {args.threads} thread(s), "
           f"{'CPU time' if args.threads == 1 else 'wall clock'}, median of {args.repeats} turns, ms")
-    saved = cpu_backend._extension
-    try:
-        for variant in args.variants.split(","):
-            geometry = get_geometry(k, *variant.split("-"))
-            forward = [[] for _ in extensions]
-            both = [[] for _ in extensions]
-            for turn in range(args.repeats + 1):  # turn 0 warms up
-                for i, extension in enumerate(extensions):
-                    cpu_backend._extension = extension
-                    start = clock()
-                    cpu_backend._forward(x, weight, bias, geometry, (1, 1), (1, 1), 1)
-                    middle = clock()
-                    cpu_backend._backward(grad_output, x, weight, geometry, (1, 1), (1, 1), 1, True, True)
-                    end = clock()
-                    if turn:
-                        forward[i].append(middle - start)
-                        both[i].append(end - start)
-            cells = [f"{spec}: fwd {statistics.median(f) * 1e3:.1f} f+b {statistics.median(b) * 1e3:.1f}"
-                     for spec, f, b in zip(args.versions, forward, both)]
-            print(f"{variant:14s} " + " | ".join(cells), flush=True)
-    finally:
-        cpu_backend._extension = saved
+    labels = [f"{split_version(spec, None)[0]}@{kernel.isa}" for spec, kernel in zip(args.versions, kernels)]
+    for variant in args.variants.split(","):
+        geometry = get_geometry(k, *variant.split("-"))
+        forward = [[] for _ in kernels]
+        both = [[] for _ in kernels]
+        for turn in range(args.repeats + 1):  # turn 0 warms up
+            for i, kernel in enumerate(kernels):
+                start = clock()
+                kernel.forward(x, weight, bias, geometry, (1, 1), (1, 1), 1)
+                middle = clock()
+                kernel.backward(grad_output, x, weight, geometry, (1, 1), (1, 1), 1, True, True)
+                end = clock()
+                if turn:
+                    forward[i].append(middle - start)
+                    both[i].append(end - start)
+        cells = [f"{label}: fwd {statistics.median(f) * 1e3:.1f} f+b {statistics.median(b) * 1e3:.1f}"
+                 for label, f, b in zip(labels, forward, both)]
+        print(f"{variant:14s} " + " | ".join(cells), flush=True)
 
 
 if __name__ == "__main__":

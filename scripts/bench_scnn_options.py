@@ -17,8 +17,6 @@ import timm_sortconv.models  # noqa: F401  (registers the SC models)
 
 VARIANTS = {
     "paper": {},
-    "ring_density=2": dict(ring_density=2),
-    "ring_density=(3,2,1)": dict(ring_density=(3, 2, 1)),
     "sampling=polar-offset": dict(sampling="polar-offset"),
     "padding_mode=replicate": dict(padding_mode="replicate"),
     "blur_sigma=0.7": dict(blur_sigma=0.7),

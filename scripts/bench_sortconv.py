@@ -17,15 +17,27 @@ What is measured:
   (``torch.autograd.graph.saved_tensors_hooks``): the memory a training step holds per layer between
   forward and backward. Parameters count too (the weight is saved by every path).
 
+On a CUDA GPU (``--device cuda``) it prints the GPU issue's table instead: per layer, variant, kernel size
+and precision, ``F.conv2d`` in float32 without TF32 and with PyTorch's defaults (or under autocast for
+``bf16``/``fp16``), ``sort_conv2d(backend="triton")`` (one column per ``--triton-paths`` entry) and the
+reference path, forward and forward+backward, timed with CUDA events; and with ``--throughput``, training
+steps of scnn_p_rs_7, ri_resnet18 and ri_densenet40 against their ``*_baseline`` twins. ``--dry-run`` runs
+that code on tiny CPU tensors (the Triton kernels in Triton's interpreter: set ``TRITON_INTERPRET=1``).
+
 Examples:
     python scripts/bench_sortconv.py                           # the issue's four shapes, all variants
     python scripts/bench_sortconv.py --shapes k5 --skip-reference   # the same layers with 5x5 kernels
     python scripts/bench_sortconv.py --shapes scnn_p_rs_7 --variants polar-ring --skip-reference
     python scripts/bench_sortconv.py --shapes none --throughput --e2cnn
+    python scripts/bench_sortconv.py --device cuda --shapes gpu --kernel-sizes 3,5,7 --precisions fp32,bf16
+    python scripts/bench_sortconv.py --device cuda --shapes gpu --triton-paths fused,columns --skip-reference
+    TRITON_INTERPRET=1 python scripts/bench_sortconv.py --device cuda --dry-run --throughput
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import statistics
 import sys
 import time
@@ -83,8 +95,20 @@ K5_SHAPES = [
     LayerShape(100, 32, 64, 14, 14, 5),
     LayerShape(10, 64, 64, 64, 64, 5),
 ]
+# The CUDA issue's shapes (measured there on an H100 before its work), and two of ConvNeXt-T's 7x7
+# depthwise layers at 224x224 input (stages 1 and 3), which the issue names as a target.
+GPU_SHAPES = [
+    LayerShape(100, 32, 32, 28, 28, 7),
+    LayerShape(100, 32, 64, 14, 14, 7),
+    LayerShape(32, 64, 64, 32, 32, 3),
+    LayerShape(32, 128, 128, 16, 16, 3),
+    LayerShape(32, 256, 256, 8, 8, 3),
+    LayerShape(32, 96, 96, 56, 56, 7, groups=96),
+    LayerShape(32, 384, 384, 14, 14, 7, groups=384),
+]
 SHAPE_SETS = {"issue": ("The performance issue's shapes", ISSUE_SHAPES),
-              "k5": ("The issue's shapes with k = 5", K5_SHAPES)}
+              "k5": ("The issue's shapes with k = 5", K5_SHAPES),
+              "gpu": ("The CUDA issue's shapes and two depthwise layers", GPU_SHAPES)}
 
 
 def model_layer_shapes(name: str, batch: int) -> Tuple[List[LayerShape], str]:
@@ -338,6 +362,293 @@ def print_throughput(steps: int, batch: int, e2cnn: bool, reference: bool) -> No
         images_per_second = training_throughput(model, batch, (1, 28, 28), steps)
         print(f"| {name} | {parameters:,} | {images_per_second:.0f} | {batch / images_per_second * 1e3:.0f} |")
 
+# ---------------------------------------------------------------------------------------------------------
+# --device cuda: the GPU table (F.conv2d against the Triton backend) and model throughput.
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+TRITON_PATHS = ("auto", "direct", "fused", "columns")
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# Models and their nn.Conv2d twins, with the batch of the CUDA issue's throughput goal (inputs at the
+# model's own size: 28x28 for the SCNN, 128x128 for the others).
+CUDA_MODELS = {"scnn_p_rs_7": ("scnn_baseline_7", 100), "ri_resnet18": ("ri_resnet18_baseline", 32),
+               "ri_densenet40": ("ri_densenet40_baseline", 32)}
+# --dry-run: one tiny layer, and small model inputs, so that the interpreter finishes in seconds.
+DRY_RUN_SHAPES = [LayerShape(2, 4, 4, 6, 6, 3)]
+
+
+def cuda_median_times(fns: Dict[str, Callable[[], object]], repeats: int, device: torch.device) -> Dict[str, float]:
+    """Median seconds of each function (one warm-up call each, then taking turns), timed with CUDA events
+    on a GPU and the wall clock elsewhere; NaN with ``repeats`` 0 (the warm-up alone: compiles kernels)."""
+    for fn in fns.values():
+        fn()
+    samples: Dict[str, List[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize(device)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                samples[name].append(start.elapsed_time(end) / 1e3)
+            else:
+                begin = time.perf_counter()
+                fn()
+                samples[name].append(time.perf_counter() - begin)
+    return {name: statistics.median(values) if values else float("nan") for name, values in samples.items()}
+
+
+@contextlib.contextmanager
+def conv_precision(precision: str, device: torch.device):
+    """``fp32``: float32 without TF32 anywhere; ``tf32``: PyTorch's defaults (TF32 in cuDNN convolutions);
+    ``bf16``/``fp16``: under ``torch.autocast``."""
+    saved = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
+    if precision == "fp32":
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        if precision in AUTOCAST_DTYPES:
+            with torch.autocast(device.type, dtype=AUTOCAST_DTYPES[precision]):
+                yield
+        else:
+            yield
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+@contextlib.contextmanager
+def triton_path(path: str):
+    """The Triton backend's path forced (``auto``: its own rule) while the block runs."""
+    from timm_sortconv.ops.triton_backend import config
+
+    saved = os.environ.get(config.PATH_ENV)
+    if path == "auto":
+        os.environ.pop(config.PATH_ENV, None)
+    else:
+        os.environ[config.PATH_ENV] = path
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(config.PATH_ENV, None)
+        else:
+            os.environ[config.PATH_ENV] = saved
+
+
+def cuda_layer_calls(shape: LayerShape, variant: Optional[str], backend: str, device: torch.device,
+                     precision: str, path: str = "auto"):
+    """(forward, forward+backward, forward-with-grad) closures on ``device`` under ``precision``: F.conv2d
+    (variant None) or SC (``--dry-run`` on the CPU runs the Triton backend under Triton's interpreter, where it
+    takes CPU tensors)."""
+    tensors = {}
+
+    def moved(fn):
+        def run():
+            with conv_precision(precision, device), triton_path(path):
+                return fn()
+        return run
+
+    if variant is None:
+        def op(x, weight, bias):
+            return F.conv2d(x, weight, bias, shape.stride, shape.pad, shape.dilation, shape.groups)
+    else:
+        sampling, sorting = variant.split("-")
+
+        def op(x, weight, bias):
+            return sort_conv2d(x, weight, bias, shape.stride, shape.pad, shape.dilation, shape.groups,
+                               sampling=sampling, sorting=sorting, backend=backend)
+    generator = torch.Generator().manual_seed(0)
+    for name, size in (("x", (shape.batch, shape.in_channels, shape.height, shape.width)),
+                       ("weight", (shape.out_channels, shape.in_channels // shape.groups, shape.kernel_size,
+                                   shape.kernel_size)), ("bias", (shape.out_channels,))):
+        tensors[name] = (torch.randn(size, generator=generator) * (0.1 if name == "weight" else 1.0)).to(device)
+    grads = {name: t.clone().requires_grad_() for name, t in tensors.items()}
+
+    def forward():
+        with torch.no_grad():
+            return op(tensors["x"], tensors["weight"], tensors["bias"])
+
+    def forward_with_grad():
+        return op(grads["x"], grads["weight"], grads["bias"])
+
+    def forward_backward():
+        for t in grads.values():
+            t.grad = None
+        out = forward_with_grad()
+        out.backward(torch.ones_like(out))
+
+    return moved(forward), moved(forward_backward), moved(forward_with_grad)
+
+
+def cuda_bench_layer(shape: LayerShape, variants: Sequence[str], precision: str, paths: Sequence[str],
+                     repeats: int, reference_repeats: int, device: torch.device) -> List[dict]:
+    """One row per variant: conv (float32 without TF32 and default, or autocast), SC Triton per path and
+    the reference path (if ``reference_repeats`` > 0), forward and forward+backward, and saved MB."""
+    fns = {}
+    conv_precisions = {"conv32": "fp32", "conv": "tf32"} if precision == "fp32" else {"conv": precision}
+    sc_precision = "tf32" if precision == "fp32" else precision  # PyTorch's defaults for float32
+    for name, conv_mode in conv_precisions.items():
+        f, fb, _ = cuda_layer_calls(shape, None, "", device, conv_mode)
+        fns.update({f"{name}_f": f, f"{name}_fb": fb})
+    conv_times = cuda_median_times(fns, repeats, device)
+    _, _, conv_saved = cuda_layer_calls(shape, None, "", device, sc_precision)
+    rows = []
+    for variant in variants:
+        row = dict(variant=variant, k=shape.kernel_size, **conv_times, conv_mb=saved_bytes(conv_saved) / 2**20)
+        triton_fns = {}
+        for path in paths:
+            f, fb, saved = cuda_layer_calls(shape, variant, "triton", device, sc_precision, path)
+            triton_fns.update({f"triton[{path}]_f": f, f"triton[{path}]_fb": fb})
+            row[f"triton[{path}]_mb"] = saved_bytes(saved) / 2**20
+        row.update(cuda_median_times(triton_fns, repeats, device))
+        if reference_repeats > 0:
+            f, fb, _ = cuda_layer_calls(shape, variant, "reference", device, sc_precision)
+            row.update(cuda_median_times({"ref_f": f, "ref_fb": fb}, reference_repeats, device))
+        rows.append(row)
+    return rows
+
+
+def print_cuda_profile(shape: LayerShape, variant: str, precision: str, path: str, device: torch.device) -> None:
+    """torch.profiler's kernels of three SC forward+backward calls on the Triton backend, by device time:
+    which of the sorting kernels, cuBLAS products and F.fold take the time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _, forward_backward, _ = cuda_layer_calls(shape, variant, "triton", device,
+                                              "tf32" if precision == "fp32" else precision, path)
+    forward_backward()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(3):
+            forward_backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    sort_by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(f"\n#### Profile: {shape.label()}, {variant}, {precision}, triton[{path}], 3 x forward+backward\n")
+    print("```")
+    print(prof.key_averages().table(sort_by=sort_by, row_limit=12, max_name_column_width=60))
+    print("```")
+
+
+def print_cuda_table(title: str, rows: List[dict], precision: str, paths: Sequence[str], reference: bool) -> None:
+    """The issue's table: conv, SC Triton (per path), SC reference, and SC Triton over conv."""
+    conv = ["conv fp32 fwd", "conv fp32 f+b", "conv default fwd", "conv default f+b"] if precision == "fp32" \
+        else [f"conv {precision} fwd", f"conv {precision} f+b"]
+    header = ["shape", "variant", "k"] + conv
+    for path in paths:
+        header += [f"triton[{path}] fwd", f"triton[{path}] f+b", f"triton[{path}]/conv fwd",
+                   f"triton[{path}]/conv f+b", f"saved MB triton[{path}]"]
+    header += (["ref fwd", "ref f+b"] if reference else []) + ["saved MB conv"]
+    print(f"\n### {title} ({precision}, ms)\n")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for label, row in rows:
+        keys = ["conv32_f", "conv32_fb", "conv_f", "conv_fb"] if precision == "fp32" else ["conv_f", "conv_fb"]
+        cells = [label, row["variant"], str(row["k"])] + [f"{row[key] * 1e3:.3f}" for key in keys]
+        for path in paths:
+            f, fb = row[f"triton[{path}]_f"], row[f"triton[{path}]_fb"]
+            cells += [f"{f * 1e3:.3f}", f"{fb * 1e3:.3f}", f"{f / row['conv_f']:.2f}x", f"{fb / row['conv_fb']:.2f}x",
+                      f"{row[f'triton[{path}]_mb']:.1f}"]
+        if reference:
+            cells += [f"{row['ref_f'] * 1e3:.3f}", f"{row['ref_fb'] * 1e3:.3f}"]
+        cells.append(f"{row['conv_mb']:.1f}")
+        print("| " + " | ".join(cells) + " |")
+
+
+def cuda_layer_shapes(args, variants: List[str], variant_given: bool, device: torch.device):
+    """(title, [(shape, variants)]) per entry of --shapes, k replaced by each of --kernel-sizes."""
+    sizes = [int(k) for k in args.kernel_sizes.split(",")] if args.kernel_sizes else [None]
+    for name in args.shapes.split(","):
+        if name == "none":
+            continue
+        if args.dry_run:
+            title, shapes, layer_variants = "Dry run: one tiny layer", DRY_RUN_SHAPES, variants
+        elif name in SHAPE_SETS:
+            title, shapes = SHAPE_SETS[name]
+            layer_variants = variants
+        else:
+            shapes, model_variant = model_layer_shapes(name, args.batch or CUDA_MODELS[name][1])
+            title = f"{name}: its SortConv2d layers at its input size"
+            layer_variants = variants if variant_given else model_variant.split("/")
+        entries = [(shape if k is None else replace(shape, kernel_size=k, padding=-1), layer_variants)
+                   for k in sizes for shape in shapes]
+        yield title, entries
+        if args.dry_run:
+            return
+
+
+def cuda_training_throughput(name: str, backend: Optional[str], batch: int, steps: int, precision: str,
+                             device: torch.device, input_size: Optional[Sequence[int]] = None) -> float:
+    """Images per second of Adam steps of model ``name`` on ``device`` (SortConv2d layers on ``backend``)."""
+    model = timm.create_model(name)
+    if backend is not None:
+        set_backend(model, backend)
+    model.to(device).train()
+    input_size = input_size or model.pretrained_cfg["input_size"]
+    generator = torch.Generator().manual_seed(0)
+    images = torch.randn(batch, *input_size, generator=generator).to(device)
+    labels = torch.randint(0, model.num_classes, (batch,), generator=generator).to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        with conv_precision(precision, device):
+            loss = F.cross_entropy(model(images), labels)
+        loss.backward()
+        optimizer.step()
+
+    return batch / cuda_median_times({"step": step}, steps, device)["step"]
+
+
+def print_cuda_throughput(args, precisions: Sequence[str], device: torch.device) -> None:
+    backend = "auto" if args.dry_run else "triton"  # a dry run's models are too large for the interpreter
+    print(f"\n### Training throughput (Adam, median of {args.steps} steps; SortConv2d on backend {backend!r})\n")
+    print("| model | precision | batch | images/s | baseline twin | its images/s | SC / twin |")
+    print("|---|---|---|---|---|---|---|")
+    for name, (twin, batch) in CUDA_MODELS.items():
+        batch = 2 if args.dry_run else (args.batch or batch)
+        size = (1, 28, 28) if args.dry_run and name.startswith("scnn") else (3, 32, 32) if args.dry_run else None
+        for precision in precisions:
+            mode = "tf32" if precision == "fp32" else precision
+            sc = cuda_training_throughput(name, backend, batch, args.steps, mode, device, size)
+            base = cuda_training_throughput(twin, None, batch, args.steps, mode, device, size)
+            print(f"| {name} | {precision} | {batch} | {sc:.0f} | {twin} | {base:.0f} | {sc / base:.2f} |",
+                  flush=True)
+
+
+def main_cuda(args, variants: List[str], variant_given: bool) -> None:
+    """The GPU benchmark (``--device cuda``), or its dry run on CPU tensors."""
+    if args.dry_run:
+        device = torch.device("cpu")
+        args.repeats, args.steps = 1, 1
+    elif not torch.cuda.is_available():
+        sys.exit("--device cuda: no CUDA device here (use --dry-run to check the script on the CPU)")
+    else:
+        device = torch.device("cuda")
+    import triton
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (dry run)"
+    print(f"{name}, torch {torch.__version__}, triton {triton.__version__}, timm {timm.__version__}, "
+          f"timm_sortconv {timm_sortconv.__version__}; median of {args.repeats} (CUDA events); 'default' is "
+          "PyTorch's float32 default (TF32 in convolutions), which SC's product follows")
+    reference_repeats = 0 if args.skip_reference else args.reference_repeats
+    precisions = args.precisions.split(",")
+    paths = args.triton_paths.split(",")
+    for title, entries in cuda_layer_shapes(args, variants, variant_given, device):
+        for precision in precisions:
+            rows = []
+            for shape, layer_variants in entries:
+                for row in cuda_bench_layer(shape, layer_variants, precision, paths, args.repeats, reference_repeats,
+                                            device):
+                    rows.append((shape.label(), row))
+            print_cuda_table(title, rows, precision, paths, reference_repeats > 0)
+            if args.profile:
+                for shape, layer_variants in entries:
+                    for variant in layer_variants:
+                        for path in paths:
+                            print_cuda_profile(shape, variant, precision, path, device)
+    if args.throughput:
+        print_cuda_throughput(args, precisions, device)
+
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -361,7 +672,30 @@ def parse_args(argv=None):
                         help="whole-model training throughput of scnn_p_rs_7 vs scnn_baseline_7")
     parser.add_argument("--e2cnn", action="store_true", help="add an E(2)-CNN model to the throughput table")
     parser.add_argument("--steps", type=int, default=5, help="timed training steps for throughput")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: the GPU table (F.conv2d against the Triton backend), see the description")
+    parser.add_argument("--kernel-sizes", default=None,
+                        help="cuda: comma-separated k replacing each listed shape's own (e.g. 3,5,7)")
+    parser.add_argument("--precisions", default="fp32",
+                        help=f"cuda: comma-separated, of {', '.join(PRECISIONS)} (bf16/fp16: under torch.autocast)")
+    parser.add_argument("--triton-paths", default="auto",
+                        help="cuda: comma-separated Triton backend paths to time: auto (the backend's own choice), "
+                             "direct, fused, columns")
+    parser.add_argument("--profile", action="store_true",
+                        help="cuda: after each table, torch.profiler's kernel times of SC forward+backward per row")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="cuda: run the GPU table's code on tiny CPU tensors (set TRITON_INTERPRET=1)")
     args = parser.parse_args(argv)
+    for precision in args.precisions.split(","):
+        if precision not in PRECISIONS:
+            parser.error(f"unknown precision {precision!r}; accepted: {', '.join(PRECISIONS)}")
+    for path in args.triton_paths.split(","):
+        if path not in TRITON_PATHS:
+            parser.error(f"unknown Triton path {path!r}; accepted: {', '.join(TRITON_PATHS)}")
+    if args.kernel_sizes is not None:
+        for k in args.kernel_sizes.split(","):
+            if not k.isdigit() or int(k) % 2 == 0:
+                parser.error(f"--kernel-sizes takes odd ints, got {k!r}")
     for variant in args.variants.split(","):
         if variant not in VARIANTS:
             parser.error(f"unknown variant {variant!r}; accepted: {', '.join(VARIANTS)}")
@@ -378,12 +712,16 @@ def main(argv=None) -> None:
     clock = CLOCKS[args.clock]
     variant_given = any(a.startswith("--variants") for a in (argv if argv is not None else sys.argv[1:]))
     variants = args.variants.split(",")
+    if args.device == "cuda":
+        main_cuda(args, variants, variant_given)
+        return
     start = time.perf_counter()
     if cpu_backend.load_extension() is None:
         sys.exit("the fused CPU backend could not be built; nothing to benchmark")
     print(f"torch {torch.__version__}, timm {timm.__version__}, timm_sortconv {timm_sortconv.__version__}, "
           f"threads {torch.get_num_threads()}, {args.clock} clock, extension ready in "
-          f"{time.perf_counter() - start:.1f} s")
+          f"{time.perf_counter() - start:.1f} s; CPU kernel level {cpu_backend.cpu_isa()}, PyTorch's "
+          f"{torch.backends.cpu.get_cpu_capability()}")
     reference_repeats = 0 if args.skip_reference else args.reference_repeats
     reference = reference_repeats > 0
     for name in args.shapes.split(","):

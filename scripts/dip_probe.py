@@ -20,15 +20,15 @@ theta (:func:`timm_sortconv.invariance.rotate`, bilinear about the map's centre,
 ``--operator`` instead probes one SC window, no network and no data: smooth random images (sums of
 Gaussian blobs of width ``--blob-sigma`` pixels, optionally blurred by ``--blur`` more) are rendered on
 the grid exactly, upright and rotated by each angle about the window's centre pixel, and for each ring
-the relative change of the window's sorted (and, at a ring density above 1, averaged) ring values is
-reported, median over ``--fields`` images. Rendering is exact, so what changes is the operator's own
-response: where the ring's points fall between the pixels, and how many there are.
+the relative change of the window's sorted ring values is reported, median over ``--fields`` images.
+Rendering is exact, so what changes is the operator's own response: where the ring's points fall
+between the pixels.
 
 Examples::
 
     python scripts/dip_probe.py --data-dir DATA --model scnn_p_rs_7 --pretrained --samples 500 \\
         --angles 10,20,30,45 --out results/mnist/ablation/probe_scnn_p_rs_7.json
-    python scripts/dip_probe.py --operator --angles 10,22.5,30,45 --ring-density 1 2 "(3,2,1)"
+    python scripts/dip_probe.py --operator --angles 10,22.5,30,45 --sampling polar polar-offset --blur 0 0.7
 """
 from __future__ import annotations
 
@@ -140,9 +140,8 @@ def blob_images(count: int, blob_sigma: float, blur: float, angle: float, size: 
     return images.view(count, 1, size, size)
 
 
-def operator_probe(angles, samplings, densities, blob_sigmas, blurs, fields: int, kernel_size: int = 7):
-    """Rows ``(blob_sigma, blur, sampling, density, angle, [change of ring 1, ..., ring n])`` as described
-    above."""
+def operator_probe(angles, samplings, blob_sigmas, blurs, fields: int, kernel_size: int = 7):
+    """Rows ``(blob_sigma, blur, sampling, angle, [change of ring 1, ..., ring n])`` as described above."""
     from timm_sortconv.ops import sort_conv2d
     from timm_sortconv.ops.geometry import get_geometry
 
@@ -154,24 +153,22 @@ def operator_probe(angles, samplings, densities, blob_sigmas, blurs, fields: int
         for blur in blurs:
             upright = blob_images(fields, blob_sigma, blur, 0.0)
             for sampling in samplings:
-                for density in densities:
-                    get_geometry(k, sampling, "ring", density)  # checks the variant and the density
-                    centre = upright.shape[-1] // 2 - n
+                get_geometry(k, sampling, "ring")  # checks the variant
+                centre = upright.shape[-1] // 2 - n
 
-                    def values(images):
-                        out = sort_conv2d(images, one_hot, sampling=sampling, sorting="ring", ring_density=density,
-                                          backend="reference")
-                        return out[:, :, centre, centre]
+                def values(images):
+                    out = sort_conv2d(images, one_hot, sampling=sampling, sorting="ring", backend="reference")
+                    return out[:, :, centre, centre]
 
-                    before = values(upright)
-                    for angle in angles:
-                        after = values(blob_images(fields, blob_sigma, blur, angle))
-                        changes = []
-                        for r in range(1, n + 1):
-                            a, b = after[:, ring_of == r], before[:, ring_of == r]
-                            spread = (b - b.mean(1, keepdim=True)).norm(dim=1).clamp_min(1e-12)
-                            changes.append(((a - b).norm(dim=1) / spread).median().item())
-                        rows.append((blob_sigma, blur, sampling, density, angle, changes))
+                before = values(upright)
+                for angle in angles:
+                    after = values(blob_images(fields, blob_sigma, blur, angle))
+                    changes = []
+                    for r in range(1, n + 1):
+                        a, b = after[:, ring_of == r], before[:, ring_of == r]
+                        spread = (b - b.mean(1, keepdim=True)).norm(dim=1).clamp_min(1e-12)
+                        changes.append(((a - b).norm(dim=1) / spread).median().item())
+                    rows.append((blob_sigma, blur, sampling, angle, changes))
     return rows
 
 
@@ -179,7 +176,6 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", help="MNIST folder")
     parser.add_argument("--operator", action="store_true", help="probe one SC window on smooth images (no data)")
-    parser.add_argument("--ring-density", nargs="+", default=["1", "2"], help="densities to compare (--operator)")
     parser.add_argument("--sampling", nargs="+", default=["polar"], help="polar samplings to compare (--operator)")
     parser.add_argument("--blob-sigma", type=float, nargs="+", default=[1.0], help="blob widths (--operator)")
     parser.add_argument("--blur", type=float, nargs="+", default=[0.0], help="extra blurs (--operator)")
@@ -193,20 +189,15 @@ def main(argv=None):
     parser.add_argument("--out", default="", help="write the result as JSON here")
     args = parser.parse_args(argv)
     if args.operator:
-        import ast
-
-        densities = [ast.literal_eval(d) for d in args.ring_density]
-        rows = operator_probe(parse_rotations(args.angles), args.sampling, densities, args.blob_sigma, args.blur,
-                              args.fields)
-        print("blob sigma | blur | sampling | ring density | angle | median relative change of the sorted values, "
-              "ring 1..n")
-        for blob_sigma, blur, sampling, density, angle, changes in rows:
-            print(f"{blob_sigma:10g} | {blur:4g} | {sampling:>12} | {str(density):>12} | {angle:5g} | "
+        rows = operator_probe(parse_rotations(args.angles), args.sampling, args.blob_sigma, args.blur, args.fields)
+        print("blob sigma | blur | sampling | angle | median relative change of the sorted values, ring 1..n")
+        for blob_sigma, blur, sampling, angle, changes in rows:
+            print(f"{blob_sigma:10g} | {blur:4g} | {sampling:>12} | {angle:5g} | "
                   + "  ".join(f"{100 * c:5.1f}%" for c in changes))
         if args.out:
             with open(args.out, "w") as f:
-                json.dump([dict(blob_sigma=b, blur=u, sampling=s, density=str(d), angle=a, ring_change=c)
-                           for b, u, s, d, a, c in rows], f, indent=1)
+                json.dump([dict(blob_sigma=b, blur=u, sampling=s, angle=a, ring_change=c)
+                           for b, u, s, a, c in rows], f, indent=1)
         return
     if not args.data_dir:
         parser.error("--data-dir is needed (or --operator)")

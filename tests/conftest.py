@@ -4,6 +4,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn as nn
 
 
 def load_script(path, name):
@@ -24,3 +25,16 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def randomise_batchnorm(model, seed=0):
+    """Non-trivial BatchNorm statistics and affine parameters, so that eval-mode BatchNorm hides nothing."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.copy_(torch.rand(m.num_features, generator=gen) - 0.5)
+                m.running_var.copy_(torch.rand(m.num_features, generator=gen) + 0.5)
+                if m.affine:
+                    m.weight.copy_(torch.rand(m.num_features, generator=gen) + 0.5)
+                    m.bias.copy_(torch.rand(m.num_features, generator=gen) - 0.5)

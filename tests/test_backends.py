@@ -1,18 +1,21 @@
-"""The backend registry: what backend="auto" may pick, and what a named backend must support."""
+"""The backend registry: what backend="auto" may pick, what a named backend must support, and the switch."""
 import pytest
 import torch
 
 from timm_sortconv.ops import backends
-from timm_sortconv.ops.backends import Backend, register_backend, resolve_backend
+from timm_sortconv.ops.backends import DISABLE_ENV, Backend, available_backends, register_backend, resolve_backend
 from timm_sortconv.ops.functional import sort_conv2d
 from timm_sortconv.ops.geometry import get_geometry
 
 
 @pytest.fixture
 def fake_backend():
-    """A backend that claims every call and answers with zeros, registered for one test only."""
+    """A backend that claims every call and answers with ones, registered for one test only."""
     def register(auto):
-        register_backend(Backend("fake", lambda x, w, *rest: torch.zeros(()), lambda *args: True, lambda: True,
+        def forward(x, weight, bias, geometry, stride, dilation, groups, pad):
+            return x.new_ones(x.shape[0], weight.shape[0], x.shape[2] - 2, x.shape[3] - 2)
+
+        register_backend(Backend("fake", forward, lambda *args: (None, None), lambda *args: True, lambda: True,
                                  auto=auto))
     yield register
     backends._BACKENDS.pop("fake", None)
@@ -30,7 +33,7 @@ def test_auto_skips_a_backend_that_is_not_in_auto(fake_backend):
     out = sort_conv2d(x, w, padding=1, backend="auto")
     assert out.shape == (1, 3, 8, 8)
     torch.testing.assert_close(out, sort_conv2d(x, w, padding=1, backend="reference"))
-    assert sort_conv2d(x, w, padding=1, backend="fake").dim() == 0
+    assert (sort_conv2d(x, w, padding=1, backend="fake") == 1).all()
 
 
 def test_auto_takes_a_backend_that_is_in_auto(fake_backend):
@@ -39,7 +42,25 @@ def test_auto_takes_a_backend_that_is_in_auto(fake_backend):
     # bfloat16 on the CPU is taken by no real fast backend, so "auto" reaches the fake one.
     x, w = x.bfloat16(), w.bfloat16()
     assert resolve_backend("auto", x, w, None, get_geometry(3), (1, 1), (1, 1), 1).name == "fake"
-    assert sort_conv2d(x, w, padding=1, backend="auto").dim() == 0
+    assert (sort_conv2d(x, w, padding=1, backend="auto") == 1).all()
+
+
+def test_the_disable_switch_turns_every_fast_backend_off(fake_backend, monkeypatch):
+    fake_backend(auto=True)
+    x, w = _args()
+    monkeypatch.setenv(DISABLE_ENV, "1")
+    assert available_backends() == ["reference"]
+    assert resolve_backend("auto", x, w, None, get_geometry(3), (1, 1), (1, 1), 1).name == "reference"
+    with pytest.raises(RuntimeError, match=DISABLE_ENV):
+        sort_conv2d(x, w, padding=1, backend="fake")
+    monkeypatch.setenv(DISABLE_ENV, "0")
+    assert "fake" in available_backends()
+
+
+def test_unknown_backend_names_the_accepted_ones():
+    x, w = _args()
+    with pytest.raises(ValueError, match="accepted: 'auto', 'reference'"):
+        sort_conv2d(x, w, backend="fastest")
 
 
 def test_triton_is_opt_in_for_auto(monkeypatch):

@@ -3,11 +3,14 @@
 Forward values and all three gradients must agree with ``backend="reference"`` to float tolerance for
 every variant, kernel size, stride, dilation, groups and padding mode; ``backend="auto"`` must take the
 fast path exactly where it is supported and fall back otherwise; backward must keep nothing but the
-input and the weight; a NaN must stay local. The first test to run builds the extension (about
-half a minute, once per machine: it is cached across processes); if it cannot be built the module is
-skipped with the build's reason.
+input and the weight; a NaN must stay local. The agreement tests run on the kernel of every
+instruction-set level this CPU can run (``isa`` fixture: avx512, avx2 and generic on an AVX-512 machine). The
+first test of a level builds its extension (under a minute, once per machine: it is cached across
+processes); if the package's level cannot be built the module is skipped with the build's reason.
 """
+import os
 import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -18,7 +21,7 @@ import torch.nn.functional as F
 from conftest import load_script
 from timm_sortconv import SortConv2d, sort_conv2d
 from timm_sortconv.ops import cpu_backend
-from timm_sortconv.ops.backends import resolve_backend
+from timm_sortconv.ops.backends import DISABLE_ENV, fast_disabled, resolve_backend
 from timm_sortconv.ops.functional import resolve_padding
 from timm_sortconv.ops.geometry import get_geometry
 from timm_sortconv.ops.reference import sorted_patches
@@ -39,8 +42,8 @@ TOLERANCE = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.float64: dict(rtol
 
 @pytest.fixture(scope="module", autouse=True)
 def extension():
-    if cpu_backend._disabled():
-        pytest.skip(f"{cpu_backend.DISABLE_ENV} is set")
+    if fast_disabled():
+        pytest.skip(f"{DISABLE_ENV} is set")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ext = cpu_backend.load_extension()
@@ -48,6 +51,15 @@ def extension():
         reasons = "; ".join(str(w.message) for w in caught) or "unknown reason"
         pytest.skip(f"the fused CPU extension could not be built here: {reasons}")
     return ext
+
+
+@pytest.fixture(params=cpu_backend.runnable_isa_levels())
+def isa(request, monkeypatch):
+    """Runs a test on the kernel built for each instruction-set level this CPU can run (the package's
+    choice follows TIMM_SORTCONV_CPU_ISA); a level that fails to build fails the test."""
+    monkeypatch.setenv(cpu_backend.ISA_ENV, request.param)
+    assert cpu_backend.load_kernel(isa=request.param).isa == request.param
+    return request.param
 
 
 @pytest.fixture
@@ -117,7 +129,7 @@ def assert_agree(x, weight, bias, min_comparable=0.7, **kwargs):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
 @pytest.mark.parametrize("k", [1, 3, 5, 7])
 @pytest.mark.parametrize("sampling,sorting", VARIANTS, ids=VARIANT_IDS)
-def test_agrees_with_reference(sampling, sorting, k, dtype, threads):
+def test_agrees_with_reference(sampling, sorting, k, dtype, threads, isa):
     threads(1)
     for index, (stride, dilation, groups, padding_mode) in enumerate(CONFIGS):
         # 9 x 37: output rows longer than one block of lanes and shorter ones, with partial blocks.
@@ -131,10 +143,10 @@ def test_agrees_with_reference(sampling, sorting, k, dtype, threads):
 
 @pytest.mark.parametrize("width", [3, 5, 8, 14, 16, 17, 28, 33])
 @pytest.mark.parametrize("sampling,sorting", VARIANTS, ids=VARIANT_IDS)
-def test_agrees_with_reference_for_every_row_width(sampling, sorting, width, threads):
-    """The forward pass of square sampling in float32 with unit stride reads each vector of 16 lanes
-    straight from the input when it holds at most two row pieces (widths >= 8 here, and every block of
-    wider rows), and stages it otherwise; every width and dilation must agree with the reference."""
+def test_agrees_with_reference_for_every_row_width(sampling, sorting, width, threads, isa):
+    """The forward pass of square sampling in float32 with unit stride reads each vector of lanes (16 with
+    AVX-512, 8 with AVX2) straight from the input when it holds at most two row pieces, and stages it
+    otherwise (and at the generic level); every width and dilation must agree with the reference."""
     threads(1)
     for index, (k, dilation) in enumerate([(3, 1), (7, 1), (5, 2), (7, 3), (5, 4)]):
         x = randn(2, 3, 6, width, seed=index, dtype=torch.float32)
@@ -152,7 +164,7 @@ def test_compiled_polar_tap_positions_match_the_geometry():
 
 @pytest.mark.parametrize("k", [9, 11])
 @pytest.mark.parametrize("sampling,sorting", VARIANTS, ids=VARIANT_IDS)
-def test_agrees_with_reference_large_kernels(sampling, sorting, k, threads):
+def test_agrees_with_reference_large_kernels(sampling, sorting, k, threads, isa):
     """k = 9's ring has an unrolled network of 32; its window (81) and everything of k = 11 run the
     comparators from memory."""
     threads(1)
@@ -165,9 +177,10 @@ def test_agrees_with_reference_large_kernels(sampling, sorting, k, threads):
 
 @pytest.mark.parametrize("size,k,stride", [(1, 3, 1), (2, 3, 1), (5, 5, 2), (6, 7, 1)])
 @pytest.mark.parametrize("sampling,sorting", VARIANTS, ids=VARIANT_IDS)
-def test_agrees_with_reference_when_blocks_span_images(sampling, sorting, size, k, stride, threads):
-    """Blocks of 32 (float32) or 16 (float64) output positions run across image boundaries; the forward
-    pass reads them from a per-thread copy of the images a block touches (up to all 32 for 1x1 outputs),
+def test_agrees_with_reference_when_blocks_span_images(sampling, sorting, size, k, stride, threads, isa):
+    """Blocks of two vectors of output positions (32 float32 with AVX-512, 16 with AVX2, 8 at the generic
+    level) run across image boundaries; the forward pass reads them from a per-thread copy of the images a
+    block touches (up to one per position for 1x1 outputs),
     refilled as the blocks move on (the backward also adds each image's gradient to the input's as it
     leaves). 37 images of 1x1 to 6x6 outputs make every refill case happen; the padding differs between
     height and width."""
@@ -179,7 +192,7 @@ def test_agrees_with_reference_when_blocks_span_images(sampling, sorting, size, 
                      sampling=sampling, sorting=sorting)
 
 
-def test_agrees_with_reference_on_images_read_in_place(threads):
+def test_agrees_with_reference_on_images_read_in_place(threads, isa):
     """Unpadded images over kMaxCopiedImage (4 MiB) are read, and their gradient written, in place rather than
     through a per-thread copy (padded ones are always copied: the copy adds the zeros)."""
     threads(2)
@@ -189,7 +202,7 @@ def test_agrees_with_reference_on_images_read_in_place(threads):
 
 
 @pytest.mark.parametrize("batch", [1, 2, 3])
-def test_agrees_with_reference_on_two_threads(batch, threads):
+def test_agrees_with_reference_on_two_threads(batch, threads, isa):
     """Two threads: with fewer images than threads they share blocks and keep private input gradients;
     otherwise each owns whole images, and its copy of the images (and their gradient) holds none of the
     other thread's. The shape is large enough to be split."""
@@ -199,14 +212,14 @@ def test_agrees_with_reference_on_two_threads(batch, threads):
     assert_agree(x, weight, bias, padding=2, sampling="polar", sorting="ring")
 
 
-def test_padding_same_and_no_bias(threads):
+def test_padding_same_and_no_bias(threads, isa):
     threads(1)
     x, weight = randn(2, 3, 10, 10), randn(5, 3, 5, 5, seed=1)
     fast = sort_conv2d(x, weight, None, padding="same", backend="cpu")
     torch.testing.assert_close(fast, sort_conv2d(x, weight, None, padding="same", backend="reference"))
 
 
-def test_gradcheck(threads):
+def test_gradcheck(threads, isa):
     threads(1)
     for sampling, sorting in (("polar", "ring"), ("square", "global")):
         x = randn(2, 4, 7, 6).requires_grad_()
@@ -232,11 +245,9 @@ def test_auto_picks_cpu_where_supported_and_falls_back_elsewhere(monkeypatch):
                            1).name == "reference"
     mixed = (x, weight.double(), None, geometry, (1, 1), (1, 1), 1)
     assert resolve_backend("auto", *mixed).name == "reference"
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert resolve_backend("auto", x, weight, None, geometry, (1, 1), (1, 1), 1).name == "reference"
     with pytest.raises(RuntimeError, match="does not support"):
         resolve_backend("cpu", *bf16)
-    monkeypatch.setenv(cpu_backend.DISABLE_ENV, "1")
+    monkeypatch.setenv(DISABLE_ENV, "1")
     assert resolve_backend("auto", x, weight, None, geometry, (1, 1), (1, 1), 1).name == "reference"
 
 
@@ -252,9 +263,9 @@ def test_sortconv2d_auto_matches_reference_and_falls_back_for_bfloat16():
 @pytest.mark.parametrize("padding_mode,batch", [("zeros", 2), ("zeros", 1), ("reflect", 2)])
 def test_backward_saves_only_the_input_and_the_weight(padding_mode, batch, threads):
     """No index tensor of any kind and no float tensor beyond the input and the weight. Zero padding is
-    added inside the kernel, so the input itself is kept, unpadded; other modes, and calls with fewer
-    images than threads (padded once rather than copied whole by every thread), keep the padded input
-    (and F.pad's backward may keep the input as well)."""
+    an argument of the operator, so the input itself is kept, unpadded, whatever the batch (with fewer
+    images than threads the backend pads once, in the forward and again in the backward); other modes
+    keep the padded input (and F.pad's backward may keep the input as well)."""
     threads(2)
     x = torch.randn(batch, 4, 16, 16, requires_grad=True)
     weight = torch.randn(8, 4, 7, 7, requires_grad=True)
@@ -269,7 +280,7 @@ def test_backward_saves_only_the_input_and_the_weight(padding_mode, batch, threa
         out = sort_conv2d(x, weight, bias, padding=3, padding_mode=padding_mode, backend="cpu")
     assert saved, "backward saves the input and the weight"
     assert all(t.is_floating_point() for t in saved), [t.dtype for t in saved]
-    if padding_mode == "zeros" and batch >= 2:
+    if padding_mode == "zeros":
         assert {id(t) for t in saved} == {id(x), id(weight)}, [tuple(t.shape) for t in saved]
     else:
         padded_numel = batch * 4 * 22 * 22
@@ -281,7 +292,7 @@ def test_backward_saves_only_the_input_and_the_weight(padding_mode, batch, threa
 
 
 @pytest.mark.parametrize("sampling,sorting", VARIANTS, ids=VARIANT_IDS)
-def test_nan_stays_local(sampling, sorting):
+def test_nan_stays_local(sampling, sorting, isa):
     """A NaN makes NaN at most the outputs whose (dilated) window holds it, and every other output
     equals the reference's."""
     k, dilation = 5, 2
@@ -299,23 +310,63 @@ def test_nan_stays_local(sampling, sorting):
     torch.testing.assert_close(out[~touched.expand_as(out)], reference[~touched.expand_as(out)], rtol=1e-4, atol=1e-4)
 
 
-def test_cache_name_depends_on_the_cpu_and_the_flags(monkeypatch):
-    name = cpu_backend._extension_name()
-    assert name == cpu_backend._extension_name()
-    monkeypatch.setattr(cpu_backend, "_cpu_signature", lambda: "another CPU")
-    assert cpu_backend._extension_name() != name
-    monkeypatch.undo()
-    monkeypatch.setattr(cpu_backend, "_CFLAGS", cpu_backend._CFLAGS + ["-DSOMETHING"])
-    assert cpu_backend._extension_name() != name
+def test_cache_name_hashes_sources_flags_and_level_but_not_the_folder(monkeypatch, tmp_path):
+    sources = cpu_backend._sources(cpu_backend.SOURCE_DIR)
+    name = cpu_backend.extension_name(sources, "generic")
+    copy = tmp_path / "csrc"
+    copy.mkdir()
+    for file_name, text in sources.items():
+        (copy / file_name).write_bytes(text)
+    assert cpu_backend.extension_name(cpu_backend._sources(copy), "generic") == name
+    (copy / "polar_taps.h").write_bytes(sources["polar_taps.h"] + b"// edited\n")
+    assert cpu_backend.extension_name(cpu_backend._sources(copy), "generic") != name
+    assert cpu_backend.extension_name(sources, "avx2") != name
+    monkeypatch.setattr(cpu_backend, "_CFLAGS", cpu_backend._CFLAGS + ("-DSOMETHING",))
+    assert cpu_backend.extension_name(sources, "generic") != name
+
+
+@pytest.fixture
+def fresh_isa_choice():
+    """Forgets the cached level choice before and after a test that changes what it depends on."""
+    cpu_backend._resolve_isa.cache_clear()
+    yield
+    cpu_backend._resolve_isa.cache_clear()
+
+
+def test_isa_follows_torch_and_the_environment_within_what_the_cpu_runs(monkeypatch, fresh_isa_choice):
+    monkeypatch.delenv(cpu_backend.ISA_ENV, raising=False)
+    monkeypatch.setattr(cpu_backend.platform, "machine", lambda: "x86_64")
+    v3 = [feature for feature in cpu_backend.ISA_LEVELS["avx2"].features]
+    monkeypatch.setattr(cpu_backend, "_cpu_features", lambda: frozenset(v3 + ["sse2"]))
+    assert cpu_backend.runnable_isa_levels() == ("avx2", "generic")
+    for capability, expected in (("AVX512", "avx2"), ("AVX2", "avx2"), ("DEFAULT", "generic")):
+        cpu_backend._resolve_isa.cache_clear()
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+        assert cpu_backend.cpu_isa() == expected, capability
+    monkeypatch.setenv(cpu_backend.ISA_ENV, "Generic")
+    assert cpu_backend.cpu_isa() == "generic"
+    monkeypatch.setenv(cpu_backend.ISA_ENV, "avx512")
+    with pytest.raises(RuntimeError, match="cannot run that level .*lacks avx512_f.*levels it can run: avx2, generic"):
+        cpu_backend.cpu_isa()
+    with pytest.raises(RuntimeError, match="cannot run the avx512 level"):
+        cpu_backend.load_kernel(isa="avx512")
+    monkeypatch.setenv(cpu_backend.ISA_ENV, "neon")
+    with pytest.raises(ValueError, match="'neon' is not an instruction-set level; accepted: avx512, avx2, generic"):
+        cpu_backend.cpu_isa()
+    monkeypatch.setattr(cpu_backend.platform, "machine", lambda: "aarch64")
+    assert cpu_backend.runnable_isa_levels() == ("generic",)
 
 
 def test_failed_build_warns_once_and_auto_uses_the_reference(monkeypatch):
-    """A machine without the tools to build: one warning, then the reference path, silently."""
-    monkeypatch.setattr(cpu_backend, "_extension", None)
-    monkeypatch.setattr(cpu_backend, "_build_failed", False)
+    """A machine without the tools to build: one warning naming every level tried, then the reference
+    path, silently."""
+    monkeypatch.setattr(cpu_backend, "_package_kernel", {})
+    monkeypatch.setattr(cpu_backend, "_kernels", {})
     monkeypatch.setattr(cpu_backend, "_ninja_on_path", lambda: None)
-    with pytest.warns(RuntimeWarning, match="could not be built"):
+    with pytest.warns(RuntimeWarning, match="could not be built") as caught:
         assert cpu_backend.load_extension() is None
+    assert len(caught) == 1 and f"{cpu_backend.cpu_isa()}: ninja is not installed" in str(caught[0].message)
+    assert "generic: ninja is not installed" in str(caught[0].message)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert cpu_backend.load_extension() is None
@@ -324,6 +375,76 @@ def test_failed_build_warns_once_and_auto_uses_the_reference(monkeypatch):
         assert resolve_backend("auto", x, weight, None, geometry, (1, 1), (1, 1), 1).name == "reference"
         torch.testing.assert_close(sort_conv2d(x, weight, padding=1),
                                    sort_conv2d(x, weight, padding=1, backend="reference"))
+
+
+def test_a_level_that_fails_to_build_falls_back_to_a_lower_one(monkeypatch):
+    levels = cpu_backend.runnable_isa_levels()
+    if len(levels) < 2:
+        pytest.skip("this CPU runs only the generic level")
+    real_build = cpu_backend._build
+
+    def build(sources, isa, verbose):
+        if isa == levels[0]:
+            raise RuntimeError(f"no compiler for {isa}")
+        return real_build(sources, isa, verbose)
+
+    monkeypatch.setattr(cpu_backend, "_package_kernel", {})
+    monkeypatch.setattr(cpu_backend, "_kernels", {})
+    monkeypatch.setattr(cpu_backend, "_build", build)
+    monkeypatch.setenv(cpu_backend.ISA_ENV, levels[0])
+    with pytest.warns(RuntimeWarning, match=f"{levels[0]}: no compiler for {levels[0]}.*using the {levels[1]} build"):
+        assert cpu_backend.load_extension() is not None
+    assert cpu_backend._kernel().isa == levels[1]
+
+
+# A module with the extension's entry point and nothing else: builds in seconds.
+TINY_SOURCE = b"""#include <pybind11/pybind11.h>
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("answer", [] { return 42; }); }
+"""
+
+LOAD_IN_A_NEW_PROCESS = """
+import sys
+from timm_sortconv.ops import cpu_backend
+kernel = cpu_backend.load_kernel(sys.argv[1], "generic")
+print(kernel.module.answer(), kernel.module.__file__)
+"""
+
+
+def test_two_checkouts_share_or_keep_their_cache_entries(tmp_path, monkeypatch):
+    """Identical sources in two folders are one cache entry, built once and reused by other processes;
+    different sources are another entry, and building one never rebuilds the other (each entry compiles
+    its own copy of the sources)."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(cache))
+    monkeypatch.setattr(cpu_backend, "_kernels", {})
+    first, second, edited = (tmp_path / name for name in ("first", "second", "edited"))
+    for folder, text in ((first, TINY_SOURCE), (second, TINY_SOURCE), (edited, TINY_SOURCE.replace(b"42", b"-42"))):
+        folder.mkdir()
+        (folder / "sort_conv_cpu.cpp").write_bytes(text)
+        (folder / "header.h").write_bytes(b"#pragma once\n")
+    script = tmp_path / "load.py"
+    script.write_text(LOAD_IN_A_NEW_PROCESS)
+    repo = Path(cpu_backend.__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]))
+
+    def load_in_a_new_process(folder):
+        result = subprocess.run([sys.executable, str(script), str(folder)], env=env, capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+        answer, library = result.stdout.split()
+        return int(answer), Path(library)
+
+    answer, built = load_in_a_new_process(first)
+    assert answer == 42 and cache in built.parents
+    # This process has built the package's kernel already: no build may change the names it computes.
+    assert built.stem == cpu_backend.extension_name(cpu_backend._sources(first), "generic")
+    stamp = built.stat().st_mtime_ns
+    kernel = cpu_backend.load_kernel(second, "generic")
+    assert kernel.module.answer() == 42 and Path(kernel.module.__file__) == built
+    assert built.stat().st_mtime_ns == stamp, "the second checkout rebuilt the first one's entry"
+    edited_kernel = cpu_backend.load_kernel(edited, "generic")
+    assert edited_kernel.module.answer() == -42 and Path(edited_kernel.module.__file__).parent != built.parent
+    assert load_in_a_new_process(first) == (42, built)
+    assert built.stat().st_mtime_ns == stamp, "building other sources rebuilt this entry"
 
 
 def load_ab_script():
@@ -342,6 +463,10 @@ def test_kernel_ab_script_checks_its_input(tmp_path, capsys):
         ab.checkout_csrc(str(tmp_path), tmp_path)
     with pytest.raises(SystemExit, match="no-such-revision"):
         ab.checkout_csrc("git:no-such-revision", tmp_path)
+    assert ab.split_version("git:HEAD@avx2", None) == ("git:HEAD", "avx2")
+    assert ab.split_version("path/to/csrc", "generic") == ("path/to/csrc", "generic")
+    with pytest.raises(SystemExit, match="unknown instruction-set level 'neon'; accepted: avx512, avx2, generic"):
+        ab.split_version("git:HEAD@neon", None)
 
 
 def test_kernel_ab_script_extracts_a_revision(tmp_path):
@@ -366,4 +491,4 @@ def test_benchmark_script_shape_sets(capsys):
     with pytest.raises(SystemExit) as error:
         bench.parse_args(["--shapes", "k9"])
     assert error.value.code == 2
-    assert "unknown shape set 'k9'; accepted: issue, k5, none" in capsys.readouterr().err
+    assert "unknown shape set 'k9'; accepted: issue, k5, gpu, none" in capsys.readouterr().err

@@ -1,6 +1,7 @@
 """A small model containing ``SortConv2d`` survives ``torch.jit.trace``, ``torch.compile`` and ONNX export
-(run by onnxruntime) with the same output as in eager mode. While tracing, compiling or exporting,
-``backend="auto"`` takes the reference path, so these tests exercise it."""
+(run by onnxruntime) with the same output as in eager mode. Tracing and compiling record the registered
+operator (``tests/test_operator.py`` checks that its fast kernel runs there); ONNX export writes the
+reference path's standard operators."""
 import io
 import warnings
 

@@ -7,7 +7,10 @@ import torch
 import torchvision
 
 import timm_sortconv  # noqa: F401  (registers the models)
-from timm_sortconv.invariance import RotationSweep, main, rotate, rotation_sweep, sweep_table, synthetic_digits
+from timm_sortconv.cli.invariance import main
+from timm_sortconv.data import synthetic_digits
+from timm_sortconv.invariance import RotationSweep, rotation_sweep, sweep_table
+from timm_sortconv.rotation import rotate
 
 
 def _smooth_image(size=33, dtype=torch.float64):

@@ -12,6 +12,7 @@ import timm_sortconv  # noqa: F401  (registers the models)
 from timm_sortconv import SortConv2d
 from timm_sortconv.hub import bundled_weights_dir
 from timm_sortconv.models.scnn import SCNN
+from conftest import randomise_batchnorm
 
 SCNNS = [f"scnn_{v}_{k}" for v in ("s_gs", "s_rs", "p_gs", "p_rs") for k in (3, 5, 7)]
 SCNN_BASELINES = [f"scnn_baseline_{k}" for k in (3, 5, 7)]
@@ -35,16 +36,6 @@ def _baseline(name):
 
 def _num_params(model):
     return sum(p.numel() for p in model.parameters())
-
-
-def _randomise_batchnorm(model, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    for m in model.modules():
-        if isinstance(m, nn.BatchNorm2d):
-            m.running_mean.copy_(torch.rand(m.num_features, generator=gen) - 0.5)
-            m.running_var.copy_(torch.rand(m.num_features, generator=gen) + 0.5)
-            m.weight.data.copy_(torch.rand(m.num_features, generator=gen) + 0.5)
-            m.bias.data.copy_(torch.rand(m.num_features, generator=gen) - 0.5)
 
 
 def _quarter_turn_error(model, x):
@@ -89,7 +80,7 @@ def test_ri_models_train_with_any_classes_and_channels(name, size):
 def test_scnn_logits_are_exactly_invariant_to_quarter_turns(name):
     torch.manual_seed(0)
     model = timm.create_model(name).double().eval()
-    _randomise_batchnorm(model)
+    randomise_batchnorm(model)
     assert _quarter_turn_error(model, torch.randn(1, 1, 28, 28, dtype=torch.float64)) < 1e-12
 
 
@@ -100,7 +91,7 @@ def test_scnn_average_downsampling_keeps_parameters_and_quarter_turn_invariance(
     pools = [m for m in model.modules() if isinstance(m, (nn.MaxPool2d, nn.AvgPool2d))]
     assert [type(m) for m in pools] == [nn.AvgPool2d, nn.AvgPool2d]
     assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in paper.parameters())
-    _randomise_batchnorm(model)
+    randomise_batchnorm(model)
     x = torch.randn(2, 1, 28, 28, dtype=torch.float64)
     assert _quarter_turn_error(model, x) < 1e-12
     # and it is a different network from the paper's on the same weights
@@ -119,7 +110,7 @@ def test_sc_models_are_invariant_to_quarter_turns_and_their_baselines_are_not(na
     errors = {}
     for model_name in (name, _baseline(name)):
         model = timm.create_model(model_name, in_chans=1).double().eval()
-        _randomise_batchnorm(model)
+        randomise_batchnorm(model)
         errors[model_name] = _quarter_turn_error(model, x)
     assert errors[name] < 1e-12
     assert errors[_baseline(name)] > 1e-3

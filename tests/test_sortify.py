@@ -11,6 +11,7 @@ import torchvision
 from timm.layers import Conv2dSame, StdConv2d, create_conv2d
 
 from timm_sortconv import SortConv2d, SortConv2dSame, sort_conv2d, sortify
+from conftest import randomise_batchnorm
 
 NETWORKS = {
     "resnet18": lambda: timm.create_model("resnet18", pretrained=False),
@@ -25,15 +26,6 @@ NETWORKS = {
 
 def _convs(model):
     return {name: m for name, m in model.named_modules() if isinstance(m, nn.Conv2d)}
-
-
-def _randomise_batchnorm(model, seed=0):
-    """Eval-mode BatchNorm with non-trivial statistics, so it cannot hide anything."""
-    gen = torch.Generator().manual_seed(seed)
-    for m in model.modules():
-        if isinstance(m, nn.BatchNorm2d):
-            m.running_mean.copy_(torch.rand(m.num_features, generator=gen) - 0.5)
-            m.running_var.copy_(torch.rand(m.num_features, generator=gen) + 0.5)
 
 
 @pytest.mark.parametrize("name", list(NETWORKS))
@@ -89,7 +81,7 @@ def test_sortified_network_is_invariant_to_quarter_turns(name):
     # depthwise convolutions.
     torch.manual_seed(0)
     model = NETWORKS[name]().eval()
-    _randomise_batchnorm(model)
+    randomise_batchnorm(model)
     x = torch.randn(1, 3, 33, 33, dtype=torch.float64)
     assert _quarter_turn_error(model, x.float()) > 1e-5  # float32: PyTorch's float64 depthwise conv is slow
     sortify(model).double()

@@ -1,10 +1,11 @@
-"""scripts/train.py and scripts/validate.py end to end on tiny MNIST-layout data written by the tests.
+"""The training and evaluation tools (scripts/train.py, validate.py, mnist_results.py) end to end on tiny
+MNIST-layout data written by the tests.
 
 The SCNN runs at 4 channels per layer so that a run takes a second or two: a straight run writes its
 files; a run stopped after one epoch and a run killed mid-epoch (a real process, SIGKILL) both resume
 to exactly the straight run's weights and summary; two CPU processes train under torchrun with gloo;
 validate.py sweeps rotations of their weights and writes its CSV and plot. Runs that need no process
-of their own call the scripts' ``main(argv)`` in this process, which saves the interpreter start-up.
+of their own call the tools' ``main(argv)`` in this process, which saves the interpreter start-up.
 """
 import csv
 import json
@@ -19,12 +20,15 @@ import pytest
 import timm
 import torch
 import yaml
-from conftest import load_script
 from test_data import make_mnist
+
+from timm_sortconv.cli import CommandError
+from timm_sortconv.cli import mnist_results as results_tool
+from timm_sortconv.cli import train as train_tool
+from timm_sortconv.cli import validate as validate_tool
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "scripts" / "train.py"
-VALIDATE = REPO / "scripts" / "validate.py"
 TINY_SCNN = ["--model", "scnn_p_rs_3", "--model-kwargs", "channels=(4,4,4,4,4,4)"]
 # Resuming must restore the learning rate of either kind of schedule, so the runs use ones that change it
 # (and that do not depend on --epochs, which differs between a stopped run and its resumption).
@@ -36,12 +40,12 @@ SCHEDULES = {
 
 @pytest.fixture(scope="module")
 def train():
-    return load_script(TRAIN, "train_script")
+    return train_tool
 
 
 @pytest.fixture(scope="module")
 def validate():
-    return load_script(VALIDATE, "validate_script")
+    return validate_tool
 
 
 @pytest.fixture(scope="module")
@@ -200,7 +204,7 @@ def test_validate_sweep_writes_csv_and_plot(validate, ddp_run, data_dir, tmp_pat
     assert plot2.stat().st_size > 10_000
     with open(tmp_path / "mine.csv") as f:  # only what was evaluated now
         assert next(csv.reader(f)) == ["angle", "mine"]
-    with pytest.raises(SystemExit, match="angles"):
+    with pytest.raises(CommandError, match="angles"):
         validate.main([str(a) for a in (*TINY_SCNN, "--dataset", "sortconv/mnist", "--data-dir", data_dir, "--split",
                                         "test", "--rotations", "0:360:180", "-j", 0, "--compare-csv", results_csv)])
     # --round-trip: quarter turns there and back give the images themselves, so even the plain network scores the
@@ -240,7 +244,7 @@ PAPER_PRESETS = sorted(p for p in (REPO / "scripts" / "configs").glob("*.yaml") 
 
 @pytest.mark.parametrize("config", PAPER_PRESETS, ids=lambda p: p.name)
 def test_presets_set_the_paper_protocols(config):
-    args, _ = load_script(TRAIN, "train_presets").parse_args(["-c", str(config)])
+    args, _ = train_tool.parse_args(["-c", str(config)])
     assert timm.is_model(args.model.split(".")[0]) and args.opt == "adam" and args.sched == "step"
     assert args.epochs == 100 and args.decay_epochs == 10 and args.no_aug and args.weight_decay == 0
     if config.name.startswith("mnist"):
@@ -253,10 +257,8 @@ def test_presets_set_the_paper_protocols(config):
 
 
 def test_short_mnist_preset_keeps_the_paper_data_protocol():
-    args, _ = load_script(TRAIN, "train_short_preset").parse_args(
-        ["-c", str(REPO / "scripts" / "configs" / "mnist_scnn_short.yaml")])
-    paper, _ = load_script(TRAIN, "train_paper_preset").parse_args(
-        ["-c", str(REPO / "scripts" / "configs" / "mnist_scnn.yaml")])
+    args, _ = train_tool.parse_args(["-c", str(REPO / "scripts" / "configs" / "mnist_scnn_short.yaml")])
+    paper, _ = train_tool.parse_args(["-c", str(REPO / "scripts" / "configs" / "mnist_scnn.yaml")])
     for key in ("dataset", "train_split", "val_split", "no_aug", "opt", "weight_decay", "model"):
         assert getattr(args, key) == getattr(paper, key), key
     assert args.sched == "cosine" and args.sched_on_updates and args.epochs == 1 and args.lr == 2e-3
@@ -266,7 +268,7 @@ def test_preset_with_an_unknown_key_is_refused(tmp_path):
     config = tmp_path / "bad.yaml"
     config.write_text("batchsize: 10\n")
     with pytest.raises(SystemExit):
-        load_script(TRAIN, "train_bad_preset").parse_args(["-c", str(config)])
+        train_tool.parse_args(["-c", str(config)])
 
 
 @pytest.mark.parametrize("name,in_chans,num_classes", [("scnn_p_rs_7", 1, 10), ("ri_resnet18", 1, 24)])
@@ -280,7 +282,7 @@ def test_models_take_the_arguments_timm_train_py_passes(name, in_chans, num_clas
 
 
 def test_mnist_results_rows_train_measure_compare_and_tabulate(data_dir, tmp_path, capsys):
-    results = load_script(REPO / "scripts" / "mnist_results.py", "mnist_results")
+    results = results_tool
     common = [str(a) for a in ("--data-dir", data_dir, "--runs", tmp_path / "runs", "--results", tmp_path / "res",
                                "--rot-samples", 8, "-j", 0, "--model-kwargs", "channels=(4,4,4,4,4,4)",
                                # the rest goes to train.py: the tiny data set has no 10k validation split

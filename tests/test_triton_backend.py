@@ -1,102 +1,350 @@
-"""The Triton backend (``backend="triton"``, CUDA only) against the reference path.
+"""The Triton backend (``backend="triton"``) against the reference path.
 
-No GPU is needed: the kernels run on CPU tensors under Triton's interpreter, which executes the same
-kernel code with NumPy. The interpreter must be switched on (``TRITON_INTERPRET=1``) before Triton is
-imported, so ``test_kernels_in_the_interpreter`` runs this file again in a subprocess with it set;
-there the kernel tests run, here they are skipped. The module is skipped where Triton is not
-installed. On the CPU the backend must never be chosen.
+The kernel tests run wherever the kernels can: natively on a CUDA device when there is one, and otherwise
+on CPU tensors under Triton's interpreter, which executes the same kernel code with NumPy. The interpreter
+must be switched on (``TRITON_INTERPRET=1``) before Triton is imported, so on a machine without CUDA
+``test_kernels_in_the_interpreter`` runs this file again in a subprocess with it set, where the kernel tests
+run. The module is skipped where Triton is not installed. The interpreter is slow (about a millisecond per
+Triton operation per program), so shapes are tiny: most launches are one program. The kernels run through
+the registered operator (``backend="triton"``: its autograd formula and autocast rule); under the
+interpreter the backend takes CPU tensors.
+
+Every path (:mod:`timm_sortconv.ops.triton_backend.config`) is tested: the columns path on all 20 geometries
+(k = 1..9, four variants), the direct and fused kernels on every k; strides, dilations and groups (1, 2,
+depthwise) rotate through them so that each value meets each path.
 """
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+from conftest import load_script  # noqa: E402
 from timm_sortconv import sort_conv2d  # noqa: E402
 from timm_sortconv.ops import triton_backend  # noqa: E402
 from timm_sortconv.ops.backends import resolve_backend  # noqa: E402
 from timm_sortconv.ops.geometry import get_geometry  # noqa: E402
 from timm_sortconv.ops.reference import sort_conv2d_reference  # noqa: E402
+from timm_sortconv.ops.triton_backend import config  # noqa: E402
+from timm_sortconv.ops.triton_backend.source import depth_first, kernel_source  # noqa: E402
 
 VARIANTS = [(s, o) for s in ("square", "polar") for o in ("ring", "global")]
-VARIANT_IDS = [f"{s}-{o}" for s, o in VARIANTS]
-
-
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-in_interpreter = pytest.mark.skipif(not INTERPRETED, reason="runs in test_kernels_in_the_interpreter's subprocess")
+NATIVE = torch.cuda.is_available() and not INTERPRETED
+DEVICE = "cuda" if NATIVE else "cpu"
+kernel_test = pytest.mark.skipif(not (INTERPRETED or NATIVE),
+                                 reason="runs in test_kernels_in_the_interpreter's subprocess (no CUDA device here)")
 
 
-@pytest.mark.skipif(INTERPRETED, reason="this is that subprocess")
+@pytest.mark.skipif(INTERPRETED or NATIVE, reason="the kernel tests run in this process")
 def test_kernels_in_the_interpreter():
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                            env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    # There every test runs but this one and those that need CUDA or Triton's compiler (run here).
+    skip = ("test_kernels_in_the_interpreter", "test_supports_on_cuda", "test_kernels_compile_for_sm90",
+            "test_never_chosen_for_cpu_tensors")
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
+                             " and ".join(f"not {name}" for name in skip), __file__],
+                            env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
     summary = result.stdout.strip().splitlines()[-1]
-    assert "8 passed" in summary, summary  # every kernel test ran there, none was skipped
+    assert "passed" in summary and "skipped" not in summary, summary  # every kernel test ran there
+
+
+def sort_conv2d_triton(x, weight, bias, geometry, stride, dilation, groups, pad=(0, 0, 0, 0)):
+    """The registered operator on the Triton backend, with the kernels' arguments."""
+    return torch.ops.timm_sortconv.sort_conv2d(x, weight, bias, list(stride), list(pad), list(dilation), groups,
+                                               geometry.sampling, geometry.sorting, "triton")
 
 
 def randn(*shape, seed=0, dtype=torch.float64):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype).to(DEVICE)
 
 
-def run(fn, x, weight, bias, *args):
-    """Output and (input, weight, bias) gradients for a fixed output gradient."""
-    x, weight, bias = (t.detach().clone().requires_grad_() for t in (x, weight, bias))
-    out = fn(x, weight, bias, *args)
-    return (out, *torch.autograd.grad(out, (x, weight, bias), randn(*out.shape, seed=9, dtype=out.dtype)))
+@pytest.fixture
+def path(request, monkeypatch):
+    """Forces one of the backend's paths for the test (the parameter's value)."""
+    monkeypatch.setenv(config.PATH_ENV, request.param)
+    return request.param
 
 
-@pytest.mark.parametrize("sampling,sorting", VARIANTS, ids=VARIANT_IDS)
-@in_interpreter
-def test_agrees_with_reference(sampling, sorting):
-    # (k, stride, dilation, groups): every kernel size, both strides, dilations and group counts.
-    for k, stride, dilation, groups in ((1, 1, 1, 1), (3, 2, 1, 2), (5, 1, 2, 1), (7, 1, 1, 2)):
-        geometry = get_geometry(k, sampling, sorting)
-        pad = k // 2 * dilation
-        # An already padded input, as the backends receive it; blocks of 16 outputs span images.
-        x = randn(2, 4, 5 + 2 * pad, 6 + 2 * pad)
-        weight, bias = randn(6, 4 // groups, k, k, seed=1), randn(6, seed=2)
-        args = (geometry, (stride, stride), (dilation, dilation), groups)
-        fast = run(triton_backend.sort_conv2d_triton, x, weight, bias, *args)
-        reference = run(sort_conv2d_reference, x, weight, bias, *args)
-        for name, a, b in zip(("output", "grad input", "grad weight", "grad bias"), fast, reference):
-            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=lambda m: f"{name}, k={k}: {m}")
+def run(fn, x, weight, bias, *args, grads=True, rounded_to=None, **kwargs):
+    """Output and, with ``grads``, the (input, weight, bias) gradients for a fixed output gradient (drawn in
+    float64, rounded to ``rounded_to`` or the output's dtype)."""
+    x, weight, bias = (t.detach().clone().requires_grad_(grads) for t in (x, weight, bias))
+    out = fn(x, weight, bias, *args, **kwargs)
+    if not grads:
+        return (out,)
+    grad = randn(*out.shape, seed=9).to(rounded_to or out.dtype).to(out.dtype)
+    return (out, *torch.autograd.grad(out, (x, weight, bias), grad))
 
 
-@in_interpreter
-def test_float32_forward():
-    geometry = get_geometry(5, "polar", "ring")
-    x, weight = randn(2, 3, 12, 12, dtype=torch.float32), randn(4, 3, 5, 5, seed=1, dtype=torch.float32)
-    out = triton_backend.sort_conv2d_triton(x, weight, None, geometry, (1, 1), (1, 1), 1)
-    reference = sort_conv2d_reference(x, weight, None, geometry, (1, 1), (1, 1), 1)
-    assert out.dtype == torch.float32
-    torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-4)
+def reference(x, weight, bias, geometry, stride, dilation, groups, pad):
+    return sort_conv2d_reference(F.pad(x, pad), weight, bias, geometry, stride, dilation, groups)
 
 
-@in_interpreter
-def test_saves_only_the_input_and_the_weight():
+def compare(fast, slow, rtol, atol, what):
+    for name, a, b in zip(("output", "grad input", "grad weight", "grad bias"), fast, slow):
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{name}, {what}: {a.dtype} {a.shape} vs {b.dtype} {b.shape}"
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m: f"{name}, {what}: {m}")
+
+
+# (stride, dilation, groups) in turn; "dw": depthwise (groups = channels).
+SETTINGS = [(1, 1, 1), (2, 1, 2), (1, 2, "dw"), (2, 2, 1), (1, 1, 2), (2, 1, "dw"), (1, 2, 2), (2, 2, "dw")]
+
+
+def case(index, k, channels=2, out_per_group=3, batch=2, size=(5, 6), dtype=torch.float64):
+    """Tensors and arguments of test case ``index``: its settings rotate through SETTINGS; the input is
+    unpadded and the backend adds ``k // 2 * dilation`` zeros on each side."""
+    stride, dilation, groups = SETTINGS[index % len(SETTINGS)]
+    groups = channels if groups == "dw" else groups
+    x = randn(batch, channels, *size, seed=index, dtype=dtype)
+    weight = randn(out_per_group * groups, channels // groups, k, k, seed=100 + index, dtype=dtype)
+    bias = randn(out_per_group * groups, seed=200 + index, dtype=dtype)
+    p = k // 2 * dilation
+    return x, weight, bias, (stride, stride), (dilation, dilation), groups, (p, p, p, p)
+
+
+def check_against_reference(index, geometry, grads=True, rtol=1e-10, atol=1e-10, **shape):
+    x, weight, bias, stride, dilation, groups, pad = case(index, geometry.kernel_size, **shape)
+    args = (geometry, stride, dilation, groups)
+    fast = run(sort_conv2d_triton, x, weight, bias, *args, pad=pad, grads=grads)
+    slow = run(reference, x, weight, bias, *args, pad, grads=grads)
+    compare(fast, slow, rtol, atol, f"{geometry.sampling}-{geometry.sorting} k={geometry.kernel_size}, "
+                                    f"stride {stride}, dilation {dilation}, groups {groups}")
+
+
+# Every geometry's forward and backward through the columns path (its columns kernel and the unsort kernel
+# of the backward of every non-direct call) or, for the larger global networks, through the direct path.
+FORWARD_AND_BACKWARD = {"columns": [(k, v) for k in (1, 3, 5) for v in VARIANTS] + [(k, v) for k in (7, 9) for v in
+                                                                                  VARIANTS if v[1] == "ring"],
+                        "direct": [(k, v) for k in (7, 9) for v in VARIANTS if v[1] == "global"]
+                        + [(k, VARIANTS[k // 2 % 4]) for k in (1, 3, 5)]}
+
+
+@kernel_test
+@pytest.mark.parametrize("path", ["columns", "direct"], indirect=True)
+@pytest.mark.parametrize("k", [1, 3, 5, 7, 9])
+def test_agrees_with_reference(path, k):
+    for index, (kernel_size, (sampling, sorting)) in enumerate(FORWARD_AND_BACKWARD[path]):
+        if kernel_size == k:
+            check_against_reference(k + index, get_geometry(k, sampling, sorting))
+
+
+@kernel_test
+@pytest.mark.parametrize("path", ["fused"], indirect=True)
+@pytest.mark.parametrize("k", [1, 3, 5, 7, 9])
+def test_fused_forward_agrees_with_reference(path, k):
+    # One variant per k, in turn; the fused path's backward is the columns path's.
+    sampling, sorting = VARIANTS[k // 2 % 4]
+    check_against_reference(k // 2 + 3, get_geometry(k, sampling, sorting), grads=False)
+
+
+def test_every_geometry_is_tested_forward_and_backward():
+    tested = {case for cases in FORWARD_AND_BACKWARD.values() for case in cases}
+    assert tested == {(k, v) for k in (1, 3, 5, 7, 9) for v in VARIANTS}
+
+
+@kernel_test
+@pytest.mark.parametrize("path", ["direct", "fused", "columns"], indirect=True)
+def test_several_blocks_of_positions_channels_and_outputs(path):
+    # 3 x 9 x 9 positions (several position blocks), 20 channels (several channel blocks of the columns
+    # kernels, two iterations of the fused kernel's channel loop), and more outputs per group than one block
+    # of the fused (128) or direct (4) kernel.
     geometry = get_geometry(3, "polar", "ring")
+    channels, out_per_group = {"direct": (4, 6), "fused": (20, 130), "columns": (20, 20)}[path]
+    for index in (0, 2):  # groups 1 and depthwise
+        check_against_reference(index, geometry, grads=path != "fused", channels=channels if index == 0 else 4,
+                                out_per_group=out_per_group, batch=3, size=(9, 9))
+
+
+@kernel_test
+@pytest.mark.parametrize("path", ["columns"], indirect=True)
+def test_columns_in_chunks_of_images(path, monkeypatch):
+    # A chunk budget of one image: the forward and backward loop over the batch in 3 chunks.
+    monkeypatch.setattr(config, "COLUMN_CHUNK_BYTES", 1)
+    check_against_reference(0, get_geometry(5, "square", "global"), batch=3)
+
+
+@kernel_test
+@pytest.mark.parametrize("path", ["direct", "fused", "columns"], indirect=True)
+def test_batch_one_and_asymmetric_padding(path):
+    geometry = get_geometry(5, "polar", "global")
+    x, weight, bias, stride, dilation, groups, _ = case(1, 5, batch=1)
+    pad = (1, 3, 2, 0)  # F.pad's order: left, right, top, bottom
+    args = (geometry, stride, dilation, groups)
+    fast = run(sort_conv2d_triton, x, weight, bias, *args, pad=pad)
+    compare(fast, run(reference, x, weight, bias, *args, pad), 1e-10, 1e-10, "batch 1")
+
+
+@kernel_test
+@pytest.mark.parametrize("path", ["direct", "fused", "columns"], indirect=True)
+def test_channels_last_input(path):
+    geometry = get_geometry(5, "polar", "ring")
+    x, weight, bias, stride, dilation, groups, pad = case(0, 5, channels=4)
+    args = (geometry, stride, dilation, groups)
+    fast = run(sort_conv2d_triton, x.to(memory_format=torch.channels_last), weight, bias, *args,
+               pad=pad)
+    compare(fast, run(reference, x, weight, bias, *args, pad), 1e-10, 1e-10, "channels_last")
+    if path != "columns":  # the direct and fused kernels write the output in the input's layout, as conv2d
+        assert fast[0].is_contiguous(memory_format=torch.channels_last)
+
+
+@kernel_test
+@pytest.mark.parametrize("path", ["direct", "fused", "columns"], indirect=True)
+def test_float32(path):
+    check_against_reference(1, get_geometry(7, "polar", "ring"), rtol=1e-4, atol=1e-4, dtype=torch.float32)
+
+
+def half_case_against_float64(path, dtype, autocast):
+    """Output and gradients of a float16/bfloat16 call, explicit or through autocast, against the reference
+    in float64 on the same (rounded) values, with tolerances of the half type."""
+    geometry = get_geometry(5, "polar", "ring")
+    x, weight, bias, stride, dilation, groups, pad = case(4, 5, channels=4)
+    rounded = [t.to(dtype).to(torch.float64) for t in (x, weight, bias)]
+    args = (geometry, stride, dilation, groups)
+    if autocast:
+        with torch.autocast(DEVICE, dtype=dtype):
+            fast = run(sort_conv2d_triton, *[t.float() for t in rounded], *args, pad=pad)
+        assert fast[0].dtype == dtype and all(g.dtype == torch.float32 for g in fast[1:])
+    else:
+        fast = run(sort_conv2d_triton, *[t.to(dtype) for t in rounded], *args, pad=pad)
+        assert all(t.dtype == dtype for t in fast)
+    slow = run(reference, *rounded, *args, pad, rounded_to=dtype)
+    for name, a, b in zip(("output", "grad input", "grad weight", "grad bias"), fast, slow):
+        # Sorted samples are rounded to the half type before the product (as autocast's conv2d rounds its
+        # input): errors of a few units of the half type's precision, relative to the result's scale.
+        eps = torch.finfo(dtype).eps
+        error = (a.double() - b).abs().max() / b.abs().max()
+        assert error < 8 * eps, f"{name} ({dtype}, autocast {autocast}): relative error {error:.2e}"
+
+
+# Triton's interpreter (3.8) multiplies the bit patterns of bfloat16 operands of tl.dot as integers, so the
+# fused kernel's bfloat16 product is checked on CUDA devices only.
+BFLOAT16_PATHS = ["direct", "columns"] if INTERPRETED else ["direct", "fused", "columns"]
+
+
+@kernel_test
+@pytest.mark.parametrize("path,dtype", [(path, torch.float16) for path in ("direct", "fused", "columns")]
+                         + [(path, torch.bfloat16) for path in BFLOAT16_PATHS], indirect=["path"])
+def test_half_types(path, dtype):
+    half_case_against_float64(path, dtype, autocast=False)
+
+
+@kernel_test
+@pytest.mark.parametrize("path", BFLOAT16_PATHS, indirect=True)
+def test_autocast(path):
+    half_case_against_float64(path, torch.bfloat16, autocast=True)
+
+
+@kernel_test
+@pytest.mark.parametrize("path", ["direct", "columns"], indirect=True)
+def test_one_gradient_alone(path):
+    # Frozen weights (input gradient only) and a frozen input (weight gradient only), as in fine-tuning.
+    geometry = get_geometry(3, "polar", "global")
+    x, weight, bias, stride, dilation, groups, pad = case(1, 3)
+    args = (geometry, stride, dilation, groups)
+    for wanted in ("x", "weight"):
+        tensors = {"x": x.clone().requires_grad_(wanted == "x"),
+                   "weight": weight.clone().requires_grad_(wanted == "weight")}
+        out = sort_conv2d_triton(tensors["x"], tensors["weight"], bias, *args, pad=pad)
+        grad, = torch.autograd.grad(out, tensors[wanted], randn(*out.shape, seed=9))
+        expected = run(reference, x, weight, bias, *args, pad)[1 if wanted == "x" else 2]
+        torch.testing.assert_close(grad, expected, rtol=1e-10, atol=1e-10)
+
+
+@kernel_test
+@pytest.mark.parametrize("path", ["direct", "columns"], indirect=True)
+def test_saves_only_the_input_and_the_weight(path):
     x, weight = randn(1, 2, 8, 8).requires_grad_(), randn(4, 2, 3, 3, seed=1).requires_grad_()
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        triton_backend.sort_conv2d_triton(x, weight, None, geometry, (1, 1), (1, 1), 1)
-    assert len(saved) == 2 and saved[0] is x and saved[1] is weight
+        sort_conv2d_triton(x, weight, None, get_geometry(3, "polar", "ring"), (1, 1), (1, 1), 1, pad=(1, 1, 1, 1))
+    assert len(saved) == 2 and saved[0] is x and saved[1] is weight  # the unpadded input itself
 
 
-@in_interpreter
-def test_nan_stays_in_its_windows():
+@kernel_test
+@pytest.mark.parametrize("path", ["direct", "fused", "columns"], indirect=True)
+def test_nan_stays_in_its_windows(path):
     geometry = get_geometry(3, "square", "global")
-    x = randn(1, 1, 10, 10)
-    x[0, 0, 4, 5] = float("nan")
-    out = triton_backend.sort_conv2d_triton(x, randn(2, 1, 3, 3, seed=1), None, geometry, (1, 1), (1, 1), 1)
-    nan_rows, nan_cols = torch.isnan(out[0, 0]).nonzero(as_tuple=True)
-    # Output (i, j) reads input rows i..i+2 and columns j..j+2 of the (already padded) input.
-    assert set(zip(nan_rows.tolist(), nan_cols.tolist())) == {(i, j) for i in (2, 3, 4) for j in (3, 4, 5)}
+    x = randn(1, 1, 8, 8)
+    x[0, 0, 3, 4] = float("nan")
+    out = sort_conv2d_triton(x, randn(2, 1, 3, 3, seed=1), None, geometry, (1, 1), (1, 1), 1, pad=(1, 1, 1, 1))
+    for channel in range(2):
+        nan_rows, nan_cols = torch.isnan(out[0, channel]).nonzero(as_tuple=True)
+        # With one zero of padding, output (i, j) reads input rows i-1..i+1 and columns j-1..j+1.
+        assert set(zip(nan_rows.tolist(), nan_cols.tolist())) == {(i, j) for i in (2, 3, 4) for j in (3, 4, 5)}
 
 
+def test_depth_first_order_sorts_as_the_network_does():
+    # Same comparators, each wire meeting its own in the original order: the same result on any input.
+    generator = torch.Generator().manual_seed(0)
+    for k in (3, 5, 7, 9):
+        for sorting in ("ring", "global"):
+            pairs = get_geometry(k, "square", sorting).comparators()
+            reordered = depth_first(pairs)
+            assert sorted(reordered) == sorted(pairs)
+            for wire in range(k * k):
+                assert [p for p in reordered if wire in p] == [p for p in pairs if wire in p]
+            values = torch.randn(k * k, 64, generator=generator)
+            results = []
+            for order in (pairs, reordered):
+                v = values.clone()
+                for a, b in order:
+                    v[a], v[b] = torch.minimum(v[a], v[b]), torch.maximum(v[a], v[b])
+                results.append(v)
+            assert torch.equal(results[0], results[1])
+
+
+def test_generated_source_holds_the_geometry():
+    # Each kernel's network is the geometry's (one swap or one min per comparator) and the tap weights are
+    # the geometry's, written with every digit of their float64 value.
+    geometry = get_geometry(5, "polar", "ring")
+    source = kernel_source(geometry)
+    comparators = len(geometry.comparators())
+    assert source.count("lo = tl.minimum(") == 3 * comparators  # columns, fused and direct forward kernels
+    assert source.count("swap = s") == 2 * comparators  # unsort and direct backward kernels
+    assert source.count("swap = (swaps") == 2 * comparators
+    for weight in geometry.tap_weights.flatten().tolist():
+        assert weight in (0.0, 1.0) or f"{weight!r}, COMPUTE)" in source
+
+
+def test_path_rule(monkeypatch):
+    monkeypatch.delenv(config.PATH_ENV, raising=False)
+    assert config.choose_path(1, 1, 49) == "direct"  # depthwise
+    assert config.choose_path(4, 4, 9) == "direct"  # grouped, few channels per group
+    assert config.choose_path(1, 32, 9) == "columns"  # a first layer: too few channels for tl.dot, too many
+    assert config.choose_path(3, 128, 24) == "columns"  # outputs for the direct kernels' FMAs
+    assert config.choose_path(64, 64, 9) == config.FORWARD_PATH
+    assert config.choose_path(64, 64, 24) == "columns"  # larger windows: the fused kernel would spill
+    assert config.choose_path(64, 64, 9, 1000, 132) == config.FORWARD_PATH
+    assert config.choose_path(64, 64, 9, 64, 132) == "columns"  # too few programs to fill the GPU
+    monkeypatch.setenv(config.PATH_ENV, "columns")
+    assert config.choose_path(1, 1, 9) == "columns"
+    monkeypatch.setenv(config.PATH_ENV, "fast")
+    with pytest.raises(ValueError, match="direct, fused, columns"):
+        config.choose_path(1, 1, 9)
+
+
+def test_precision_follows_cudnn_allow_tf32(monkeypatch):
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    assert triton_backend._dot_precision(torch.float32) == "tf32"
+    assert triton_backend._dot_precision(torch.float64) == "ieee"
+    with triton_backend._cublas_like_conv(torch.float32):
+        assert torch.backends.cuda.matmul.allow_tf32
+        assert not torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    assert triton_backend._dot_precision(torch.float32) == "ieee"
+    before = torch.backends.cuda.matmul.allow_tf32
+    with triton_backend._cublas_like_conv(torch.float32):
+        assert not torch.backends.cuda.matmul.allow_tf32
+    assert torch.backends.cuda.matmul.allow_tf32 == before
+
+
+@pytest.mark.skipif(INTERPRETED, reason="under the interpreter the backend takes CPU tensors")
 def test_never_chosen_for_cpu_tensors():
     geometry = get_geometry(3, "polar", "ring")
     args = (torch.randn(1, 2, 8, 8), torch.randn(2, 2, 3, 3), None, geometry, (1, 1), (1, 1), 1)
@@ -104,3 +352,70 @@ def test_never_chosen_for_cpu_tensors():
     assert resolve_backend("auto", *args).name != "triton"
     with pytest.raises(RuntimeError):
         sort_conv2d(torch.randn(1, 2, 8, 8), torch.randn(2, 2, 3, 3), padding=1, backend="triton")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA tensors")
+def test_supports_on_cuda():
+    x, weight = torch.randn(1, 2, 8, 8, device="cuda"), torch.randn(2, 2, 3, 3, device="cuda")
+    assert triton_backend.supports_triton(x, weight, None, get_geometry(9, "polar", "ring"), (1, 1), (1, 1), 1)
+    big = torch.randn(2, 2, 11, 11, device="cuda")
+    assert not triton_backend.supports_triton(x, big, None, get_geometry(11, "polar", "ring"), (1, 1), (1, 1), 1)
+    assert not triton_backend.supports_triton(x, weight.double(), None, get_geometry(3, "polar", "ring"), (1, 1),
+                                              (1, 1), 1)
+
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def test_benchmark_cuda_options():
+    bench = load_script(SCRIPTS / "bench_sortconv.py", "bench_sortconv")
+    args = bench.parse_args(["--device", "cuda", "--shapes", "gpu,scnn_p_rs_7", "--kernel-sizes", "3,5,7",
+                             "--precisions", "fp32,bf16,fp16", "--triton-paths", "auto,fused,columns,direct"])
+    assert args.device == "cuda" and args.kernel_sizes == "3,5,7"
+    assert [shape.kernel_size for shape in bench.SHAPE_SETS["gpu"][1]] == [7, 7, 3, 3, 3, 7, 7]
+    assert [shape.groups for shape in bench.SHAPE_SETS["gpu"][1]][-2:] == [96, 384]  # depthwise
+    for wrong in (["--precisions", "fp8"], ["--triton-paths", "fast"], ["--kernel-sizes", "4"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--device", "cuda", *wrong])
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the dry run's Triton kernels run in the interpreter's subprocess")
+def test_benchmark_dry_run(capsys):
+    # The --device cuda code on tiny CPU tensors: every column of the layer table and the throughput table.
+    bench = load_script(SCRIPTS / "bench_sortconv.py", "bench_sortconv")
+    bench.main(["--device", "cuda", "--dry-run", "--shapes", "gpu", "--variants", "polar-ring,square-global",
+                "--precisions", "fp32,bf16", "--triton-paths", "auto,columns"])
+    bench.main(["--device", "cuda", "--dry-run", "--shapes", "none", "--throughput"])
+    lines = capsys.readouterr().out.splitlines()
+    headers = [line for line in lines if line.startswith("| shape |")]
+    assert len(headers) == 2 and "| conv fp32 f+b | conv default fwd |" in headers[0]
+    assert "| conv bf16 f+b |" in headers[1] and "| triton[columns]/conv f+b |" in headers[1]
+    rows = [line.split(" | ") for line in lines if line.startswith("| B=2, C_in=4")]
+    assert len(rows) == 4 and all(len(row) == len(headers[0].split(" | ")) for row in rows[:2])
+    assert all(float(cell) > 0 for row in rows for cell in row[3:5])
+    throughput = [line for line in lines if line.startswith("| scnn_p_rs_7 |") or line.startswith("| ri_")]
+    assert len(throughput) == 3  # three models, one precision
+
+
+def ptxas_available() -> bool:
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        return os.path.exists(get_ptxas(90).path)
+    except Exception:  # no NVIDIA backend in this Triton build
+        return False
+
+
+@pytest.mark.skipif(INTERPRETED or not ptxas_available(), reason="compiles with Triton's NVIDIA backend (ptxas)")
+def test_kernels_compile_for_sm90(tmp_path):
+    # The generated source through Triton's real compiler (the interpreter runs it as Python), for an H100,
+    # with the launch settings the backend uses; the fused kernel's products are tensor-core instructions.
+    report = load_script(SCRIPTS / "triton_kernel_report.py", "triton_kernel_report")
+    from timm_sortconv.ops.triton_backend.source import load_kernels
+
+    geometry = get_geometry(3, "polar", "ring")
+    cases = [(kernel, torch.float32) for kernel in triton_backend.KERNELS] + [("fused_forward_kernel", torch.float64)]
+    for kernel, dtype in cases:
+        meta = triton_backend.launch_settings(kernel, geometry, dtype, 1, 32, 32)
+        cells = report.compile_kernel(load_kernels(geometry)[kernel], dtype, meta, 90, tmp_path)
+        assert cells["SASS"] > 0 and (cells["mma"] > 0) == (kernel == "fused_forward_kernel"), (kernel, cells)

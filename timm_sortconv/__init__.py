@@ -2,24 +2,19 @@
 
 Importing the package registers its models with timm (``scnn_*``, ``ri_vgg16``, ``ri_resnet18``,
 ``ri_densenet40`` and their ``*_baseline`` twins).
+
+Layout, from the operator to the product: :mod:`.ops` (sampling geometry, the reference path, the
+functional ``sort_conv2d`` and its fast backends) -> :mod:`.layers` (``SortConv2d``, ``SortConv2dSame``) ->
+:mod:`.sortify` (the conversion pass for any model) -> :mod:`.models` (the paper's networks, timm style)
+-> :mod:`.rotation` (rotating images), :mod:`.data` (data sets, MNIST-rot), :mod:`.invariance` (per-angle
+results) -> :mod:`.hub` (weights) and :mod:`.cli` (train, validate, demo and the other tools).
 """
 from . import models
-from .layers import SortConv2d
+from .invariance import RotationSweep, rotation_sweep
+from .layers import SortConv2d, SortConv2dSame
 from .ops import available_backends, get_geometry, sort_conv2d
-from .sortify import SortConv2dSame, SortifyReport, sortify
-
-_INVARIANCE_NAMES = ("RotationSweep", "rotate", "rotation_sweep")
-
-
-def __getattr__(name):
-    # The rotation-sweep helpers are imported on first use, so that ``python -m timm_sortconv.invariance``
-    # does not find its own module already imported by the package (runpy warns about that).
-    if name in _INVARIANCE_NAMES:
-        from . import invariance
-
-        return getattr(invariance, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
+from .rotation import rotate
+from .sortify import SortifyReport, sortify
 
 __version__ = "0.1.0"
 

@@ -1,90 +1,51 @@
-"""Rotation sweeps: how much a model's pooled features and predictions change when its input turns.
+"""Measuring rotation invariance: per-angle results of a model, as numbers, a table, a CSV and a plot.
 
-:func:`rotate` turns a batch of images about their centre (bilinear, zero fill; multiples of 90
-degrees of square images are exact ``torch.rot90``); :func:`rotation_sweep` feeds a model the rotated
-batch at each angle of a sweep and reports, per angle, the relative change of the pooled features
-against angle 0 and how many predictions still agree with angle 0 (and the accuracy, given labels).
-:func:`sweep_table` prints several models' sweeps side by side.
+Two measurements over a sweep of angles, both built on :func:`timm_sortconv.rotation.rotate`:
 
-Run as a script to compare models at random initialisation on digit-like images::
-
-    python -m timm_sortconv.invariance --models scnn_p_rs_7 scnn_baseline_7 --angles 0:360:45
+* :func:`rotation_sweep` feeds a model one batch turned by each angle and reports, per angle, the
+  relative change of the pooled features against angle 0 and how many predictions still agree with
+  angle 0 (and the accuracy, given labels); :func:`sweep_table` prints several models side by side.
+  It needs no data set and no trained weights (``scripts/invariance.py`` runs it on digit-like images).
+* :func:`accuracy_sweep` measures top-1 accuracy at every angle of a
+  :class:`~timm_sortconv.data.RotatedDataset` (on the MNIST test set: the paper's MNIST-rot) through
+  timm's loader; :func:`accuracy_table`, :func:`write_sweep_csv` / :func:`read_sweep_csv` and
+  :func:`plot_sweep` print, store, read back and draw such per-angle accuracies
+  (``scripts/validate.py --rotations``, ``scripts/mnist_results.py``, ``scripts/demo.py``).
 """
 from __future__ import annotations
 
-import argparse
+import csv
+import logging
 import math
+import os
+import time
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-__all__ = ["RotationSweep", "rotate", "rotation_sweep", "sweep_table", "synthetic_digits"]
+from ._moved import moved_names
+from .rotation import rotate
 
+__all__ = [
+    "PerAngle",
+    "RotationSweep",
+    "accuracy_sweep",
+    "accuracy_table",
+    "plot_sweep",
+    "read_sweep_csv",
+    "rotate",
+    "rotation_sweep",
+    "sweep_table",
+    "write_sweep_csv",
+]
 
-def rotate(images: torch.Tensor, angle: float, fill: float = 0.0) -> torch.Tensor:
-    """``images`` rotated counter-clockwise by ``angle`` degrees about their centre.
+_logger = logging.getLogger(__name__)
 
-    The centre is the middle of the pixel grid, ``((H - 1) / 2, (W - 1) / 2)``, so a square image turned
-    by 90 degrees lands exactly on its own grid: multiples of 90 degrees of square images are returned
-    by :func:`torch.rot90` (bit-exact, any dtype), and agree with the bilinear path at nearby angles.
-    Other angles use bilinear interpolation; output pixels whose source lies outside the image take
-    ``fill`` (blended bilinearly at the border), and the output keeps the input's size. The result is
-    deterministic and each image is rotated independently of the rest of the batch.
-
-    Args:
-        images: ``(..., H, W)`` tensor, e.g. ``(N, C, H, W)``; floating point unless ``angle`` is a
-            multiple of 90 degrees (and, for non-square images, of 180 degrees).
-        angle: degrees, counter-clockwise as displayed (row 0 at the top), the convention of
-            ``torch.rot90(images, 1, dims=(-2, -1))`` and of torchvision.
-        fill: value of the pixels rotated in from outside the image.
-
-    Returns:
-        Tensor of the same shape, dtype and device.
-
-    Example:
-        >>> x = torch.arange(16.).view(1, 1, 4, 4)
-        >>> torch.equal(rotate(x, 90), torch.rot90(x, 1, dims=(-2, -1)))
-        True
-        >>> rotate(x, 30).shape
-        torch.Size([1, 1, 4, 4])
-    """
-    if not isinstance(images, torch.Tensor) or images.dim() < 2:
-        raise ValueError(f"rotate expects a tensor of shape (..., H, W), got "
-                         f"{tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__}")
-    angle = float(angle)
-    if not math.isfinite(angle):
-        raise ValueError(f"angle must be a finite number of degrees, got {angle}")
-    h, w = images.shape[-2:]
-    quarters = angle / 90.0
-    if quarters == round(quarters) and (h == w or round(quarters) % 2 == 0):
-        return torch.rot90(images, int(round(quarters)) % 4, dims=(-2, -1)).clone()
-    if not images.is_floating_point():
-        raise TypeError(f"rotating by {angle} degrees interpolates and needs a floating-point tensor, got {images.dtype}")
-    if h < 2 or w < 2:
-        raise ValueError(f"rotate needs images of at least 2x2 pixels, got {h}x{w}")
-
-    compute_dtype = images.dtype if images.dtype in (torch.float32, torch.float64) else torch.float32
-    x = images.reshape(1, -1, h, w).to(compute_dtype)
-    if fill:
-        x = x - fill
-    theta = math.radians(angle)
-    cos, sin = math.cos(theta), math.sin(theta)
-    cy, cx = (h - 1) / 2.0, (w - 1) / 2.0
-    ys = torch.arange(h, dtype=torch.float64, device=images.device) - cy
-    xs = torch.arange(w, dtype=torch.float64, device=images.device) - cx
-    yy, xx = torch.meshgrid(ys, xs, indexing="ij")
-    # Output pixel (x, y) (y pointing down) reads the input at its rotation by -angle, which in
-    # y-down coordinates is (x cos - y sin, x sin + y cos) for a counter-clockwise turn on screen.
-    src_x = xx * cos - yy * sin
-    src_y = xx * sin + yy * cos
-    grid = torch.stack((src_x / cx, src_y / cy), dim=-1).unsqueeze(0).to(compute_dtype)
-    out = F.grid_sample(x, grid, mode="bilinear", padding_mode="zeros", align_corners=True)
-    if fill:
-        out = out + fill
-    return out.reshape(images.shape).to(images.dtype)
+# Top-1 accuracy (%) by angle (degrees), in sweep order.
+PerAngle = Dict[float, float]
 
 
 @dataclass
@@ -245,78 +206,160 @@ def rotation_sweep(
     return RotationSweep(angles, change, agreement, accuracy if targets is not None else None)
 
 
-def synthetic_digits(num_images: int, size: int = 28, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Digit-like images ``(N, 1, size, size)`` in ``[0, 1]``: one to three smooth pen strokes on a black
-    background, drawn inside the central ``18/28`` of the canvas (MNIST's digits fill a 20x20 box). Deterministic
-    for a ``seed``; made for demos and tests that must not depend on a data set.
+@torch.inference_mode()
+def accuracy_sweep(
+    model: nn.Module,
+    sweep,
+    data_config: Mapping,
+    *,
+    batch_size: int = 100,
+    num_workers: int = 0,
+    device: Optional[torch.device] = None,
+    use_prefetcher: bool = True,
+    amp_dtype: Optional[torch.dtype] = None,
+    channels_last: bool = False,
+    label: str = "",
+) -> PerAngle:
+    """Top-1 accuracy (%) of ``model`` at each angle of ``sweep``.
+
+    Args:
+        model: a classifier; it is moved to ``device`` and put in eval mode.
+        sweep: a :class:`~timm_sortconv.data.RotatedDataset` (its ``angles`` and ``num_images``).
+        data_config: timm's data config of the model (``input_size``, ``interpolation``, ``mean``,
+            ``std``, ``crop_pct``), e.g. from :func:`timm_sortconv.data.resolve_data_config`.
+        batch_size, num_workers, use_prefetcher: passed to :func:`timm.data.create_loader`.
+        device: where the model runs (default: the model's device).
+        amp_dtype: run under ``torch.autocast`` with this dtype (``None``: full precision).
+        channels_last: feed the model ``channels_last`` tensors.
+        label: name used in the progress lines that are logged.
+
+    Returns:
+        ``{angle: accuracy}`` in the order of ``sweep.angles``.
+    """
+    from timm.data import create_loader
+
+    device = device if device is not None else next(model.parameters()).device
+    loader = create_loader(
+        sweep,
+        input_size=data_config["input_size"],
+        batch_size=batch_size,
+        is_training=False,
+        interpolation=data_config["interpolation"],
+        mean=data_config["mean"],
+        std=data_config["std"],
+        crop_pct=data_config["crop_pct"],
+        num_workers=num_workers,
+        device=device,
+        use_prefetcher=use_prefetcher,
+    )
+    model.to(device).eval()
+    if channels_last:
+        model.to(memory_format=torch.channels_last)
+    autocast = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype is not None else nullcontext()
+    correct: List[torch.Tensor] = []
+    start = time.time()
+    for batch_idx, (input, target) in enumerate(loader):
+        input, target = input.to(device), target.to(device)
+        if channels_last:
+            input = input.contiguous(memory_format=torch.channels_last)
+        with autocast:
+            output = model(input)
+        correct.append((output.argmax(dim=-1) == target).cpu())
+        if (batch_idx + 1) % 50 == 0 or batch_idx + 1 == len(loader):
+            _logger.info(f"{label or type(model).__name__}: [{batch_idx + 1:>4d}/{len(loader)}] "
+                         f"({time.time() - start:.1f}s)")
+    per_angle = torch.cat(correct).view(len(sweep.angles), sweep.num_images).double().mean(dim=1) * 100
+    return {angle: accuracy.item() for angle, accuracy in zip(sweep.angles, per_angle)}
+
+
+def accuracy_table(results: Mapping[str, PerAngle]) -> str:
+    """Per-angle accuracies of several models as a text table, one row per angle and a last row of means.
 
     Example:
-        >>> x = synthetic_digits(4)
-        >>> x.shape, bool(x.min() >= 0), bool(x.max() <= 1)
-        (torch.Size([4, 1, 28, 28]), True, True)
+        >>> print(accuracy_table({"sc": {0.0: 99.0, 45.0: 97.0}}))
+          angle          sc
+              0       99.00
+             45       97.00
+           mean       98.00
     """
-    if num_images < 1 or size < 8:
-        raise ValueError(f"need num_images >= 1 and size >= 8, got num_images={num_images}, size={size}")
-    gen = torch.Generator().manual_seed(seed)
-    box = 9.0 / 28.0 * size  # half-width of the box the strokes stay in
-    width = 1.1 / 28.0 * size  # pen radius (Gaussian sigma) in pixels
-    centre = (size - 1) / 2.0
-    coords = torch.arange(size, dtype=torch.float64)
-    yy, xx = torch.meshgrid(coords, coords, indexing="ij")
-    t = torch.linspace(0, 1, 48, dtype=torch.float64).view(-1, 1)
-    images = torch.zeros(num_images, 1, size, size, dtype=torch.float64)
-    for n in range(num_images):
-        num_strokes = int(torch.randint(1, 4, (1,), generator=gen))
-        # quadratic Bezier strokes: start, control and end points in the box
-        points = (torch.rand(num_strokes, 3, 2, generator=gen, dtype=torch.float64) * 2 - 1) * box + centre
-        for start, control, end in points:
-            curve = (1 - t) ** 2 * start + 2 * (1 - t) * t * control + t ** 2 * end  # (48, 2) as (y, x)
-            dist2 = (yy.unsqueeze(-1) - curve[:, 0]) ** 2 + (xx.unsqueeze(-1) - curve[:, 1]) ** 2
-            stroke = torch.exp(-dist2.min(dim=-1).values / (2 * width ** 2))
-            images[n, 0] = torch.maximum(images[n, 0], stroke)
-    return images.to(dtype)
+    labels = list(results)
+    angles = list(next(iter(results.values())))
+    width = max(10, *(len(label) for label in labels))
+    lines = ["angle".rjust(7) + "".join(label.rjust(width + 2) for label in labels)]
+    for angle in angles:
+        lines.append(f"{angle:7g}" + "".join(f"{results[label][angle]:{width + 2}.2f}" for label in labels))
+    lines.append("mean".rjust(7) + "".join(f"{sum(results[label].values()) / len(angles):{width + 2}.2f}"
+                                           for label in labels))
+    return "\n".join(lines)
 
 
-def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m timm_sortconv.invariance",
-        description="Rotation sweep of timm models at random initialisation.")
-    parser.add_argument("--models", nargs="+", default=["scnn_p_rs_7", "scnn_baseline_7"], help="timm model names")
-    parser.add_argument("--angles", default="0:360:45", help="START:STOP:STEP or a comma list, in degrees")
-    parser.add_argument("--num-images", type=int, default=16, help="images in the batch")
-    parser.add_argument("--seed", type=int, default=0, help="seeds the model initialisation and the images")
-    parser.add_argument("--mnist-images", default=None, metavar="IDX_FILE",
-                        help="an MNIST IDX image file (gzipped or not) instead of synthetic digits")
-    return parser.parse_args(argv)
+def write_sweep_csv(path, results: Mapping[str, PerAngle]) -> None:
+    """Writes ``angle,<label>,...`` and one row per angle (accuracies in %, 4 decimals)."""
+    labels = list(results)
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["angle"] + labels)
+        for angle in next(iter(results.values())):
+            writer.writerow([f"{angle:g}"] + [f"{results[label][angle]:.4f}" for label in labels])
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    """Prints the sweep table of ``--models`` on digit-like images (see ``--help``)."""
-    import timm
-
-    from .data.rotation import parse_rotations
-
-    args = _parse_args(argv)
-    angles = parse_rotations(args.angles)
-    if args.mnist_images:
-        from .data.mnist import read_idx
-
-        pixels = torch.from_numpy(read_idx(args.mnist_images)[:args.num_images].copy())
-        images = pixels.unsqueeze(1).float() / 255.0
-        source = f"the first {images.shape[0]} images of {args.mnist_images}"
-    else:
-        images = synthetic_digits(args.num_images, seed=args.seed)
-        source = f"{args.num_images} synthetic digits (seed {args.seed})"
-    sweeps = {}
-    for name in args.models:
-        torch.manual_seed(args.seed)
-        model = timm.create_model(name, in_chans=images.shape[1])
-        sweeps[name] = rotation_sweep(model, images, angles)
-    print(f"Rotation sweep at random initialisation (seed {args.seed}) on {source}; pixel values in [0, 1],")
-    print("feature change = mean relative L2 change of the pooled features against angle 0,")
-    print("agreement = predictions equal to those at angle 0.\n")
-    print(sweep_table(sweeps))
+def read_sweep_csv(path) -> Dict[str, PerAngle]:
+    """The per-angle accuracies :func:`write_sweep_csv` wrote, by label; ``ValueError`` names what is wrong."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"per-angle CSV {path} does not exist")
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    if len(rows) < 2 or len(rows[0]) < 2 or rows[0][0] != "angle":
+        raise ValueError(f"{path} is not a per-angle CSV (header 'angle,<label>,...', one row per angle)")
+    try:
+        return {label: {float(row[0]): float(row[col]) for row in rows[1:]}
+                for col, label in enumerate(rows[0][1:], start=1)}
+    except (ValueError, IndexError) as e:
+        raise ValueError(f"{path}: unreadable row ({e})") from None
 
 
-if __name__ == "__main__":
-    main()
+def plot_sweep(path, results: Mapping[str, PerAngle], title: str, kinds: Optional[Mapping[str, str]] = None) -> None:
+    """Accuracy against angle: a Cartesian panel and a polar panel (angle as the polar angle).
+
+    Args:
+        path: the image file to write (PNG by its extension).
+        results: per-angle accuracies by label.
+        title: the figure's title.
+        kinds: optional words appended to labels in the legend, e.g. ``{"scnn_p_rs_3": "Sorting Convolution"}``.
+    """
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ImportError("plotting needs matplotlib: pip install 'timm-sortconv[plot]'") from None
+
+    kinds = kinds or {}
+    fig = plt.figure(figsize=(11, 4.8))
+    cartesian = fig.add_subplot(1, 2, 1)
+    polar = fig.add_subplot(1, 2, 2, projection="polar")
+    for label, per_angle in results.items():
+        angles, accuracies = list(per_angle), list(per_angle.values())
+        mean = sum(accuracies) / len(accuracies)
+        name = f"{label}: {kinds[label]}" if label in kinds else label
+        cartesian.plot(angles, accuracies, marker="o", markersize=3, label=f"{name} (mean {mean:.2f}%)")
+        # Close the curve only when the sweep goes all the way round (its next step would be 360 degrees on).
+        full_circle = len(angles) > 1 and angles[-1] + (angles[1] - angles[0]) - angles[0] >= 360
+        if full_circle:
+            angles, accuracies = angles + [angles[0] + 360], accuracies + accuracies[:1]
+        polar.plot([math.radians(a) for a in angles], accuracies, marker="o", markersize=3, label=name)
+    cartesian.set_xlabel("rotation angle (degrees)")
+    cartesian.set_ylabel("top-1 accuracy (%)")
+    cartesian.set_ylim(0, 100)
+    cartesian.grid(True, alpha=0.3)
+    cartesian.legend(loc="lower left", fontsize=8)
+    polar.set_ylim(0, 100)
+    polar.set_title("accuracy (%) by angle", fontsize=10)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# Names that lived here before: they still import, with a warning naming their home.
+__getattr__ = moved_names(__name__, {"synthetic_digits": "timm_sortconv.data"})

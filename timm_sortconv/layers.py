@@ -1,16 +1,40 @@
-"""``SortConv2d``: a drop-in ``nn.Conv2d`` whose windows are sampled and sorted before the product."""
+"""The Sorting Convolution layers: drop-in ``nn.Conv2d`` modules whose windows are sampled and sorted before the product.
+
+* :class:`SortConv2d`: ``nn.Conv2d``'s constructor, parameters and padding, plus ``sampling``, ``sorting``
+  and ``backend``;
+* :class:`SortConv2dSame`: the same with TensorFlow-style dynamic "SAME" padding, the twin of timm's
+  ``Conv2dSame`` (what :func:`timm_sortconv.sortify` puts in its place).
+"""
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
+from timm.layers import pad_same, register_notrace_module
 
 from .ops.backends import check_backend_name
-from .ops.functional import sort_conv2d
+from .ops.functional import sort_conv2d_zero_padded
 from .ops.geometry import get_geometry
 
-__all__ = ["SortConv2d"]
+__all__ = ["SortConv2d", "SortConv2dSame"]
+
+
+def _sort_conv_forward(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], stride: List[int],
+                       padding: List[int], padding_mode: str, dilation: List[int], groups: int, sampling: str,
+                       sorting: str, backend: str) -> torch.Tensor:
+    """The layers' forward: ``nn.Conv2d``'s padding (``padding`` in ``F.pad``'s order) and unbatched inputs,
+    then the operator. Arguments are the module's own, checked when it was built; TorchScript compiles it."""
+    unbatched = input.dim() == 3
+    if unbatched:
+        input = input.unsqueeze(0)
+    if padding_mode != "zeros":
+        input = F.pad(input, padding, mode=padding_mode)
+        padding = [0, 0, 0, 0]
+    out = sort_conv2d_zero_padded(input, weight, bias, [stride[0], stride[1]], [padding[0], padding[1], padding[2],
+                                  padding[3]], [dilation[0], dilation[1]], groups, sampling, sorting, backend)
+    return out.squeeze(0) if unbatched else out
 
 
 class SortConv2d(nn.Conv2d):
@@ -28,9 +52,6 @@ class SortConv2d(nn.Conv2d):
             ``"polar-offset"`` (the same circles, points half a step off the axes) or ``"square"`` (the
             grid itself, exact only at multiples of 90 degrees).
         sorting: ``"ring"`` (sort each Chebyshev ring, keeps radial structure) or ``"global"``.
-        ring_density: polar samples per kernel position (default 1): ``m > 1`` reads ring ``r`` at ``8rm``
-            points and averages runs of ``m`` sorted values, for near-invariance at every angle (see
-            :func:`~timm_sortconv.ops.sort_conv2d`); same weights. For ring sorting also one per ring.
         backend: ``"auto"``, ``"reference"`` or a fast backend's name.
 
     Shape:
@@ -58,12 +79,11 @@ class SortConv2d(nn.Conv2d):
         *,
         sampling: str = "polar",
         sorting: str = "ring",
-        ring_density=1,
         backend: str = "auto",
     ) -> None:
-        # Validates kernel_size, sampling, sorting and ring_density, and builds the sampling tables now, so
-        # that a traced, compiled or exported forward finds them cached instead of recording their construction.
-        get_geometry(kernel_size, sampling, sorting, ring_density)
+        # Validates kernel_size, sampling and sorting, and builds the sampling tables now, so that a
+        # traced, compiled or exported forward finds them cached instead of recording their construction.
+        get_geometry(kernel_size, sampling, sorting)
         # nn.Conv2d's own message does not say which values were given.
         if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1 \
                 or in_channels % groups or out_channels % groups:
@@ -73,21 +93,15 @@ class SortConv2d(nn.Conv2d):
                          padding_mode, device, dtype)
         self.sampling = sampling
         self.sorting = sorting
-        self.ring_density = ring_density
         self.backend = check_backend_name(backend)
 
     def _conv_forward(self, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        unbatched = isinstance(input, torch.Tensor) and input.dim() == 3
-        if unbatched:
-            input = input.unsqueeze(0)
-        out = sort_conv2d(input, weight, bias, self.stride, self.padding, self.dilation, self.groups,
-                          self.padding_mode, sampling=self.sampling, sorting=self.sorting,
-                          ring_density=self.ring_density, backend=self.backend)
-        return out.squeeze(0) if unbatched else out
+        return _sort_conv_forward(input, weight, bias, self.stride, self._reversed_padding_repeated_twice,
+                                  self.padding_mode, self.dilation, self.groups, self.sampling, self.sorting,
+                                  self.backend)
 
     def extra_repr(self) -> str:
-        density = f", ring_density={self.ring_density}" if self.ring_density != 1 else ""
-        return f"{super().extra_repr()}, sampling={self.sampling}, sorting={self.sorting}{density}, backend={self.backend}"
+        return f"{super().extra_repr()}, sampling={self.sampling}, sorting={self.sorting}, backend={self.backend}"
 
     @classmethod
     def from_conv(cls, conv: nn.Conv2d, *, sampling: str = "polar", sorting: str = "ring",
@@ -114,3 +128,46 @@ class SortConv2d(nn.Conv2d):
         if conv.bias is not None:
             new.bias.requires_grad_(conv.bias.requires_grad)
         return new
+
+
+# timm's FX feature extraction (features_only=True, feature_cls="fx") treats these as leaves: the
+# operator validates shapes in Python, which symbolic tracing cannot follow.
+register_notrace_module(SortConv2d)
+
+
+@register_notrace_module
+class SortConv2dSame(SortConv2d):
+    """``SortConv2d`` with TensorFlow-style dynamic "SAME" padding, the sorting twin of timm's ``Conv2dSame``.
+
+    The input is padded by ``timm.layers.pad_same`` for its actual size (asymmetric, more on the
+    bottom/right, for strided layers), then sorted and convolved without further padding, exactly
+    where ``Conv2dSame`` would convolve.
+
+    Args:
+        as :class:`~timm_sortconv.SortConv2d`; ``padding`` must be ``0`` or ``"same"`` (the padding is
+        computed per call).
+
+    Example:
+        >>> conv = SortConv2dSame(3, 8, 3, stride=2)
+        >>> conv(torch.randn(1, 3, 15, 15)).shape
+        torch.Size([1, 8, 8, 8])
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
+                 groups: int = 1, bias: bool = True, padding_mode: str = "zeros", device=None, dtype=None, *,
+                 sampling: str = "polar", sorting: str = "ring", backend: str = "auto") -> None:
+        if padding not in (0, (0, 0), "same"):
+            raise ValueError(f"SortConv2dSame computes its padding per call; pass padding=0 or 'same', "
+                             f"got padding={padding!r}")
+        if padding_mode != "zeros":
+            raise ValueError(f"SortConv2dSame pads with zeros like timm's Conv2dSame; got padding_mode={padding_mode!r}")
+        super().__init__(in_channels, out_channels, kernel_size, stride, 0, dilation, groups, bias, padding_mode,
+                         device, dtype, sampling=sampling, sorting=sorting, backend=backend)
+
+    def _conv_forward(self, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        input = pad_same(input, self.kernel_size, self.stride, self.dilation)
+        return _sort_conv_forward(input, weight, bias, self.stride, [0, 0, 0, 0], "zeros", self.dilation, self.groups,
+                                  self.sampling, self.sorting, self.backend)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, padding=same (dynamic)"

@@ -26,98 +26,23 @@ import fnmatch
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
-from functools import partial
-from typing import Callable, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
-from timm.layers import CondConv2d, Conv2dSame, pad_same, register_notrace_module
+from timm.layers import CondConv2d, Conv2dSame
 from timm.layers.conv2d_same import Conv2dSameExport
 
-from .layers import SortConv2d
+from .layers import SortConv2d, SortConv2dSame
+from .ops.backends import check_backend_name
+from ._moved import moved_names
 from .ops.geometry import check_variant
 
-__all__ = ["SortConv2dSame", "SortifyReport", "fixed_variant_args", "get_conv_layer", "sortify"]
+__all__ = ["SortifyReport", "sortify"]
 
 _logger = logging.getLogger(__name__)
 
 Patterns = Optional[Union[str, Sequence[str]]]
-
-# timm's FX feature extraction (features_only=True, feature_cls="fx") treats these as leaves: the
-# operator validates shapes in Python, which symbolic tracing cannot follow.
-register_notrace_module(SortConv2d)
-
-
-@register_notrace_module
-class SortConv2dSame(SortConv2d):
-    """``SortConv2d`` with TensorFlow-style dynamic "SAME" padding, the sorting twin of timm's ``Conv2dSame``.
-
-    The input is padded by ``timm.layers.pad_same`` for its actual size (asymmetric, more on the
-    bottom/right, for strided layers), then sorted and convolved without further padding, exactly
-    where ``Conv2dSame`` would convolve.
-
-    Args:
-        as :class:`~timm_sortconv.SortConv2d`; ``padding`` must be ``0`` or ``"same"`` (the padding is
-        computed per call).
-
-    Example:
-        >>> conv = SortConv2dSame(3, 8, 3, stride=2)
-        >>> conv(torch.randn(1, 3, 15, 15)).shape
-        torch.Size([1, 8, 8, 8])
-    """
-
-    def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
-                 groups: int = 1, bias: bool = True, padding_mode: str = "zeros", device=None, dtype=None, *,
-                 sampling: str = "polar", sorting: str = "ring", backend: str = "auto") -> None:
-        if padding not in (0, (0, 0), "same"):
-            raise ValueError(f"SortConv2dSame computes its padding per call; pass padding=0 or 'same', "
-                             f"got padding={padding!r}")
-        if padding_mode != "zeros":
-            raise ValueError(f"SortConv2dSame pads with zeros like timm's Conv2dSame; got padding_mode={padding_mode!r}")
-        super().__init__(in_channels, out_channels, kernel_size, stride, 0, dilation, groups, bias, padding_mode,
-                         device, dtype, sampling=sampling, sorting=sorting, backend=backend)
-
-    def _conv_forward(self, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        input = pad_same(input, self.kernel_size, self.stride, self.dilation)
-        return super()._conv_forward(input, weight, bias)
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, padding=same (dynamic)"
-
-
-def get_conv_layer(sampling: Optional[str] = None, sorting: Optional[str] = None) -> Callable[..., nn.Conv2d]:
-    """The convolution class a model builds its ``k > 1`` layers with.
-
-    ``nn.Conv2d`` when both ``sampling`` and ``sorting`` are ``None`` (the plain-conv baseline), else
-    ``SortConv2d`` with that variant. Giving only one of them is an error.
-
-    Example:
-        >>> get_conv_layer("square", "global")(4, 8, 3).sorting
-        'global'
-        >>> get_conv_layer() is nn.Conv2d
-        True
-    """
-    if sampling is None and sorting is None:
-        return nn.Conv2d
-    if sampling is None or sorting is None:
-        raise ValueError("give sampling and sorting together (a Sorting Convolution) or neither (plain nn.Conv2d), "
-                         f"got sampling={sampling!r}, sorting={sorting!r}")
-    check_variant(sampling, sorting)
-    return partial(SortConv2d, sampling=sampling, sorting=sorting)
-
-
-def fixed_variant_args(model_name: str, kwargs: dict, sampling: Optional[str], sorting: Optional[str]) -> dict:
-    """``kwargs`` plus the conv variant that ``model_name`` stands for (``None, None``: plain convolutions).
-
-    Entrypoints whose name fixes the variant (``scnn_p_rs_7``, the ``*_baseline`` twins) use this so that
-    a conflicting ``sampling``/``sorting`` keyword is an error instead of a model whose name lies.
-    """
-    for key, value in (("sampling", sampling), ("sorting", sorting)):
-        if key in kwargs and kwargs[key] != value:
-            raise ValueError(f"{model_name} is defined by sampling={sampling!r}, sorting={sorting!r}, got "
-                             f"{key}={kwargs[key]!r}; create the model registered for that variant instead")
-    return dict(kwargs, sampling=sampling, sorting=sorting)
-
 
 @dataclass
 class SortifyReport:
@@ -237,6 +162,7 @@ def sortify(
         (17, 3)
     """
     check_variant(sampling, sorting)
+    check_backend_name(backend)
     if isinstance(min_kernel_size, bool) or not isinstance(min_kernel_size, int) or min_kernel_size < 1:
         raise ValueError(f"min_kernel_size must be an int >= 1, got {min_kernel_size!r}")
     include_patterns = _as_patterns(include, "include")
@@ -286,3 +212,8 @@ def sortify(
     log("sortify(sampling=%s, sorting=%s): %s%s", sampling, sorting, report.summary(),
         "".join(f"; {count} x {reason}" for reason, count in reasons.items()))
     return (model, report) if return_report else model
+
+
+# Names that lived here before: they still import, with a warning naming their home.
+__getattr__ = moved_names(__name__, {"get_conv_layer": "timm_sortconv.models",
+                                     "fixed_variant_args": "timm_sortconv.models"})

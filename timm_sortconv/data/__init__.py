@@ -3,7 +3,8 @@
 Names (``--dataset`` in ``scripts/train.py`` and ``scripts/validate.py``) and their splits:
 
 - ``sortconv/mnist``: MNIST from its IDX files (:class:`MNIST`); ``train`` (50k), ``validation``
-  (the other 10k of the training set), ``trainval`` (60k), ``test`` (10k).
+  (the other 10k of the training set), ``trainval`` (60k), ``test`` (10k). The package ships a sample
+  of 6,000 + 500 images in the same layout (:func:`mnist_sample_dir`).
 - ``sortconv/mnist_rot``: MNIST-rot, a split (``test`` by default, 360k items) rotated by 0, 10, ...,
   350 degrees (:class:`RotatedDataset`; ``angles=`` for other angles).
 - ``sortconv/outex12``: Outex_TC_00012 under the paper's protocol (:class:`OutexTC12`); ``train``
@@ -26,10 +27,11 @@ from typing import Optional
 from .common import DatasetLayoutError, SubsetDataset, cap_samples
 from .config import resolve_data_config
 from .loader import ResumableSampler, create_train_loader
-from .mnist import MNIST, read_idx
+from .mnist import MNIST, mnist_sample_dir, read_idx
 from .nwpu import NWPU45
 from .outex import OUTEX_ANGLES, OUTEX_ILLUMINANTS, OutexTC12
 from .rotation import MNIST_ROT_ANGLES, RotatedDataset, parse_rotations, rotate_image
+from .synthetic import synthetic_digits
 
 __all__ = [
     "DATASETS",
@@ -47,10 +49,12 @@ __all__ = [
     "create_dataset",
     "create_train_loader",
     "is_sortconv_dataset",
+    "mnist_sample_dir",
     "parse_rotations",
     "read_idx",
     "resolve_data_config",
     "rotate_image",
+    "synthetic_digits",
 ]
 
 PREFIX = "sortconv/"

@@ -24,7 +24,7 @@ from torch.utils.data import Dataset
 
 from .common import DatasetLayoutError
 
-__all__ = ["MNIST", "read_idx", "find_mnist_folder"]
+__all__ = ["MNIST", "find_mnist_folder", "mnist_sample_dir", "read_idx"]
 
 MNIST_FILES = {
     "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
@@ -35,10 +35,16 @@ MNIST_LAYOUT = """\
   ROOT/train-images-idx3-ubyte[.gz]      (or ROOT/raw/..., or ROOT/MNIST/raw/... as torchvision writes it)
   ROOT/train-labels-idx1-ubyte[.gz]
   ROOT/t10k-images-idx3-ubyte[.gz]
-  ROOT/t10k-labels-idx1-ubyte[.gz]
-Pass download=True (--dataset-download) to fetch the files into ROOT/MNIST/raw/ when online."""
+  ROOT/t10k-labels-idx1-ubyte[.gz]"""
+_DOWNLOAD_HINT = "\nPass download=True (--dataset-download) to fetch the files into ROOT/MNIST/raw/ when online."
 
 _IDX_UBYTE = 0x08
+
+
+def mnist_sample_dir() -> Path:
+    """The MNIST sample shipped in the package: the first 6,000 training and 500 test images (CC BY-SA 3.0,
+    see the folder's README.md), enough for the demo and the examples to run with no data folder."""
+    return Path(__file__).resolve().parent / "mnist_sample"
 
 
 def read_idx(path) -> np.ndarray:
@@ -70,29 +76,41 @@ def _find_file(folder: Path, name: str) -> Optional[Path]:
     return None
 
 
-def find_mnist_folder(root) -> Path:
-    """The folder under ``root`` that holds all four MNIST files, or a :class:`DatasetLayoutError`."""
+def find_mnist_folder(root, download_hint: bool = True) -> Path:
+    """The folder under ``root`` that holds all four MNIST files, or a :class:`DatasetLayoutError`
+    (which suggests ``--dataset-download`` if ``download_hint``)."""
     root = Path(root)
+    hint = _DOWNLOAD_HINT if download_hint else ""
     if not root.is_dir():
-        raise DatasetLayoutError(root, "MNIST folder does not exist", MNIST_LAYOUT)
+        raise DatasetLayoutError(root, "MNIST folder does not exist", MNIST_LAYOUT + hint)
     names = [n for pair in MNIST_FILES.values() for n in pair]
     for folder in (root, root / "raw", root / "MNIST" / "raw"):
         if all(_find_file(folder, n) for n in names):
             return folder
     missing = [n for n in names if not any(_find_file(f, n) for f in (root, root / "raw", root / "MNIST" / "raw"))]
     raise DatasetLayoutError(
-        root, f"MNIST files not found (missing: {', '.join(missing) or 'a complete set in one folder'})", MNIST_LAYOUT)
+        root, f"MNIST files not found (missing: {', '.join(missing) or 'a complete set in one folder'})",
+        MNIST_LAYOUT + hint)
 
 
 def _download(root: Path) -> None:
+    """Fetches the four files into ``root/MNIST/raw/``; on failure nothing is left behind, not even folders."""
+    import shutil
+    import tempfile
+
     from torchvision.datasets import MNIST as TorchvisionMNIST
 
-    try:
-        TorchvisionMNIST(str(root), train=True, download=True)
-        TorchvisionMNIST(str(root), train=False, download=True)
-    except Exception as e:  # any network or mirror failure: say where the files should go instead
-        raise DatasetLayoutError(root, f"MNIST download failed ({type(e).__name__}: {e}); place the files by hand",
-                                 MNIST_LAYOUT) from e
+    with tempfile.TemporaryDirectory(prefix="timm_sortconv_mnist_") as staging:
+        try:
+            TorchvisionMNIST(staging, train=True, download=True)
+            TorchvisionMNIST(staging, train=False, download=True)
+        except Exception as e:  # any network or mirror failure: say where the files should go instead
+            raise DatasetLayoutError(root, f"MNIST download failed ({type(e).__name__}: {e}); place the files "
+                                           "by hand", MNIST_LAYOUT) from None
+        target = root / "MNIST" / "raw"
+        target.mkdir(parents=True, exist_ok=True)
+        for name in (n for pair in MNIST_FILES.values() for n in pair):
+            shutil.move(str(Path(staging) / "MNIST" / "raw" / name), str(target / name))
 
 
 def _load_pair(folder: Path, part: str) -> Tuple[np.ndarray, np.ndarray]:
@@ -111,12 +129,14 @@ class MNIST(Dataset):
 
     Splits follow the paper's protocol: ``"train"`` is 50,000 of the 60,000 training images,
     ``"validation"`` the other 10,000 (chosen by a seeded permutation, so every run and every model
-    sees the same split), ``"trainval"`` all 60,000 and ``"test"`` the 10,000 test images.
+    sees the same split), ``"trainval"`` all 60,000 and ``"test"`` the 10,000 test images. A smaller
+    set of files (such as the sample in :func:`mnist_sample_dir`) is split in the same proportion.
 
     Args:
         root: folder with the IDX files (see the module docstring for the accepted layouts).
         split: ``"train"``, ``"validation"``, ``"trainval"`` or ``"test"``.
-        validation_size: images held out of the training set for ``"validation"``.
+        validation_size: images held out of the training set for ``"validation"`` (default: one in six,
+            the paper's 10,000 of 60,000).
         split_seed: seed of the train/validation permutation.
         download: fetch the files into ``root/MNIST/raw/`` when they are missing (needs a network).
         transform: applied to each ``PIL`` image (timm's loaders set it).
@@ -129,7 +149,7 @@ class MNIST(Dataset):
 
     classes = tuple(str(d) for d in range(10))
 
-    def __init__(self, root, split: str = "train", *, validation_size: int = 10000, split_seed: int = 0,
+    def __init__(self, root, split: str = "train", *, validation_size: Optional[int] = None, split_seed: int = 0,
                  download: bool = False, transform=None):
         if split not in MNIST_SPLITS:
             raise ValueError(f"MNIST split {split!r} is not accepted; accepted: {', '.join(MNIST_SPLITS)}")
@@ -140,9 +160,11 @@ class MNIST(Dataset):
             if not download:
                 raise
             _download(root)
-            folder = find_mnist_folder(root)
+            folder = find_mnist_folder(root, download_hint=False)
         images, labels = _load_pair(folder, "test" if split == "test" else "train")
         if split in ("train", "validation"):
+            if validation_size is None:
+                validation_size = len(images) // 6
             if not 0 < validation_size < len(images):
                 raise ValueError(f"validation_size must be between 1 and {len(images) - 1}, got {validation_size}")
             order = torch.randperm(len(images), generator=torch.Generator().manual_seed(split_seed)).numpy()

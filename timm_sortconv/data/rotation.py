@@ -4,57 +4,31 @@ MNIST-rot (Mo & Zhao, section III) is the MNIST test set with every image rotate
 degrees: 36 subsets of 10,000 images, 360,000 in all. :class:`RotatedDataset` builds it (or the same
 protocol for any image data set and any list of angles) without storing anything: item ``i`` is
 image ``i % N`` of the base data set rotated by angle ``i // N``, so each angle's subset is one
-contiguous block of indices. Rotation is :func:`timm_sortconv.invariance.rotate` (bilinear about the
+contiguous block of indices. Rotation is :func:`timm_sortconv.rotation.rotate` (bilinear about the
 image centre, zero fill, the same operation the invariance sweeps use), applied to the image's 8-bit
 values and rounded back to 8 bits, so an item is an ordinary image that any timm transform accepts.
 Angle 0 returns the base image unchanged.
 """
 from __future__ import annotations
 
-from typing import Iterable, List, Sequence, Union
+from typing import Iterable
 
 import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from ..rotation import parse_rotations, rotate
+
 __all__ = ["RotatedDataset", "MNIST_ROT_ANGLES", "parse_rotations", "rotate_image"]
 
 MNIST_ROT_ANGLES = tuple(range(0, 360, 10))
-
-
-def parse_rotations(spec: Union[str, Sequence[float]]) -> List[float]:
-    """Angles in degrees from ``"START:STOP:STEP"`` (stop excluded, like ``range``), ``"a,b,c"`` or a list.
-
-    >>> parse_rotations("0:360:90")
-    [0.0, 90.0, 180.0, 270.0]
-    >>> parse_rotations("0,45")
-    [0.0, 45.0]
-    """
-    if not isinstance(spec, str):
-        return [float(a) for a in spec]
-    accepted = "accepted: 'START:STOP:STEP' (e.g. '0:360:10') or a comma-separated list (e.g. '0,45,90')"
-    try:
-        if ":" in spec:
-            parts = [float(p) for p in spec.split(":")]
-            if len(parts) != 3 or parts[2] <= 0 or parts[1] <= parts[0]:
-                raise ValueError
-            start, stop, step = parts
-            return [float(a) for a in np.arange(start, stop - step * 1e-9, step)]
-        angles = [float(p) for p in spec.split(",") if p.strip()]
-    except ValueError:
-        raise ValueError(f"cannot read rotations {spec!r}; {accepted}") from None
-    if not angles:
-        raise ValueError(f"no rotation angles in {spec!r}; {accepted}")
-    return angles
 
 
 def rotate_image(image: Image.Image, angle: float) -> Image.Image:
     """``image`` rotated by ``angle`` degrees about its centre (bilinear, zero fill), same mode and size."""
     if angle % 360 == 0:
         return image
-    from ..invariance import rotate  # imported here: the data package must not import the model zoo
-
     array = np.asarray(image)
     pixels = torch.from_numpy(np.array(array, dtype=np.float32))
     pixels = pixels.unsqueeze(0) if pixels.ndim == 2 else pixels.permute(2, 0, 1)

@@ -5,7 +5,7 @@
   and their plain-convolution twins ``ri_vgg16_baseline``, ``ri_resnet18_baseline``,
   ``ri_densenet40_baseline``, for 128x128 inputs.
 """
-from ._common import ConvNormAct
+from ._conv import ConvNormAct, fixed_variant_args, get_conv_layer
 from .ri_densenet import *
 from .ri_resnet import *
 from .ri_vgg import *

@@ -1,67 +1,39 @@
-"""Pieces the model files share: the conv-BN-ReLU block, the feature-tap API of a network built on one
-``features`` sequence, and the default-cfg fields.
+"""Pieces the model files share: the feature-tap API of a network built on one ``features`` sequence, and
+the default-cfg fields (the convolutions themselves: :mod:`._conv`).
 
-* :class:`ConvNormAct`: the block of ``SCNN`` and ``SortVGG``;
 * :class:`SequentialFeaturesMixin`: ``forward_intermediates`` and ``prune_intermediate_layers`` for
   ``SCNN``, ``SortVGG`` and ``SortDenseNet``, whose taps are outputs of ``self.features`` children;
 * :class:`SequentialClassifierMixin`: the rest of timm's model API (head, classifier, checkpointing,
   forward) for ``SCNN`` and ``SortVGG``, a ``features`` sequence followed by a ``ClassifierHead``;
 * :func:`ri_cfg`: the ``.nwpu`` and ``.outex`` default cfgs of the 128x128 models.
 """
-from collections import OrderedDict
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import ClassifierHead, get_device_dtype
+from timm.layers import get_device_dtype
 from timm.models import checkpoint_seq
 from timm.models._features import feature_take_indices
 
-__all__ = ['ConvNormAct', 'SequentialFeaturesMixin', 'SequentialClassifierMixin', 'PAPER_CFG', 'ri_cfg']
-
-
-class ConvNormAct(nn.Sequential):
-    """Convolution (``conv_layer``, padding ``k // 2``, no bias), BatchNorm, ReLU; optionally a fixed
-    filter ``pre`` (e.g. a blur, without parameters) before the convolution.
-
-    One block is one unit of gradient checkpointing, so the in-place ReLU only overwrites a tensor
-    that lives inside the block.
-    """
-
-    def __init__(
-            self,
-            in_chs: int,
-            out_chs: int,
-            kernel_size: int,
-            conv_layer: Callable[..., nn.Module] = nn.Conv2d,
-            bn_momentum: float = 0.1,
-            bn_eps: float = 1e-5,
-            pre: Optional[nn.Module] = None,
-            device=None,
-            dtype=None,
-    ) -> None:
-        dd = {'device': device, 'dtype': dtype}
-        super().__init__(OrderedDict(([('pre', pre)] if pre is not None else []) + [
-            ('conv', conv_layer(in_chs, out_chs, kernel_size, padding=kernel_size // 2, bias=False, **dd)),
-            ('bn', nn.BatchNorm2d(out_chs, eps=bn_eps, momentum=bn_momentum, **dd)),
-            ('act', nn.ReLU(inplace=True)),
-        ]))
+__all__ = ['SequentialFeaturesMixin', 'SequentialClassifierMixin', 'PAPER_CFG', 'ri_cfg']
 
 
 class SequentialFeaturesMixin:
     """timm's intermediate-feature API for a network whose feature taps are outputs of ``self.features``.
 
-    The model sets ``self.features`` (an ``nn.Sequential``), ``self.feature_info`` (one dict per tap,
-    ``num_chs`` among its keys), ``self.feature_ends`` (for each tap, the index into ``self.features`` of
-    the child whose output it is, increasing) and ``self.num_features``, and has
-    ``reset_classifier(num_classes, global_pool)`` sizing the classifier for ``self.num_features``.
+    Contract: the model's ``__init__`` sets
+
+    * ``self.features``: an ``nn.Sequential``, the whole trunk;
+    * ``self.feature_info``: one dict per tap (timm's format, ``num_chs`` among its keys);
+    * ``self.feature_ends``: for each tap, the index into ``self.features`` of the child whose output it
+      is, increasing;
+    * ``self.num_features``: the channels of the trunk's output;
+
+    and the model defines ``reset_classifier(num_classes, global_pool)``, which sizes the classifier for
+    ``self.num_features``.
     """
-    features: nn.Sequential
-    feature_info: List[Dict[str, Any]]
-    feature_ends: List[int]
-    num_features: int
 
     def forward_intermediates(
             self,
@@ -117,14 +89,14 @@ class SequentialFeaturesMixin:
 
 
 class SequentialClassifierMixin(SequentialFeaturesMixin):
-    """timm's model API for a ``self.features`` sequence followed by ``self.head``, a ``ClassifierHead``.
+    """timm's whole model API for a ``self.features`` sequence followed by ``self.head``, a ``ClassifierHead``.
 
-    The model also sets ``self.num_classes``, ``self.head_hidden_size`` and ``self.grad_checkpointing``;
-    the stem is ``features.0`` and every later child of ``features`` is one block.
+    Contract: besides :class:`SequentialFeaturesMixin`'s attributes the model's ``__init__`` sets
+    ``self.head`` (a ``timm.layers.ClassifierHead``), ``self.num_classes``, ``self.head_hidden_size`` and
+    ``self.grad_checkpointing``; the stem is ``features.0`` and every later child of ``features`` is one
+    block. This mixin then supplies ``group_matcher``, ``set_grad_checkpointing``, ``get_classifier``,
+    ``reset_classifier``, ``forward_features``, ``forward_head`` and ``forward``.
     """
-    head: ClassifierHead
-    num_classes: int
-    grad_checkpointing: bool
 
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
@@ -135,8 +107,8 @@ class SequentialClassifierMixin(SequentialFeaturesMixin):
         self.grad_checkpointing = enable
 
     @torch.jit.ignore
-    def get_classifier(self) -> nn.Module:
-        return self.head.fc
+    def get_classifier(self, name_only: bool = False) -> Union[str, nn.Module]:
+        return 'head.fc' if name_only else self.head.fc
 
     def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
         self.num_classes = num_classes

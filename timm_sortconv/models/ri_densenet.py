@@ -15,7 +15,7 @@ Papers:
 """
 from collections import OrderedDict
 from functools import partial
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -25,8 +25,8 @@ from timm.layers import BatchNormAct2d, create_classifier, get_device_dtype
 from timm.models import build_model_with_cfg, checkpoint, generate_default_cfgs, register_model
 from timm.models._manipulate import MATCH_PREV_GROUP
 
-from ..sortify import fixed_variant_args, get_conv_layer
 from ._common import SequentialFeaturesMixin, ri_cfg
+from ._conv import fixed_variant_args, get_conv_layer
 
 __all__ = ['SortDenseNet']
 
@@ -51,14 +51,18 @@ class DenseLayer(nn.Module):
         self.drop_rate = float(drop_rate)
         self.grad_checkpointing = False
 
-    def _new_features(self, *features: torch.Tensor) -> torch.Tensor:
+    def _new_features(self, features: List[torch.Tensor]) -> torch.Tensor:
         return self.conv(self.norm(torch.cat(features, 1)))
+
+    @torch.jit.unused
+    def _checkpointed(self, features: List[torch.Tensor]) -> torch.Tensor:
+        return checkpoint(lambda *inputs: self._new_features(list(inputs)), *features)
 
     def forward(self, features: List[torch.Tensor]) -> torch.Tensor:
         if self.grad_checkpointing and not torch.jit.is_scripting() and any(f.requires_grad for f in features):
-            x = checkpoint(self._new_features, *features)
+            x = self._checkpointed(features)
         else:
-            x = self._new_features(*features)
+            x = self._new_features(features)
         if self.drop_rate > 0:
             x = F.dropout(x, p=self.drop_rate, training=self.training)
         return x
@@ -124,6 +128,7 @@ class SortDenseNet(SequentialFeaturesMixin, nn.Module):
         block_config: dense layers per block.
         sampling: ``'polar'`` or ``'square'``, or ``None`` with ``sorting=None`` for ``nn.Conv2d``.
         sorting: ``'ring'`` or ``'global'``, or ``None``.
+        backend: the ``SortConv2d`` backend (``'auto'``, ``'reference'`` or a fast backend's name).
         num_classes: classifier outputs (0: no classifier).
         in_chans: input channels.
         stem_width: channels of the stem convolution (``2 * growth_rate`` in DenseNet-40).
@@ -141,6 +146,7 @@ class SortDenseNet(SequentialFeaturesMixin, nn.Module):
             block_config: Sequence[int] = (12, 12, 12),
             sampling: Optional[str] = 'polar',
             sorting: Optional[str] = 'ring',
+            backend: str = 'auto',
             num_classes: int = 45,
             in_chans: int = 3,
             stem_width: int = 24,
@@ -154,12 +160,10 @@ class SortDenseNet(SequentialFeaturesMixin, nn.Module):
     ) -> None:
         super().__init__()
         dd = {'device': device, 'dtype': dtype}
-        conv_layer = get_conv_layer(sampling, sorting)
+        conv_layer = get_conv_layer(sampling, sorting, backend)
         norm_layer = partial(BatchNormAct2d, eps=bn_eps, momentum=bn_momentum)
         self.num_classes = num_classes
         self.in_chans = in_chans
-        self.sampling = sampling
-        self.sorting = sorting
         self.drop_rate = drop_rate
 
         self.features = nn.Sequential(OrderedDict([
@@ -218,8 +222,8 @@ class SortDenseNet(SequentialFeaturesMixin, nn.Module):
                 m.grad_checkpointing = enable
 
     @torch.jit.ignore
-    def get_classifier(self) -> nn.Module:
-        return self.classifier
+    def get_classifier(self, name_only: bool = False) -> Union[str, nn.Module]:
+        return 'classifier' if name_only else self.classifier
 
     def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
         dd = get_device_dtype(self)

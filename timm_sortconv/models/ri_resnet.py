@@ -27,7 +27,7 @@ from timm.layers import DropBlock2d, DropPath, create_classifier, get_device_dty
 from timm.models import build_model_with_cfg, checkpoint_seq, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 
-from ..sortify import fixed_variant_args, get_conv_layer
+from ._conv import fixed_variant_args, get_conv_layer
 from ._common import ri_cfg
 
 __all__ = ['SortResNet', 'BasicBlock']
@@ -98,6 +98,7 @@ class SortResNet(nn.Module):
         channels: widths of the stages.
         sampling: ``'polar'`` or ``'square'``, or ``None`` with ``sorting=None`` for ``nn.Conv2d``.
         sorting: ``'ring'`` or ``'global'``, or ``None``.
+        backend: the ``SortConv2d`` backend (``'auto'``, ``'reference'`` or a fast backend's name).
         num_classes: classifier outputs (0: no classifier).
         in_chans: input channels.
         stem_width: channels of the stem convolution.
@@ -115,6 +116,7 @@ class SortResNet(nn.Module):
             channels: Sequence[int] = (64, 128, 256, 512),
             sampling: Optional[str] = 'polar',
             sorting: Optional[str] = 'ring',
+            backend: str = 'auto',
             num_classes: int = 45,
             in_chans: int = 3,
             stem_width: int = 64,
@@ -130,14 +132,13 @@ class SortResNet(nn.Module):
     ) -> None:
         super().__init__()
         dd = {'device': device, 'dtype': dtype}
-        if len(layers) != len(channels):
-            raise ValueError(f"one block count per stage: got layers={tuple(layers)}, channels={tuple(channels)}")
-        conv_layer = get_conv_layer(sampling, sorting)
+        if len(layers) != 4 or len(channels) != 4:
+            raise ValueError(f"ResNet has four stages: give four block counts and four widths, got "
+                             f"layers={tuple(layers)}, channels={tuple(channels)}")
+        conv_layer = get_conv_layer(sampling, sorting, backend)
         norm_layer = partial(nn.BatchNorm2d, eps=bn_eps, momentum=bn_momentum)
         self.num_classes = num_classes
         self.in_chans = in_chans
-        self.sampling = sampling
-        self.sorting = sorting
         self.drop_rate = drop_rate
         self.grad_checkpointing = False
 
@@ -218,8 +219,9 @@ class SortResNet(nn.Module):
         self.global_pool.train(self.training)
         self.fc.train(self.training)
 
+    @torch.jit.unused
     def _stages(self) -> List[nn.Module]:
-        return [getattr(self, name) for name in self.stage_names]
+        return [self.layer1, self.layer2, self.layer3, self.layer4]
 
     def forward_intermediates(
             self,
@@ -289,8 +291,10 @@ class SortResNet(nn.Module):
         if self.grad_checkpointing and not torch.jit.is_scripting():
             x = checkpoint_seq(self._stages(), x, flatten=True)
         else:
-            for stage in self._stages():
-                x = stage(x)
+            x = self.layer1(x)
+            x = self.layer2(x)
+            x = self.layer3(x)
+            x = self.layer4(x)
         return x
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:

@@ -23,8 +23,8 @@ import torch.nn as nn
 from timm.layers import ClassifierHead
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 
-from ..sortify import fixed_variant_args, get_conv_layer
-from ._common import ConvNormAct, SequentialClassifierMixin, ri_cfg
+from ._common import SequentialClassifierMixin, ri_cfg
+from ._conv import ConvNormAct, fixed_variant_args, get_conv_layer
 
 __all__ = ['SortVGG']
 
@@ -41,6 +41,7 @@ class SortVGG(SequentialClassifierMixin, nn.Module):
         cfg: layer widths and ``'M'`` (2x2 max pooling), as timm's ``vgg.cfgs``.
         sampling: ``'polar'`` or ``'square'``, or ``None`` with ``sorting=None`` for ``nn.Conv2d``.
         sorting: ``'ring'`` or ``'global'``, or ``None``.
+        backend: the ``SortConv2d`` backend (``'auto'``, ``'reference'`` or a fast backend's name).
         num_classes: classifier outputs (0: no classifier).
         in_chans: input channels.
         global_pool: timm pooling type (``'avg'``, ``'max'``, ``'avgmax'``, ``'catavgmax'``).
@@ -55,6 +56,7 @@ class SortVGG(SequentialClassifierMixin, nn.Module):
             cfg: Sequence[Union[str, int]],
             sampling: Optional[str] = 'polar',
             sorting: Optional[str] = 'ring',
+            backend: str = 'auto',
             num_classes: int = 45,
             in_chans: int = 3,
             global_pool: str = 'avg',
@@ -66,11 +68,9 @@ class SortVGG(SequentialClassifierMixin, nn.Module):
     ) -> None:
         super().__init__()
         dd = {'device': device, 'dtype': dtype}
-        conv_layer = get_conv_layer(sampling, sorting)
+        conv_layer = get_conv_layer(sampling, sorting, backend)
         self.num_classes = num_classes
         self.in_chans = in_chans
-        self.sampling = sampling
-        self.sorting = sorting
         self.drop_rate = drop_rate
         self.grad_checkpointing = False
         self.feature_info = []

@@ -24,10 +24,11 @@ from timm.models import build_model_with_cfg, generate_default_cfgs, register_mo
 
 from ..hub import HUB_ORG, bundled_weights_dir
 from ..lowpass import GaussianBlur2d, create_downsample
-from ..sortify import fixed_variant_args, get_conv_layer
-from ._common import PAPER_CFG, ConvNormAct, SequentialClassifierMixin
+from ._common import PAPER_CFG, SequentialClassifierMixin
+from ._conv import ConvNormAct, fixed_variant_args, get_conv_layer
 
 __all__ = ['SCNN']
+
 
 
 class SCNN(SequentialClassifierMixin, nn.Module):
@@ -35,9 +36,9 @@ class SCNN(SequentialClassifierMixin, nn.Module):
 
     Args:
         kernel_size: kernel of the first four convolutions (odd).
-        sampling: ``'polar'``, ``'polar-offset'`` or ``'square'``, or ``None`` with ``sorting=None`` for
-            ``nn.Conv2d``.
+        sampling: ``'polar'``, ``'polar-offset'`` or ``'square'``, or ``None`` with ``sorting=None`` for ``nn.Conv2d``.
         sorting: ``'ring'`` or ``'global'``, or ``None``.
+        backend: the ``SortConv2d`` backend (``'auto'``, ``'reference'`` or a fast backend's name).
         num_classes: classifier outputs (0: no classifier).
         in_chans: input channels.
         channels: widths of the six convolutions.
@@ -45,14 +46,9 @@ class SCNN(SequentialClassifierMixin, nn.Module):
         downsample: the two 2x downsamplings: ``'max'`` (the paper's 2x2 max pooling), ``'avg'`` (2x2
             average pooling), ``'blur-max'`` or ``'blur-avg'`` (2x2 max pooling at stride 1 or nothing, then
             a binomial low-pass at stride 2: :class:`~timm_sortconv.lowpass.BlurPool2d`). All keep the
-            exact quarter-turn invariance and add no parameters; RESULTS.md measures them.
-        ring_density: polar samples per kernel position in every SC layer (``SortConv2d(ring_density=)``):
-            ``m > 1`` reads ring ``r`` at ``8rm`` points and averages runs of ``m`` sorted values; same
-            parameters, about ``m`` times the sorting work. Or one per ring of the ``K x K`` layers
-            (ring sorting), e.g. ``(3, 2, 1)``; the ``3 x 3`` layers take the first. 1 (the paper's) for
-            plain convolutions.
-        padding_mode: how the six convolutions pad their input (``nn.Conv2d``'s ``'zeros'``, the paper's,
-            or ``'replicate'``, ``'reflect'``, ``'circular'``). With ``'zeros'`` every map has a frame of
+            exact quarter-turn invariance and add no parameters.
+        padding_mode: how the six convolutions pad their input (``'zeros'``, the paper's, or
+            ``'replicate'``, ``'reflect'``, ``'circular'``). With ``'zeros'`` every map has a frame of
             zeros around it, which the layers see as content (the background of a normalised MNIST image is
             not 0) and which, unlike the digit, does not turn with the input.
         blur_sigma: standard deviation (pixels) of a fixed Gaussian blur before each of the six
@@ -70,12 +66,12 @@ class SCNN(SequentialClassifierMixin, nn.Module):
             kernel_size: int = 7,
             sampling: Optional[str] = 'polar',
             sorting: Optional[str] = 'ring',
+            backend: str = 'auto',
             num_classes: int = 10,
             in_chans: int = 1,
             channels: Sequence[int] = (32, 32, 64, 64, 128, 128),
             global_pool: str = 'avg',
             downsample: str = 'max',
-            ring_density: Union[int, Sequence[int]] = 1,
             padding_mode: str = 'zeros',
             blur_sigma: Union[float, Sequence[float]] = 0.,
             drop_rate: float = 0.,
@@ -93,18 +89,11 @@ class SCNN(SequentialClassifierMixin, nn.Module):
             raise ValueError(f"blur_sigma must be a number >= 0 or six of them (one per convolution), "
                              f"got {blur_sigma!r}")
         create_downsample(downsample)  # checks the name before anything is built
-        conv_layer = get_conv_layer(sampling, sorting)
+        conv_layer = get_conv_layer(sampling, sorting, backend)
         if padding_mode != 'zeros':
             conv_layer = partial(conv_layer, padding_mode=padding_mode)
-        if ring_density != 1:
-            if sampling is None:
-                raise ValueError(f"ring_density={ring_density!r} needs Sorting Convolutions; plain convolutions "
-                                 "(sampling=None) have no rings")
-            conv_layer = partial(_dense_conv, conv_layer, ring_density)
         self.num_classes = num_classes
         self.in_chans = in_chans
-        self.sampling = sampling
-        self.sorting = sorting
         self.drop_rate = drop_rate
         self.grad_checkpointing = False
         self.feature_info = []
@@ -130,13 +119,6 @@ class SCNN(SequentialClassifierMixin, nn.Module):
         self.num_features = self.head_hidden_size = prev_chs
         self.head = ClassifierHead(prev_chs, num_classes, pool_type=global_pool, drop_rate=drop_rate, **dd)
 
-
-
-def _dense_conv(conv_layer, ring_density, in_chs: int, out_chs: int, kernel_size: int, **kwargs) -> nn.Module:
-    """``conv_layer`` with ``ring_density``; a per-ring density gives a smaller kernel its first rings'."""
-    if not isinstance(ring_density, int):
-        ring_density = tuple(ring_density)[:kernel_size // 2]
-    return conv_layer(in_chs, out_chs, kernel_size, ring_density=ring_density, **kwargs)
 
 
 def _create_scnn(variant: str, kernel_size: int, sampling: Optional[str], sorting: Optional[str],

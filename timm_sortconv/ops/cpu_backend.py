@@ -1,13 +1,15 @@
-"""The fused CPU backend: a C++ extension (``timm_sortconv/csrc/sort_conv_cpu.cpp``) built on first use.
+"""The fused CPU backend: a C++ extension (``timm_sortconv/csrc``: the kernel in ``sort_conv_kernel.h``, one
+translation unit per dtype, Python bindings in ``sort_conv_cpu.cpp``) built on first use.
 
-For a block of 32 output positions (16 in float64) and one input channel at a time, the kernel
+For a block of output positions (two vectors: 32 float32 positions with AVX-512, 16 with AVX2, 8 on
+SSE2 or NEON; half as many in float64) and one input channel at a time, the kernel
 gathers the samples of every window (bilinear taps for polar sampling), sorts each ring or the whole
 window with the Batcher network of :meth:`SortGeometry.comparators` as vectorised compare-exchanges
 across the block, and multiplies the sorted panel straight into the block's outputs with a
 register-tiled micro-GEMM. Nothing of size ``k*k`` times the input is ever written to memory. In the
-float32 forward pass with unit stride (square sampling, and polar sampling with k = 5 or 7, whose tap
-positions are compiled in from ``csrc/polar_taps.h``) gathering and sorting are one pass straight from
-the input into registers.
+float32 forward pass with unit stride on AVX-512 and AVX2 (square sampling, and polar sampling with
+k = 5 or 7, whose tap positions are compiled in from ``csrc/polar_taps.h``) gathering and sorting are one
+pass straight from the input into registers, with masked loads.
 
 Zero padding is added inside the kernel, while it copies each image it works on into a per-thread
 buffer (other padding modes, and calls with fewer images than threads, are padded by ``F.pad``
@@ -17,17 +19,27 @@ sorted panel, and routes the panel's gradient back to the samples by replaying t
 then to the input through the same taps.
 
 The extension is compiled with ``torch.utils.cpp_extension.load`` the first time ``backend="auto"``
-(or ``"cpu"``) needs it (``-O3 -march=native``, OpenMP through ``at::parallel_for``) into PyTorch's
-extension cache (``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``), so later
-processes load it at once. The build's name carries a hash of the source, the flags, the torch and
-Python versions and the CPU's model and feature flags: a cache is never reused on another CPU or
-after an edit. If the build fails (no compiler, no ninja), one warning is issued and
-``backend="auto"`` uses the reference path. ``TIMM_SORTCONV_DISABLE_FAST=1`` switches the backend off.
+(or ``"cpu"``) needs it (``-O3``, OpenMP through ``at::parallel_for``), once per instruction-set level
+(:data:`ISA_LEVELS`): ``avx512`` (``-march=x86-64-v4``), ``avx2`` (``-march=x86-64-v3``: AVX2 and FMA) and
+``generic`` (the compiler's default for the machine: SSE2 on x86-64, NEON on aarch64). As PyTorch's own CPU
+kernels do, the level follows ``torch.backends.cpu.get_cpu_capability()`` (so ``ATEN_CPU_CAPABILITY=avx2``
+limits it too), never above what the CPU can run; ``TIMM_SORTCONV_CPU_ISA`` names another level, and a level
+the CPU cannot run is refused with an error, never executed. No build is specific to one CPU model
+(``-march=native`` is not used), so a cache entry serves every CPU of its level.
+
+Builds are cached in PyTorch's extension cache (``TORCH_EXTENSIONS_DIR``, by default
+``~/.cache/torch_extensions``) under a name that hashes the sources, the flags, the level and the torch and
+Python versions, and every process on the machine reuses them. The build compiles a copy of the sources
+kept in its cache entry, so two checkouts of the package with identical sources share one entry and
+checkouts with different sources get different entries: none rebuilds another's. If the build fails (no
+compiler, no ninja), a warning says why, a lower level is tried, and where none builds ``backend="auto"``
+uses the reference path. ``TIMM_SORTCONV_DISABLE_FAST=1`` switches the backend off
+(:func:`timm_sortconv.ops.backends.fast_disabled`).
 
 Supported (``supports_cpu``): CPU tensors of float32 or float64 (input, weight and bias of one
-dtype), odd ``k <= 15``, any stride, dilation and groups, outside ``torch.autocast`` (whose
-lower-precision matmuls the reference path follows). The backward is ``once_differentiable``:
-double backward raises.
+dtype), odd ``k <= 15``, any stride, dilation and groups. Under ``torch.autocast`` on the CPU the
+operator computes SC in float32 (see :mod:`.operator`), so this kernel runs there too. A gradient whose
+own graph is being built (double backward) is computed by the operator through the reference path.
 """
 from __future__ import annotations
 
@@ -38,63 +50,132 @@ import os
 import platform
 import shutil
 import sys
+import tempfile
 import threading
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from .backends import Backend, register_backend, run_recomputing
+from .backends import DISABLE_ENV, NO_PADDING, Backend, fast_disabled, register_backend
 from .geometry import SortGeometry
 
-__all__ = ["DISABLE_ENV", "MAX_KERNEL_SIZE", "POLAR_TAP_SIZES", "build_extension", "load_extension", "polar_tap_header",
-           "sort_conv2d_cpu", "supports_cpu"]
+__all__ = ["ISA_ENV", "ISA_LEVELS", "MAX_KERNEL_SIZE", "POLAR_TAP_SIZES", "SOURCE_DIR", "CpuKernel",
+           "IsaLevel", "cpu_isa", "extension_name", "load_extension", "load_kernel", "polar_tap_header",
+           "runnable_isa_levels", "sort_conv2d_cpu", "supports_cpu"]
 
-DISABLE_ENV = "TIMM_SORTCONV_DISABLE_FAST"
+ISA_ENV = "TIMM_SORTCONV_CPU_ISA"
 MAX_KERNEL_SIZE = 15
 SUPPORTED_DTYPES = (torch.float32, torch.float64)
 
-_SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "sort_conv_cpu.cpp"
-_POLAR_HEADER = _SOURCE.parent / "polar_taps.h"
+SOURCE_DIR = Path(__file__).resolve().parent.parent / "csrc"
+_SOURCE_NAME = "sort_conv_cpu.cpp"
 # Kernel sizes whose polar tap positions are compiled into the extension (polar_taps.h).
 POLAR_TAP_SIZES = (5, 7)
-_CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fno-math-errno",
-           "-fno-trapping-math", "-DNDEBUG"]
-_LDFLAGS = ["-fopenmp"]
-
-_lock = threading.Lock()
-_extension = None
-_build_failed = False
+_CFLAGS = ("-O3", "-ffp-contract=fast", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-DNDEBUG")
+_LDFLAGS = ("-fopenmp",)  # cpp_extension.load appends to the lists it is given: it gets copies
 
 
-def _disabled() -> bool:
-    return os.environ.get(DISABLE_ENV, "").strip().lower() not in ("", "0", "false", "no")
+@dataclass(frozen=True)
+class IsaLevel:
+    """An instruction-set level the kernel is compiled for: its compiler flags, the machines it is for, and
+    the CPU features (``torch.cpu.get_capabilities()`` names) it needs to run."""
+
+    name: str
+    flags: Tuple[str, ...]
+    machines: Tuple[str, ...]  # platform.machine() values; empty: every machine
+    features: Tuple[str, ...]
 
 
-def _cpu_signature() -> str:
-    """The CPU's model name and feature flags: ``-march=native`` code is only valid on such a CPU."""
-    fields = {}
+_X86 = ("x86_64", "AMD64", "amd64")
+# -march=x86-64-v3: AVX, AVX2, FMA, BMI1/2, F16C, LZCNT, MOVBE (and XSAVE, which every AVX CPU has);
+# -march=x86-64-v4 adds AVX-512 F, BW, CD, DQ and VL. Both leave the tuning generic.
+_V3_FEATURES = ("avx", "avx2", "fma3", "bmi", "bmi2", "f16c", "lzcnt", "movbe")
+_V4_FEATURES = _V3_FEATURES + ("avx512_f", "avx512_bw", "avx512_cd", "avx512_dq", "avx512_vl")
+# Highest first: the order in which load_extension falls back when a build fails.
+ISA_LEVELS: Dict[str, IsaLevel] = {
+    "avx512": IsaLevel("avx512", ("-march=x86-64-v4",), _X86, _V4_FEATURES),
+    "avx2": IsaLevel("avx2", ("-march=x86-64-v3",), _X86, _V3_FEATURES),
+    "generic": IsaLevel("generic", (), (), ()),
+}
+# torch.backends.cpu.get_cpu_capability() -> the level that matches it (others: generic).
+_TORCH_CAPABILITY = {"AVX512": "avx512", "AVX2": "avx2"}
+
+_lock = threading.RLock()
+_kernels: Dict[str, "CpuKernel"] = {}  # by extension name
+_package_kernel: Dict[str, Optional["CpuKernel"]] = {}  # by requested level; None: nothing could be built
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_features() -> frozenset:
+    """The CPU's features under ``torch.cpu.get_capabilities()``'s names (cpuinfo, which also checks that
+    the OS saves the registers), or ``/proc/cpuinfo``'s flags with older torch. MOVBE, which cpuinfo does not
+    report, is read from ``/proc/cpuinfo``; without that file it is taken to come with AVX2, as it does on
+    Intel's AVX2 CPUs (since Haswell) and AMD's (since Excavator)."""
+    features = set()
+    capabilities = getattr(torch.cpu, "get_capabilities", None)
+    if capabilities is not None:
+        features |= {name for name, value in capabilities().items() if value is True}
+    flags = set()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 key, _, value = line.partition(":")
-                key = key.strip()
-                if key in ("model name", "flags", "Features", "CPU implementer", "CPU part") and key not in fields:
-                    fields[key] = value.strip()
+                if key.strip() == "flags":
+                    flags = set(value.split())
+                    break
     except OSError:
         pass
-    return f"{platform.machine()}|{platform.processor()}|{sorted(fields.items())}"
+    # /proc/cpuinfo's names for the features cpuinfo calls otherwise.
+    renamed = {"fma": "fma3", "bmi1": "bmi", "abm": "lzcnt", "avx512f": "avx512_f", "avx512bw": "avx512_bw",
+               "avx512cd": "avx512_cd", "avx512dq": "avx512_dq", "avx512vl": "avx512_vl"}
+    if capabilities is None:
+        features |= {renamed.get(flag, flag) for flag in flags}
+    elif "movbe" in flags or (not flags and "avx2" in features):
+        features.add("movbe")
+    return frozenset(features)
 
 
-def _extension_name() -> str:
-    digest = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), _POLAR_HEADER.read_bytes(), " ".join(_CFLAGS + _LDFLAGS).encode(),
-                 torch.__version__.encode(), sys.version.encode(), _cpu_signature().encode()):
-        digest.update(part)
-        digest.update(b"\0")
-    return f"timm_sortconv_cpu_{digest.hexdigest()[:16]}"
+def _missing_features(level: IsaLevel) -> Tuple[str, ...]:
+    if level.machines and platform.machine() not in level.machines:
+        return (f"an {level.machines[0]} CPU (this one is {platform.machine() or 'unknown'})",)
+    return tuple(feature for feature in level.features if feature not in _cpu_features())
+
+
+def runnable_isa_levels() -> Tuple[str, ...]:
+    """The levels of :data:`ISA_LEVELS` this CPU can run, highest first (``generic`` always)."""
+    return tuple(name for name, level in ISA_LEVELS.items() if not _missing_features(level))
+
+
+@functools.lru_cache(maxsize=None)
+def _resolve_isa(requested: Optional[str]) -> str:
+    runnable = runnable_isa_levels()
+    if requested is None:
+        # As PyTorch chooses its own kernels (ATEN_CPU_CAPABILITY included), but never above this CPU.
+        preferred = _TORCH_CAPABILITY.get(torch.backends.cpu.get_cpu_capability(), "generic")
+        names = list(ISA_LEVELS)
+        return next(name for name in names[names.index(preferred):] if name in runnable)
+    if requested not in ISA_LEVELS:
+        raise ValueError(f"{ISA_ENV}={requested!r} is not an instruction-set level; accepted: "
+                         f"{', '.join(ISA_LEVELS)}")
+    missing = _missing_features(ISA_LEVELS[requested])
+    if missing:
+        raise RuntimeError(f"{ISA_ENV}={requested}: this CPU cannot run that level (it lacks "
+                           f"{', '.join(missing)}); levels it can run: {', '.join(runnable)}")
+    return requested
+
+
+def cpu_isa() -> str:
+    """The instruction-set level the package's kernel is built for in this process: ``TIMM_SORTCONV_CPU_ISA``
+    if set (read at every call; a level this CPU cannot run raises ``RuntimeError``, an unknown name
+    ``ValueError``), else the level of ``torch.backends.cpu.get_cpu_capability()``, capped at what the CPU
+    runs."""
+    requested = os.environ.get(ISA_ENV, "").strip().lower()
+    return _resolve_isa(requested or None)
 
 
 def _ninja_on_path() -> Optional[str]:
@@ -129,19 +210,58 @@ def _import_cpp_extension():
     return cpp_extension
 
 
-def build_extension(name: str, folder: Path, verbose: bool = False):
-    """Builds (or loads from the extension cache) ``folder/sort_conv_cpu.cpp`` with its headers as the
-    module ``name``, with this backend's flags; raises where it cannot be built. ``load_extension`` uses it
-    for the package's own sources, ``scripts/bench_kernel_ab.py`` for other versions of them."""
+def _sources(folder: Path) -> Dict[str, bytes]:
+    """The kernel's sources in ``folder``: every ``.cpp`` (each compiled, ``sort_conv_cpu.cpp`` holding the
+    Python bindings) and ``.h``, by name."""
+    if not (folder / _SOURCE_NAME).is_file():
+        raise FileNotFoundError(f"{folder}: no {_SOURCE_NAME} there (give a folder like {SOURCE_DIR})")
+    return {path.name: path.read_bytes() for path in sorted(folder.iterdir()) if path.suffix in (".cpp", ".h")}
+
+
+def extension_name(sources: Dict[str, bytes], isa: str) -> str:
+    """The cache entry's name: a hash of the sources, the flags, the level and the torch and Python versions
+    (not of where the sources are, nor of the CPU model)."""
+    digest = hashlib.sha256()
+    for name, text in sources.items():
+        digest.update(name.encode() + b"\0" + text + b"\0")
+    for part in (" ".join(_CFLAGS + ISA_LEVELS[isa].flags + _LDFLAGS), isa, torch.__version__, sys.version):
+        digest.update(part.encode() + b"\0")
+    return f"timm_sortconv_cpu_{isa}_{digest.hexdigest()[:16]}"
+
+
+def _stage_sources(sources: Dict[str, bytes], folder: Path) -> None:
+    """Writes the sources into the cache entry's own folder where they are missing or differ, and leaves
+    identical files untouched (ninja rebuilds what is newer than its output)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, text in sources.items():
+        path = folder / name
+        if path.is_file() and path.read_bytes() == text:
+            continue
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=f".{name}.", delete=False) as f:
+            f.write(text)
+        os.replace(f.name, path)
+
+
+def _build(sources: Dict[str, bytes], isa: str, verbose: bool) -> ModuleType:
+    """Compiles (or loads from the cache) the sources for ``isa``; raises where they cannot be built."""
     cpp_extension = _import_cpp_extension()
     path = _ninja_on_path()
     if path is None:
         raise RuntimeError("ninja is not installed (pip install ninja)")
+    name = extension_name(sources, isa)
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
+    build_directory = root / name
+    source_folder = build_directory / "src"
+    _stage_sources(sources, source_folder)
     saved_path = os.environ.get("PATH")
     os.environ["PATH"] = path
     try:
-        return cpp_extension.load(name=name, sources=[str(folder / _SOURCE.name)], extra_include_paths=[str(folder)],
-                                  extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS, verbose=verbose)
+        # Every .cpp is a translation unit of its own (ninja compiles them in parallel).
+        units = [str(source_folder / file_name) for file_name in sources if file_name.endswith(".cpp")]
+        return cpp_extension.load(name=name, sources=units,
+                                  extra_include_paths=[str(source_folder)],
+                                  extra_cflags=list(_CFLAGS + ISA_LEVELS[isa].flags), extra_ldflags=list(_LDFLAGS),
+                                  build_directory=str(build_directory), verbose=verbose)
     finally:
         if saved_path is None:
             del os.environ["PATH"]
@@ -149,24 +269,62 @@ def build_extension(name: str, folder: Path, verbose: bool = False):
             os.environ["PATH"] = saved_path
 
 
-def load_extension(verbose: bool = False):
-    """The compiled extension module, building it on first call; ``None`` if disabled or the build failed
-    (a single warning says why)."""
-    global _extension, _build_failed
-    if _extension is not None or _build_failed or _disabled():
-        return _extension
+def load_kernel(folder: Optional[os.PathLike] = None, isa: Optional[str] = None, verbose: bool = False) -> "CpuKernel":
+    """The kernel compiled from ``folder`` (a folder holding ``sort_conv_cpu.cpp`` and its headers; default:
+    the package's own) for the instruction-set level ``isa`` (default: :func:`cpu_isa`), built on first use
+    and cached on disk and in this process. Raises where the CPU cannot run the level or the build fails.
+    ``scripts/bench_kernel_ab.py`` uses it to run versions of the kernel side by side."""
+    isa = cpu_isa() if isa is None else isa
+    if isa not in ISA_LEVELS:
+        raise ValueError(f"isa={isa!r} is not an instruction-set level; accepted: {', '.join(ISA_LEVELS)}")
+    missing = _missing_features(ISA_LEVELS[isa])
+    if missing:
+        raise RuntimeError(f"this CPU cannot run the {isa} level (it lacks {', '.join(missing)})")
+    sources = _sources(Path(SOURCE_DIR if folder is None else folder))
+    name = extension_name(sources, isa)
     with _lock:
-        if _extension is not None or _build_failed:
-            return _extension
-        try:
-            _extension = build_extension(_extension_name(), _SOURCE.parent, verbose)
-        except Exception as error:  # a missing compiler raises many different error types
-            _build_failed = True
-            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            warnings.warn(f"timm_sortconv: the fused CPU backend could not be built ({first_line}); "
-                          f"SortConv2d uses the (slower) reference path. Set {DISABLE_ENV}=1 to silence this.",
-                          RuntimeWarning, stacklevel=2)
-    return _extension
+        if name not in _kernels:
+            _kernels[name] = CpuKernel(_build(sources, isa, verbose), isa)
+        return _kernels[name]
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _package_kernel_for(isa: str, verbose: bool = False) -> Optional["CpuKernel"]:
+    """The package's kernel for ``isa``, or for the highest lower level that builds (one warning per level
+    that does not); None where none builds."""
+    if isa in _package_kernel:
+        return _package_kernel[isa]
+    with _lock:
+        if isa in _package_kernel:
+            return _package_kernel[isa]
+        kernel, failures = None, []
+        names = list(ISA_LEVELS)
+        for level in names[names.index(isa):]:
+            try:
+                kernel = load_kernel(None, level, verbose)
+                break
+            except Exception as error:  # a missing compiler raises many different error types
+                failures.append(f"{level}: {_first_line(error)}")
+        if failures:
+            outcome = (f"using the {kernel.isa} build" if kernel is not None else
+                       "SortConv2d uses the (slower) reference path")
+            warnings.warn(f"timm_sortconv: the fused CPU backend could not be built ({'; '.join(failures)}); "
+                          f"{outcome}. Set {DISABLE_ENV}=1 to silence this.", RuntimeWarning, stacklevel=3)
+        _package_kernel[isa] = kernel
+        return kernel
+
+
+def load_extension(verbose: bool = False) -> Optional[ModuleType]:
+    """The compiled extension module of the package's sources at :func:`cpu_isa`'s level, building it on first
+    call; ``None`` if disabled or nothing could be built (a single warning says why)."""
+    if fast_disabled():
+        return None
+    kernel = _package_kernel_for(cpu_isa(), verbose)
+    return None if kernel is None else kernel.module
 
 
 def polar_tap_header() -> str:
@@ -228,7 +386,6 @@ def _weight_slots(weight: torch.Tensor, tables: _Tables) -> torch.Tensor:
     return flat.index_select(2, tables.slot_to_grid).reshape(weight.shape[0], -1).contiguous()
 
 
-NO_PADDING = (0, 0, 0, 0)
 
 
 def _padding_kwargs(pad: Tuple[int, int, int, int]) -> Dict[str, int]:
@@ -237,38 +394,77 @@ def _padding_kwargs(pad: Tuple[int, int, int, int]) -> Dict[str, int]:
     return dict(zip(("pad_left", "pad_right", "pad_top", "pad_bottom"), pad)) if any(pad) else {}
 
 
+@dataclass(frozen=True)
+class CpuKernel:
+    """A compiled kernel (see :func:`load_kernel`): ``forward`` and ``backward`` take the arguments of the
+    backend's ``_forward`` and ``_backward`` (weights in grid order, geometry tables made here)."""
+
+    module: ModuleType
+    isa: str
+
+    def forward(self, x, weight, bias, geometry, stride, dilation, groups, pad=NO_PADDING):
+        tables = _tables_for(geometry)
+        return self.module.forward(x, _weight_slots(weight, tables), bias, tables.tap_offsets, tables.tap_weights,
+                                   tables.segments, tables.comparators, geometry.kernel_size, stride[0], stride[1],
+                                   dilation[0], dilation[1], groups, **_padding_kwargs(pad))
+
+    def backward(self, grad_output, x, weight, geometry, stride, dilation, groups, need_input, need_weight,
+                 pad=NO_PADDING):
+        tables = _tables_for(geometry)
+        grad_input, grad_weight_slots = self.module.backward(
+            grad_output, x, _weight_slots(weight, tables), tables.tap_offsets, tables.tap_weights, tables.segments,
+            tables.comparators, geometry.kernel_size, stride[0], stride[1], dilation[0], dilation[1], groups,
+            need_input, need_weight, **_padding_kwargs(pad))
+        grad_weight = None
+        if need_weight:
+            out_channels, in_per_group = weight.shape[:2]
+            grad_weight = (grad_weight_slots.view(out_channels, in_per_group, -1)
+                           .index_select(2, tables.grid_to_slot).view_as(weight))
+        return grad_input, grad_weight
+
+
+def _kernel() -> CpuKernel:
+    kernel = _package_kernel_for(cpu_isa())
+    if kernel is None:
+        raise RuntimeError("the fused CPU backend could not be built (see the warning issued at first use)")
+    return kernel
+
+
 def _forward(x, weight, bias, geometry, stride, dilation, groups, pad=NO_PADDING):
-    tables = _tables_for(geometry)
-    return load_extension().forward(x, _weight_slots(weight, tables), bias, tables.tap_offsets, tables.tap_weights,
-                                    tables.segments, tables.comparators, geometry.kernel_size, stride[0], stride[1],
-                                    dilation[0], dilation[1], groups, **_padding_kwargs(pad))
+    return _kernel().forward(x, weight, bias, geometry, stride, dilation, groups, pad)
 
 
 def _backward(grad_output, x, weight, geometry, stride, dilation, groups, need_input, need_weight, pad=NO_PADDING):
-    tables = _tables_for(geometry)
-    grad_input, grad_weight_slots = load_extension().backward(
-        grad_output, x, _weight_slots(weight, tables), tables.tap_offsets, tables.tap_weights, tables.segments,
-        tables.comparators, geometry.kernel_size, stride[0], stride[1], dilation[0], dilation[1], groups,
-        need_input, need_weight, **_padding_kwargs(pad))
-    grad_weight = None
-    if need_weight:
-        out_channels, in_per_group = weight.shape[:2]
-        grad_weight = (grad_weight_slots.view(out_channels, in_per_group, -1)
-                       .index_select(2, tables.grid_to_slot).view_as(weight))
-    return grad_input, grad_weight
+    return _kernel().backward(grad_output, x, weight, geometry, stride, dilation, groups, need_input, need_weight, pad)
+
+
+def _pad_when_fewer_images_than_threads(x: torch.Tensor, pad: Tuple[int, int, int, int]):
+    """The kernel pads while each thread copies the images it reads; with fewer images than threads every
+    thread would copy whole images to read a part of each, so such calls are padded once here instead."""
+    if any(pad) and x.shape[0] < torch.get_num_threads():
+        return F.pad(x, pad), NO_PADDING
+    return x, pad
 
 
 def sort_conv2d_cpu(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], geometry: SortGeometry,
                     stride: Tuple[int, int], dilation: Tuple[int, int], groups: int,
                     pad: Tuple[int, int, int, int] = NO_PADDING) -> torch.Tensor:
-    """SC on a CPU input with the fused kernel (the backend's ``fn``), which adds ``pad`` zeros (``F.pad``'s
-    order) itself; backward sorts again and returns the gradient of the unpadded input."""
-    if any(pad) and x.shape[0] < torch.get_num_threads():
-        # The kernel pads while each thread copies the images it reads; with fewer images than threads
-        # every thread would copy whole images to read a part of each, so pad once here instead.
-        x, pad = F.pad(x, pad), NO_PADDING
-    return run_recomputing(functools.partial(_forward, pad=pad), functools.partial(_backward, pad=pad), x, weight,
-                           bias, geometry, stride, dilation, groups)
+    """The backend's forward kernel: SC of a contiguous CPU input, with ``pad`` zeros (``F.pad``'s order)
+    added by the kernel itself."""
+    x, pad = _pad_when_fewer_images_than_threads(x, pad)
+    return _forward(x, weight, bias, geometry, stride, dilation, groups, pad)
+
+
+def sort_conv2d_cpu_backward(grad_output, x, weight, geometry, stride, dilation, groups, need_input, need_weight,
+                             pad=NO_PADDING):
+    """The backend's backward kernel: sorts again and returns the gradients of the unpadded ``x`` and ``weight``."""
+    padded, kernel_pad = _pad_when_fewer_images_than_threads(x, pad)
+    grad_input, grad_weight = _backward(grad_output, padded, weight, geometry, stride, dilation, groups, need_input,
+                                        need_weight, kernel_pad)
+    if grad_input is not None and padded is not x:  # padded here: cut the padding's gradient off
+        left, _, top, _ = pad
+        grad_input = grad_input[:, :, top:top + x.shape[2], left:left + x.shape[3]]
+    return grad_input, grad_weight
 
 
 def supports_cpu(x, weight, bias, geometry: SortGeometry, stride, dilation, groups) -> bool:
@@ -278,9 +474,8 @@ def supports_cpu(x, weight, bias, geometry: SortGeometry, stride, dilation, grou
         all(t.device.type == "cpu" and t.dtype == x.dtype for t in tensors)
         and x.dtype in SUPPORTED_DTYPES
         and geometry.kernel_size <= MAX_KERNEL_SIZE
-        and not torch.is_autocast_enabled("cpu")
-        and not _disabled()
     )
 
 
-register_backend(Backend("cpu", sort_conv2d_cpu, supports_cpu, _available, zero_padding=True))
+register_backend(Backend("cpu", sort_conv2d_cpu, sort_conv2d_cpu_backward, supports_cpu, _available,
+                         zero_padding=True))

@@ -1,15 +1,23 @@
-"""``sort_conv2d``: the functional Sorting Convolution, with ``nn.Conv2d``'s padding semantics."""
+"""``sort_conv2d``: the functional Sorting Convolution, with ``nn.Conv2d``'s padding semantics.
+
+:func:`sort_conv2d` checks its arguments, applies non-zero padding modes with ``F.pad`` and calls
+:func:`sort_conv2d_zero_padded`, which the layers call directly: the registered operator
+``torch.ops.timm_sortconv.sort_conv2d`` (:mod:`.operator`), or, while exporting to ONNX, the reference
+path written in standard operators, so that the ONNX graph needs no custom operator.
+"""
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 
-from .backends import run_backend
-from .geometry import check_kernel_size, check_variant, get_geometry, square_slot_form
+from .backends import check_backend_name
+from .geometry import check_kernel_size, check_variant, get_geometry
+from .operator import check_input
+from .reference import sort_conv2d_reference
 
-__all__ = ["sort_conv2d", "PADDING_MODES"]
+__all__ = ["sort_conv2d", "sort_conv2d_zero_padded", "PADDING_MODES"]
 
 PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
 
@@ -40,20 +48,6 @@ def resolve_padding(padding: Union[str, IntPair], kernel_size: int, stride: Tupl
     return (pw, pw, ph, ph)
 
 
-def check_input(x: torch.Tensor, weight: torch.Tensor, groups: int) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"sort_conv2d expects a torch.Tensor input, got {type(x).__name__}")
-    if not (x.is_floating_point() and weight.is_floating_point()):
-        raise TypeError(f"sort_conv2d needs floating-point tensors (float16, bfloat16, float32, float64), "
-                        f"got input {x.dtype} and weight {weight.dtype}")
-    if x.dim() != 4:
-        raise RuntimeError(f"sort_conv2d expects a 4-D (N, C, H, W) input (or 3-D (C, H, W) through SortConv2d), "
-                           f"got a {x.dim()}-D input of shape {tuple(x.shape)}")
-    if x.shape[1] != weight.shape[1] * groups:
-        raise RuntimeError(f"sort_conv2d: input has {x.shape[1]} channels but the weight {tuple(weight.shape)} "
-                           f"with groups={groups} expects {weight.shape[1] * groups}")
-
-
 def sort_conv2d(
     input: torch.Tensor,
     weight: torch.Tensor,
@@ -66,7 +60,6 @@ def sort_conv2d(
     *,
     sampling: str = "polar",
     sorting: str = "ring",
-    ring_density: Union[int, Sequence[int]] = 1,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Sorting Convolution of ``input`` with an ordinary convolution ``weight``.
@@ -87,13 +80,6 @@ def sort_conv2d(
         sampling: ``"polar"`` (default), ``"polar-offset"`` (the polar points turned by half a step, off the
             axes and diagonals) or ``"square"``.
         sorting: ``"ring"`` (default) or ``"global"``.
-        ring_density: ``m >= 1`` (polar sampling): ring ``r`` is read at ``8rm`` points and each run of
-            ``m`` consecutive sorted values is averaged before it meets its weight, which makes the sorted
-            values of a ring nearly invariant to any rotation, not only to multiples of ``45/r`` degrees
-            (:mod:`timm_sortconv.ops.geometry`). The reference path computes it as it is; the fast
-            backends compute it as a larger kernel (:func:`~timm_sortconv.ops.geometry.square_slot_form`),
-            which costs about ``m`` times the sorting and the product of density 1. For ring sorting it
-            may be one density per ring, e.g. ``(3, 2, 1)`` for ``k = 7``.
         backend: ``"auto"`` (the fastest backend that supports the call), ``"reference"`` or the name of
             a fast backend (see :func:`timm_sortconv.ops.available_backends`).
 
@@ -114,7 +100,9 @@ def sort_conv2d(
         raise ValueError(f"groups must be a positive int dividing C_out={weight.shape[0]}, got groups={groups!r}")
     if padding_mode not in PADDING_MODES:
         raise ValueError(f"padding_mode={padding_mode!r} is not accepted; use one of {PADDING_MODES}")
-    check_input(input, weight, groups)
+    if not isinstance(input, torch.Tensor):
+        raise TypeError(f"sort_conv2d expects a torch.Tensor input, got {type(input).__name__}")
+    check_input(input, weight, bias, groups)
     stride = _pair(stride, "stride", 1)
     dilation = _pair(dilation, "dilation", 1)
     pad = resolve_padding(padding, k, stride, dilation)
@@ -122,24 +110,27 @@ def sort_conv2d(
     if hp < dilation[0] * (k - 1) + 1 or wp < dilation[1] * (k - 1) + 1:
         raise RuntimeError(f"sort_conv2d: padded input size ({hp}, {wp}) is smaller than the dilated kernel "
                            f"({dilation[0] * (k - 1) + 1}, {dilation[1] * (k - 1) + 1})")
-    geometry = get_geometry(k, sampling, sorting, ring_density)
-    if geometry.samples != k * k and backend != "reference":
-        return _run_square_form(backend, input, weight, bias, geometry, stride, dilation, groups, pad, padding_mode)
-    return run_backend(backend, input, weight, bias, geometry, stride, dilation, groups, pad, padding_mode)
+    get_geometry(k, sampling, sorting)  # built now, outside any traced region, and cached
+    check_backend_name(backend)
+    if any(pad) and padding_mode != "zeros":
+        input, pad = F.pad(input, pad, mode=padding_mode), (0, 0, 0, 0)
+    return sort_conv2d_zero_padded(input, weight, bias, list(stride), list(pad), list(dilation), groups, sampling,
+                                   sorting, backend)
 
 
-def _run_square_form(backend, x, weight, bias, geometry, stride, dilation, groups, pad, padding_mode):
-    """A geometry with more samples than ``k*k`` run as its square slot form: the weight spread over the
-    larger kernel's slots and the input padded for the larger kernel (with zeros: its taps never read
-    them, the output keeps its size)."""
-    square, index, scale = square_slot_form(geometry)
-    big, k = square.kernel_size, geometry.kernel_size
-    flat = weight.reshape(weight.shape[0], weight.shape[1], k * k)
-    spread = flat.index_select(2, index.to(weight.device)) * scale.to(device=weight.device, dtype=weight.dtype)
-    unused = spread.new_zeros(spread.shape[0], spread.shape[1], big * big - geometry.samples)
-    big_weight = torch.cat([spread, unused], dim=2).reshape(weight.shape[0], weight.shape[1], big, big)
-    if padding_mode != "zeros" and any(pad):
-        x, pad = F.pad(x, pad, mode=padding_mode), (0, 0, 0, 0)
-    extra_h, extra_w = dilation[0] * (big - k) // 2, dilation[1] * (big - k) // 2
-    pad = (pad[0] + extra_w, pad[1] + extra_w, pad[2] + extra_h, pad[3] + extra_h)
-    return run_backend(backend, x, big_weight, bias, square, stride, dilation, groups, pad, "zeros")
+def sort_conv2d_zero_padded(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], stride: List[int],
+                            padding: List[int], dilation: List[int], groups: int, sampling: str, sorting: str,
+                            backend: str) -> torch.Tensor:
+    """SC with ``padding = [left, right, top, bottom]`` zeros, arguments already checked (TorchScript-able).
+
+    This is the registered operator, except during ONNX export, where the reference path's standard
+    operators are exported instead (ONNX runtimes know no ``timm_sortconv`` operator).
+    """
+    if not torch.jit.is_scripting():
+        if torch.onnx.is_in_onnx_export():
+            geometry = get_geometry(int(weight.shape[-1]), sampling, sorting)  # a traced size is a tensor
+            padded = F.pad(input, padding) if any(padding) else input
+            return sort_conv2d_reference(padded, weight, bias, geometry, (stride[0], stride[1]),
+                                         (dilation[0], dilation[1]), groups)
+    return torch.ops.timm_sortconv.sort_conv2d(input, weight, bias, stride, padding, dilation, groups, sampling,
+                                               sorting, backend)

@@ -22,22 +22,6 @@ samples, then ring 2's sixteen, and so on. Ring ``r`` occupies slots ``[(2r-1)^2
   offset, ring 1's eight points are images of one another under the grid's symmetries (quarter turns
   and mirrors), so each is read through the same blend.
 
-**Ring density.** With ``ring_density=m > 1`` (polar sampling, either kind) ring ``r`` is read at
-``8rm`` points, angle ``2*pi*j/(8rm)`` (``2*pi*(j + 1/2)/(8rm)`` with the offset), instead of ``8r``.
-Sorted, the ``8rm`` values are close to the quantiles of the ring's values, which a rotation by any
-angle barely moves, whereas ``8r`` order statistics jump whenever the rotation is not a multiple of
-``45/r`` degrees. Each run of ``m`` consecutive sorted values is averaged and takes the weight that one
-sorted value takes at density 1, so the layer keeps its ``k*k`` weights: a geometry of density ``m`` has
-``1 + 4n(n+1)m`` samples for ring sorting (the centre once) and ``m*k*k`` for global sorting (the centre
-``m`` times, so that the sorted values split into ``k*k`` runs of ``m``), more than the ``k*k`` slots of
-density 1. For ring sorting the density may also be given per ring, ``(m_1, ..., m_n)``: ring ``r`` is
-read at ``8r m_r`` points, e.g. ``(3, 2, 1)`` for ``k = 7`` spends the extra samples on the inner rings,
-whose ``8r`` points are the sparsest in angle, and has ``1 + 24 + 32 + 24 = 81 = 9*9`` samples.
-:attr:`SortGeometry.slot_to_grid` then sends ``m`` slots to each kernel position and
-:attr:`SortGeometry.slot_scale` is ``1/m``. :func:`square_slot_form` lays such a geometry onto the
-``K*K`` slots of a larger odd ``K`` (unused slots get zero weight), for backends that take one sample
-per kernel position.
-
 Sorting then rearranges the samples (``sorting="ring"``: each ring's slots among themselves;
 ``sorting="global"``: all slots) and the sorted value in slot ``s`` is multiplied by the kernel weight
 at grid position :attr:`SortGeometry.slot_to_grid` ``[s]``: for ring sorting, ring ``r``'s sorted
@@ -48,7 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -63,8 +47,6 @@ __all__ = [
     "batcher_comparators",
     "check_kernel_size",
     "check_variant",
-    "check_ring_density",
-    "square_slot_form",
 ]
 
 SAMPLINGS = ("square", "polar", "polar-offset")
@@ -91,18 +73,14 @@ def row_major_offsets(kernel_size: int) -> List[Tuple[int, int]]:
     return [(dy, dx) for dy in range(-n, n + 1) for dx in range(-n, n + 1)]
 
 
-def polar_points(radius: int, count: Optional[int] = None, offset: float = 0.0) -> List[Tuple[float, float]]:
-    """The ``count`` (default ``8 * radius``, a multiple of 4) points ``(y, x)`` on the circle of that
-    radius, angle ``2*pi*(j + offset)/count`` from the +x axis, in order of ``j``. The first quadrant is
-    computed; the others are its exact rotations ``(y, x) -> (x, -y)`` by 90 degrees."""
-    count = 8 * radius if count is None else count
-    if count % 4:
-        raise ValueError(f"polar_points needs a multiple of 4 points (a quarter turn maps them onto themselves), "
-                         f"got count={count}")
-    quarter = count // 4
+def polar_points(radius: int, offset: float = 0.0) -> List[Tuple[float, float]]:
+    """The ``8 * radius`` points ``(y, x)`` on the circle of that radius, angle ``2*pi*(j + offset)/(8r)``
+    from the +x axis, in order of ``j``. The first quadrant is computed; the others are its exact
+    rotations ``(y, x) -> (x, -y)`` by 90 degrees."""
+    quarter = 2 * radius
     first = []
     for j in range(quarter):
-        angle = 2.0 * math.pi * (j + offset) / count
+        angle = 2.0 * math.pi * (j + offset) / (8 * radius)
         first.append((radius * math.sin(angle), radius * math.cos(angle)))
     points = list(first)
     for _ in range(3):
@@ -158,7 +136,7 @@ class SortGeometry:
 
     Attributes:
         kernel_size: odd ``k``.
-        sampling: ``"square"`` or ``"polar"``.
+        sampling: ``"square"``, ``"polar"`` or ``"polar-offset"``.
         sorting: ``"ring"`` or ``"global"``.
         segments: ``(start, end)`` slot ranges sorted independently, in ring order.
         tap_offsets: ``(k*k, T, 2)`` int64 grid offsets ``(dy, dx)`` of each sample's taps (unused taps
@@ -166,10 +144,6 @@ class SortGeometry:
         tap_weights: ``(k*k, T)`` float64 bilinear weights; each row sums to 1.
         interpolation: ``(k*k, k*k)`` float64 matrix mapping the row-major window to ring-order samples.
         slot_to_grid: ``(k*k,)`` int64 row-major kernel position that multiplies each sorted slot.
-        ring_density: ``m`` or ``(m_1, ..., m_n)``: samples per kernel position (see the module
-            docstring); above 1 the sample tables above have :attr:`samples` rows instead of ``k*k``.
-        slot_scale: ``None`` at density 1, else ``(samples,)`` float64 factors (``1/m`` of the slot's
-            ring) that the weight of each sorted slot is multiplied by.
     """
 
     kernel_size: int
@@ -180,13 +154,6 @@ class SortGeometry:
     tap_weights: torch.Tensor
     interpolation: torch.Tensor
     slot_to_grid: torch.Tensor
-    ring_density: Union[int, Tuple[int, ...]] = 1
-    slot_scale: Optional[torch.Tensor] = None
-
-    @property
-    def samples(self) -> int:
-        """Number of samples (and sorted slots) per window: ``k*k`` at density 1."""
-        return self.slot_to_grid.numel()
 
     def comparators(self) -> List[Tuple[int, int]]:
         """The sorting network over ring-order slots: one Batcher network per segment, shifted."""
@@ -216,40 +183,14 @@ def check_variant(sampling: str, sorting: str) -> None:
         raise ValueError(f"unknown sorting={sorting!r}; accepted: {', '.join(map(repr, SORTINGS))}")
 
 
-def check_ring_density(ring_density, kernel_size: int, sampling: str, sorting: str) -> Union[int, Tuple[int, ...]]:
-    """Returns ``ring_density`` as given (an int >= 1, or for ring sorting one int >= 1 per ring; above 1
-    only with polar sampling), a per-ring list as a tuple, or raises ``ValueError``."""
-    def valid(m):
-        return isinstance(m, int) and not isinstance(m, bool) and m >= 1
-
-    rings = kernel_size // 2
-    if isinstance(ring_density, (tuple, list)):
-        if sorting != "ring" or len(ring_density) != rings or not all(map(valid, ring_density)):
-            raise ValueError(f"a per-ring ring_density needs sorting='ring' and one int >= 1 for each of the {rings} "
-                             f"rings of a {kernel_size}x{kernel_size} kernel, got ring_density={ring_density!r}, "
-                             f"sorting={sorting!r}")
-        ring_density = tuple(ring_density)
-        dense = any(m > 1 for m in ring_density)
-    elif not valid(ring_density):
-        raise ValueError(f"ring_density must be an int >= 1 (samples per kernel position) or, for ring sorting, "
-                         f"one per ring, got {ring_density!r}")
-    else:
-        dense = ring_density > 1
-    if dense and sampling == "square":
-        raise ValueError(f"ring_density={ring_density} needs a polar sampling: square sampling reads each grid "
-                         f"position once and has no denser points to read, got sampling={sampling!r}")
-    return ring_density
-
-
 # A plain dict rather than functools.lru_cache: torch.compile ignores an lru_cache and traces the
 # wrapped function, which put hundreds of table-building ops into every compiled graph, while it reads
 # an entry of this dict as a constant.
-_GEOMETRIES: Dict[Tuple[int, str, str, int], SortGeometry] = {}
+_GEOMETRIES: Dict[Tuple[int, str, str], SortGeometry] = {}
 
 
-def get_geometry(kernel_size: int, sampling: str = "polar", sorting: str = "ring",
-                 ring_density: Union[int, Tuple[int, ...]] = 1) -> SortGeometry:
-    """The cached :class:`SortGeometry` for an odd ``kernel_size``, a variant and a ring density.
+def get_geometry(kernel_size: int, sampling: str = "polar", sorting: str = "ring") -> SortGeometry:
+    """The cached :class:`SortGeometry` for an odd ``kernel_size`` and a variant.
 
     Example:
         >>> g = get_geometry(3, "polar", "ring")
@@ -257,32 +198,25 @@ def get_geometry(kernel_size: int, sampling: str = "polar", sorting: str = "ring
         ((0, 1), (1, 9))
         >>> g.tap_weights.sum(1).allclose(torch.ones(9, dtype=torch.float64))
         True
-        >>> get_geometry(3, "polar", "ring", ring_density=2).segments
-        ((0, 1), (1, 17))
-        >>> get_geometry(7, "polar", "ring", ring_density=(3, 2, 1)).samples
-        81
     """
     k = check_kernel_size(kernel_size)
     check_variant(sampling, sorting)
-    key = (k, sampling, sorting, check_ring_density(ring_density, k, sampling, sorting))
+    key = (k, sampling, sorting)
     if key not in _GEOMETRIES:
         _GEOMETRIES[key] = _build_geometry(*key)
     return _GEOMETRIES[key]
 
 
-def _build_geometry(k: int, sampling: str, sorting: str, density) -> SortGeometry:
+def _build_geometry(k: int, sampling: str, sorting: str) -> SortGeometry:
     n = k // 2
     grid = ring_grid_offsets(k)
-    per_ring = density if isinstance(density, tuple) else (density,) * n
-    offset = 0.5 if sampling == "polar-offset" else 0.0
     if sampling == "square":
         taps = [[(dy, dx, 1.0)] for dy, dx in grid]
     else:
-        # The centre is read once for ring sorting (a segment of its own) and `density` times for global
-        # sorting, whose sorted values must split into k*k runs of `density`.
-        taps = [[(0, 0, 1.0)]] * (density if sorting == "global" else 1)
+        offset = 0.5 if sampling == "polar-offset" else 0.0
+        taps = [[(0, 0, 1.0)]]
         for r in range(1, n + 1):
-            taps += [_bilinear_taps(y, x) for y, x in polar_points(r, 8 * r * per_ring[r - 1], offset)]
+            taps += [_bilinear_taps(y, x) for y, x in polar_points(r, offset)]
     width = max(len(t) for t in taps)
     taps = [t + [(*t[0][:2], 0.0)] * (width - len(t)) for t in taps]
     interpolation_rows = []
@@ -297,72 +231,11 @@ def _build_geometry(k: int, sampling: str, sorting: str, density) -> SortGeometr
     offsets = torch.tensor([[(dy, dx) for dy, dx, _ in t] for t in taps], dtype=torch.long)
     weights = torch.tensor([[w for _, _, w in t] for t in taps], dtype=torch.float64)
     interpolation = torch.tensor(interpolation_rows, dtype=torch.float64)
-    scales = [1.0]
+    ring_bounds = [(0, 1)] + [((2 * r - 1) ** 2, (2 * r + 1) ** 2) for r in range(1, n + 1)]
     if sorting == "ring":
-        # Ring r's 8r*m_r samples follow those inside it; at density 1 these are the ring-order slots.
-        bounds, positions = [(0, 1)], [(dy + n) * k + (dx + n) for dy, dx in grid]
-        slot_to_grid = positions[:1]
-        for r, m in enumerate(per_ring, start=1):
-            bounds.append((bounds[-1][1], bounds[-1][1] + 8 * r * m))
-            # The sorted run j of m values goes to the ring's j-th position (row-major within a ring).
-            slot_to_grid += [positions[(2 * r - 1) ** 2 + j // m] for j in range(8 * r * m)]
-            scales += [1.0 / m] * (8 * r * m)
-        segments = tuple(bounds)
-        slot_to_grid = torch.tensor(slot_to_grid, dtype=torch.long)
+        segments = tuple(ring_bounds)
+        slot_to_grid = torch.tensor([(dy + n) * k + (dx + n) for dy, dx in grid], dtype=torch.long)
     else:
-        segments = ((0, k * k * density),)
-        slot_to_grid = torch.arange(k * k * density) // density
-        scales = [1.0 / density] * (k * k * density)
-    slot_scale = torch.tensor(scales, dtype=torch.float64) if max(per_ring, default=1) > 1 or (
-        sorting == "global" and density > 1) else None
-    return SortGeometry(k, sampling, sorting, segments, offsets, weights, interpolation, slot_to_grid, density,
-                        slot_scale)
-
-
-_SQUARE_FORMS: Dict[Tuple[int, str, str, int], Tuple[SortGeometry, torch.Tensor, torch.Tensor]] = {}
-
-
-def square_slot_form(geometry: SortGeometry) -> Tuple[SortGeometry, torch.Tensor, torch.Tensor]:
-    """``geometry`` laid onto the ``K*K`` slots of the smallest odd ``K >= k`` with ``K*K >= samples``, for a
-    backend that takes one sample per kernel position; returns ``(square, index, scale)``.
-
-    ``square`` has kernel size ``K``, the same samples (their taps stay inside the central ``k x k`` of
-    the ``K x K`` window, so an input padded for ``K`` gives the same output size and values as one padded
-    for ``k``) followed by ``K*K - samples`` unused samples of their own (one segment each, reading the
-    centre), and slot ``s`` multiplies kernel position ``s`` (row-major). A ``(O, C, k, k)`` weight becomes
-    ``square``'s ``(O, C, K, K)`` weight as ``w.flatten(2)[..., index] * scale`` for the first ``samples``
-    positions and zeros after them. Its ``sampling`` names ``k`` and the density (e.g.
-    ``"polar-k7-x2"`` or ``"polar-k7-x3,2,1"``), so that caches keyed by kernel size and variant do not
-    mix it with a real ``K x K`` geometry. A geometry of density 1 is returned as it is, with ``scale`` all ones.
-    """
-    key = (geometry.kernel_size, geometry.sampling, geometry.sorting, geometry.ring_density)
-    if key in _SQUARE_FORMS:
-        return _SQUARE_FORMS[key]
-    k, samples = geometry.kernel_size, geometry.samples
-    scale = geometry.slot_scale if geometry.slot_scale is not None else torch.ones(samples, dtype=torch.float64)
-    if samples == k * k:
-        form = (geometry, geometry.slot_to_grid, scale)
-    else:
-        big = k
-        while big * big < samples:
-            big += 2
-        unused = big * big - samples
-        offsets = torch.cat([geometry.tap_offsets, torch.zeros(unused, geometry.tap_offsets.shape[1], 2,
-                                                               dtype=torch.long)])
-        weights = torch.cat([geometry.tap_weights, torch.zeros(unused, geometry.tap_weights.shape[1],
-                                                               dtype=torch.float64)])
-        weights[samples:, 0] = 1.0
-        shift = (big - k) // 2
-        # Window positions (row-major) of the k x k interpolation matrix's columns inside the K x K window.
-        columns = torch.tensor([(row + shift) * big + col + shift for row in range(k) for col in range(k)])
-        interpolation = torch.zeros(big * big, big * big, dtype=torch.float64)
-        interpolation[:samples, columns] = geometry.interpolation
-        interpolation[samples:, (big * big) // 2] = 1.0
-        segments = geometry.segments + tuple((s, s + 1) for s in range(samples, big * big))
-        density = geometry.ring_density
-        label = ",".join(map(str, density)) if isinstance(density, tuple) else str(density)
-        square = SortGeometry(big, f"{geometry.sampling}-k{k}-x{label}", geometry.sorting, segments,
-                              offsets, weights, interpolation, torch.arange(big * big))
-        form = (square, geometry.slot_to_grid, scale)
-    _SQUARE_FORMS[key] = form
-    return form
+        segments = ((0, k * k),)
+        slot_to_grid = torch.arange(k * k)
+    return SortGeometry(k, sampling, sorting, segments, offsets, weights, interpolation, slot_to_grid)

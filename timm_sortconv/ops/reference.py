@@ -8,11 +8,17 @@ Steps, for an already padded input ``(B, C, Hp, Wp)``:
 1. **Patches.** The ``k*k`` window values of every output position, taken by strided slicing of the
    padded input in ring order: ``(B, C, Ho, Wo, k*k)``.
 2. **Sampling.** Square sampling uses them as they are; polar sampling multiplies them by the
-   ``(samples, k*k)`` bilinear interpolation matrix of :mod:`timm_sortconv.ops.geometry` (``samples =
-   k*k`` except with a ring density above 1).
+   ``(k*k, k*k)`` bilinear interpolation matrix of :mod:`timm_sortconv.ops.geometry`.
 3. **Sorting.** ``torch.sort`` along the last axis, per ring segment or over all slots.
-4. **Convolution.** One contraction with the weight rearranged into slot order (each slot's kernel
-   position, times the slot's scale at a ring density above 1), per group.
+4. **Convolution.** One contraction with the weight rearranged into slot order, per group.
+
+:func:`sort_conv2d_reference_backward` is the same computation's gradient, written out: with the
+sorting permutation of every window held fixed, SC is bilinear in the window values and the weight,
+so the weight gradient contracts the output gradient with the sorted windows, and the window
+gradient is the output gradient contracted with the weight, moved back through the permutation
+(``scatter`` with the sort's indices), the sampling matrix (transposed) and the strided slicing
+(accumulated into the padded input). The operator's autograd formula uses it wherever no fast backend
+computes the gradient (its implementations run below autograd, so nothing records the forward there).
 """
 from __future__ import annotations
 
@@ -22,7 +28,7 @@ import torch
 
 from .geometry import SortGeometry, ring_grid_offsets, row_major_offsets
 
-__all__ = ["sorted_patches", "sort_conv2d_reference"]
+__all__ = ["sorted_patches", "sort_conv2d_reference", "sort_conv2d_reference_backward"]
 
 
 def _patches(x: torch.Tensor, geometry: SortGeometry, stride: Tuple[int, int], dilation: Tuple[int, int],
@@ -40,28 +46,54 @@ def _patches(x: torch.Tensor, geometry: SortGeometry, stride: Tuple[int, int], d
     return torch.stack(slices, dim=-1)
 
 
-def sorted_patches(x: torch.Tensor, geometry: SortGeometry, stride: Tuple[int, int], dilation: Tuple[int, int],
-                   out_size: Tuple[int, int]) -> torch.Tensor:
-    """The sampled and sorted windows ``(B, C, Ho, Wo, samples)`` in slot order, for a padded input."""
+def _samples(x: torch.Tensor, geometry: SortGeometry, stride: Tuple[int, int], dilation: Tuple[int, int],
+             out_size: Tuple[int, int]) -> torch.Tensor:
+    """The ``k*k`` samples of every window in ring order, before sorting: ``(B, C, Ho, Wo, k*k)``."""
     patches = _patches(x, geometry, stride, dilation, out_size)
     if geometry.sampling != "square":
         # Row-major window values -> ring-order bilinear samples.
         interpolation = geometry.interpolation.to(device=patches.device, dtype=patches.dtype)
         patches = torch.matmul(patches, interpolation.t())
+    return patches
+
+
+def _sort_segments(samples: torch.Tensor, geometry: SortGeometry) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Each segment of the last axis sorted ascending, and where each sorted value came from (slot indices)."""
     if len(geometry.segments) == 1:
-        return torch.sort(patches, dim=-1).values
-    parts = [patches[..., s:e] if e - s == 1 else torch.sort(patches[..., s:e], dim=-1).values
+        return torch.sort(samples, dim=-1)
+    values, indices = [], []
+    for start, end in geometry.segments:
+        part = samples[..., start:end]
+        if end - start == 1:
+            values.append(part)
+            indices.append(torch.full_like(part, start, dtype=torch.long))
+        else:
+            sorted_part, order = torch.sort(part, dim=-1)
+            values.append(sorted_part)
+            indices.append(order + start)
+    return torch.cat(values, dim=-1), torch.cat(indices, dim=-1)
+
+
+def sorted_patches(x: torch.Tensor, geometry: SortGeometry, stride: Tuple[int, int], dilation: Tuple[int, int],
+                   out_size: Tuple[int, int]) -> torch.Tensor:
+    """The sampled and sorted windows ``(B, C, Ho, Wo, k*k)`` in slot order, for a padded input."""
+    samples = _samples(x, geometry, stride, dilation, out_size)
+    if len(geometry.segments) == 1:
+        return torch.sort(samples, dim=-1).values
+    parts = [samples[..., s:e] if e - s == 1 else torch.sort(samples[..., s:e], dim=-1).values
              for s, e in geometry.segments]
     return torch.cat(parts, dim=-1)
 
 
 def slot_weight(weight: torch.Tensor, geometry: SortGeometry) -> torch.Tensor:
-    """The weight ``(O, C/g, k, k)`` flattened into slot order ``(O, C/g, samples)``."""
+    """The weight ``(O, C/g, k, k)`` flattened into slot order ``(O, C/g, k*k)``."""
     flat = weight.reshape(weight.shape[0], weight.shape[1], -1)
-    slots = flat.index_select(2, geometry.slot_to_grid.to(weight.device))
-    if geometry.slot_scale is not None:
-        slots = slots * geometry.slot_scale.to(device=weight.device, dtype=weight.dtype)
-    return slots
+    return flat.index_select(2, geometry.slot_to_grid.to(weight.device))
+
+
+def _output_size(x: torch.Tensor, k: int, stride: Tuple[int, int], dilation: Tuple[int, int]) -> Tuple[int, int]:
+    hp, wp = x.shape[2], x.shape[3]
+    return (hp - dilation[0] * (k - 1) - 1) // stride[0] + 1, (wp - dilation[1] * (k - 1) - 1) // stride[1] + 1
 
 
 def sort_conv2d_reference(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -69,15 +101,55 @@ def sort_conv2d_reference(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
                           groups: int) -> torch.Tensor:
     """SC on an already padded input ``x``; shapes are checked by the caller."""
     k = geometry.kernel_size
-    batch, channels, hp, wp = x.shape
-    ho = (hp - dilation[0] * (k - 1) - 1) // stride[0] + 1
-    wo = (wp - dilation[1] * (k - 1) - 1) // stride[1] + 1
+    batch, channels = x.shape[0], x.shape[1]
+    ho, wo = _output_size(x, k, stride, dilation)
     cols = sorted_patches(x, geometry, stride, dilation, (ho, wo))
     w = slot_weight(weight, geometry)
     out_channels = w.shape[0]
-    cols = cols.reshape(batch, groups, channels // groups, ho, wo, geometry.samples)
-    w = w.reshape(groups, out_channels // groups, channels // groups, geometry.samples).to(cols.dtype)
+    cols = cols.reshape(batch, groups, channels // groups, ho, wo, k * k)
+    w = w.reshape(groups, out_channels // groups, channels // groups, k * k).to(cols.dtype)
     out = torch.einsum("bgchws,gocs->bgohw", cols, w).reshape(batch, out_channels, ho, wo)
     if bias is not None:
         out = out + bias.to(out.dtype).view(1, -1, 1, 1)
     return out
+
+
+def sort_conv2d_reference_backward(grad_output: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                                   geometry: SortGeometry, stride: Tuple[int, int], dilation: Tuple[int, int],
+                                   groups: int, need_input: bool = True, need_weight: bool = True
+                                   ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Gradients of :func:`sort_conv2d_reference` with respect to the padded input ``x`` and ``weight``.
+
+    Returns ``(grad_x, grad_weight)``, each ``None`` where not asked for. The bias gradient is the output
+    gradient summed over batch and positions, which the caller forms.
+    """
+    k, kk = geometry.kernel_size, geometry.kernel_size ** 2
+    batch, channels = x.shape[0], x.shape[1]
+    ho, wo = _output_size(x, k, stride, dilation)
+    out_channels = weight.shape[0]
+    cg, og = channels // groups, out_channels // groups
+    sorted_values, order = _sort_segments(_samples(x, geometry, stride, dilation, (ho, wo)), geometry)
+    grad_out = grad_output.reshape(batch, groups, og, ho, wo).to(sorted_values.dtype)
+    grad_x = grad_weight = None
+    if need_weight:
+        cols = sorted_values.reshape(batch, groups, cg, ho, wo, kk)
+        grad_slots = torch.einsum("bgohw,bgchws->gocs", grad_out, cols).reshape(out_channels, cg, kk)
+        # slot s multiplies kernel position slot_to_grid[s]
+        grad_weight = torch.zeros_like(grad_slots).index_copy_(2, geometry.slot_to_grid.to(weight.device), grad_slots)
+        grad_weight = grad_weight.reshape(weight.shape).to(weight.dtype)
+    if need_input:
+        w = slot_weight(weight, geometry).reshape(groups, og, cg, kk).to(sorted_values.dtype)
+        grad_sorted = torch.einsum("bgohw,gocs->bgchws", grad_out, w).reshape(sorted_values.shape)
+        grad_samples = torch.zeros_like(grad_sorted).scatter_(-1, order, grad_sorted)
+        if geometry.sampling != "square":
+            interpolation = geometry.interpolation.to(device=x.device, dtype=grad_samples.dtype)
+            grad_samples = torch.matmul(grad_samples, interpolation)  # back to row-major window positions
+        grad_x = torch.zeros(x.shape, dtype=grad_samples.dtype, device=x.device)
+        order_of_window = ring_grid_offsets(k) if geometry.sampling == "square" else row_major_offsets(k)
+        n = k // 2
+        (sh, sw), (dh, dw) = stride, dilation
+        for q, (dy, dx) in enumerate(order_of_window):
+            top, left = (dy + n) * dh, (dx + n) * dw
+            grad_x[:, :, top: top + (ho - 1) * sh + 1: sh, left: left + (wo - 1) * sw + 1: sw] += grad_samples[..., q]
+        grad_x = grad_x.to(x.dtype)
+    return grad_x, grad_weight

@@ -1,0 +1,130 @@
+#!/usr/bin/env bash
+# Everything the CUDA issue needs measured, for a session with a lent GPU (the `device` tool's `run`).
+#
+# Once, here (a machine with PyPI; from the repository root):
+#     bash scripts/gpu_check.sh prepare
+# downloads the timm wheel this package needs (the GPU image has an older timm), copies MNIST, and keeps both
+# out of git (.git/info/exclude): .carry/wheels and .carry/mnist. Then, on the device, one call (10 minutes
+# at most per call, so the stages run in order of priority and each is cut off at the time left):
+#     run(command="bash scripts/gpu_check.sh", carry=[".carry"])
+# or name the stages: tests warmup table profile models throughput mnist (default: all but mnist). Results are
+# written to $OUT (the device returns at most 8 files): <stage>.log (the benchmark stages' logs are their
+# markdown tables), summary.txt with the versions and each stage's status and time, and triton_cache.tgz:
+# the compiled kernels (minutes of compiling for the 7x7 backward kernels). Copy it to .carry/ before the
+# next call, which then starts from it (a machine given back loses its files).
+#
+# Stages:
+#   tests       the Triton backend's tests natively on the GPU (tests/test_triton_backend.py, in 8 pytest-xdist
+#               workers so that kernels compile in parallel; the 9x9 cases, whose kernels take minutes to
+#               compile, are left to the interpreter run on the CPU), and the CUDA test of test_sort_conv.py
+#               with backend="auto" taking the Triton backend
+#   warmup      compiles every kernel the table needs, in parallel processes (Triton's compile takes tens
+#               of seconds per 7x7 kernel; its cache then serves the timed runs)
+#   table       the issue's table: its five shapes x 4 variants x k 3, 5, 7, float32 and bf16/fp16 autocast,
+#               the Triton paths auto/fused/columns and the reference path
+#   profile     torch.profiler's kernel times of forward+backward at the issue's first shape (k = 7) and a
+#               3x3 shape, float32 and bf16: where the time goes (sorting kernels, cuBLAS, F.fold)
+#   models      the SortConv2d layers of scnn_p_rs_7, ri_resnet18 and ri_densenet40
+#   throughput  training steps of the three models against their *_baseline twins
+#   mnist       the paper's MNIST protocol (scripts/configs/mnist_scnn.yaml, 100 epochs) on the Triton
+#               backend; $OUT/mnist_run gets its last checkpoint, summary.csv and args.yaml. It takes more
+#               than one call: copy $OUT/mnist_run to .carry/mnist_run and call again to resume from it
+set -uo pipefail
+
+WHEELS=.carry/wheels
+PYTHON=${PYTHON:-python3}  # on the GPU image, python3 is the one with PyTorch
+TIMM_VERSION=1.0.31
+DEADLINE=${GPU_CHECK_SECONDS:-570}  # the device's per-call limit is 600 s
+START=$(date +%s)
+
+if [ "${1:-}" = "prepare" ]; then
+    exclude="$(git rev-parse --git-common-dir)/info/exclude"
+    grep -qx '/.carry/' "$exclude" 2>/dev/null || echo '/.carry/' >> "$exclude"
+    mkdir -p "$WHEELS" .carry/mnist
+    python3 -m pip download --no-deps --only-binary=:all: -d "$WHEELS" "timm==$TIMM_VERSION"
+    cp /work/shared/data/mnist/* .carry/mnist/ 2>/dev/null || echo "no MNIST at /work/shared/data/mnist: the mnist stage will need --data-dir"
+    du -sh .carry
+    exit 0
+fi
+
+OUT=${OUT:-$PWD/gpu_check_out}
+mkdir -p "$OUT"
+STAGES=${*:-tests warmup table profile models throughput}
+
+if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \
+        || { echo "installing the carried wheels failed" | tee -a "$OUT/summary.txt"; exit 1; }
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=/tmp/torch_extensions TRITON_CACHE_DIR=/tmp/triton_cache
+[ -f .carry/triton_cache.tgz ] && tar xzf .carry/triton_cache.tgz -C /tmp
+{
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    $PYTHON -c "import torch, triton, timm; print('torch', torch.__version__, 'triton', triton.__version__, 'timm', timm.__version__, 'cuda', torch.cuda.is_available())"
+    git log -1 --format='commit %H %s' 2>/dev/null
+} 2>&1 | tee "$OUT/summary.txt"
+
+BENCH="$PYTHON scripts/bench_sortconv.py --device cuda"
+VARIANTS=(polar-ring polar-global square-ring square-global)
+
+left() { echo $(( DEADLINE - ($(date +%s) - START) )); }
+
+stage() {  # stage NAME COMMAND...: runs it with the time left, output to $OUT/NAME.log, status to summary.txt
+    local name=$1; shift
+    local budget; budget=$(left)
+    if [ "$budget" -lt 20 ]; then
+        echo "$name: not run (time left ${budget} s)" | tee -a "$OUT/summary.txt"
+        return
+    fi
+    local begin; begin=$(date +%s)
+    timeout "$budget" bash -c "$*" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "$name: rc $rc ($([ $rc -eq 124 ] && echo 'cut off at the time limit' || echo done)), $(( $(date +%s) - begin )) s" \
+        | tee -a "$OUT/summary.txt"
+    tail -n 5 "$OUT/$name.log"
+}
+
+for name in $STAGES; do
+    case $name in
+    tests)
+        workers=$($PYTHON -c "import xdist" 2>/dev/null && echo "-n 8")
+        stage tests "$PYTHON -m pytest -q -p no:cacheprovider $workers tests/test_triton_backend.py -k 'not 9-' && TIMM_SORTCONV_TRITON_AUTO=1 $PYTHON -m pytest -q -p no:cacheprovider tests/test_sort_conv.py -k cuda" ;;
+    warmup)
+        # One process per variant and kernel size, each running every call of the table once, untimed.
+        jobs=()
+        for variant in "${VARIANTS[@]}"; do
+            for k in 3 5 7; do
+                jobs+=("$BENCH --shapes gpu --variants $variant --kernel-sizes $k --precisions fp32,bf16,fp16 --triton-paths auto,fused,columns --repeats 0 --skip-reference > /dev/null")
+            done
+            jobs+=("$BENCH --shapes scnn_p_rs_7,ri_resnet18,ri_densenet40 --variants $variant --precisions fp32,bf16 --repeats 0 --skip-reference > /dev/null")
+        done
+        printf '%s\n' "${jobs[@]}" > /tmp/warmup_jobs.txt
+        stage warmup "xargs -P 12 -I{} bash -c '{}' < /tmp/warmup_jobs.txt" ;;
+    table)
+        stage table "$BENCH --shapes gpu --kernel-sizes 3,5,7 --precisions fp32,bf16,fp16 --triton-paths auto,fused,columns --repeats 20" ;;
+    profile)
+        stage profile "$BENCH --shapes gpu --variants polar-ring,square-global --precisions fp32,bf16 --repeats 3 --skip-reference --profile" ;;
+    models)
+        stage models "$BENCH --shapes scnn_p_rs_7,ri_resnet18,ri_densenet40 --precisions fp32,bf16 --repeats 20 --skip-reference" ;;
+    throughput)
+        stage throughput "$BENCH --shapes none --throughput --precisions fp32,bf16 --steps 20" ;;
+    mnist)
+        resume=""
+        [ -f .carry/mnist_run/last.pth.tar ] && resume="--resume .carry/mnist_run/last.pth.tar"
+        stage mnist "TIMM_SORTCONV_TRITON_AUTO=1 $PYTHON scripts/train.py -c scripts/configs/mnist_scnn.yaml --data-dir .carry/mnist --output /tmp/train --experiment mnist_run $resume"
+        mkdir -p "$OUT/mnist_run"
+        cp /tmp/train/mnist_run/{last.pth.tar,summary.csv,args.yaml} "$OUT/mnist_run/" 2>/dev/null ;;
+    *)
+        echo "unknown stage $name; accepted: prepare tests warmup table profile models throughput mnist" | tee -a "$OUT/summary.txt" ;;
+    esac
+done
+if [ -d /tmp/triton_cache ]; then
+    tar czf "$OUT/triton_cache.tgz" -C /tmp triton_cache
+    if [ "$(stat -c %s "$OUT/triton_cache.tgz")" -gt $((15 << 20)) ]; then  # the device returns files up to 16 MiB
+        rm "$OUT/triton_cache.tgz"
+        echo "triton_cache.tgz left out: over 15 MiB" | tee -a "$OUT/summary.txt"
+    fi
+fi
+echo "total $(( $(date +%s) - START )) s" | tee -a "$OUT/summary.txt"

@@ -1,0 +1,171 @@
+#!/usr/bin/env python3
+"""Compile the Triton backend's kernels for an NVIDIA GPU on any machine, and report what they cost.
+
+No GPU is needed: Triton compiles for a named target (``--arch 90``: the H100) with the ``ptxas`` it ships,
+and ``cuobjdump`` (also shipped) reads the binary. For every kernel, geometry and dtype asked for, with the
+launch settings the backend uses (``triton_backend.launch_settings``), it prints registers per thread,
+spilled bytes (stack frame), shared memory, SASS instruction counts (all, min/max, matrix instructions,
+global loads/stores, atomics) and the compile time (CPU seconds of this process and of the ptxas it runs,
+which other processes on a busy machine disturb far less than the elapsed time). A kernel that fails to compile is reported with the
+first line of its error and makes the script exit with status 1.
+
+Examples:
+    python scripts/triton_kernel_report.py                                  # every kernel, k = 3, 5, 7
+    python scripts/triton_kernel_report.py --k 7 --variants polar-ring --kernels fused_forward_kernel \\
+        --dtypes float32,bfloat16 --out-per-group 32,64,128
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Dict, List
+
+import torch
+
+VARIANTS = ("polar-ring", "polar-global", "square-ring", "square-global")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float64: "*fp64"}
+# Buffers the backend allocates in the accumulation dtype (float32, float64 for float64) whatever the input's.
+ACCUMULATED = {"windows_ptr", "grad_x_ptr", "grad_w_ptr"}
+SASS_GROUPS = {"min/max": ("FMNMX", "DMNMX", "HMNMX2"), "mma": ("HGMMA", "HMMA", "DMMA"), "ld.global": ("LDG",),
+               "st.global": ("STG",), "atomics": ("RED", "ATOM", "ATOMG")}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--k", default="3,5,7", help="comma-separated odd kernel sizes (up to 9)")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated sampling-sorting variants")
+    parser.add_argument("--kernels", default=None, help="comma-separated kernel names (default: all)")
+    parser.add_argument("--dtypes", default="float32", help=f"comma-separated input dtypes: {', '.join(DTYPES)}")
+    parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 90 (H100), 80 (A100)")
+    parser.add_argument("--in-per-group", type=int, default=32, help="input channels per group (fused kernel)")
+    parser.add_argument("--out-per-group", default="32", help="comma-separated outputs per group (block sizes)")
+    parser.add_argument("--groups", type=int, default=1, help="groups (direct kernels' block sizes)")
+    args = parser.parse_args(argv)
+    from timm_sortconv.ops.triton_backend import KERNELS
+
+    args.k = [int(k) for k in args.k.split(",")]
+    args.variants = args.variants.split(",")
+    args.kernels = args.kernels.split(",") if args.kernels else list(KERNELS)
+    args.dtypes = args.dtypes.split(",")
+    args.out_per_group = [int(o) for o in args.out_per_group.split(",")]
+    for name, given, accepted in (("variant", args.variants, VARIANTS), ("kernel", args.kernels, KERNELS),
+                                  ("dtype", args.dtypes, tuple(DTYPES))):
+        for value in given:
+            if value not in accepted:
+                parser.error(f"unknown {name} {value!r}; accepted: {', '.join(accepted)}")
+    for k in args.k:
+        if k % 2 == 0 or not 1 <= k <= 9:
+            parser.error(f"--k takes odd sizes from 1 to 9, got {k}")
+    return args
+
+
+def signature(fn, dtype: torch.dtype) -> Dict[str, str]:
+    """Argument types as the backend passes them: pointers of the input's dtype (accumulation buffers of
+    float32, or float64), 32-bit integers, and the constexprs."""
+    accumulate = POINTER_TYPES[torch.float64 if dtype == torch.float64 else torch.float32]
+    types = {}
+    for param in fn.params:
+        if param.is_constexpr:
+            types[param.name] = "constexpr"
+        elif param.name.endswith("_ptr"):
+            types[param.name] = accumulate if param.name in ACCUMULATED else POINTER_TYPES[dtype]
+        else:
+            types[param.name] = "i32"
+    return types
+
+
+def sass_counts(sass: str) -> Dict[str, int]:
+    """Instruction counts by opcode (predicates and modifiers stripped)."""
+    counts: Dict[str, int] = {}
+    for match in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass):
+        counts[match.group(1)] = counts.get(match.group(1), 0) + 1
+    return counts
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process and its finished children (ptxas)."""
+    times = os.times()
+    return times.user + times.system + times.children_user + times.children_system
+
+
+def compile_kernel(fn, dtype, meta: dict, arch: int, folder: Path) -> dict:
+    """Compiles ``fn`` with ``meta`` for ``sm_<arch>``; returns the report's cells."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    constexprs = {name: value for name, value in meta.items() if name not in ("num_warps", "num_stages")}
+    start = cpu_seconds()
+    compiled = triton.compile(ASTSource(fn=fn, signature=signature(fn, dtype), constexprs=constexprs),
+                              target=GPUTarget("cuda", arch, 32),
+                              options={"num_warps": meta["num_warps"], "num_stages": meta["num_stages"]})
+    seconds = cpu_seconds() - start
+    cubin = folder / "kernel.cubin"
+    cubin.write_bytes(compiled.asm["cubin"])
+    usage = subprocess.run([str(tools / "cuobjdump"), "-res-usage", str(cubin)], capture_output=True, text=True,
+                           check=True).stdout
+    resources = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", usage))
+    counts = sass_counts(subprocess.run([str(tools / "cuobjdump"), "-sass", str(cubin)], capture_output=True,
+                                        text=True, check=True).stdout)
+    cells = {"regs": resources.get("REG", "?"), "spill B": resources.get("STACK", "?"),
+             "shared B": compiled.metadata.shared, "SASS": sum(counts.values())}
+    for group, opcodes in SASS_GROUPS.items():
+        cells[group] = sum(counts.get(op, 0) for op in opcodes)
+    cells["compile CPU s"] = f"{seconds:.1f}"
+    return cells
+
+
+def blocks(meta: dict) -> str:
+    return " ".join(f"{name[6:]}={value}" for name, value in meta.items() if name.startswith("BLOCK_")) + \
+        f" w={meta['num_warps']}"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import triton
+
+    from timm_sortconv.ops.geometry import get_geometry
+    from timm_sortconv.ops.triton_backend import launch_settings
+    from timm_sortconv.ops.triton_backend.source import load_kernels
+
+    print(f"Triton {triton.__version__}, torch {torch.__version__}, target sm_{args.arch}\n")
+    columns = ["kernel", "k", "variant", "dtype", "blocks", "regs", "spill B", "shared B", "SASS",
+               *SASS_GROUPS, "compile CPU s"]
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+    failed = False
+    with tempfile.TemporaryDirectory() as folder:
+        for kernel in args.kernels:
+            outputs = args.out_per_group if kernel in ("fused_forward_kernel", "direct_forward_kernel",
+                                                       "direct_backward_kernel") else args.out_per_group[:1]
+            for k in args.k:
+                for variant in args.variants:
+                    geometry = get_geometry(k, *variant.split("-"))
+                    fn = load_kernels(geometry)[kernel]
+                    for dtype_name in args.dtypes:
+                        dtype = DTYPES[dtype_name]
+                        for out_per_group in outputs:
+                            meta = launch_settings(kernel, geometry, dtype, args.groups, args.in_per_group,
+                                                   out_per_group)
+                            row: List[str] = [kernel, str(k), variant, dtype_name, blocks(meta)]
+                            try:
+                                cells = compile_kernel(fn, dtype, meta, args.arch, Path(folder))
+                                row += [str(cells[name]) for name in columns[5:]]
+                            except Exception as error:  # report every kernel, then fail
+                                failed = True
+                                message = str(error).strip().splitlines()
+                                row.append(f"FAILED: {type(error).__name__}: {message[0] if message else ''}"[:200])
+                            print("| " + " | ".join(row) + " |", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

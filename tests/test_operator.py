@@ -1,0 +1,199 @@
+"""SC as a registered PyTorch operator: its registrations, double backward, torch.compile with the fast
+kernel, TorchScript, torch.export, autocast, and the backend reaching every layer of a model."""
+import dataclasses
+import warnings
+
+import pytest
+import timm
+import torch
+import torch.nn as nn
+
+import timm_sortconv  # noqa: F401  (registers the models)
+from timm_sortconv import SortConv2d, SortConv2dSame, sort_conv2d, sortify
+from timm_sortconv.ops import backends
+from timm_sortconv.ops.operator import sort_conv2d_op
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+VARIANTS = [(s, o) for s in ("square", "polar") for o in ("ring", "global")]
+VARIANT_IDS = [f"{s}-{o}" for s, o in VARIANTS]
+
+
+def randn(*shape, seed=0, dtype=torch.float64):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def fast_backend():
+    """The name of the CPU kernel's backend where it can run here, else skip."""
+    if "cpu" not in timm_sortconv.available_backends():
+        pytest.skip("the fused CPU backend is not available here")
+    return "cpu"
+
+
+@pytest.fixture
+def count_calls(monkeypatch):
+    """Replaces a backend's kernels by counting wrappers; returns the counts by kernel."""
+    def install(name):
+        counts = {"forward": 0, "backward": 0}
+        original = backends._BACKENDS[name]
+
+        def counted(kind, kernel):
+            def wrapper(*args, **kwargs):
+                counts[kind] += 1
+                return kernel(*args, **kwargs)
+            return wrapper
+
+        monkeypatch.setitem(backends._BACKENDS, name, dataclasses.replace(
+            original, forward=counted("forward", original.forward), backward=counted("backward", original.backward)))
+        return counts
+    return install
+
+
+@pytest.mark.parametrize("backend,dtype", [("reference", torch.float64), ("cpu", torch.float32)])
+def test_opcheck(backend, dtype):
+    """torch.library's own checks: schema, fake (meta) kernel against the real one, autograd registration,
+    and the operator inside AOTAutograd, with and without bias and padding."""
+    if backend == "cpu":
+        fast_backend()
+    x = randn(2, 3, 9, 8, dtype=dtype).requires_grad_()
+    weight = randn(4, 3, 5, 5, seed=1, dtype=dtype).requires_grad_()
+    bias = randn(4, seed=2, dtype=dtype).requires_grad_()
+    for args in ((x, weight, bias, [1, 1], [2, 2, 2, 2], [1, 1], 1, "polar", "ring", backend),
+                 (x, weight, None, [2, 1], [0, 0, 0, 0], [1, 1], 1, "square", "global", backend)):
+        torch.library.opcheck(sort_conv2d_op, args)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("sampling,sorting", VARIANTS, ids=VARIANT_IDS)
+def test_double_backward(sampling, sorting, backend):
+    """Second derivatives (gradient penalties, Hessian-vector products) are right on every backend."""
+    if backend == "cpu":
+        fast_backend()
+    layer = SortConv2d(2, 2, 3, padding=1, sampling=sampling, sorting=sorting, backend=backend).double()
+    x = randn(1, 2, 4, 4).requires_grad_()
+    assert torch.autograd.gradgradcheck(lambda x, w, b: layer._conv_forward(x, w, b), (x, layer.weight, layer.bias),
+                                        fast_mode=True)
+
+
+def test_a_gradient_penalty_reaches_the_weights():
+    """The gradient of an input-gradient penalty: what a silently detached input gradient would lose."""
+    backend = fast_backend()
+    grads = {}
+    for name in ("reference", backend):
+        torch.manual_seed(0)
+        layer = SortConv2d(2, 3, 5, padding=2, backend=name).double()
+        x = randn(2, 2, 8, 8).requires_grad_()
+        (grad_x,) = torch.autograd.grad(layer(x).square().sum(), x, create_graph=True)
+        assert grad_x.requires_grad
+        grad_x.square().sum().backward()
+        grads[name] = layer.weight.grad
+    assert grads[backend].abs().sum() > 0
+    torch.testing.assert_close(grads[backend], grads["reference"], rtol=1e-9, atol=1e-9)
+
+
+def test_only_the_input_and_the_weight_are_kept_for_backward():
+    x, weight = randn(2, 3, 8, 8).requires_grad_(), randn(4, 3, 5, 5, seed=1).requires_grad_()
+    for backend in timm_sortconv.available_backends():
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            sort_conv2d(x, weight, padding=2, backend=backend)
+        assert {id(t) for t in saved} == {id(x), id(weight)}, backend
+
+
+def small_model(backend="auto"):
+    torch.manual_seed(0)
+    return nn.Sequential(
+        SortConv2d(2, 4, 5, padding=2, backend=backend),
+        nn.ReLU(),
+        SortConv2d(4, 3, 3, stride=2, padding=1, sorting="global", backend=backend),
+    )
+
+
+def test_compile_runs_the_fast_kernel_without_graph_breaks_or_recompiling(count_calls):
+    """fullgraph=True (no graph break), dynamic shapes (one graph for every batch size), and the CPU kernel
+    called at run time, forward and backward."""
+    backend = fast_backend()
+    counts = count_calls(backend)
+    model = small_model()
+    torch._dynamo.reset()  # compiled modules share one code object: no entries left by other tests
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for batch in (3, 4, 6):  # none equal to another size of the call (dynamo would pair them)
+            x = randn(batch, 2, 12, 12, dtype=torch.float32)
+            out = compiled(x)
+            expected = model(x)
+            torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+            out.sum().backward()
+    assert counts["forward"] >= 2 * 3 * 2 and counts["backward"] >= 2 * 3
+
+
+def test_inductor_keeps_the_operator(count_calls):
+    """Inductor compiles around the operator and calls the kernel; it does not decompose it."""
+    backend = fast_backend()
+    counts = count_calls(backend)
+    layer = SortConv2d(2, 3, 3, padding=1)
+    x = randn(2, 2, 8, 8, dtype=torch.float32)
+    compiled = torch.compile(layer, fullgraph=True)
+    torch.testing.assert_close(compiled(x), layer(x), rtol=1e-5, atol=1e-5)
+    assert counts["forward"] == 2
+
+
+@pytest.mark.parametrize("layer", [SortConv2d(3, 4, 5, padding=2, padding_mode="reflect"),
+                                   SortConv2d(3, 4, 3, padding="same", sampling="square"),
+                                   SortConv2dSame(3, 4, 3, stride=2)], ids=["reflect", "same", "dynamic-same"])
+def test_torchscript_script_and_trace_call_the_operator(layer):
+    x = randn(2, 3, 11, 11, dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TorchScript's deprecation notice
+        scripted = torch.jit.script(layer)
+        traced = torch.jit.trace(layer, x)
+    expected = layer(x)
+    other = randn(1, 3, 13, 12, dtype=torch.float32, seed=3)
+    for module in (scripted, traced):
+        torch.testing.assert_close(module(x), expected)
+        torch.testing.assert_close(module(other), layer(other))
+        assert "timm_sortconv::sort_conv2d" in str(module.inlined_graph)
+    torch.testing.assert_close(scripted(x[0]), expected[0])  # unbatched input, as nn.Conv2d
+
+
+def test_export_keeps_the_operator():
+    model = small_model().eval()
+    x = randn(2, 2, 12, 12, dtype=torch.float32)
+    batch = torch.export.Dim("batch", min=1, max=64)
+    program = torch.export.export(model, (x,), dynamic_shapes=({0: batch},))
+    targets = [str(node.target) for node in program.graph.nodes if node.op == "call_function"]
+    assert targets.count("timm_sortconv.sort_conv2d.default") == 2, targets
+    other = randn(5, 2, 12, 12, dtype=torch.float32, seed=4)
+    torch.testing.assert_close(program.module()(other), model(other))
+
+
+def test_autocast_on_the_cpu_computes_in_float32_with_the_kernel(count_calls):
+    backend = fast_backend()
+    counts = count_calls(backend)
+    layer = SortConv2d(4, 6, 5, padding=2)
+    x = randn(2, 4, 10, 10, dtype=torch.float32).requires_grad_()
+    expected = layer(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(x)
+    assert out.dtype == torch.bfloat16 and counts["forward"] == 2
+    # float32 inside: only the output's rounding to bfloat16 differs
+    torch.testing.assert_close(out.float(), expected.bfloat16().float())
+    out.float().sum().backward()
+    assert counts["backward"] == 1 and x.grad is not None
+
+
+@pytest.mark.parametrize("name", ["scnn_p_rs_3", "ri_resnet18", "ri_vgg16", "ri_densenet40"])
+def test_create_model_passes_the_backend_to_every_layer(name):
+    model = timm.create_model(name, backend="reference")
+    layers = [m for m in model.modules() if isinstance(m, SortConv2d)]
+    assert layers and all(m.backend == "reference" for m in layers)
+    with pytest.raises(ValueError, match="unknown backend"):
+        timm.create_model(name, backend="fastest")
+
+
+def test_sortify_passes_the_backend_to_every_layer():
+    model = sortify(timm.create_model("resnet18"), backend="reference")
+    layers = [m for m in model.modules() if isinstance(m, SortConv2d)]
+    assert len(layers) == 17 and all(m.backend == "reference" for m in layers)
+    with pytest.raises(ValueError, match="unknown backend"):
+        sortify(timm.create_model("resnet18"), backend="fastest")

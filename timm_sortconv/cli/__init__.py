@@ -1,0 +1,60 @@
+"""The command-line tools, runnable as ``python -m timm_sortconv.cli.<tool>`` or ``python scripts/<tool>.py``.
+
+* :mod:`.train`: train any timm model (the SC zoo included) on timm's parts, resumable;
+* :mod:`.validate`: accuracy of a model (and a baseline) over a rotation sweep, with table, CSV and plot;
+* :mod:`.demo`: the main job: an SCNN and its plain twin trained on MNIST and swept over rotations;
+* :mod:`.mnist_results`: one row of RESULTS.md (train, MNIST test, MNIST-rot) as JSON, CSV and plot;
+* :mod:`.model_cards`: the model cards of published weights, from those rows;
+* :mod:`.invariance`: the feature-change sweep of models at random initialisation.
+
+:func:`run` is how each tool starts: a problem with the user's input (a missing data folder, a bad
+option value) ends the process with one ``error:`` line, without a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable, Optional, Sequence
+
+__all__ = ["CommandError", "add_data_args", "add_input_args", "run"]
+
+
+class CommandError(Exception):
+    """A problem with a tool's input that the user can fix; :func:`run` prints it as one line."""
+
+
+def run(main: Callable[[Optional[Sequence[str]]], object], argv: Optional[Sequence[str]] = None) -> None:
+    """Runs ``main(argv)`` with timm's logging, turning input errors into ``error: ...`` and exit status 2."""
+    from timm import utils
+
+    from ..data import DatasetLayoutError
+
+    utils.setup_default_logging()
+    try:
+        main(argv)
+    except (CommandError, DatasetLayoutError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def add_data_args(group: argparse._ArgumentGroup) -> None:
+    """The data-set options the training and evaluation tools share, with timm's names."""
+    group.add_argument("--data-dir", metavar="DIR", help="data folder")
+    group.add_argument("--dataset", metavar="NAME", default="",
+                       help="sortconv/mnist, sortconv/mnist_rot, sortconv/outex12, sortconv/nwpu45, or a timm dataset "
+                            "name (empty: image folder)")
+    group.add_argument("--dataset-download", action="store_true", default=False,
+                       help="download the data set if missing (MNIST, timm torch/ data sets)")
+    group.add_argument("--class-map", default="", type=str, metavar="FILENAME", help="class map for image folders")
+
+
+def add_input_args(group: argparse._ArgumentGroup) -> None:
+    """The options that override a model's classes and its data config, with timm's names."""
+    group.add_argument("--num-classes", type=int, default=None, metavar="N", help="classes (model default if unset)")
+    group.add_argument("--in-chans", type=int, default=None, metavar="N", help="input channels (model default if unset)")
+    group.add_argument("--input-size", default=None, nargs=3, type=int, metavar="N N N", help="input C H W")
+    group.add_argument("--crop-pct", default=None, type=float, metavar="N",
+                       help="evaluation centre crop fraction (1.0 for sortconv/ data sets, else the model's)")
+    group.add_argument("--mean", type=float, nargs="+", default=None, metavar="MEAN", help="normalisation mean")
+    group.add_argument("--std", type=float, nargs="+", default=None, metavar="STD", help="normalisation std")
+    group.add_argument("--interpolation", default="", type=str, metavar="NAME", help="resize interpolation")

@@ -1,0 +1,282 @@
+"""One row of RESULTS.md: train an SCNN on MNIST, then measure it on the MNIST test set and on MNIST-rot.
+
+Runs three ordinary commands (in this process), printed as they start, and skips what is already done (a
+finished run is not retrained, an interrupted one resumes)::
+
+    scripts/train.py    -c scripts/configs/mnist_scnn_short.yaml --model MODEL ...     -> <runs>/<name>/
+    scripts/validate.py --dataset sortconv/mnist --split test ...                      -> MNIST test accuracy
+    scripts/validate.py --dataset sortconv/mnist_rot --split test ... --plot           -> MNIST-rot, per angle
+
+and writes ``<results>/<name>.json`` (the numbers and the commands), ``<name>.csv`` (accuracy per
+angle) and ``<name>.png`` (the per-angle plot, with ``--compare`` rows drawn beside). MNIST-rot is the
+10,000 test images at 0, 10, ..., 350 degrees (360,000 images); ``--rot-samples N`` sweeps a fixed
+random N of them instead (the same N images for every model with the same ``--seed``).
+``--table`` prints the Markdown table of every row in ``<results>``. Options this tool does not know
+go to ``scripts/train.py`` as they are (for instance ``--lr 1e-3``), checked by its parser first, and are
+recorded in the JSON. A finished run is reused only if it was trained with the same settings. The JSON's
+``train_minutes`` is the wall time of the run's last training session (a resumed run counts from the resume).
+
+Examples::
+
+    python scripts/mnist_results.py --model scnn_p_rs_7 --data-dir DATA/mnist
+    python scripts/mnist_results.py --model scnn_p_rs_7 --model-kwargs downsample=avg --name scnn_p_rs_7-avgpool \\
+        --data-dir DATA/mnist --rot-samples 2000 --compare scnn_p_rs_7
+    python scripts/mnist_results.py --table
+"""
+import argparse
+import csv
+import glob
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+from ..invariance import read_sweep_csv
+from . import CommandError, run
+from . import train as train_tool
+from . import validate as validate_tool
+
+# This tool makes the rows of the repository's RESULTS.md: its defaults are the clone's scripts/configs/ and
+# results/ folders.
+REPO = str(Path(__file__).resolve().parents[2])
+CONFIGS = os.path.join(REPO, "scripts", "configs")
+
+# The paper's figures (Mo & Zhao 2024, section III-A and Table 1; 100 epochs), (MNIST, MNIST-rot) in %,
+# for the models it reports; None where it gives none.
+PAPER = {
+    "scnn_baseline_7": (99.43, 44.53), "scnn_p_rs_7": (99.04, 95.05), "scnn_p_rs_5": (None, 93.92),
+    "scnn_p_rs_3": (None, 88.98), "scnn_s_rs_7": (None, 92.63), "scnn_s_rs_5": (None, 87.60),
+}
+
+parser = argparse.ArgumentParser(description="Train an SCNN on MNIST and measure it on MNIST and MNIST-rot")
+parser.add_argument("--model", metavar="MODEL", help="registered model, e.g. scnn_p_rs_7")
+parser.add_argument("--model-kwargs", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="model arguments (scripts/train.py --model-kwargs), e.g. downsample=avg")
+parser.add_argument("--name", default="", help="name of the row, run and files (default: the model name)")
+parser.add_argument("--data-dir", metavar="DIR", help="folder with the MNIST IDX files")
+parser.add_argument("--config", default=os.path.join(CONFIGS, "mnist_scnn_short.yaml"), metavar="YAML",
+                    help="training preset (default: configs/mnist_scnn_short.yaml)")
+parser.add_argument("--epochs", type=int, default=None, metavar="N", help="epochs (default: the preset's)")
+parser.add_argument("--seed", type=int, default=42, metavar="S", help="training seed and --rot-samples slice seed")
+parser.add_argument("--runs", default=os.path.join("output", "mnist"), metavar="DIR", help="training runs go here")
+parser.add_argument("--results", default=os.path.join(REPO, "results", "mnist"), metavar="DIR",
+                    help="JSON, CSV and PNG go here (default: results/mnist)")
+parser.add_argument("--rot-samples", type=int, default=None, metavar="N",
+                    help="sweep N random test images instead of all 10,000")
+parser.add_argument("--compare", nargs="+", default=[], metavar="NAME",
+                    help="rows already in --results to draw beside this one (same --rot-samples and --seed)")
+parser.add_argument("-j", "--workers", type=int, default=1, metavar="N", help="data loading processes")
+parser.add_argument("--table", action="store_true", help="print the Markdown table of --results and exit")
+
+
+def run_tool(tool, command):
+    """Runs a tool's ``main`` on ``command`` (``[python, script, *argv]``) in this process, printing it first."""
+    print("\n$ " + relative(command), flush=True)
+    return tool.main(command[2:])
+
+
+def read_csv(path):
+    """The one model's per-angle accuracies in a CSV written by validate.py --results-csv."""
+    (per_angle,) = read_sweep_csv(path).values()
+    return per_angle
+
+
+def summary_rows(run_dir):
+    path = os.path.join(run_dir, "summary.csv")
+    if not os.path.isfile(path):
+        return []
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+# train.py options this script sets itself; passing them through would move or redefine the run.
+OWN_TRAIN_OPTIONS = ("-c", "--config", "--output", "--experiment", "--resume", "--model", "--data-dir")
+# Settings that may differ between a finished run and a request to measure it again.
+INCIDENTAL = {"resume", "workers", "log_interval", "recovery_interval", "output", "experiment", "data_dir",
+              "config", "checkpoint_hist"}
+
+
+def train_settings(command):
+    """The settings ``command`` (a train.py command line) would train with, as train.py's parser resolves
+    them; an option train.py does not know (a typo) stops here, before anything runs."""
+    import yaml
+
+    _, text = train_tool.parse_args(command[2:])
+    return yaml.safe_load(text)
+
+
+def train(args, train_extra, name, run_dir, epochs):
+    """Trains (or resumes) the run unless all its epochs are done; returns the training command."""
+    clashing = [a for a in train_extra if a.split("=")[0] in OWN_TRAIN_OPTIONS]
+    if clashing:
+        parser.error(f"{clashing[0]} is set by this script (the run is <runs>/<name>); use --name, --runs or "
+                     "--config instead")
+    command = [sys.executable, os.path.join(REPO, "scripts", "train.py"), "-c", args.config, "--model", args.model,
+               "--data-dir", args.data_dir, "--seed", str(args.seed), "-j", str(args.workers),
+               "--output", args.runs, "--experiment", name, "--log-interval", "200"]
+    if args.epochs is not None:
+        command += ["--epochs", str(args.epochs)]
+    if args.model_kwargs:
+        command += ["--model-kwargs", *args.model_kwargs]
+    command += train_extra
+    wanted = train_settings(command)
+    stored_path = os.path.join(run_dir, "args.yaml")
+    if os.path.isfile(stored_path):  # an existing run is reused (or resumed) only with the same settings
+        import yaml
+
+        with open(stored_path) as f:
+            stored = yaml.safe_load(f)
+        changed = sorted(k for k in set(wanted) | set(stored)
+                         if k not in INCIDENTAL and wanted.get(k) != stored.get(k))
+        if changed:
+            parser.error(f"{run_dir} was trained with other settings ("
+                         + ", ".join(f"{k}: {stored.get(k)!r} there, {wanted.get(k)!r} asked" for k in changed[:4])
+                         + "); give this row another --name, or remove that run")
+    if len(summary_rows(run_dir)) >= epochs:
+        print(f"{run_dir}: all {epochs} epochs done, not retraining")
+        return command
+    started = any(f == "last.pth.tar" or f.startswith("recovery-") for f in os.listdir(run_dir)) \
+        if os.path.isdir(run_dir) else False
+    run_tool(train_tool, command + (["--resume", run_dir] if started else []))
+    return command
+
+
+def preset_epochs(args):
+    if args.epochs is not None:
+        return args.epochs
+    import yaml
+
+    with open(args.config) as f:
+        return int(yaml.safe_load(f)["epochs"])
+
+
+def evaluate(args, name, checkpoint):
+    """MNIST test accuracy and the MNIST-rot sweep; returns (mnist %, per-angle %, commands)."""
+    common = ["--model", args.model, "--checkpoint", checkpoint, "--data-dir", args.data_dir, "--split", "test",
+              "-b", "500", "-j", str(args.workers), "--label", name]
+    if args.model_kwargs:
+        common += ["--model-kwargs", *args.model_kwargs]
+    mnist_csv = os.path.join(tempfile.mkdtemp(prefix="mnist_results_"), f"{name}.csv")  # one number: in the JSON
+    validate_script = os.path.join(REPO, "scripts", "validate.py")
+    mnist = [sys.executable, validate_script, "--dataset", "sortconv/mnist", *common,
+             "--results-csv", mnist_csv]
+    rot = [sys.executable, validate_script, "--dataset", "sortconv/mnist_rot", *common,
+           "--results-csv", os.path.join(args.results, f"{name}.csv"),
+           "--plot", os.path.join(args.results, f"{name}.png")]
+    if args.rot_samples:
+        rot += ["--samples", str(args.rot_samples), "--seed", str(args.seed)]
+    if args.compare:
+        rot += ["--compare-csv", *(os.path.join(args.results, f"{other}.csv") for other in args.compare)]
+    try:
+        run_tool(validate_tool, mnist)
+        mnist_accuracy = read_csv(mnist_csv)[0.0]
+    finally:
+        shutil.rmtree(os.path.dirname(mnist_csv), ignore_errors=True)
+    run_tool(validate_tool, rot)
+    # the MNIST command as recorded prints its table instead of writing the temporary CSV
+    return mnist_accuracy, read_csv(os.path.join(args.results, f"{name}.csv")), [mnist[:-2], rot]
+
+
+def check_compared(args):
+    for other in args.compare:
+        path = os.path.join(args.results, f"{other}.json")
+        if not (os.path.isfile(path) and os.path.isfile(os.path.join(args.results, f"{other}.csv"))):
+            parser.error(f"--compare {other}: no {path} and its .csv; run that row first")
+        with open(path) as f:
+            theirs = json.load(f)
+        ours = args.rot_samples or 10000
+        # a slice depends on its seed; the full test set does not
+        same = theirs["mnist_rot_images"] == ours and (ours == 10000 or theirs["seed"] == args.seed)
+        if not same:
+            parser.error(f"--compare {other} swept {theirs['mnist_rot_images']} images (seed {theirs['seed']}), "
+                         f"not {ours} (seed {args.seed}): the curves would not be comparable")
+
+
+def relative(command):
+    """A command as RESULTS.md shows it: scripts by their repository path, python as ``python``."""
+    out = ["python"] + [os.path.relpath(c, REPO) if os.path.isabs(c) and c.startswith(REPO) else c
+                        for c in command[1:]]
+    return " ".join(out)
+
+
+def table(results_dir):
+    rows = []
+    for path in glob.glob(os.path.join(results_dir, "*.json")):
+        with open(path) as f:
+            rows.append(json.load(f))
+
+    def order(row):  # the paper's rows first (baseline, polar before square, ring before global, K down)
+        parts = row["model"].split("_")
+        variant = "_".join(parts[1:-1])
+        rank = ["baseline", "p_rs", "p_gs", "s_rs", "s_gs"]
+        return (bool(row["model_kwargs"]), rank.index(variant) if variant in rank else len(rank),
+                -int(parts[-1]) if parts[-1].isdigit() else 0, row["name"])
+
+    rows.sort(key=order)
+    lines = ["| row | model (kwargs) | epochs | train time | best val | MNIST test | paper | MNIST-rot | paper | "
+             "images swept |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        kwargs = f" ({' '.join(r['model_kwargs'])})" if r["model_kwargs"] else ""
+        paper_mnist, paper_rot = PAPER.get(r["model"], (None, None)) if not r["model_kwargs"] else (None, None)
+        paper = lambda v: f"{v:.2f}%" if v is not None else "-"  # noqa: E731
+        lines.append(f"| {r['name']} | {r['model']}{kwargs} | {r['epochs']} | {r['train_minutes']:.1f} min | "
+                     f"{r['best_val_top1']:.2f}% | {r['mnist_test_top1']:.2f}% | {paper(paper_mnist)} | "
+                     f"{r['mnist_rot_top1']:.2f}% | {paper(paper_rot)} | "
+                     f"{r['mnist_rot_images']:,} x {len(r['angles'])} |")
+    return "\n".join(lines)
+
+
+def row_name(args) -> str:
+    """``--name``, or the model and its ``--model-kwargs`` made into a file name."""
+    return args.name or re.sub(r"[^A-Za-z0-9_.]+", "-", "-".join([args.model, *args.model_kwargs])).strip("-")
+
+
+def main(argv: Optional[Sequence[str]] = None):
+    """Trains and measures one row, or prints the table (see ``--help``); returns the row's record."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, train_extra = parser.parse_known_args(argv)
+    if args.table:
+        print(table(args.results))
+        return None
+    if not (args.model and args.data_dir):
+        parser.error("--model and --data-dir are needed (or --table)")
+    name = row_name(args)
+    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", name):
+        parser.error(f"--name {name!r}: use letters, digits, '-', '_' and '.', not first (it names files)")
+    check_compared(args)
+    os.makedirs(args.results, exist_ok=True)
+    run_dir = os.path.join(args.runs, name)
+    epochs = preset_epochs(args)
+    train_command = train(args, train_extra, name, run_dir, epochs)
+    summary = summary_rows(run_dir)
+    best = max(summary, key=lambda row: float(row["eval_top1"]))
+    # Wall time of the training: from the run's first file to its last summary line.
+    train_seconds = os.path.getmtime(os.path.join(run_dir, "summary.csv")) - os.path.getmtime(
+        os.path.join(run_dir, "args.yaml"))
+    start = time.time()
+    mnist, per_angle, eval_commands = evaluate(args, name, os.path.join(run_dir, "model_best.pth.tar"))
+    record = dict(
+        name=name, model=args.model, model_kwargs=args.model_kwargs, train_args=train_extra,
+        config=os.path.relpath(args.config, REPO),
+        epochs=epochs, seed=args.seed, train_minutes=train_seconds / 60, best_epoch=int(best["epoch"]),
+        best_val_top1=float(best["eval_top1"]), mnist_test_top1=mnist,
+        mnist_rot_top1=sum(per_angle.values()) / len(per_angle), mnist_rot_images=args.rot_samples or 10000,
+        angles=list(per_angle), per_angle_top1=list(per_angle.values()), eval_minutes=(time.time() - start) / 60,
+        commands=[relative(train_command)] + [relative(c) for c in eval_commands],
+        reproduce=relative([sys.executable, os.path.join(REPO, "scripts", "mnist_results.py"), *argv]),
+    )
+    with open(os.path.join(args.results, f"{name}.json"), "w") as f:
+        json.dump(record, f, indent=1)
+    print(f"\n{name}: MNIST {mnist:.2f}%  MNIST-rot {record['mnist_rot_top1']:.2f}% "
+          f"({record['mnist_rot_images']} images x {len(per_angle)} angles)  -> {args.results}/{name}.json")
+    return record
+
+
+if __name__ == "__main__":
+    run(main)

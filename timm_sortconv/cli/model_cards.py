@@ -1,0 +1,199 @@
+"""Write ``model_cards/<model>.md`` for published MNIST SCNN weights from the rows scripts/mnist_results.py wrote.
+
+Every number on a card comes from the row's JSON (measured by ``scripts/mnist_results.py``) or from the
+paper (its figures, labelled as such); the card names the commands that reproduce the row.
+``scripts/push_to_hub.py --model <model>`` uploads the card as the Hub repository's README.md.
+
+Example::
+
+    python scripts/model_cards.py results/mnist/sweep2000/*.json --hub-row results/mnist/full/scnn_p_rs_7-e5.json
+"""
+import argparse
+import json
+import os
+from typing import Optional, Sequence
+
+from . import CommandError, run
+from .mnist_results import PAPER, REPO
+
+SAMPLING = {"s": "square sampling (the window's own pixels, ring r being the 8r pixels of the square at distance r)",
+            "p": "polar sampling (ring r: 8r points evenly spaced on the circle of radius r, bilinearly "
+                 "interpolated)"}
+SORTING = {"rs": "ring sorting (each ring's values sorted on their own)",
+           "gs": "global sorting (all k*k values of the window, the centre included, sorted together and laid "
+                 "back in row-major order)"}
+CITATION = """@article{mo2024sorting,
+  title   = {Sorting Convolution Operation for Achieving Rotational Invariance},
+  author  = {Mo, Hanlin and Zhao, Guoying},
+  journal = {IEEE Signal Processing Letters},
+  year    = {2024},
+  doi     = {10.1109/LSP.2024.3381909},
+  note    = {arXiv:2305.14462}
+}"""
+
+parser = argparse.ArgumentParser(description="Write model cards from mnist_results.py rows")
+parser.add_argument("rows", nargs="+", metavar="JSON", help="rows (results/mnist/...json) of models without kwargs")
+parser.add_argument("--hub-row", nargs="*", default=[], metavar="JSON",
+                    help="rows whose weights are the published ones for their model (override a row in ROWS)")
+parser.add_argument("--out", default=os.path.join(REPO, "model_cards"), metavar="DIR", help="where cards go")
+
+
+def describe(model: str) -> str:
+    _, variant, *rest = model.split("_")
+    k = rest[-1]
+    if variant == "baseline":
+        return (f"the plain-convolution twin of the SCNNs (`nn.Conv2d` everywhere, {k}x{k} kernels in the first "
+                f"four layers): the paper's baseline, not rotation invariant")
+    sampling, sorting = variant, rest[0]
+    rings = ", ".join(str(8 * r) for r in range(1, int(k) // 2 + 1))
+    return (f"an SCNN with Sorting Convolution in all six layers: {SAMPLING[sampling]}, {SORTING[sorting]}; "
+            f"{k}x{k} kernels in the first four layers (rings of {rings} values), 3x3 in the last two")
+
+
+def angle_table(row) -> str:
+    angles, accuracies = row["angles"], row["per_angle_top1"]
+    by_angle = dict(zip(angles, accuracies))
+    quarter = [a for a in angles if a < 90]
+    # An SCNN on 28x28 inputs classifies every image identically at a, a + 90, a + 180 and a + 270 degrees;
+    # where the measured accuracies show exactly that, one quarter says it all.
+    repeats = len(angles) == 4 * len(quarter) and all(
+        by_angle.get(a + 90 * q) == by_angle[a] for a in quarter for q in (1, 2, 3))
+    shown = quarter if repeats else angles
+    lines = []
+    for start in range(0, len(shown), 9):
+        chunk = shown[start:start + 9]
+        lines.append("| angle | " + " | ".join(f"{a:g}" for a in chunk) + " |")
+        lines.append("|---|" + "---|" * len(chunk))
+        lines.append("| top-1 % | " + " | ".join(f"{by_angle[a]:.2f}" for a in chunk) + " |")
+        lines.append("")
+    if repeats:
+        lines.append(f"Measured at all {len(angles)} angles: the accuracy at each angle + 90, + 180 and + 270 degrees "
+                     "is exactly the one shown (the network is exactly invariant to quarter turns).")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def portable(row) -> dict:
+    """The row's commands with its ``--runs`` folder (a machine's path) shown as the default, output/mnist."""
+    words = row["reproduce"].split()
+    if "--runs" not in words:
+        return row
+    i = words.index("--runs")
+    runs = words[i + 1]
+    reproduce = " ".join(words[:i] + words[i + 2:])
+    prefix = runs.rstrip("/") + "/"
+    return {**row, "reproduce": reproduce,
+            "commands": [c.replace(prefix, "output/mnist/") for c in row["commands"]]}
+
+
+SHORT_PRESET = "scripts/configs/mnist_scnn_short.yaml"
+
+
+def schedule(row) -> str:
+    epochs = f"{row['epochs']} epoch{'s' if row['epochs'] != 1 else ''}"
+    extra = row.get("train_args") or []
+    if row["config"] == SHORT_PRESET and not extra:
+        return (f"{epochs}, batch 50, Adam at 2e-3 decayed to zero by a cosine over the updates "
+                f"(`{row['config']}`{', --epochs ' + str(row['epochs']) if row['epochs'] != 1 else ''})")
+    options = f" with `{' '.join(extra)}`" if extra else ""
+    return f"{epochs} of the preset `{row['config']}`{options}"
+
+
+def card(row, params: int) -> str:
+    row = portable(row)
+    model = row["model"]
+    paper_mnist, paper_rot = PAPER.get(model, (None, None))
+    swept = (f"all 10,000 test images x {len(row['angles'])} angles (the paper's full MNIST-rot, 360,000 images)"
+             if row["mnist_rot_images"] == 10000 else
+             f"a fixed random {row['mnist_rot_images']:,} of the 10,000 test images x {len(row['angles'])} angles "
+             f"({row['mnist_rot_images'] * len(row['angles']):,} images; seed {row['seed']})")
+    paper = lambda v: f"{v:.2f}%" if v is not None else "not reported"  # noqa: E731
+    invariant = "" if "baseline" in model else (
+        " Its logits are exactly invariant to rotations by multiples of 90 degrees (28x28 input), and close "
+        "for any other angle.")
+    return f"""---
+library_name: timm
+license: apache-2.0
+tags: [image-classification, timm, rotation-invariance, sorting-convolution]
+datasets: [mnist]
+pipeline_tag: image-classification
+---
+# {model}.mnist
+
+## What it is
+`{model}` is {describe(model)}: six convolutions (32, 32, 64, 64, 128, 128 channels) with BatchNorm and
+ReLU, 2x2 max pooling after the second and fourth, global average pooling and one linear layer;
+{params:,} parameters; input 1x28x28 grayscale, 10 classes (the MNIST digits).{invariant}
+Built with timm-sortconv (the `timm_sortconv` package), which implements the paper below.
+
+## Training
+- Data: the 50,000-image MNIST training split (a seeded 50k/10k split of the 60,000 training images),
+  no augmentation; the epoch with the best top-1 on the other 10,000 (validation) images is kept.
+- Schedule actually run: {schedule(row)}. This is
+  **not** the paper's 100 epochs (Adam 1e-4 x 0.8 every 10 epochs, `scripts/configs/mnist_scnn.yaml`): it is
+  what fits a 2-core CPU. Training took {row['train_minutes']:.1f} minutes there; best epoch {row['best_epoch']}
+  (validation top-1 {row['best_val_top1']:.2f}%).
+- Command: `{row['reproduce']}`
+
+## Results (measured)
+| | this model | the paper ({model}, 100 epochs) |
+|---|---|---|
+| MNIST test (10,000 images) | {row['mnist_test_top1']:.2f}% | {paper(paper_mnist)} |
+| MNIST-rot | {row['mnist_rot_top1']:.2f}% | {paper(paper_rot)} |
+
+MNIST-rot here: {swept}, rotated bilinearly about the centre with zero fill. Per angle:
+
+{angle_table(row)}
+Commands (`scripts/validate.py`, run by the command above):
+{chr(10).join('- `' + c + '`' for c in row['commands'][1:])}
+
+## How to use it
+```python
+import timm, torch
+import timm_sortconv  # registers the models; the MNIST SCNN weights ship inside the package
+
+model = timm.create_model("{model}", pretrained=True).eval()        # bundled weights, no network
+# or: timm.create_model("hf-hub:timm-sortconv/{model}.mnist", pretrained=True)
+cfg = timm.data.resolve_data_config({{}}, model=model)                # 1x28x28, mean 0.1307, std 0.3081
+transform = timm.data.create_transform(**cfg)
+# images: white digit on black, 28x28 grayscale (MNIST's convention)
+```
+
+## Citation
+```bibtex
+{CITATION}
+```
+
+## Licence
+Weights: Apache-2.0. Training data: MNIST (Y. LeCun, C. Cortes, C. J. C. Burges), distributed under
+CC BY-SA 3.0.
+"""
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """Writes one card per model of the rows given (see ``--help``)."""
+    args = parser.parse_args(argv)
+    import timm
+
+    from .. import models  # noqa: F401  (registers the SC models with timm)
+
+    rows = {}
+    for path in list(args.rows) + list(args.hub_row):  # --hub-row last: it wins
+        if not os.path.isfile(path):
+            raise CommandError(f"row {path} does not exist (rows are the JSON files scripts/mnist_results.py writes)")
+        with open(path) as f:
+            row = json.load(f)
+        if row["model_kwargs"]:
+            continue  # experiments with other settings are RESULTS.md rows, not published models
+        rows[row["model"]] = row
+    os.makedirs(args.out, exist_ok=True)
+    for model, row in sorted(rows.items()):
+        params = sum(p.numel() for p in timm.create_model(model).parameters())
+        path = os.path.join(args.out, f"{model}.md")
+        with open(path, "w") as f:
+            f.write(card(row, params))
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    run(main)

@@ -1,0 +1,37 @@
+// The interface between the Python bindings (sort_conv_cpu.cpp) and the kernel (sort_conv_kernel.h),
+// which is compiled once per dtype in its own translation unit.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <array>
+#include <cstdint>
+#include <vector>
+
+// Hidden: several builds of the extension (one per instruction-set level) may be loaded in one process.
+namespace timm_sortconv_cpu __attribute__((visibility("hidden"))) {
+
+// The arguments of one forward or backward call, as Python gives them (see the bindings).
+struct Call {
+  at::Tensor input, weight_slots;
+  c10::optional<at::Tensor> bias;
+  at::Tensor tap_offsets, tap_weights, segments, comparators;
+  int64_t kernel_size, stride_h, stride_w, dilation_h, dilation_w, groups;
+  std::array<int64_t, 4> pad;  // left, right, top, bottom zeros around the input
+  at::Tensor grad_output;      // backward only
+  bool need_input_grad = false, need_weight_grad = false;
+};
+
+template <typename scalar_t>
+at::Tensor forward(const Call& call);
+
+// (grad_input of the unpadded input, grad_weight in slot order); either undefined where not needed.
+template <typename scalar_t>
+std::vector<at::Tensor> backward(const Call& call);
+
+extern template at::Tensor forward<float>(const Call&);
+extern template at::Tensor forward<double>(const Call&);
+extern template std::vector<at::Tensor> backward<float>(const Call&);
+extern template std::vector<at::Tensor> backward<double>(const Call&);
+
+}  // namespace timm_sortconv_cpu

@@ -1,0 +1,1708 @@
+// Fused Sorting Convolution for CPU: the kernel, a template over the dtype, instantiated by
+// sort_conv_float.cpp and sort_conv_double.cpp (separate translation units, so that they compile in
+// parallel); sort_conv_cpu.cpp binds them to Python.
+//
+// Works on an input (B, C, H, W) with zero padding (pad_* on each side, added while copying, see
+// ImageRing) and computes 'valid' windows of the padded input with stride and dilation. Output
+// positions are processed in blocks of kLanes (two SIMD vectors) consecutive positions, across row
+// and image boundaries so that no lane idles. Per block and input channel the
+// forward pass
+//   1. gathers the k*k samples of every window in ring order (square sampling: the grid values;
+//      polar sampling: bilinear interpolation of the staged k x k grid), as value[sample][lane];
+//   2. sorts every segment (a ring, or the whole window) with Batcher's odd-even merge network,
+//      each comparator a compare-exchange (min and max) of whole vectors; in float32 the common
+//      sizes are unrolled at compile time so that the values stay in registers;
+//   3. multiplies the sorted panel with the weight (already in slot order) in a register-tiled
+//      micro-GEMM that accumulates the block's outputs for all output channels.
+// For the forward pass in float32 with AVX-512 or AVX2 and unit stride (square sampling, and polar
+// sampling with k = 5 or 7), steps 1 and 2 are one pass (sort_direct): each vector of lanes is read straight
+// from the input with masked loads (the end of one image row and the start of the next are its two
+// pieces), interpolated and sorted in registers and stored once, instead of being staged first.
+// Both passes read the windows from a per-thread copy of the images its blocks touch (ImageRing): one
+// sequential copy per image instead of scattered first reads of every channel's rows, which also adds
+// the zero padding, so the caller passes the input unpadded.
+// No column buffer is materialised: the sorted values stay in L1 between steps 2 and 3. A general
+// BLAS is avoided on purpose: on AMD CPUs MKL's sgemm runs well below the direct convolution that
+// nn.Conv2d uses (oneDNN), and the goal is a cost near that convolution.
+//
+// The compare-exchange is a swap decided by `b < a`: the pair is always permuted, never
+// overwritten, so a NaN stays exactly one value (it is not duplicated or dropped; it only leaves the
+// values around it unsorted, and every output whose window holds it is NaN anyway).
+//
+// Backward saves nothing but the input: per block and channel it gathers and sorts again,
+// recording each comparator's swap decisions (a lane mask, kept in L1), uses the sorted panel for
+// the weight gradient, and sends the panel's gradient back to sample order by replaying the recorded
+// swaps in reverse (the transpose of the permutation), then through the bilinear taps to the input.
+// Re-sorting was measured cheaper than storing a uint8 permutation (k*k bytes per input value,
+// written, page-faulted and read back) and it keeps the memory saved for backward to the input.
+#pragma once
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros_like.h>
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "polar_taps.h"
+#include "sort_conv_cpu.h"
+
+// Taps per polar sample: bilinear interpolation reads at most 4 window values (PolarTaps' second extent).
+constexpr int kPolarTaps = 4;
+static_assert(std::extent<decltype(PolarTaps<7>::kTap), 1>::value == kPolarTaps, "polar_taps.h: 4 taps per sample");
+
+// One source, compiled once per instruction-set level (cpu_backend.ISA_LEVELS). The vectors are the
+// level's registers: 64 bytes with AVX-512, 32 with AVX2 (and AVX), 16 otherwise (SSE2, NEON), so that
+// GCC never splits a vector into several registers (splitting made the unrolled sorting networks take
+// minutes to compile and run from memory). x86 intrinsics are used only under the macros of the level
+// that has them; every other machine takes the portable GCC vector code.
+#if defined(__AVX512F__)
+#define TIMM_SORTCONV_VECTOR_BYTES 64
+#elif defined(__AVX__)
+#define TIMM_SORTCONV_VECTOR_BYTES 32
+#else
+#define TIMM_SORTCONV_VECTOR_BYTES 16
+#endif
+
+namespace {
+
+typedef float vfloat __attribute__((vector_size(TIMM_SORTCONV_VECTOR_BYTES)));
+typedef double vdouble __attribute__((vector_size(TIMM_SORTCONV_VECTOR_BYTES)));
+
+template <typename scalar_t>
+struct Simd;
+template <>
+struct Simd<float> {
+  using vec = vfloat;
+};
+template <>
+struct Simd<double> {
+  using vec = vdouble;
+};
+
+template <typename scalar_t>
+constexpr int64_t kVecLanes = TIMM_SORTCONV_VECTOR_BYTES / sizeof(scalar_t);
+
+// Output positions per block: two vectors.
+template <typename scalar_t>
+constexpr int64_t kLanes = 2 * kVecLanes<scalar_t>;
+// Vector registers: 32 with AVX-512 and on aarch64, 16 with AVX2 and SSE2.
+#if defined(__AVX512F__) || defined(__aarch64__)
+constexpr int kVectorRegisters = 32;
+#else
+constexpr int kVectorRegisters = 16;
+#endif
+// Micro-GEMM register tile: kTileRows rows by kLanes columns of accumulators (2 * kTileRows vectors),
+// plus the two panel vectors and a broadcast weight: 27 of 32 registers, or 15 of 16.
+constexpr int kTileRows = kVectorRegisters == 32 ? 12 : 6;
+// Input channels whose sorted samples are multiplied together, up to this many samples.
+constexpr int64_t kPanelSlots = 256;
+
+template <typename scalar_t>
+inline typename Simd<scalar_t>::vec load(const scalar_t* p) {
+  typename Simd<scalar_t>::vec v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+template <typename scalar_t>
+inline void store(scalar_t* p, typename Simd<scalar_t>::vec v) {
+  std::memcpy(p, &v, sizeof(v));
+}
+
+template <typename scalar_t>
+inline typename Simd<scalar_t>::vec splat(scalar_t x) {
+  // x - 0 is x for every x (-0 and NaN included), so this folds to a plain broadcast.
+  return x - typename Simd<scalar_t>::vec{};
+}
+
+// A sparse linear map between rows of kLanes values: out[target] = sum_t weight * in[source]. Targets
+// are grouped by their number of terms so that the inner loop has a fixed length (no branch per row).
+template <typename scalar_t>
+struct TapGroup {
+  int64_t terms = 0;
+  std::vector<int64_t> targets, sources;  // sources and weights: `terms` per target
+  std::vector<scalar_t> weights;
+};
+
+template <typename scalar_t>
+using TapTable = std::vector<TapGroup<scalar_t>>;
+
+// The table for the triplets (target, source, weight), targets in [0, rows).
+template <typename scalar_t>
+TapTable<scalar_t> make_tap_table(int64_t rows, const std::vector<std::array<int64_t, 2>>& pairs,
+                                  const std::vector<scalar_t>& weights) {
+  std::vector<std::vector<std::pair<int64_t, scalar_t>>> terms(rows);
+  for (size_t i = 0; i < pairs.size(); ++i) {
+    terms[pairs[i][0]].push_back({pairs[i][1], weights[i]});
+  }
+  TapTable<scalar_t> table;
+  for (int64_t target = 0; target < rows; ++target) {
+    const int64_t count = static_cast<int64_t>(terms[target].size());
+    auto group = std::find_if(table.begin(), table.end(),
+                              [&](const TapGroup<scalar_t>& g) { return g.terms == count; });
+    if (group == table.end()) {
+      table.push_back(TapGroup<scalar_t>{});
+      group = table.end() - 1;
+      group->terms = count;
+    }
+    group->targets.push_back(target);
+    for (const auto& term : terms[target]) {
+      group->sources.push_back(term.first);
+      group->weights.push_back(term.second);
+    }
+  }
+  return table;
+}
+
+// A range of ring-order slots sorted together, and where its comparators are.
+struct Segment {
+  int64_t start = 0, size = 0, first_pair = 0, pairs = 0;
+  bool fixed = false;  // an unrolled network of this size exists and equals the given comparators
+};
+
+template <typename scalar_t>
+struct Plan {
+  int64_t kernel_size = 0;
+  int64_t slots = 0;
+  bool single_tap = true;  // square sampling: every sample is one window value, weight 1
+  bool direct = false;     // every segment has an unrolled network or one slot, and sort_direct knows the sampling
+  int polar_k = 0;         // polar sampling whose taps sit where PolarTaps<polar_k> says (k = 5, 7)
+  std::vector<scalar_t> polar_weight;  // then per sample, kPolarTaps weights in that order (0 past its count)
+  std::vector<int64_t> sample_offset;    // square sampling: per sample, its flat offset in the window
+  std::vector<int64_t> position_sample;  // square sampling: per row-major window position, its sample
+  std::vector<int64_t> grid_offset;      // per row-major window position, its flat offset
+  TapTable<scalar_t> sampling;   // polar: samples from window positions (bilinear taps)
+  TapTable<scalar_t> spreading;  // polar: the transpose, window positions from samples
+  std::vector<int32_t> comparators;  // pairs (i, j), i < j, over ring-order slots, segment by segment
+  std::vector<Segment> segments;
+  int64_t in_h = 0, in_w = 0, out_h = 0, out_w = 0;  // in_*: the padded input
+  // The input as given (src_h x src_w) sits at (pad_top, pad_left) of the padded plane; the rest is zeros.
+  int64_t src_h = 0, src_w = 0, pad_top = 0, pad_left = 0;
+  int64_t stride_h = 1, stride_w = 1;
+
+  int64_t positions() const { return out_h * out_w; }
+  bool padded() const { return src_h != in_h || src_w != in_w; }
+};
+
+// Output positions of one image row, [col, col + cols) of row `row`, held by lanes [lane, lane + cols).
+// `input` is the offset of its first window in a channel's input planes (relative to image 0), and
+// `vectors` the whole vectors that copy the run from there (0: element by element, see stage_windows).
+struct Run {
+  int64_t image, row, col, cols, lane, input, vectors;
+};
+
+// Up to kLanes consecutive output positions in (image, row, column) order, so that no lane is left
+// empty when rows are shorter than a block or end inside one: the block is cut into runs.
+constexpr int64_t kMaxRuns = 32;
+
+// Where the lanes of one vector of a block come from (unit stride only): lane j of piece p reads
+// input[base[p] + j + offset] for the lanes set in mask[p]; a vector holds at most two pieces (the end
+// of one image row and the start of the next) for sort_direct, else the block is staged.
+struct VectorSource {
+  int64_t base[2] = {0, 0};
+  uint32_t mask[2] = {0, 0};
+};
+
+struct Block {
+  int64_t count = 0, runs = 0;
+  Run run[kMaxRuns];
+  bool direct = false;  // every vector has at most two pieces
+  VectorSource source[2];
+};
+
+// The block of the flat output positions [first, last) (flat: image * out_h * out_w + row * out_w + col).
+// Its input offsets (Run::input, VectorSource::base) count from the start of image `first_image` in
+// input images `image_stride` apart, of which `readable` values may be read from there on.
+template <typename scalar_t, bool kUnitStride>
+Block make_block(const Plan<scalar_t>& plan, int64_t first, int64_t last, int64_t image_stride, int64_t first_image,
+                 int64_t readable, int64_t channels) {
+  static_assert(kLanes<scalar_t> <= kMaxRuns, "a block has at most one run per lane");
+  constexpr int64_t half = kVecLanes<scalar_t>;
+  Block block;
+  block.count = last - first;
+  for (int64_t p = first; p < last;) {
+    const int64_t image = p / plan.positions(), position = p % plan.positions();
+    const int64_t row = position / plan.out_w, col = position % plan.out_w;
+    const int64_t cols = std::min(plan.out_w - col, last - p);
+    const int64_t offset = (image - first_image) * image_stride + row * plan.stride_h * plan.in_w + col * plan.stride_w;
+    // Whole vectors may read past the run, but not past the input (last channel's farthest window).
+    const int64_t vectors = (cols + half - 1) / half;
+    const bool fits = (channels - 1) * plan.in_h * plan.in_w + offset + plan.grid_offset.back() + vectors * half
+                      <= readable;
+    block.run[block.runs++] = {image, row, col, cols, p - first, offset, kUnitStride && fits ? vectors : 0};
+    p += cols;
+  }
+  if (kUnitStride) {
+    block.direct = true;
+    int pieces[2] = {0, 0};
+    for (int64_t i = 0; i < block.runs; ++i) {
+      const Run& run = block.run[i];
+      for (int64_t h = 0; h < 2; ++h) {
+        const int64_t a = std::max(run.lane, h * half), b = std::min(run.lane + run.cols, (h + 1) * half);
+        if (a >= b) continue;
+        if (pieces[h] == 2) {
+          block.direct = false;
+          continue;
+        }
+        block.source[h].base[pieces[h]] = run.input - run.lane + h * half;
+        block.source[h].mask[pieces[h]] = ((uint32_t(1) << (b - a)) - 1) << (a - h * half);
+        ++pieces[h];
+      }
+    }
+  }
+  return block;
+}
+
+bool matches_fixed_network(int64_t size, const int32_t* pairs, int64_t count, int64_t start);
+
+// Whether the taps per sample (window position, weight) sit exactly where PolarTaps<K> puts them.
+template <int K>
+bool same_polar_taps(const std::vector<std::vector<std::pair<int64_t, double>>>& taps) {
+  if (static_cast<int64_t>(taps.size()) != K * K) return false;
+  for (int s = 0; s < K * K; ++s) {
+    if (static_cast<int>(taps[s].size()) != PolarTaps<K>::kCount[s]) return false;
+    for (int t = 0; t < PolarTaps<K>::kCount[s]; ++t) {
+      if (taps[s][t].first != PolarTaps<K>::kTap[s][t][0] * K + PolarTaps<K>::kTap[s][t][1]) return false;
+    }
+  }
+  return true;
+}
+
+// Unrolled networks are compiled for float32 only, which training uses; float64 (tests, gradcheck)
+// runs the same comparators from memory, and the build stays short.
+template <typename scalar_t>
+constexpr bool kUnrolledNetworks = std::is_same<scalar_t, float>::value;
+
+template <typename scalar_t>
+Plan<scalar_t> make_plan(const at::Tensor& input, const at::Tensor& tap_offsets, const at::Tensor& tap_weights,
+                         const at::Tensor& segments, const at::Tensor& comparators, int64_t kernel_size,
+                         int64_t stride_h, int64_t stride_w, int64_t dilation_h, int64_t dilation_w,
+                         const std::array<int64_t, 4>& pad) {
+  Plan<scalar_t> plan;
+  const int64_t slots = kernel_size * kernel_size;
+  TORCH_CHECK(kernel_size >= 1 && kernel_size % 2 == 1, "sort_conv_cpu: kernel_size must be odd, got ", kernel_size);
+  TORCH_CHECK(stride_h >= 1 && stride_w >= 1 && dilation_h >= 1 && dilation_w >= 1,
+              "sort_conv_cpu: stride and dilation must be >= 1");
+  TORCH_CHECK(tap_offsets.dim() == 3 && tap_offsets.size(0) == slots && tap_offsets.size(2) == 2,
+              "sort_conv_cpu: tap_offsets must be (k*k, T, 2)");
+  TORCH_CHECK(tap_weights.dim() == 2 && tap_weights.size(0) == slots && tap_weights.size(1) == tap_offsets.size(1),
+              "sort_conv_cpu: tap_weights must be (k*k, T)");
+  TORCH_CHECK(comparators.dim() == 2 && comparators.size(1) == 2, "sort_conv_cpu: comparators must be (n, 2)");
+  plan.kernel_size = kernel_size;
+  plan.slots = slots;
+  // pad: (left, right, top, bottom) zeros around the input, as F.pad takes them.
+  TORCH_CHECK(std::all_of(pad.begin(), pad.end(), [](int64_t p) { return p >= 0; }),
+              "sort_conv_cpu: padding must be >= 0");
+  plan.src_h = input.size(2);
+  plan.src_w = input.size(3);
+  plan.pad_left = pad[0];
+  plan.pad_top = pad[2];
+  plan.in_h = plan.src_h + pad[2] + pad[3];
+  plan.in_w = plan.src_w + pad[0] + pad[1];
+  plan.stride_h = stride_h;
+  plan.stride_w = stride_w;
+  plan.out_h = (plan.in_h - dilation_h * (kernel_size - 1) - 1) / stride_h + 1;
+  plan.out_w = (plan.in_w - dilation_w * (kernel_size - 1) - 1) / stride_w + 1;
+  TORCH_CHECK(plan.in_h >= dilation_h * (kernel_size - 1) + 1 && plan.in_w >= dilation_w * (kernel_size - 1) + 1,
+              "sort_conv_cpu: padded input (", plan.in_h, ", ", plan.in_w, ") is smaller than the dilated kernel");
+
+  const auto offsets = tap_offsets.to(at::kLong).contiguous();
+  const auto weights = tap_weights.to(at::kDouble).contiguous();
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  const double* wgt = weights.data_ptr<double>();
+  const int64_t half = kernel_size / 2, max_taps = tap_offsets.size(1);
+  plan.grid_offset.resize(slots);
+  for (int64_t q = 0; q < slots; ++q) {
+    plan.grid_offset[q] = (q / kernel_size) * dilation_h * plan.in_w + (q % kernel_size) * dilation_w;
+  }
+  // Triplets (sample, window position, weight) of the taps with a nonzero weight.
+  std::vector<std::array<int64_t, 2>> sample_position, position_sample;
+  std::vector<scalar_t> tap_weight;
+  plan.position_sample.assign(slots, 0);
+  std::vector<std::vector<std::pair<int64_t, double>>> taps_of(slots);
+  for (int64_t s = 0; s < slots; ++s) {
+    int64_t used = 0;
+    for (int64_t t = 0; t < max_taps; ++t) {
+      const double w = wgt[s * max_taps + t];
+      if (w == 0.0) {
+        continue;
+      }
+      const int64_t dy = off[(s * max_taps + t) * 2], dx = off[(s * max_taps + t) * 2 + 1];
+      TORCH_CHECK(dy >= -half && dy <= half && dx >= -half && dx <= half, "sort_conv_cpu: a tap leaves the window");
+      const int64_t q = (dy + half) * kernel_size + (dx + half);
+      sample_position.push_back({s, q});
+      position_sample.push_back({q, s});
+      tap_weight.push_back(static_cast<scalar_t>(w));
+      taps_of[s].push_back({q, w});
+      if (used == 0) {
+        plan.sample_offset.push_back(plan.grid_offset[q]);
+        plan.position_sample[q] = s;
+      }
+      if (used > 0 || w != 1.0) {
+        plan.single_tap = false;
+      }
+      ++used;
+    }
+    TORCH_CHECK(used >= 1, "sort_conv_cpu: sample ", s, " has no tap");
+  }
+  plan.sampling = make_tap_table(slots, sample_position, tap_weight);
+  plan.spreading = make_tap_table(slots, position_sample, tap_weight);
+
+  const auto pairs = comparators.to(at::kInt).contiguous();
+  const int32_t* pair = pairs.data_ptr<int32_t>();
+  plan.comparators.assign(pair, pair + pairs.numel());
+  const auto bounds = segments.to(at::kLong).contiguous();
+  TORCH_CHECK(bounds.dim() == 2 && bounds.size(1) == 2, "sort_conv_cpu: segments must be (n, 2)");
+  const int64_t* bound = bounds.data_ptr<int64_t>();
+  int64_t next_pair = 0, next_slot = 0;
+  for (int64_t i = 0; i < bounds.size(0); ++i) {
+    Segment segment;
+    segment.start = bound[2 * i];
+    segment.size = bound[2 * i + 1] - segment.start;
+    TORCH_CHECK(segment.start == next_slot && segment.size >= 1,
+                "sort_conv_cpu: segments must tile the slots in order");
+    next_slot += segment.size;
+    segment.first_pair = next_pair;
+    while (next_pair < comparators.size(0) && pair[2 * next_pair] >= segment.start
+           && pair[2 * next_pair + 1] < segment.start + segment.size) {
+      TORCH_CHECK(pair[2 * next_pair] < pair[2 * next_pair + 1], "sort_conv_cpu: a comparator is not (lo, hi)");
+      ++next_pair;
+    }
+    segment.pairs = next_pair - segment.first_pair;
+    segment.fixed = matches_fixed_network(segment.size, pair + 2 * segment.first_pair, segment.pairs, segment.start);
+    plan.segments.push_back(segment);
+  }
+  TORCH_CHECK(bounds.size(0) == 0 || next_slot == slots, "sort_conv_cpu: segments must cover all k*k slots");
+  TORCH_CHECK(next_pair == comparators.size(0), "sort_conv_cpu: comparator ", next_pair, " lies outside its segment");
+  // Not for k = 3: there the staged taps measured as fast (A/B, 64x64 maps) and the fused ones up to 10% slower.
+  if (!plan.single_tap && (same_polar_taps<5>(taps_of) || same_polar_taps<7>(taps_of))) {
+    plan.polar_k = static_cast<int>(kernel_size);
+    plan.polar_weight.assign(slots * kPolarTaps, scalar_t(0));
+    for (int64_t s = 0; s < slots; ++s) {
+      for (size_t t = 0; t < taps_of[s].size(); ++t) {
+        plan.polar_weight[s * kPolarTaps + t] = static_cast<scalar_t>(taps_of[s][t].second);
+      }
+    }
+  }
+  plan.direct = kUnrolledNetworks<scalar_t> && (plan.single_tap || plan.polar_k != 0) && !plan.segments.empty()
+                && std::all_of(plan.segments.begin(), plan.segments.end(),
+                               [](const Segment& segment) { return segment.fixed || segment.size == 1; });
+  return plan;
+}
+
+// Copies the window values at `offsets[e]` (flat, from a window's top-left corner) of every lane of
+// the block into dest[e][lanes]; `channel_input` is one channel's plane of image 0. Runs are copied
+// as whole vectors where the input allows: what spills past a run lands in lanes that are written
+// later or never used (lanes past the block only ever meet themselves: sorting and the output GEMM
+// are per lane, and the backward pass ignores them), so `dest` needs kVecLanes entries of slack.
+template <typename scalar_t, bool kUnitStride>
+void stage_windows(const Plan<scalar_t>& plan, const scalar_t* channel_input, const Block& block,
+                   const int64_t* offsets, int64_t entries, scalar_t* dest) {
+  constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
+  const int64_t step = kUnitStride ? 1 : plan.stride_w;
+  for (int64_t e = 0; e < entries; ++e) {
+    for (int64_t i = 0; i < block.runs; ++i) {
+      const Run& run = block.run[i];
+      const scalar_t* src = channel_input + run.input + offsets[e];
+      scalar_t* dst = dest + e * lanes + run.lane;
+      if (run.vectors == 2) {
+        store(dst, load(src));
+        store(dst + half, load(src + half));
+      } else if (run.vectors == 1) {
+        store(dst, load(src));
+      } else {
+        for (int64_t j = 0; j < run.cols; ++j) dst[j] = src[j * step];
+      }
+    }
+  }
+}
+
+// out[target][lanes] = sum of weight * in[source][lanes] over the terms of each target.
+template <typename scalar_t, int kTerms>
+void apply_tap_group(const TapGroup<scalar_t>& group, int64_t terms, const scalar_t* __restrict in,
+                     scalar_t* __restrict out) {
+  using vec = typename Simd<scalar_t>::vec;
+  constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
+  const int64_t n = kTerms > 0 ? kTerms : terms, count = static_cast<int64_t>(group.targets.size());
+  const int64_t* targets = group.targets.data();
+  const int64_t* sources = group.sources.data();
+  const scalar_t* weights = group.weights.data();
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t* source = sources + i * n;
+    const scalar_t* weight = weights + i * n;
+    vec w = splat(weight[0]);
+    vec acc0 = w * load(in + source[0] * lanes), acc1 = w * load(in + source[0] * lanes + half);
+    for (int64_t t = 1; t < n; ++t) {
+      w = splat(weight[t]);
+      acc0 += w * load(in + source[t] * lanes);
+      acc1 += w * load(in + source[t] * lanes + half);
+    }
+    store(out + targets[i] * lanes, acc0);
+    store(out + targets[i] * lanes + half, acc1);
+  }
+}
+
+template <typename scalar_t>
+void apply_taps(const TapTable<scalar_t>& table, const scalar_t* in, scalar_t* out) {
+  constexpr int64_t lanes = kLanes<scalar_t>;
+  for (const auto& group : table) {
+    switch (group.terms) {
+      case 0:
+        for (const int64_t target : group.targets) {
+          std::fill(out + target * lanes, out + (target + 1) * lanes, scalar_t(0));
+        }
+        break;
+      case 1: apply_tap_group<scalar_t, 1>(group, 1, in, out); break;
+      case 2: apply_tap_group<scalar_t, 2>(group, 2, in, out); break;
+      case 3: apply_tap_group<scalar_t, 3>(group, 3, in, out); break;
+      case 4: apply_tap_group<scalar_t, 4>(group, 4, in, out); break;
+      default: apply_tap_group<scalar_t, 0>(group, group.terms, in, out); break;
+    }
+  }
+}
+
+// value[s][lanes] = sample s of every lane's window, in ring order. Square samples are staged
+// straight from the input; polar samples are interpolated from the staged k x k window.
+template <typename scalar_t, bool kUnitStride>
+void gather_samples(const Plan<scalar_t>& plan, const scalar_t* channel_input, const Block& block, scalar_t* grid,
+                    scalar_t* value) {
+  if (plan.single_tap) {
+    stage_windows<scalar_t, kUnitStride>(plan, channel_input, block, plan.sample_offset.data(), plan.slots, value);
+    return;
+  }
+  stage_windows<scalar_t, kUnitStride>(plan, channel_input, block, plan.grid_offset.data(), plan.slots, grid);
+  apply_taps(plan.sampling, grid, value);
+}
+
+// A comparator network as (lo, hi) pairs: after lo, hi = min, max for every pair in order, the
+// values are sorted ascending.
+struct Pair {
+  int lo, hi;
+};
+
+// Batcher's odd-even merge sort for N values: geometry.batcher_comparators, rebuilt at compile time
+// so that the common sizes run unrolled with the values in registers. make_plan only uses it for a
+// segment whose comparators from Python are exactly these.
+// Calls visit(lo, hi, p) for every comparator of the network for n values, in order; p is the stage:
+// the comparator belongs to the merge of the two sorted halves of a block of 2p values.
+template <typename F>
+constexpr void for_each_batcher_pair(int n, const F& visit) {
+  int padded = 1;
+  while (padded < n) padded *= 2;
+  for (int p = 1; p < padded; p *= 2)
+    for (int k = p; k >= 1; k /= 2)
+      for (int j = k % p; j < padded - k; j += 2 * k)
+        for (int i = 0; i < std::min(k, padded - j - k); ++i)
+          if ((i + j) / (2 * p) == (i + j + k) / (2 * p) && i + j + k < n) visit(i + j, i + j + k, p);
+}
+
+template <int N>
+constexpr int batcher_count() {
+  int count = 0;
+  for_each_batcher_pair(N, [&](int, int, int) { ++count; });
+  return count;
+}
+
+template <int N>
+constexpr std::array<Pair, batcher_count<N>()> batcher_network() {
+  std::array<Pair, batcher_count<N>()> pairs{};
+  int count = 0;
+  for_each_batcher_pair(N, [&](int lo, int hi, int) { pairs[count++] = {lo, hi}; });
+  return pairs;
+}
+
+// The same comparators in the order the unrolled code runs them: depth first, i.e. the network of
+// each half of a block (a power of two) entirely before the other half's and before the stage that
+// merges them. Only comparators of independent blocks change places, so every value meets the same
+// comparators in the same order and the result is bit for bit that of batcher_network; but the first
+// half of a window is sorted before the second half is loaded (load_and_sort), so fewer values are
+// live at once: measured (A/B in one process, 1 thread) 4-8% off the forward of the global variants
+// at the 7x7 shapes, no change at 3x3.
+template <int N>
+constexpr std::array<Pair, batcher_count<N>()> batcher_depth_first() {
+  std::array<Pair, batcher_count<N>()> pairs{};
+  std::array<int, batcher_count<N>()> key{};
+  int count = 0;
+  for_each_batcher_pair(N, [&](int lo, int hi, int p) {
+    // Blocks in post-order (by their end, then the smaller first); a stable insertion keeps the order
+    // within a block.
+    const int this_key = (lo / (2 * p) * (2 * p) + 2 * p) * 256 + 2 * p;
+    int at = count++;
+    while (at > 0 && key[at - 1] > this_key) {
+      key[at] = key[at - 1];
+      pairs[at] = pairs[at - 1];
+      --at;
+    }
+    key[at] = this_key;
+    pairs[at] = {lo, hi};
+  });
+  return pairs;
+}
+
+// Where the depth-first order splits for N values: the first `half` values (half the padded network)
+// are sorted by its first `first` comparators, the remaining ones by the next `second`, and the rest
+// merge the two.
+template <int N>
+struct NetworkSplit {
+  static constexpr int padded() {
+    int p = 1;
+    while (p < N) p *= 2;
+    return p;
+  }
+  static constexpr int half = N > 1 ? padded() / 2 : N;
+  static constexpr int first = batcher_count<half>();
+  static constexpr int second = N > half ? batcher_count<N - half>() : 0;
+};
+
+// The depth-first network reordered for a register file of kVectorRegisters vectors. Within each of its
+// three parts (sorting the first half, the second half, merging them) a comparator may run once every
+// earlier comparator of either of its values has run, so every value still meets the same comparators
+// in the same order and the result is bit for bit the same. Among the comparators that may run, the
+// first whose values are both among the kVectorRegisters - 1 most recently used ones (one register
+// holds the exchange) runs next, else the first with one of them, else the first: a model of the
+// register file under which the independent sub-merges of a merge run one after the other instead of
+// stage by stage over all the values, so that fewer values wait in memory.
+template <int N>
+constexpr std::array<Pair, batcher_count<N>()> register_order() {
+  constexpr int count = batcher_count<N>(), held = kVectorRegisters - 1;
+  const auto network = batcher_depth_first<N>();
+  // Per comparator, the previous comparator of its lo and of its hi value (-1: none).
+  std::array<int, count> before_lo{}, before_hi{};
+  std::array<int, N> last_of{};
+  for (int v = 0; v < N; ++v) last_of[v] = -1;
+  for (int c = 0; c < count; ++c) {
+    before_lo[c] = last_of[network[c].lo];
+    before_hi[c] = last_of[network[c].hi];
+    last_of[network[c].lo] = last_of[network[c].hi] = c;
+  }
+  std::array<Pair, count> order{};
+  std::array<bool, count> done{};
+  std::array<int, N> used_at{};  // per value, the step of its last use (0: never)
+  std::array<bool, N> cached{};
+  int cached_count = 0, placed = 0;
+  using split = NetworkSplit<N>;
+  const int bounds[4] = {0, split::first, split::first + split::second, count};
+  for (int part = 0; part < 3; ++part) {
+    for (int step = bounds[part]; step < bounds[part + 1]; ++step) {
+      int best = -1, best_misses = 3;
+      for (int c = bounds[part]; c < bounds[part + 1] && best_misses > 0; ++c) {
+        if (done[c] || (before_lo[c] >= 0 && !done[before_lo[c]]) || (before_hi[c] >= 0 && !done[before_hi[c]])) {
+          continue;
+        }
+        const int misses = !cached[network[c].lo] + !cached[network[c].hi];
+        if (misses < best_misses) {
+          best = c;
+          best_misses = misses;
+        }
+      }
+      done[best] = true;
+      order[placed++] = network[best];
+      for (const int v : {network[best].lo, network[best].hi}) {
+        used_at[v] = step + 1;
+        if (cached[v]) continue;
+        if (cached_count == held) {
+          int oldest = -1;
+          for (int u = 0; u < N; ++u) {
+            if (cached[u] && (oldest < 0 || used_at[u] < used_at[oldest])) oldest = u;
+          }
+          cached[oldest] = false;
+          --cached_count;
+        }
+        cached[v] = true;
+        ++cached_count;
+      }
+    }
+  }
+  return order;
+}
+
+// A compare-exchange's swap decisions, one per lane: an AVX-512 mask register where there is one,
+// else a vector of all-ones/all-zeros lanes.
+template <typename vec>
+struct SwapMaskOf {
+  using type = decltype(vec{} < vec{});
+};
+
+// (a, b) = (min, max) with the swap decided by `b < a`: the pair is always permuted (see the file
+// comment on NaN). x86 min/max return their second operand when the pair is unordered or equal, so
+// min(b, a) is exactly `b < a ? b : a` and max(a, b) is `b < a ? a : b`: two instructions, where GCC
+// compiles the portable expression below to a compare and two blends (NEON's min/max would turn a
+// NaN into two, so other machines keep that expression).
+template <typename vec>
+inline void min_max(vec& a, vec& b) {
+  const auto swap = b < a;
+  const vec lo = swap ? b : a, hi = swap ? a : b;
+  a = lo;
+  b = hi;
+}
+
+#define TIMM_SORTCONV_MIN_MAX(vec, reg, min, max)  \
+  inline void min_max(vec& a, vec& b) {             \
+    const vec lo = (vec)min((reg)b, (reg)a);        \
+    b = (vec)max((reg)a, (reg)b);                   \
+    a = lo;                                         \
+  }
+#if defined(__AVX512F__)
+TIMM_SORTCONV_MIN_MAX(vfloat, __m512, _mm512_min_ps, _mm512_max_ps)
+TIMM_SORTCONV_MIN_MAX(vdouble, __m512d, _mm512_min_pd, _mm512_max_pd)
+#elif defined(__AVX__)
+TIMM_SORTCONV_MIN_MAX(vfloat, __m256, _mm256_min_ps, _mm256_max_ps)
+TIMM_SORTCONV_MIN_MAX(vdouble, __m256d, _mm256_min_pd, _mm256_max_pd)
+#elif defined(__SSE2__)
+TIMM_SORTCONV_MIN_MAX(vfloat, __m128, _mm_min_ps, _mm_max_ps)
+TIMM_SORTCONV_MIN_MAX(vdouble, __m128d, _mm_min_pd, _mm_max_pd)
+#endif
+#undef TIMM_SORTCONV_MIN_MAX
+
+// min_max that also returns its swap decisions (unused, and dropped by the compiler, in the forward pass).
+template <typename vec>
+inline typename SwapMaskOf<vec>::type compare_exchange(vec& a, vec& b) {
+  const auto swap = b < a;
+  min_max(a, b);
+  return swap;
+}
+
+template <typename vec>
+inline void apply_swap(const typename SwapMaskOf<vec>::type& swap, vec& a, vec& b) {
+  const vec lo = swap ? b : a, hi = swap ? a : b;
+  a = lo;
+  b = hi;
+}
+
+#if defined(__AVX512F__)
+// With AVX-512 the decisions fit in a 16- or 8-bit mask register.
+template <>
+struct SwapMaskOf<vfloat> {
+  using type = __mmask16;
+};
+template <>
+struct SwapMaskOf<vdouble> {
+  using type = __mmask8;
+};
+
+inline __mmask16 compare_exchange(vfloat& a, vfloat& b) {
+  const __mmask16 swap = _mm512_cmp_ps_mask((__m512)b, (__m512)a, _CMP_LT_OQ);
+  min_max(a, b);
+  return swap;
+}
+
+inline __mmask8 compare_exchange(vdouble& a, vdouble& b) {
+  const __mmask8 swap = _mm512_cmp_pd_mask((__m512d)b, (__m512d)a, _CMP_LT_OQ);
+  min_max(a, b);
+  return swap;
+}
+
+inline void apply_swap(__mmask16 swap, vfloat& a, vfloat& b) {
+  const vfloat lo = (vfloat)_mm512_mask_blend_ps(swap, (__m512)a, (__m512)b);
+  const vfloat hi = (vfloat)_mm512_mask_blend_ps(swap, (__m512)b, (__m512)a);
+  a = lo;
+  b = hi;
+}
+
+inline void apply_swap(__mmask8 swap, vdouble& a, vdouble& b) {
+  const vdouble lo = (vdouble)_mm512_mask_blend_pd(swap, (__m512d)a, (__m512d)b);
+  const vdouble hi = (vdouble)_mm512_mask_blend_pd(swap, (__m512d)b, (__m512d)a);
+  a = lo;
+  b = hi;
+}
+#endif
+
+template <typename vec>
+using SwapMask = typename SwapMaskOf<vec>::type;
+
+// Comparators [kFirst, kFirst + sizeof...(I)) of the depth-first network; swaps are indexed like them.
+// Always inlined, so that the values stay in the caller's registers (GCC otherwise keeps the larger
+// networks out of line and passes the values through memory).
+template <int N, bool kRecord, int kFirst = 0, typename vec, size_t... I>
+inline __attribute__((always_inline)) void run_network(vec* v, SwapMask<vec>* swaps, std::index_sequence<I...>) {
+  static constexpr auto pairs = register_order<N>();
+  if (kRecord) {
+    ((swaps[kFirst + I] = compare_exchange(v[pairs[kFirst + I].lo], v[pairs[kFirst + I].hi])), ...);
+  } else {
+    (compare_exchange(v[pairs[kFirst + I].lo], v[pairs[kFirst + I].hi]), ...);
+  }
+}
+
+// v[i] = sample(i) for i < N, sorted: the second half is loaded once the first half is sorted.
+template <int N, bool kRecord, typename vec, typename F>
+inline __attribute__((always_inline)) void load_and_sort(vec* v, SwapMask<vec>* swaps, const F& sample) {
+  using split = NetworkSplit<N>;
+  constexpr int merge = batcher_count<N>() - split::first - split::second;
+#pragma GCC unroll 64
+  for (int i = 0; i < split::half; ++i) v[i] = sample(i);
+  run_network<N, kRecord, 0>(v, swaps, std::make_index_sequence<split::first>{});
+#pragma GCC unroll 64
+  for (int i = split::half; i < N; ++i) v[i] = sample(i);
+  run_network<N, kRecord, split::first>(v, swaps, std::make_index_sequence<split::second>{});
+  run_network<N, kRecord, split::first + split::second>(v, swaps, std::make_index_sequence<merge>{});
+}
+
+template <int N, typename vec, size_t... I>
+inline __attribute__((always_inline)) void replay_reversed(const SwapMask<vec>* swaps, vec* v,
+                                                           std::index_sequence<I...>) {
+  static constexpr auto pairs = register_order<N>();
+  constexpr size_t last = sizeof...(I) - 1;
+  (apply_swap(swaps[last - I], v[pairs[last - I].lo], v[pairs[last - I].hi]), ...);
+}
+
+// Sorts N consecutive sample rows, one vector of lanes at a time so that the rows fit in registers;
+// with kRecord the swap decisions go to swaps[half * count + comparator].
+template <typename scalar_t, int N, bool kRecord>
+void sort_fixed(scalar_t* value, SwapMask<typename Simd<scalar_t>::vec>* swaps) {
+  using vec = typename Simd<scalar_t>::vec;
+  constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>, count = batcher_count<N>();
+  for (int64_t h = 0; h < lanes; h += half) {
+    vec v[N];
+    load_and_sort<N, kRecord>(v, kRecord ? swaps + (h / half) * count : nullptr,
+                              [&](int i) { return load(value + i * lanes + h); });
+#pragma GCC unroll 64
+    for (int i = 0; i < N; ++i) store(value + i * lanes + h, v[i]);
+  }
+}
+
+// The transpose of sort_fixed's permutation: moves gradients of sorted slots back to their samples.
+template <typename scalar_t, int N>
+void unsort_fixed(scalar_t* grad, const SwapMask<typename Simd<scalar_t>::vec>* swaps) {
+  using vec = typename Simd<scalar_t>::vec;
+  constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>, count = batcher_count<N>();
+  for (int64_t h = 0; h < lanes; h += half) {
+    vec v[N];
+    for (int i = 0; i < N; ++i) v[i] = load(grad + i * lanes + h);
+    replay_reversed<N>(swaps + (h / half) * count, v, std::make_index_sequence<count>{});
+    for (int i = 0; i < N; ++i) store(grad + i * lanes + h, v[i]);
+  }
+}
+
+// The segment sizes with an unrolled network: rings (8r) and whole windows (k*k) for k <= 7, and
+// the ring of k = 9. Other sizes run the comparators from Python over rows in memory.
+#define TIMM_SORTCONV_FIXED_SIZES(X) X(8) X(9) X(16) X(24) X(25) X(32) X(49)
+
+template <int N>
+bool same_network(const int32_t* pairs, int64_t count, int64_t start) {
+  static constexpr auto network = batcher_network<N>();
+  if (count != static_cast<int64_t>(network.size())) return false;
+  for (int64_t c = 0; c < count; ++c) {
+    if (pairs[2 * c] - start != network[c].lo || pairs[2 * c + 1] - start != network[c].hi) return false;
+  }
+  return true;
+}
+
+bool matches_fixed_network(int64_t size, const int32_t* pairs, int64_t count, int64_t start) {
+#define TIMM_SORTCONV_CASE(n) \
+  case n:                     \
+    return same_network<n>(pairs, count, start);
+  switch (size) {
+    TIMM_SORTCONV_FIXED_SIZES(TIMM_SORTCONV_CASE)
+    default:
+      return false;
+  }
+#undef TIMM_SORTCONV_CASE
+}
+
+template <typename scalar_t, bool kRecord>
+void sort_segment(const Segment& segment, const int32_t* pairs, scalar_t* value,
+                  SwapMask<typename Simd<scalar_t>::vec>* swaps) {
+  using vec = typename Simd<scalar_t>::vec;
+  constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
+  if constexpr (kUnrolledNetworks<scalar_t>) {
+    if (segment.fixed) {
+#define TIMM_SORTCONV_CASE(n) \
+  case n:                     \
+    return sort_fixed<scalar_t, n, kRecord>(value + segment.start * lanes, swaps);
+      switch (segment.size) { TIMM_SORTCONV_FIXED_SIZES(TIMM_SORTCONV_CASE) }
+#undef TIMM_SORTCONV_CASE
+    }
+  }
+  for (int64_t c = 0; c < segment.pairs; ++c) {
+    for (int64_t h = 0; h < lanes; h += half) {
+      scalar_t* lo = value + pairs[2 * c] * lanes + h;
+      scalar_t* hi = value + pairs[2 * c + 1] * lanes + h;
+      vec a = load(lo), b = load(hi);
+      const auto swap = compare_exchange(a, b);
+      if (kRecord) swaps[(h / half) * segment.pairs + c] = swap;
+      store(lo, a);
+      store(hi, b);
+    }
+  }
+}
+
+template <typename scalar_t>
+void unsort_segment(const Segment& segment, const int32_t* pairs, scalar_t* grad,
+                    const SwapMask<typename Simd<scalar_t>::vec>* swaps) {
+  using vec = typename Simd<scalar_t>::vec;
+  constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
+  if constexpr (kUnrolledNetworks<scalar_t>) {
+    if (segment.fixed) {
+#define TIMM_SORTCONV_CASE(n) \
+  case n:                     \
+    return unsort_fixed<scalar_t, n>(grad + segment.start * lanes, swaps);
+      switch (segment.size) { TIMM_SORTCONV_FIXED_SIZES(TIMM_SORTCONV_CASE) }
+#undef TIMM_SORTCONV_CASE
+    }
+  }
+  for (int64_t c = segment.pairs - 1; c >= 0; --c) {
+    for (int64_t h = 0; h < lanes; h += half) {
+      scalar_t* lo = grad + pairs[2 * c] * lanes + h;
+      scalar_t* hi = grad + pairs[2 * c + 1] * lanes + h;
+      vec a = load(lo), b = load(hi);
+      apply_swap(swaps[(h / half) * segment.pairs + c], a, b);
+      store(lo, a);
+      store(hi, b);
+    }
+  }
+}
+
+// Sorts every segment of value[slots][lanes]; with kRecord the swap decisions are kept in `swaps`
+// (two masks per comparator) for unsort_gradients.
+template <typename scalar_t, bool kRecord>
+void sort_samples(const Plan<scalar_t>& plan, scalar_t* value, SwapMask<typename Simd<scalar_t>::vec>* swaps) {
+  for (const auto& segment : plan.segments) {
+    if (segment.pairs > 0) {
+      sort_segment<scalar_t, kRecord>(segment, plan.comparators.data() + 2 * segment.first_pair, value,
+                                      kRecord ? swaps + 2 * segment.first_pair : nullptr);
+    }
+  }
+}
+
+template <typename scalar_t>
+void unsort_gradients(const Plan<scalar_t>& plan, scalar_t* grad,
+                      const SwapMask<typename Simd<scalar_t>::vec>* swaps) {
+  for (const auto& segment : plan.segments) {
+    if (segment.pairs > 0) {
+      unsort_segment<scalar_t>(segment, plan.comparators.data() + 2 * segment.first_pair, grad,
+                               swaps + 2 * segment.first_pair);
+    }
+  }
+}
+
+// Gathering and sorting fused, for the forward pass in float32 with masked loads (AVX-512, AVX2) and
+// unit stride: each segment's samples are read straight from the input into registers with masked
+// loads (polar: the bilinear taps at compile-time positions, see sort_polar_fixed), sorted there and
+// stored once into the panel, instead of being staged first (stage_windows: a store and a reload of
+// every window value). Measured against staging, in one process with the two builds taking turns (1
+// thread, AVX-512): the forward 4-17% faster at the 7x7 shapes and for square sampling at 3x3.
+// Polar sampling with k = 3 and the backward pass (which records the swaps) measured no faster or
+// slower, so they stage.
+#if defined(__AVX512F__)
+#define TIMM_SORTCONV_SORT_DIRECT 1
+using PieceMask = __mmask16;
+
+inline PieceMask piece_mask(uint32_t bits) { return static_cast<__mmask16>(bits); }
+
+// Lane j of the vector at `offset` from the window corner: p0[offset + j] for the lanes in m0 and
+// p1[offset + j] for those in m1 (kTwo: there is a second piece). Masked-off lanes are never read.
+template <bool kTwo>
+inline __attribute__((always_inline)) vfloat load_pieces(const float* p0, const float* p1, PieceMask m0,
+                                                         PieceMask m1, int64_t offset) {
+  __m512 v = _mm512_maskz_loadu_ps(m0, p0 + offset);
+  if (kTwo) v = _mm512_mask_loadu_ps(v, m1, p1 + offset);
+  return (vfloat)v;
+}
+#elif defined(__AVX2__)
+#define TIMM_SORTCONV_SORT_DIRECT 1
+using PieceMask = __m256i;
+
+// Lane j set where bit j is.
+inline PieceMask piece_mask(uint32_t bits) {
+  const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  return _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(static_cast<int>(bits)), bit), bit);
+}
+
+// As above; masked-off lanes read as +0, so the two pieces combine with a bitwise or.
+template <bool kTwo>
+inline __attribute__((always_inline)) vfloat load_pieces(const float* p0, const float* p1, PieceMask m0,
+                                                         PieceMask m1, int64_t offset) {
+  __m256 v = _mm256_maskload_ps(p0 + offset, m0);
+  if (kTwo) v = _mm256_or_ps(v, _mm256_maskload_ps(p1 + offset, m1));
+  return (vfloat)v;
+}
+#endif
+
+#if defined(TIMM_SORTCONV_SORT_DIRECT)
+// Whether a vector has a second piece (its mask m1 has a lane set).
+#if defined(__AVX512F__)
+inline bool has_second(PieceMask m1) { return m1 != 0; }
+#else
+inline bool has_second(PieceMask m1) { return !_mm256_testz_si256(m1, m1); }
+#endif
+
+inline vfloat load_source(const float* p0, const float* p1, PieceMask m0, PieceMask m1, int64_t offset) {
+  return has_second(m1) ? load_pieces<true>(p0, p1, m0, m1, offset) : load_pieces<false>(p0, p1, m0, m1, offset);
+}
+
+// One vector (kVecLanes lanes) of the N samples from slot `start`: read, sorted, stored to out[i * kLanes].
+template <int N>
+void sort_direct_fixed(const Plan<float>& plan, int64_t start, const float* p0, const float* p1, PieceMask m0,
+                       PieceMask m1, float* out) {
+  constexpr int64_t lanes = kLanes<float>;
+  const int64_t* offset = plan.sample_offset.data() + start;
+  vfloat v[N];
+  load_and_sort<N, false>(v, static_cast<SwapMask<vfloat>*>(nullptr),
+                          [&](int i) { return load_source(p0, p1, m0, m1, offset[i]); });
+#pragma GCC unroll 64
+  for (int i = 0; i < N; ++i) store(out + i * lanes, v[i]);
+}
+
+// Polar sampling: samples [kStart, kStart + N) interpolated from the input. The tap positions are
+// compile-time constants (PolarTaps), so the compiler reads each window value once for all the
+// samples that share it (GCC merges identical loads) instead of once per tap.
+template <int K, int kStart, int N, bool kTwo>
+void sort_polar_fixed(const Plan<float>& plan, const float* p0, const float* p1, PieceMask m0, PieceMask m1,
+                      float* out) {
+  using taps = PolarTaps<K>;
+  constexpr int64_t lanes = kLanes<float>;
+  int64_t row[K], col[K];
+  for (int i = 0; i < K; ++i) {
+    row[i] = plan.grid_offset[i * K];
+    col[i] = plan.grid_offset[i];
+  }
+  const float* weight = plan.polar_weight.data() + kStart * kPolarTaps;
+  vfloat v[N];
+  load_and_sort<N, false>(v, static_cast<SwapMask<vfloat>*>(nullptr), [&](int i) {
+    const int s = kStart + i;
+    vfloat acc = splat(weight[i * kPolarTaps])
+                 * load_pieces<kTwo>(p0, p1, m0, m1, row[taps::kTap[s][0][0]] + col[taps::kTap[s][0][1]]);
+#pragma GCC unroll 4
+    for (int t = 1; t < kPolarTaps; ++t) {
+      if (t < taps::kCount[s]) {
+        acc += splat(weight[i * kPolarTaps + t])
+               * load_pieces<kTwo>(p0, p1, m0, m1, row[taps::kTap[s][t][0]] + col[taps::kTap[s][t][1]]);
+      }
+    }
+    return acc;
+  });
+#pragma GCC unroll 64
+  for (int i = 0; i < N; ++i) store(out + i * lanes, v[i]);
+}
+
+// The segments of polar rings and windows for k = 5, 7 (slot ranges as geometry.py makes them).
+template <bool kTwo>
+void sort_polar_segment(const Plan<float>& plan, const Segment& segment, const float* p0, const float* p1,
+                        PieceMask m0, PieceMask m1, float* out) {
+  const int64_t key = plan.polar_k * 10000 + segment.start * 100 + segment.size;
+#define TIMM_SORTCONV_CASE(k, start, size)                                 \
+  case k * 10000 + start * 100 + size:                                     \
+    return sort_polar_fixed<k, start, size, kTwo>(plan, p0, p1, m0, m1, out);
+  switch (key) {
+    TIMM_SORTCONV_CASE(5, 0, 1)
+    TIMM_SORTCONV_CASE(5, 1, 8)
+    TIMM_SORTCONV_CASE(5, 9, 16)
+    TIMM_SORTCONV_CASE(5, 0, 25)
+    TIMM_SORTCONV_CASE(7, 0, 1)
+    TIMM_SORTCONV_CASE(7, 1, 8)
+    TIMM_SORTCONV_CASE(7, 9, 16)
+    TIMM_SORTCONV_CASE(7, 25, 24)
+    TIMM_SORTCONV_CASE(7, 0, 49)
+    default:
+      TORCH_CHECK(false, "sort_conv_cpu: no polar segment [", segment.start, ", ", segment.start + segment.size,
+                  ") for k = ", plan.polar_k);
+  }
+#undef TIMM_SORTCONV_CASE
+}
+
+// gather_samples + sort_samples of one channel in one pass; false (nothing done) where the plan or
+// the block does not allow it (polar sampling other than k = 5, 7, a segment without an unrolled
+// network, a vector of three or more pieces).
+bool sort_direct(const Plan<float>& plan, const float* channel_input, const Block& block, float* value) {
+  constexpr int64_t lanes = kLanes<float>, half = kVecLanes<float>;
+  if (!plan.direct || !block.direct) return false;
+  for (const auto& segment : plan.segments) {
+    for (int64_t h = 0; h < lanes / half; ++h) {
+      const VectorSource& source = block.source[h];
+      const float* p0 = channel_input + source.base[0];
+      const float* p1 = channel_input + source.base[1];
+      const PieceMask m0 = piece_mask(source.mask[0]), m1 = piece_mask(source.mask[1]);
+      float* out = value + segment.start * lanes + h * half;
+      if (plan.polar_k != 0) {
+        if (source.mask[1] != 0) {
+          sort_polar_segment<true>(plan, segment, p0, p1, m0, m1, out);
+        } else {
+          sort_polar_segment<false>(plan, segment, p0, p1, m0, m1, out);
+        }
+        continue;
+      }
+#define TIMM_SORTCONV_CASE(n)                                           \
+  case n:                                                               \
+    sort_direct_fixed<n>(plan, segment.start, p0, p1, m0, m1, out); \
+    break;
+      switch (segment.size) {
+        TIMM_SORTCONV_CASE(1)
+        TIMM_SORTCONV_FIXED_SIZES(TIMM_SORTCONV_CASE)
+        default:
+          TORCH_CHECK(false, "sort_conv_cpu: no unrolled network for ", segment.size, " slots");
+      }
+#undef TIMM_SORTCONV_CASE
+    }
+  }
+  return true;
+}
+#endif
+
+template <typename scalar_t>
+bool sort_direct(const Plan<scalar_t>&, const scalar_t*, const Block&, scalar_t*) {
+  return false;
+}
+
+// tile[m][lanes] (+)= sum_k w[k * ldw + m] * panel[k][lanes] for m < kRows: `panel` holds `depth`
+// rows of kLanes values, `w` is read as depth rows of kRows consecutive values.
+template <typename scalar_t, int kRows>
+void micro_gemm(const scalar_t* panel, int64_t depth, const scalar_t* w, int64_t ldw, scalar_t* tile,
+                bool accumulate) {
+  using vec = typename Simd<scalar_t>::vec;
+  constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
+  vec acc0[kRows], acc1[kRows];
+  for (int m = 0; m < kRows; ++m) {
+    acc0[m] = accumulate ? load(tile + m * lanes) : vec{};
+    acc1[m] = accumulate ? load(tile + m * lanes + half) : vec{};
+  }
+  for (int64_t k = 0; k < depth; ++k) {
+    const vec p0 = load(panel + k * lanes), p1 = load(panel + k * lanes + half);
+    const scalar_t* wk = w + k * ldw;
+    for (int m = 0; m < kRows; ++m) {
+      const vec wm = splat(wk[m]);
+      acc0[m] += wm * p0;
+      acc1[m] += wm * p1;
+    }
+  }
+  for (int m = 0; m < kRows; ++m) {
+    store(tile + m * lanes, acc0[m]);
+    store(tile + m * lanes + half, acc1[m]);
+  }
+}
+
+template <typename scalar_t>
+using MicroGemm = void (*)(const scalar_t*, int64_t, const scalar_t*, int64_t, scalar_t*, bool);
+
+template <typename scalar_t, int... kRows>
+constexpr std::array<MicroGemm<scalar_t>, sizeof...(kRows)> micro_gemm_table(std::integer_sequence<int, kRows...>) {
+  return {&micro_gemm<scalar_t, kRows + 1>...};
+}
+
+// tile[rows][lanes] (+)= w^T panel for any number of rows, in register tiles of kTileRows.
+template <typename scalar_t>
+void gemm_rows(const scalar_t* panel, int64_t depth, const scalar_t* w, int64_t ldw, int64_t rows, scalar_t* tile,
+               bool accumulate) {
+  static constexpr auto table = micro_gemm_table<scalar_t>(std::make_integer_sequence<int, kTileRows>{});
+  constexpr int64_t lanes = kLanes<scalar_t>;
+  // Equal tiles (64 rows: 6 tiles of 10-11, not 5 of 12 and one of 4, which would be load-bound).
+  const int64_t tiles = (rows + kTileRows - 1) / kTileRows;
+  for (int64_t i = 0, m0 = 0; i < tiles; ++i) {
+    const int64_t m = (rows - m0) / (tiles - i);
+    table[m - 1](panel, depth, w + m0, ldw, tile + m0 * lanes, accumulate);
+    m0 += m;
+  }
+}
+
+// grad[s][o] += sum_{lane < count} columns[s][lane] * grad_out_t[lane][o] for s < kRows and the
+// kVectors * kVecLanes outputs starting at `grad`; grad_out_t rows have `ldg` entries, grad rows `ldw`.
+template <typename scalar_t, int kRows, int kVectors>
+void micro_gemm_reduce(const scalar_t* columns, int64_t count, const scalar_t* grad_out_t, int64_t ldg,
+                       scalar_t* grad, int64_t ldw) {
+  using vec = typename Simd<scalar_t>::vec;
+  constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
+  vec acc[kRows][kVectors];
+  for (int m = 0; m < kRows; ++m) {
+    for (int v = 0; v < kVectors; ++v) {
+      acc[m][v] = vec{};
+    }
+  }
+  for (int64_t lane = 0; lane < count; ++lane) {
+    vec g[kVectors];
+    for (int v = 0; v < kVectors; ++v) {
+      g[v] = load(grad_out_t + lane * ldg + v * half);
+    }
+    for (int m = 0; m < kRows; ++m) {
+      const vec c = splat(columns[m * lanes + lane]);
+      for (int v = 0; v < kVectors; ++v) {
+        acc[m][v] += c * g[v];
+      }
+    }
+  }
+  for (int m = 0; m < kRows; ++m) {
+    for (int v = 0; v < kVectors; ++v) {
+      scalar_t* dst = grad + m * ldw + v * half;
+      store(dst, load(dst) + acc[m][v]);
+    }
+  }
+}
+
+template <typename scalar_t>
+using MicroGemmReduce = void (*)(const scalar_t*, int64_t, const scalar_t*, int64_t, scalar_t*, int64_t);
+
+template <typename scalar_t, int kVectors, int... kRows>
+constexpr std::array<MicroGemmReduce<scalar_t>, sizeof...(kRows)> reduce_table(std::integer_sequence<int, kRows...>) {
+  return {&micro_gemm_reduce<scalar_t, kRows + 1, kVectors>...};
+}
+
+// grad[slots][outputs_padded] += columns^T-weighted sum over the block's lanes (the weight
+// gradient of one channel and block); `outputs_padded` is a multiple of kVecLanes.
+template <typename scalar_t>
+void gemm_reduce(const scalar_t* columns, int64_t slots, int64_t count, const scalar_t* grad_out_t,
+                 int64_t outputs_padded, scalar_t* grad) {
+  static constexpr auto pairs = reduce_table<scalar_t, 2>(std::make_integer_sequence<int, kTileRows>{});
+  static constexpr auto singles = reduce_table<scalar_t, 1>(std::make_integer_sequence<int, kTileRows>{});
+  constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
+  for (int64_t s0 = 0; s0 < slots; s0 += kTileRows) {
+    const int64_t m = std::min<int64_t>(kTileRows, slots - s0);
+    int64_t o0 = 0;
+    for (; o0 + 2 * half <= outputs_padded; o0 += 2 * half) {
+      pairs[m - 1](columns + s0 * lanes, count, grad_out_t + o0, outputs_padded, grad + s0 * outputs_padded + o0,
+                   outputs_padded);
+    }
+    if (o0 < outputs_padded) {
+      singles[m - 1](columns + s0 * lanes, count, grad_out_t + o0, outputs_padded, grad + s0 * outputs_padded + o0,
+                     outputs_padded);
+    }
+  }
+}
+
+// Copies between a block's lanes and its positions in one channel of (B, channels, out_h, out_w):
+// `channel_planes` is that channel's plane of image 0, images `image_stride` apart.
+template <typename scalar_t>
+void store_lanes(const Plan<scalar_t>& plan, const Block& block, const scalar_t* lanes_in, scalar_t* channel_planes,
+                 int64_t image_stride) {
+  for (int64_t i = 0; i < block.runs; ++i) {
+    const Run& run = block.run[i];
+    std::memcpy(channel_planes + run.image * image_stride + run.row * plan.out_w + run.col, lanes_in + run.lane,
+                run.cols * sizeof(scalar_t));
+  }
+}
+
+template <typename scalar_t>
+void load_lanes(const Plan<scalar_t>& plan, const Block& block, const scalar_t* channel_planes, int64_t image_stride,
+                scalar_t* lanes_out) {
+  for (int64_t i = 0; i < block.runs; ++i) {
+    const Run& run = block.run[i];
+    std::memcpy(lanes_out + run.lane, channel_planes + run.image * image_stride + run.row * plan.out_w + run.col,
+                run.cols * sizeof(scalar_t));
+  }
+}
+
+// The window positions' gradients by_position[k*k][lanes] added to the plane, run by run. The k*k
+// shifted read-modify-writes of the plane go column of the window by column, so that consecutive ones
+// touch different rows: shifted vectors that partly overlap a store still in flight cannot be
+// forwarded and stall.
+template <typename scalar_t, bool kUnitStride>
+void scatter_runs(const Plan<scalar_t>& plan, const Run* runs, int64_t count, const scalar_t* by_position,
+                  scalar_t* grad_channel) {
+  constexpr int64_t lanes = kLanes<scalar_t>;
+  const int64_t step = kUnitStride ? 1 : plan.stride_w;
+  for (int64_t column = 0; column < plan.kernel_size; ++column) {
+    for (int64_t row = 0; row < plan.kernel_size; ++row) {
+      const int64_t q = row * plan.kernel_size + column;
+      // Square sampling: the gradient of window position q is that of the sample read from it.
+      const scalar_t* position_grad = by_position + (plan.single_tap ? plan.position_sample[q] : q) * lanes;
+      for (int64_t i = 0; i < count; ++i) {
+        const Run& run = runs[i];
+        scalar_t* __restrict dst = grad_channel + run.input + plan.grid_offset[q];
+        const scalar_t* __restrict src = position_grad + run.lane;
+#pragma omp simd
+        for (int64_t j = 0; j < run.cols; ++j) {
+          dst[j * step] += src[j];
+        }
+      }
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+// scatter_runs for one run in float32 with unit stride, where a window row spans at most 16 values
+// more than the run ((k - 1) * dilation <= 16): per window row, the k column gradients of the run's
+// lanes are shifted into place in registers and summed, and the row of the plane is updated once,
+// three masked vectors wide, instead of k times.
+// Measured (A/B in one process, 1 thread): the backward 5-11% faster at B=100, 32->32, 28x28, k=7, 5-8%
+// with k=5; with k=3 (64x64 maps) 0-4% slower, so there the runs take scatter_runs. AVX-512 only (its
+// two-source permutes have no single AVX2 instruction); the other levels take scatter_runs.
+constexpr int64_t kMinRowScatter = 5;
+
+bool row_scatter(const Plan<float>& plan) {
+  const int64_t k = plan.kernel_size;
+  return k >= kMinRowScatter && (k - 1) * (plan.grid_offset[1] - plan.grid_offset[0]) <= 16;
+}
+
+// The rows are addressed from run.input - run.lane, which is never negative: every run but the first
+// (lane 0) starts an output row, so its offset is at least that row's index times the padded width,
+// and its lane at most the same index times the output width.
+void scatter_run_rows(const Plan<float>& plan, const Run& run, const float* by_position, float* grad_channel) {
+  const int64_t k = plan.kernel_size, dilation = plan.grid_offset[1] - plan.grid_offset[0];
+  const int64_t spread = (k - 1) * dilation;
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const uint32_t run_mask = static_cast<uint32_t>(((uint64_t(1) << run.cols) - 1) << run.lane);
+  const __mmask16 in0 = static_cast<__mmask16>(run_mask), in1 = static_cast<__mmask16>(run_mask >> 16);
+  const uint64_t out_mask = ((uint64_t(1) << (run.cols + spread)) - 1) << run.lane;
+  const __mmask16 out[3] = {static_cast<__mmask16>(out_mask), static_cast<__mmask16>(out_mask >> 16),
+                            static_cast<__mmask16>(out_mask >> 32)};
+  for (int64_t row = 0; row < k; ++row) {
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps(), acc2 = _mm512_setzero_ps();
+    for (int64_t column = 0; column < k; ++column) {
+      const int64_t q = row * k + column;
+      const float* g = by_position + (plan.single_tap ? plan.position_sample[q] : q) * kLanes<float>;
+      const __m512 g0 = _mm512_maskz_loadu_ps(in0, g), g1 = _mm512_maskz_loadu_ps(in1, g + 16);
+      // Output lane x of the 48 takes input lane x - shift: index (x - shift + 16) mod 32 of (g0, g1).
+      const int shift = static_cast<int>(column * dilation);
+      const __m512i index = _mm512_and_si512(_mm512_add_epi32(lane, _mm512_set1_epi32(16 - shift)),
+                                             _mm512_set1_epi32(31));
+      const __mmask16 shifted = static_cast<__mmask16>(0xFFFFu << shift);
+      acc0 = _mm512_add_ps(acc0, _mm512_maskz_permutexvar_ps(shifted, index, g0));
+      acc1 = _mm512_add_ps(acc1, _mm512_permutex2var_ps(g0, index, g1));
+      acc2 = _mm512_add_ps(acc2, _mm512_maskz_permutexvar_ps(static_cast<__mmask16>(~shifted), index, g1));
+    }
+    float* dst = grad_channel + (run.input - run.lane) + plan.grid_offset[row * k];
+    const __m512 acc[3] = {acc0, acc1, acc2};
+    for (int v = 0; v < 3; ++v) {
+      if (out[v] == 0) continue;
+      const __m512 old = _mm512_maskz_loadu_ps(out[v], dst + 16 * v);
+      _mm512_mask_storeu_ps(dst + 16 * v, out[v], _mm512_add_ps(old, acc[v]));
+    }
+  }
+}
+#endif
+
+// Adds the block's sample gradients grad_samples[slots][lanes] to the input plane through the taps
+// (polar sampling: first summed per window position in grad_grid[k*k][lanes]).
+template <typename scalar_t, bool kUnitStride>
+void scatter_gradients(const Plan<scalar_t>& plan, const Block& block, const scalar_t* grad_samples,
+                       scalar_t* grad_grid, scalar_t* grad_channel) {
+  const scalar_t* by_position = grad_samples;
+  if (!plan.single_tap) {
+    apply_taps(plan.spreading, grad_samples, grad_grid);
+    by_position = grad_grid;
+  }
+#if defined(__AVX512F__)
+  if constexpr (kUnitStride && std::is_same<scalar_t, float>::value) {
+    if (row_scatter(plan)) {
+      for (int64_t i = 0; i < block.runs; ++i) scatter_run_rows(plan, block.run[i], by_position, grad_channel);
+      return;
+    }
+  }
+#endif
+  scatter_runs<scalar_t, kUnitStride>(plan, block.run, block.runs, by_position, grad_channel);
+}
+
+struct Shape {
+  int64_t batch, channels, out_channels, groups;
+  int64_t in_per_group() const { return channels / groups; }
+  int64_t out_per_group() const { return out_channels / groups; }
+};
+
+// A thread is only worth starting for this many multiply-adds or more: tiny calls (tests, small
+// layers) run inline, away from OpenMP's start-up and spin costs.
+constexpr int64_t kMinWorkPerThread = int64_t(1) << 20;
+
+int64_t thread_count(int64_t items, int64_t multiply_adds) {
+  return std::max<int64_t>(1, std::min<int64_t>({static_cast<int64_t>(at::get_num_threads()), items,
+                                                  multiply_adds / kMinWorkPerThread}));
+}
+
+// Splits `items` into one contiguous range per thread; `fn(thread, first, last)`.
+template <typename F>
+void for_each_thread(int64_t items, int64_t threads, const F& fn) {
+  threads = std::max<int64_t>(1, std::min(threads, items));
+  if (threads == 1) {
+    fn(0, 0, items);
+    return;
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      fn(t, items * t / threads, items * (t + 1) / threads);
+    }
+  });
+}
+
+int64_t multiply_adds(const Shape& shape, int64_t positions, int64_t slots) {
+  return shape.batch * positions * shape.channels * slots * shape.out_per_group();
+}
+
+// Calls fn(thread, first, last) with each thread's range of flat output positions; with
+// `whole_images` the ranges begin and end on image boundaries.
+template <typename F>
+void for_each_thread_range(int64_t batch, int64_t positions, int64_t threads, bool whole_images, const F& fn) {
+  const int64_t unit = whole_images ? positions : 1;
+  for_each_thread(batch * positions / unit, threads,
+                  [&](int64_t thread, int64_t first, int64_t last) { fn(thread, first * unit, last * unit); });
+}
+
+// A thread's copy of the input images that its blocks read, [first, first + count) side by side and
+// padded, in a buffer reused from image to image; in the backward pass also the gradient of those
+// padded images, added to the input gradient (without the padding) as images leave the ring.
+//
+// The gather of a block reads every channel plane a few rows at a time, and rows of an image not yet
+// in L2 came in far slower than one sequential copy brings them; software prefetch of the same rows, a
+// block or three ahead, did not help. Measured (A/B in one process, 1 thread): the forward 13-18%
+// faster at B=100, 32->32, 28x28, k=7, 9-14% at 14x14, 7-16% with 64x64 maps and k=3 (1.1 MB images),
+// 0-5% at 64x64 and k=7; with 2 threads, 10-16% at 28x28. The copy also does the zero padding, so
+// the caller need not pad (nor keep a padded input for the backward). Without padding, images are read
+// (and their gradient written) in place where they are larger (a 4.3 MB one measured within noise) or
+// where the thread's positions do not make up a whole image: with fewer images than threads, every
+// thread would copy whole images to read a part of each (sort_conv2d_cpu pads those calls itself).
+constexpr int64_t kMaxCopiedImage = int64_t(4) << 20;  // bytes
+
+template <typename scalar_t>
+class ImageRing {
+ public:
+  int64_t first = 0;  // the first image held (or, in place, the first image of the block)
+
+  // For the thread's output positions [begin, end); grad_input: (B, C, src_h, src_w), or nullptr for the
+  // forward pass. Only images that those positions read are ever held: in the backward a thread that owns
+  // whole images adds into grad_input with no lock, so it must never flush another thread's image.
+  ImageRing(const Plan<scalar_t>& plan, const scalar_t* input, scalar_t* grad_input, int64_t batch, int64_t channels,
+            int64_t begin, int64_t end)
+      : plan_(plan), input_(input), grad_input_(grad_input), batch_(batch), channels_(channels),
+        source_size_(channels * plan.src_h * plan.src_w), image_size_(channels * plan.in_h * plan.in_w),
+        image_end_((end - 1) / plan.positions() + 1),
+        // A block of kLanes positions spans at most this many images.
+        capacity_(std::max<int64_t>(1, std::min(image_end_ - begin / plan.positions(),
+                                                (kLanes<scalar_t> - 2) / plan.positions() + 2))),
+        enabled_(plan.padded() || (end - begin >= plan.positions()
+                                   && image_size_ * static_cast<int64_t>(sizeof(scalar_t)) <= kMaxCopiedImage)) {
+    // Zeros: the padding is never written after this.
+    if (enabled_) data_.assign(capacity_ * image_size_, scalar_t(0));
+    if (enabled_ && grad_input_ != nullptr) grad_.assign(capacity_ * image_size_, scalar_t(0));
+  }
+
+  // Image `first`'s padded planes, and its gradient (a block's input offsets count from there).
+  const scalar_t* images() const { return enabled_ ? data_.data() : input_ + first * image_size_; }
+  scalar_t* grads() { return enabled_ ? grad_.data() : grad_input_ + first * image_size_; }
+  // Values readable from images() on (make_block's `readable`).
+  int64_t readable() const { return enabled_ ? capacity_ * image_size_ : (batch_ - first) * image_size_; }
+
+  // Makes images [lo, hi] (hi - lo < capacity) available.
+  void cover(int64_t lo, int64_t hi) {
+    if (!enabled_) {
+      first = lo;
+      return;
+    }
+    if (lo >= first && hi < first + count_) return;
+    const int64_t next = std::min(capacity_, image_end_ - lo);
+    const int64_t kept_lo = std::max(lo, first), kept_hi = std::min(lo + next, first + count_);
+    for (int64_t image = first; image < first + count_; ++image) {
+      if (image < kept_lo || image >= kept_hi) flush(image, image - first);
+    }
+    // Images already held move to their new place; the others are copied from the input.
+    if (kept_lo < kept_hi) {
+      move(data_, kept_lo - first, kept_lo - lo, kept_hi - kept_lo);
+      if (!grad_.empty()) move(grad_, kept_lo - first, kept_lo - lo, kept_hi - kept_lo);
+    }
+    for (int64_t image = lo; image < lo + next; ++image) {
+      if (image >= kept_lo && image < kept_hi) continue;
+      copy_in(image, image - lo);
+      if (!grad_.empty()) std::fill_n(grad_.data() + (image - lo) * image_size_, image_size_, scalar_t(0));
+    }
+    first = lo;
+    count_ = next;
+  }
+
+  // Adds the gradient of the images still held to grad_input (at the end of the thread's blocks).
+  void finish() {
+    for (int64_t slot = 0; slot < count_; ++slot) flush(first + slot, slot);
+    count_ = 0;
+  }
+
+ private:
+  void move(std::vector<scalar_t>& buffer, int64_t from, int64_t to, int64_t images) {
+    std::memmove(buffer.data() + to * image_size_, buffer.data() + from * image_size_,
+                 images * image_size_ * sizeof(scalar_t));
+  }
+
+  // Where row `row` of an image as given (channel * src_h + r) starts in the padded image.
+  int64_t padded_offset(int64_t row) const {
+    const int64_t channel = row / plan_.src_h, r = row % plan_.src_h;
+    return (channel * plan_.in_h + r + plan_.pad_top) * plan_.in_w + plan_.pad_left;
+  }
+
+  void copy_in(int64_t image, int64_t slot) {
+    const scalar_t* src = input_ + image * source_size_;
+    scalar_t* dst = data_.data() + slot * image_size_;
+    if (!plan_.padded()) {
+      std::memcpy(dst, src, image_size_ * sizeof(scalar_t));
+      return;
+    }
+    for (int64_t row = 0; row < channels_ * plan_.src_h; ++row) {
+      std::memcpy(dst + padded_offset(row), src + row * plan_.src_w, plan_.src_w * sizeof(scalar_t));
+    }
+  }
+
+  void flush(int64_t image, int64_t slot) {
+    if (grad_.empty()) return;
+    const scalar_t* src = grad_.data() + slot * image_size_;
+    scalar_t* dst = grad_input_ + image * source_size_;
+    for (int64_t row = 0; row < channels_ * plan_.src_h; ++row) {
+      const scalar_t* from = src + padded_offset(row);
+      scalar_t* to = dst + row * plan_.src_w;
+#pragma omp simd
+      for (int64_t x = 0; x < plan_.src_w; ++x) to[x] += from[x];
+    }
+  }
+
+  const Plan<scalar_t>& plan_;
+  const scalar_t* input_;
+  scalar_t* grad_input_;
+  int64_t batch_, channels_, source_size_, image_size_, image_end_, capacity_;
+  bool enabled_;
+  std::vector<scalar_t> data_, grad_;
+  int64_t count_ = 0;
+};
+
+template <typename scalar_t, bool kUnitStride>
+void forward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scalar_t* input,
+                    const scalar_t* weight_packed, const scalar_t* bias, scalar_t* output) {
+  using vec = typename Simd<scalar_t>::vec;
+  constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
+  const int64_t slots = plan.slots, positions = plan.out_h * plan.out_w, plane = plan.in_h * plan.in_w;
+  const int64_t cg = shape.in_per_group(), og = shape.out_per_group();
+  const int64_t panel_channels = std::max<int64_t>(1, std::min(cg, kPanelSlots / slots));
+  const int64_t threads = thread_count(shape.batch * positions / lanes, multiply_adds(shape, positions, slots));
+  for_each_thread_range(shape.batch, positions, threads, false, [&](int64_t, int64_t begin, int64_t end) {
+    // stage_windows may write a vector past its last row.
+    std::vector<scalar_t> panel(panel_channels * slots * lanes + half), grid(slots * lanes + half);
+    std::vector<scalar_t> tile(shape.out_channels * lanes);
+    ImageRing<scalar_t> ring(plan, input, nullptr, shape.batch, shape.channels, begin, end);
+    for (int64_t first = begin; first < end; first += lanes) {
+      const int64_t last = std::min(first + lanes, end);
+      ring.cover(first / positions, (last - 1) / positions);
+      const scalar_t* images = ring.images();
+      const Block block = make_block<scalar_t, kUnitStride>(plan, first, last, shape.channels * plane, ring.first,
+                                                            ring.readable(), shape.channels);
+      for (int64_t o = 0; o < shape.out_channels; ++o) {
+        std::fill(tile.begin() + o * lanes, tile.begin() + (o + 1) * lanes, bias != nullptr ? bias[o] : scalar_t(0));
+      }
+      for (int64_t g = 0; g < shape.groups; ++g) {
+        for (int64_t c0 = 0; c0 < cg; c0 += panel_channels) {
+          const int64_t channels = std::min(panel_channels, cg - c0);
+          for (int64_t ci = 0; ci < channels; ++ci) {
+            scalar_t* value = panel.data() + ci * slots * lanes;
+            const scalar_t* channel_input = images + (g * cg + c0 + ci) * plane;
+            if (!sort_direct(plan, channel_input, block, value)) {
+              gather_samples<scalar_t, kUnitStride>(plan, channel_input, block, grid.data(), value);
+              sort_samples<scalar_t, false>(plan, value, static_cast<SwapMask<vec>*>(nullptr));
+            }
+          }
+          // weight_packed is (groups, C/g, k*k, O/g): the rows of these channels' slots.
+          gemm_rows(panel.data(), channels * slots, weight_packed + (g * cg + c0) * slots * og, og, og,
+                    tile.data() + g * og * lanes, true);
+        }
+      }
+      for (int64_t o = 0; o < shape.out_channels; ++o) {
+        store_lanes(plan, block, tile.data() + o * lanes, output + o * positions, shape.out_channels * positions);
+      }
+    }
+  });
+}
+
+template <typename scalar_t>
+at::Tensor forward_impl(const at::Tensor& input, const at::Tensor& weight_slots, const c10::optional<at::Tensor>& bias,
+                        const Plan<scalar_t>& plan, const Shape& shape) {
+  at::Tensor output = at::empty({shape.batch, shape.out_channels, plan.out_h, plan.out_w}, input.options());
+  // (O, C/g * k*k) -> (groups, C/g * k*k, O/g): the output channels of one slot side by side.
+  const auto weight_packed = weight_slots.view({shape.groups, shape.out_per_group(), -1}).transpose(1, 2).contiguous();
+  const bool has_bias = bias.has_value() && bias->defined();
+  const auto bias_values = has_bias ? bias->contiguous() : at::Tensor();
+  const scalar_t* in = input.data_ptr<scalar_t>();
+  const scalar_t* w = weight_packed.data_ptr<scalar_t>();
+  const scalar_t* b = has_bias ? bias_values.data_ptr<scalar_t>() : nullptr;
+  scalar_t* out = output.data_ptr<scalar_t>();
+  if (plan.stride_w == 1) {
+    forward_kernel<scalar_t, true>(plan, shape, in, w, b, out);
+  } else {
+    forward_kernel<scalar_t, false>(plan, shape, in, w, b, out);
+  }
+  return output;
+}
+
+template <typename scalar_t, bool kUnitStride>
+void backward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scalar_t* input,
+                     const scalar_t* grad_output, const scalar_t* weight_by_output, scalar_t* grad_input,
+                     std::vector<std::vector<scalar_t>>& grad_input_parts,
+                     std::vector<std::vector<scalar_t>>& grad_weight_parts, int64_t outputs_padded,
+                     int64_t threads) {
+  using vec = typename Simd<scalar_t>::vec;
+  constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
+  const int64_t slots = plan.slots, positions = plan.out_h * plan.out_w, plane = plan.in_h * plan.in_w;
+  const int64_t cg = shape.in_per_group(), og = shape.out_per_group();
+  const bool need_input = grad_input != nullptr || !grad_input_parts.empty();
+  const bool need_weight = !grad_weight_parts.empty();
+  // A thread owns whole images (so its input-gradient scatter races with nobody) unless there are
+  // fewer images than threads; then positions are shared out and each thread has a private copy.
+  const bool whole_images = need_input && grad_input_parts.empty();
+  for_each_thread_range(shape.batch, positions, threads, whole_images, [&](int64_t thread, int64_t begin, int64_t end) {
+    std::vector<scalar_t> grad_tile(shape.out_channels * lanes), grad_tile_t(shape.groups * lanes * outputs_padded);
+    std::vector<scalar_t> value(slots * lanes + half), grid(slots * lanes + half), grad_samples(slots * lanes),
+        grad_grid(slots * lanes);
+    std::vector<SwapMask<vec>> swaps(std::max<size_t>(1, plan.comparators.size()));
+    scalar_t* grad_in = grad_input_parts.empty() ? grad_input : grad_input_parts[thread].data();
+    scalar_t* grad_weight = need_weight ? grad_weight_parts[thread].data() : nullptr;
+    ImageRing<scalar_t> ring(plan, input, need_input ? grad_in : nullptr, shape.batch, shape.channels, begin, end);
+    for (int64_t first = begin; first < end; first += lanes) {
+      const int64_t last = std::min(first + lanes, end);
+      ring.cover(first / positions, (last - 1) / positions);
+      const scalar_t* images = ring.images();
+      scalar_t* grad_images = need_input ? ring.grads() : nullptr;
+      const Block block = make_block<scalar_t, kUnitStride>(plan, first, last, shape.channels * plane, ring.first,
+                                                            ring.readable(), shape.channels);
+      const int64_t count = block.count;
+      std::fill(grad_tile.begin(), grad_tile.end(), scalar_t(0));
+      for (int64_t o = 0; o < shape.out_channels; ++o) {
+        load_lanes(plan, block, grad_output + o * positions, shape.out_channels * positions,
+                   grad_tile.data() + o * lanes);
+      }
+      if (need_weight) {
+        // Per group, (lanes, O/g padded): the layout the weight-gradient micro-GEMM reads.
+        std::fill(grad_tile_t.begin(), grad_tile_t.end(), scalar_t(0));
+        for (int64_t g = 0; g < shape.groups; ++g) {
+          for (int64_t o = 0; o < og; ++o) {
+            for (int64_t lane = 0; lane < count; ++lane) {
+              grad_tile_t[(g * lanes + lane) * outputs_padded + o] = grad_tile[(g * og + o) * lanes + lane];
+            }
+          }
+        }
+      }
+      for (int64_t channel = 0; channel < shape.channels; ++channel) {
+        const int64_t g = channel / cg;
+        gather_samples<scalar_t, kUnitStride>(plan, images + channel * plane, block, grid.data(), value.data());
+        sort_samples<scalar_t, true>(plan, value.data(), swaps.data());
+        if (need_weight) {
+          gemm_reduce(value.data(), slots, count, grad_tile_t.data() + g * lanes * outputs_padded, outputs_padded,
+                      grad_weight + channel * slots * outputs_padded);
+        }
+        if (!need_input) {
+          continue;
+        }
+        // weight_by_output is (C, O/g, k*k): for each output of the group, this channel's slots.
+        gemm_rows(grad_tile.data() + g * og * lanes, og, weight_by_output + channel * og * slots, slots, slots,
+                  grad_samples.data(), false);
+        unsort_gradients(plan, grad_samples.data(), swaps.data());
+        scatter_gradients<scalar_t, kUnitStride>(plan, block, grad_samples.data(), grad_grid.data(),
+                                                 grad_images + channel * plane);
+      }
+    }
+    ring.finish();
+  });
+}
+
+template <typename scalar_t>
+std::vector<at::Tensor> backward_impl(const at::Tensor& grad_output, const at::Tensor& input,
+                                      const at::Tensor& weight_slots, const Plan<scalar_t>& plan, const Shape& shape,
+                                      bool need_input_grad, bool need_weight_grad) {
+  constexpr int64_t half = kVecLanes<scalar_t>;
+  const int64_t slots = plan.slots, og = shape.out_per_group(), cg = shape.in_per_group();
+  const int64_t outputs_padded = (og + half - 1) / half * half;
+  const int64_t threads = thread_count(shape.batch * plan.positions() / kLanes<scalar_t>,
+                                       2 * multiply_adds(shape, plan.positions(), slots));
+  const bool private_grad_input = need_input_grad && shape.batch < threads;
+  at::Tensor grad_input = need_input_grad ? at::zeros_like(input) : at::Tensor();
+  at::Tensor grad_weight;
+  if (!need_input_grad && !need_weight_grad) {
+    return {grad_input, grad_weight};
+  }
+  std::vector<std::vector<scalar_t>> grad_input_parts, grad_weight_parts;
+  if (private_grad_input) {
+    grad_input_parts.assign(threads, std::vector<scalar_t>(input.numel(), scalar_t(0)));
+  }
+  if (need_weight_grad) {
+    grad_weight_parts.assign(threads, std::vector<scalar_t>(shape.channels * slots * outputs_padded, scalar_t(0)));
+  }
+  // (O, C/g * k*k) -> (C, O/g, k*k): per channel, the slots of each output of its group.
+  const auto weight_by_output = weight_slots.view({shape.groups, og, cg, slots}).transpose(1, 2).contiguous();
+  const scalar_t* in = input.data_ptr<scalar_t>();
+  const scalar_t* grad_out = grad_output.data_ptr<scalar_t>();
+  const scalar_t* w = weight_by_output.data_ptr<scalar_t>();
+  scalar_t* grad_in = need_input_grad && !private_grad_input ? grad_input.data_ptr<scalar_t>() : nullptr;
+  if (plan.stride_w == 1) {
+    backward_kernel<scalar_t, true>(plan, shape, in, grad_out, w, grad_in, grad_input_parts, grad_weight_parts,
+                                    outputs_padded, threads);
+  } else {
+    backward_kernel<scalar_t, false>(plan, shape, in, grad_out, w, grad_in, grad_input_parts, grad_weight_parts,
+                                     outputs_padded, threads);
+  }
+  if (private_grad_input) {
+    scalar_t* dst = grad_input.data_ptr<scalar_t>();
+    for (const auto& part : grad_input_parts) {
+      for (int64_t i = 0; i < input.numel(); ++i) {
+        dst[i] += part[i];
+      }
+    }
+  }
+  if (need_weight_grad) {
+    // Sum the threads' (C, k*k, O/g padded) parts into the (O, C/g * k*k) layout, channel by channel in
+    // parallel: with 512 channels of 3x3 the parts hold millions of values.
+    grad_weight = at::empty_like(weight_slots);
+    scalar_t* dst = grad_weight.data_ptr<scalar_t>();
+    const int64_t row = cg * slots;
+    at::parallel_for(0, shape.channels, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t channel = begin; channel < end; ++channel) {
+        const int64_t g = channel / cg, ci = channel % cg;
+        for (int64_t s = 0; s < slots; ++s) {
+          for (int64_t o = 0; o < og; ++o) {
+            scalar_t sum = 0;
+            for (const auto& part : grad_weight_parts) {
+              sum += part[(channel * slots + s) * outputs_padded + o];
+            }
+            dst[(g * og + o) * row + ci * slots + s] = sum;
+          }
+        }
+      }
+    });
+  }
+  return {grad_input, grad_weight};
+}
+
+Shape check_tensors(const at::Tensor& input, const at::Tensor& weight_slots, int64_t groups, int64_t kernel_size) {
+  TORCH_CHECK(input.device().is_cpu() && weight_slots.device().is_cpu(), "sort_conv_cpu: tensors must be on the CPU");
+  TORCH_CHECK(input.dim() == 4 && input.is_contiguous(),
+              "sort_conv_cpu: input must be a contiguous (B, C, H, W) tensor");
+  TORCH_CHECK(weight_slots.dim() == 2 && weight_slots.is_contiguous(),
+              "sort_conv_cpu: weight must be a contiguous (O, C/groups * k*k) matrix in slot order");
+  TORCH_CHECK(input.scalar_type() == weight_slots.scalar_type(), "sort_conv_cpu: input and weight dtypes differ");
+  TORCH_CHECK(groups >= 1 && input.size(1) % groups == 0 && weight_slots.size(0) % groups == 0,
+              "sort_conv_cpu: groups must divide the channels");
+  TORCH_CHECK(weight_slots.size(1) * groups == input.size(1) * kernel_size * kernel_size,
+              "sort_conv_cpu: weight has ", weight_slots.size(1), " columns, expected C/groups * k*k");
+  return {input.size(0), input.size(1), weight_slots.size(0), groups};
+}
+
+}  // namespace
+
+namespace timm_sortconv_cpu {
+
+template <typename scalar_t>
+at::Tensor forward(const Call& call) {
+  const Shape shape = check_tensors(call.input, call.weight_slots, call.groups, call.kernel_size);
+  if (call.bias.has_value() && call.bias->defined()) {
+    TORCH_CHECK(call.bias->scalar_type() == call.input.scalar_type() && call.bias->numel() == shape.out_channels,
+                "sort_conv_cpu: bias must have O entries of the input's dtype");
+  }
+  const auto plan = make_plan<scalar_t>(call.input, call.tap_offsets, call.tap_weights, call.segments, call.comparators,
+                                        call.kernel_size, call.stride_h, call.stride_w, call.dilation_h,
+                                        call.dilation_w, call.pad);
+  return forward_impl<scalar_t>(call.input, call.weight_slots, call.bias, plan, shape);
+}
+
+template <typename scalar_t>
+std::vector<at::Tensor> backward(const Call& call) {
+  const Shape shape = check_tensors(call.input, call.weight_slots, call.groups, call.kernel_size);
+  const at::Tensor& grad_output = call.grad_output;
+  TORCH_CHECK(grad_output.is_contiguous() && grad_output.scalar_type() == call.input.scalar_type(),
+              "sort_conv_cpu: grad_output must be contiguous with the input's dtype");
+  const auto plan = make_plan<scalar_t>(call.input, call.tap_offsets, call.tap_weights, call.segments, call.comparators,
+                                        call.kernel_size, call.stride_h, call.stride_w, call.dilation_h,
+                                        call.dilation_w, call.pad);
+  TORCH_CHECK(grad_output.dim() == 4 && grad_output.size(0) == shape.batch && grad_output.size(1) == shape.out_channels
+                  && grad_output.size(2) == plan.out_h && grad_output.size(3) == plan.out_w,
+              "sort_conv_cpu: grad_output has the wrong shape");
+  return backward_impl<scalar_t>(grad_output, call.input, call.weight_slots, plan, shape, call.need_input_grad,
+                                 call.need_weight_grad);
+}
+
+}  // namespace timm_sortconv_cpu

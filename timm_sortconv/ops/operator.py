@@ -1,0 +1,215 @@
+"""Sorting Convolution as one registered PyTorch operator: ``torch.ops.timm_sortconv.sort_conv2d``.
+
+The operator is what every SC layer calls, so that the tools that handle PyTorch operators handle SC
+with its fast kernels:
+
+* eager mode, ``torch.jit.trace`` and ``torch.jit.script`` call it like any ATen operator;
+* ``torch.compile`` (``fullgraph=True``, dynamic shapes) and ``torch.export`` see one opaque node whose
+  output shape comes from the fake implementation below, and run the fast kernel at run time;
+* autograd uses the formula registered here: the backend's backward kernel, which sorts again, so
+  only the input and the weight are kept for backward (as for ``nn.Conv2d``). When the gradient's own
+  graph is being built (``create_graph=True``: double backward, gradient penalties, Hessian-vector
+  products), the gradient is computed through the differentiable reference path instead: with the
+  permutation of each window held fixed SC is bilinear in the window values and the weight, and
+  autograd of the reference path gives exactly those second derivatives;
+* autocast: on the CPU the operator computes in float32, the CPU kernel's precision (sorting and
+  bilinear sampling in bfloat16 would round every sample), and returns the autocast dtype, as a
+  convolution would; on other devices it computes in the autocast dtype (the kernels accumulate in
+  float32).
+
+Arguments of ``sort_conv2d(input, weight, bias, stride, padding, dilation, groups, sampling, sorting,
+backend)``: ``stride`` and ``dilation`` as ``[h, w]``, ``padding`` as the zeros to add ``[left, right,
+top, bottom]`` (``F.pad``'s order; other padding modes are applied before the call), and the variant
+and backend names of :func:`timm_sortconv.sort_conv2d`. ``backend`` is resolved per call by
+:func:`timm_sortconv.ops.backends.resolve_backend`.
+
+A second operator, ``sort_conv2d_backward``, returns ``(grad_input, grad_weight)`` (an empty tensor for
+a gradient not asked for), so that compiled backward graphs call the fast backward kernel too.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .backends import NO_PADDING, Backend, resolve_backend
+from .geometry import get_geometry
+from .reference import sort_conv2d_reference
+
+__all__ = ["check_input", "sort_conv2d_backward_op", "sort_conv2d_op"]
+
+
+def _pair(values: Sequence[int]) -> Tuple[int, int]:
+    return int(values[0]), int(values[1])
+
+
+def check_input(input: Tensor, weight: Tensor, bias: Optional[Tensor], groups: int) -> None:
+    """Raises an error naming what is wrong with the tensors of a call and what is accepted."""
+    if not (input.is_floating_point() and weight.is_floating_point()):
+        raise TypeError(f"sort_conv2d needs floating-point tensors (float16, bfloat16, float32, float64), "
+                        f"got input {input.dtype} and weight {weight.dtype}")
+    if input.dim() != 4:
+        raise RuntimeError(f"sort_conv2d expects a 4-D (N, C, H, W) input (or 3-D (C, H, W) through SortConv2d), "
+                           f"got a {input.dim()}-D input of shape {tuple(input.shape)}")
+    if input.shape[1] != weight.shape[1] * groups:
+        raise RuntimeError(f"sort_conv2d: input has {input.shape[1]} channels (shape {tuple(input.shape)}) but the "
+                           f"weight {tuple(weight.shape)} with groups={groups} expects {weight.shape[1] * groups}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise RuntimeError(f"sort_conv2d: bias of shape {tuple(bias.shape)} does not match {weight.shape[0]} "
+                           "output channels")
+
+
+def _check_size(input: Tensor, weight: Tensor, padding, dilation) -> None:
+    k = weight.shape[-1]
+    height, width = input.shape[2] + padding[2] + padding[3], input.shape[3] + padding[0] + padding[1]
+    if height < dilation[0] * (k - 1) + 1 or width < dilation[1] * (k - 1) + 1:
+        raise RuntimeError(f"sort_conv2d: padded input size ({height}, {width}) is smaller than the dilated kernel "
+                           f"({dilation[0] * (k - 1) + 1}, {dilation[1] * (k - 1) + 1})")
+
+
+def _call(input: Tensor, weight: Tensor, bias: Optional[Tensor], stride, padding, dilation, groups: int, sampling: str,
+          sorting: str, backend: str):
+    """The geometry, the backend that runs the call and the arguments every kernel takes."""
+    check_input(input, weight, bias, groups)
+    _check_size(input, weight, padding, dilation)
+    geometry = get_geometry(weight.shape[-1], sampling, sorting)
+    stride, dilation = _pair(stride), _pair(dilation)
+    chosen = resolve_backend(backend, input, weight, bias, geometry, stride, dilation, groups)
+    return chosen, geometry, stride, dilation
+
+
+def _padded_for(chosen: Backend, x: Tensor, pad: Tuple[int, int, int, int]) -> Tuple[Tensor, Tuple[int, ...]]:
+    """The input as ``chosen`` takes it: in a layout it reads, and unpadded with ``pad`` for a zero-padding
+    backend, else padded here."""
+    if not (chosen.channels_last and x.is_contiguous(memory_format=torch.channels_last)):
+        x = x.contiguous()
+    if chosen.zero_padding or not any(pad):
+        return x, pad
+    return F.pad(x, pad), NO_PADDING
+
+
+def _memory_format(input: Tensor) -> torch.memory_format:
+    """The output's layout: channels_last for a channels_last input, as ``F.conv2d`` returns it."""
+    if input.is_contiguous(memory_format=torch.channels_last) and not input.is_contiguous():
+        return torch.channels_last
+    return torch.contiguous_format
+
+
+@torch.library.custom_op("timm_sortconv::sort_conv2d", mutates_args=())
+def sort_conv2d_op(input: Tensor, weight: Tensor, bias: Optional[Tensor], stride: List[int], padding: List[int],
+                   dilation: List[int], groups: int, sampling: str, sorting: str, backend: str) -> Tensor:
+    chosen, geometry, stride_, dilation_ = _call(input, weight, bias, stride, padding, dilation, groups, sampling,
+                                                 sorting, backend)
+    x, pad = _padded_for(chosen, input, tuple(int(p) for p in padding))
+    bias = bias.contiguous() if bias is not None else None
+    out = chosen.forward(x, weight.contiguous(), bias, geometry, stride_, dilation_, groups, pad)
+    # the layout the fake kernel promises, whatever the backend returned
+    return out.contiguous(memory_format=_memory_format(input))
+
+
+def _output_shape(input: Tensor, weight: Tensor, stride, padding, dilation) -> List:
+    k = weight.shape[-1]
+    height = input.shape[2] + padding[2] + padding[3]
+    width = input.shape[3] + padding[0] + padding[1]
+    return [input.shape[0], weight.shape[0], (height - dilation[0] * (k - 1) - 1) // stride[0] + 1,
+            (width - dilation[1] * (k - 1) - 1) // stride[1] + 1]
+
+
+@sort_conv2d_op.register_fake
+def _(input, weight, bias, stride, padding, dilation, groups, sampling, sorting, backend):
+    check_input(input, weight, bias, groups)
+    return input.new_empty(_output_shape(input, weight, stride, padding, dilation)).contiguous(
+        memory_format=_memory_format(input))
+
+
+@torch.library.custom_op("timm_sortconv::sort_conv2d_backward", mutates_args=())
+def sort_conv2d_backward_op(grad_output: Tensor, input: Tensor, weight: Tensor, stride: List[int],
+                            padding: List[int], dilation: List[int], groups: int, sampling: str, sorting: str,
+                            backend: str, need_input: bool, need_weight: bool) -> Tuple[Tensor, Tensor]:
+    chosen, geometry, stride_, dilation_ = _call(input, weight, None, stride, padding, dilation, groups, sampling,
+                                                 sorting, backend)
+    pad = tuple(int(p) for p in padding)
+    x, kernel_pad = _padded_for(chosen, input, pad)
+    grad_x, grad_weight = chosen.backward(grad_output.contiguous(), x, weight.contiguous(), geometry, stride_,
+                                          dilation_, groups, need_input, need_weight, kernel_pad)
+    if grad_x is not None and x.shape != input.shape:  # padded here: cut the padding off
+        grad_x = grad_x[:, :, pad[2]:pad[2] + input.shape[2], pad[0]:pad[0] + input.shape[3]]
+    empty = input.new_empty(0)
+    return (grad_x.contiguous() if need_input else empty), (grad_weight.contiguous() if need_weight else empty)
+
+
+@sort_conv2d_backward_op.register_fake
+def _(grad_output, input, weight, stride, padding, dilation, groups, sampling, sorting, backend, need_input,
+      need_weight):
+    return (input.new_empty(input.shape) if need_input else input.new_empty(0),
+            weight.new_empty(weight.shape) if need_weight else weight.new_empty(0))
+
+
+def _setup_context(ctx, inputs, output):
+    input, weight, bias, stride, padding, dilation, groups, sampling, sorting, backend = inputs
+    ctx.save_for_backward(input, weight)
+    ctx.config = (list(stride), list(padding), list(dilation), groups, sampling, sorting, backend)
+    ctx.has_bias = bias is not None
+
+
+def _reference_gradients(grad_output: Tensor, input: Tensor, weight: Tensor, config, needs) -> List[Optional[Tensor]]:
+    """Input and weight gradients through the differentiable reference path, with their own graph."""
+    stride, padding, dilation, groups, sampling, sorting, _ = config
+    geometry = get_geometry(weight.shape[-1], sampling, sorting)
+    with torch.enable_grad():
+        out = sort_conv2d_reference(F.pad(input, padding) if any(padding) else input, weight, None, geometry,
+                                    _pair(stride), _pair(dilation), groups)
+        wanted = [t for t, need in zip((input, weight), needs) if need]
+        grads = iter(torch.autograd.grad(out, wanted, grad_output, create_graph=True, allow_unused=True))
+    return [next(grads) if need else None for need in needs]
+
+
+def _backward(ctx, grad_output):
+    input, weight = ctx.saved_tensors
+    need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
+    grad_input = grad_weight = grad_bias = None
+    if need_input or need_weight:
+        if torch.is_grad_enabled():  # create_graph=True: the gradient must itself be differentiable
+            grad_input, grad_weight = _reference_gradients(grad_output, input, weight, ctx.config,
+                                                           (need_input, need_weight))
+        else:
+            grad_input, grad_weight = sort_conv2d_backward_op(grad_output, input, weight, *ctx.config, need_input,
+                                                              need_weight)
+            grad_input = grad_input if need_input else None
+            grad_weight = grad_weight if need_weight else None
+    if need_bias:
+        grad_bias = grad_output.sum((0, 2, 3))
+    return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None
+
+
+sort_conv2d_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _autocast_kernel(device_type: str):
+    """The operator's autocast rule for one device type: its floating-point tensors cast to the compute
+    dtype (float32 on the CPU, the autocast dtype elsewhere), the operator run with autocast off, and the
+    output returned in the autocast dtype."""
+    key = getattr(torch._C.DispatchKey, "Autocast" + torch._C._dispatch_key_for_device(device_type))
+
+    def autocast(*args):
+        output_dtype = torch.get_autocast_dtype(device_type)
+        # float64 stays float64, as autocast leaves it; the CPU computes every other float type in float32
+        eligible = (torch.float16, torch.bfloat16, torch.float32) if device_type == "cpu" else (torch.float32,)
+        dtype = torch.float32 if device_type == "cpu" else output_dtype
+        cast = [a.to(dtype) if isinstance(a, Tensor) and a.dtype in eligible else a for a in args]
+        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
+            out = torch.ops.timm_sortconv.sort_conv2d.default(*cast)
+        return out if out.dtype == torch.float64 else out.to(output_dtype)
+
+    return key, autocast
+
+
+_LIBRARY = torch.library.Library("timm_sortconv", "FRAGMENT")
+for _device_type in ("cpu", "cuda"):
+    _key, _kernel = _autocast_kernel(_device_type)
+    # The C++ dispatcher's entry (eager), and the Python one that tracing under autocast consults.
+    _LIBRARY.impl("sort_conv2d", lambda _keyset, *args, _kernel=_kernel: _kernel(*args), _key.name,
+                  with_keyset=True)
+    torch.ops.timm_sortconv.sort_conv2d.default.py_impl(_key)(_kernel)
