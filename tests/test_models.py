@@ -99,7 +99,7 @@ def test_scnn_average_downsampling_keeps_parameters_and_quarter_turn_invariance(
     paper.load_state_dict(model.state_dict())
     with torch.no_grad():
         assert not torch.allclose(paper(x), model(x))
-    with pytest.raises(ValueError, match="downsample='blur'.*'avg', 'max'"):
+    with pytest.raises(ValueError, match="downsample='blur'.*'max', 'avg'"):
         timm.create_model("scnn_p_rs_7", downsample="blur")
 
 

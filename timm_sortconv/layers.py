@@ -48,8 +48,9 @@ class SortConv2d(nn.Conv2d):
     Args:
         in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode,
         device, dtype: as :class:`torch.nn.Conv2d`; ``kernel_size`` must be odd and square.
-        sampling: ``"polar"`` (bilinear samples on circles, near-invariant to any angle) or
-            ``"square"`` (the grid itself, exact only at multiples of 90 degrees).
+        sampling: ``"polar"`` (bilinear samples on circles, near-invariant to any angle),
+            ``"polar-offset"`` (the same circles, points half a step off the axes) or ``"square"`` (the
+            grid itself, exact only at multiples of 90 degrees).
         sorting: ``"ring"`` (sort each Chebyshev ring, keeps radial structure) or ``"global"``.
         backend: ``"auto"``, ``"reference"`` or a fast backend's name.
 

@@ -13,7 +13,8 @@ invariant to rotations by multiples of 90 degrees, and polar sampling keeps them
 Paper: `Sorted Convolutional Network for Achieving Continuous Rotational Invariance` (Mo & Zhao, IEEE SPL 2024)
 - https://arxiv.org/abs/2305.14462
 """
-from typing import Any, Dict, List, Optional, Sequence
+from functools import partial
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -22,12 +23,12 @@ from timm.layers import ClassifierHead
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 
 from ..hub import HUB_ORG, bundled_weights_dir
+from ..lowpass import GaussianBlur2d, create_downsample
 from ._common import PAPER_CFG, SequentialClassifierMixin
 from ._conv import ConvNormAct, fixed_variant_args, get_conv_layer
 
 __all__ = ['SCNN']
 
-_DOWNSAMPLE = {'max': nn.MaxPool2d, 'avg': nn.AvgPool2d}
 
 
 class SCNN(SequentialClassifierMixin, nn.Module):
@@ -35,15 +36,24 @@ class SCNN(SequentialClassifierMixin, nn.Module):
 
     Args:
         kernel_size: kernel of the first four convolutions (odd).
-        sampling: ``'polar'`` or ``'square'``, or ``None`` with ``sorting=None`` for ``nn.Conv2d``.
+        sampling: ``'polar'``, ``'polar-offset'`` or ``'square'``, or ``None`` with ``sorting=None`` for ``nn.Conv2d``.
         sorting: ``'ring'`` or ``'global'``, or ``None``.
         backend: the ``SortConv2d`` backend (``'auto'``, ``'reference'`` or a fast backend's name).
         num_classes: classifier outputs (0: no classifier).
         in_chans: input channels.
         channels: widths of the six convolutions.
         global_pool: timm pooling type (``'avg'``, ``'max'``, ``'avgmax'``, ``'catavgmax'``; all keep invariance).
-        downsample: the two 2x2 stride-2 poolings: ``'max'`` (the paper's) or ``'avg'`` (a low-pass that
-            changes less when the map is rotated off the grid; same parameters, see RESULTS.md).
+        downsample: the two 2x downsamplings: ``'max'`` (the paper's 2x2 max pooling), ``'avg'`` (2x2
+            average pooling), ``'blur-max'`` or ``'blur-avg'`` (2x2 max pooling at stride 1 or nothing, then
+            a binomial low-pass at stride 2: :class:`~timm_sortconv.lowpass.BlurPool2d`). All keep the
+            exact quarter-turn invariance and add no parameters.
+        padding_mode: how the six convolutions pad their input (``'zeros'``, the paper's, or
+            ``'replicate'``, ``'reflect'``, ``'circular'``). With ``'zeros'`` every map has a frame of
+            zeros around it, which the layers see as content (the background of a normalised MNIST image is
+            not 0) and which, unlike the digit, does not turn with the input.
+        blur_sigma: standard deviation (pixels) of a fixed Gaussian blur before each of the six
+            convolutions, one number for all or six; 0 for none. It removes the content that varies
+            fastest between SC's samples (see :mod:`timm_sortconv.lowpass`); no parameters.
         drop_rate: dropout before the classifier.
         bn_momentum, bn_eps: BatchNorm settings (timm's ``train.py`` passes them when asked).
 
@@ -62,6 +72,8 @@ class SCNN(SequentialClassifierMixin, nn.Module):
             channels: Sequence[int] = (32, 32, 64, 64, 128, 128),
             global_pool: str = 'avg',
             downsample: str = 'max',
+            padding_mode: str = 'zeros',
+            blur_sigma: Union[float, Sequence[float]] = 0.,
             drop_rate: float = 0.,
             bn_momentum: float = 0.1,
             bn_eps: float = 1e-5,
@@ -72,9 +84,14 @@ class SCNN(SequentialClassifierMixin, nn.Module):
         dd = {'device': device, 'dtype': dtype}
         if len(channels) != 6:
             raise ValueError(f"SCNN has six convolutions, got channels={tuple(channels)}")
-        if downsample not in _DOWNSAMPLE:
-            raise ValueError(f"downsample={downsample!r} is not supported; expected one of {sorted(_DOWNSAMPLE)}")
+        blur_sigmas = (blur_sigma,) * 6 if isinstance(blur_sigma, (int, float)) else tuple(blur_sigma)
+        if len(blur_sigmas) != 6 or any(not isinstance(s, (int, float)) or s < 0 for s in blur_sigmas):
+            raise ValueError(f"blur_sigma must be a number >= 0 or six of them (one per convolution), "
+                             f"got {blur_sigma!r}")
+        create_downsample(downsample)  # checks the name before anything is built
         conv_layer = get_conv_layer(sampling, sorting, backend)
+        if padding_mode != 'zeros':
+            conv_layer = partial(conv_layer, padding_mode=padding_mode)
         self.num_classes = num_classes
         self.in_chans = in_chans
         self.drop_rate = drop_rate
@@ -90,9 +107,10 @@ class SCNN(SequentialClassifierMixin, nn.Module):
             if idx in (2, 4):
                 self.feature_info.append(dict(num_chs=prev_chs, reduction=net_stride, module=f'features.{len(layers) - 1}'))
                 self.feature_ends.append(len(layers) - 1)
-                layers.append(_DOWNSAMPLE[downsample](kernel_size=2, stride=2))
+                layers.append(create_downsample(downsample))
                 net_stride *= 2
-            layers.append(ConvNormAct(prev_chs, chs, k, conv_layer, bn_momentum, bn_eps, **dd))
+            blur = GaussianBlur2d(blur_sigmas[idx]) if blur_sigmas[idx] > 0 else None
+            layers.append(ConvNormAct(prev_chs, chs, k, conv_layer, bn_momentum, bn_eps, pre=blur, **dd))
             prev_chs = chs
         self.features = nn.Sequential(*layers)
         self.feature_info.append(dict(num_chs=prev_chs, reduction=net_stride, module=f'features.{len(layers) - 1}'))

@@ -77,7 +77,8 @@ def sort_conv2d(
         stride, padding, dilation, groups: as in :func:`torch.nn.functional.conv2d`; ``padding`` may be
             ``"same"`` or ``"valid"``.
         padding_mode: ``"zeros"``, ``"reflect"``, ``"replicate"`` or ``"circular"`` (as ``nn.Conv2d``).
-        sampling: ``"polar"`` (default) or ``"square"``.
+        sampling: ``"polar"`` (default), ``"polar-offset"`` (the polar points turned by half a step, off the
+            axes and diagonals) or ``"square"``.
         sorting: ``"ring"`` (default) or ``"global"``.
         backend: ``"auto"`` (the fastest backend that supports the call), ``"reference"`` or the name of
             a fast backend (see :func:`timm_sortconv.ops.available_backends`).

@@ -13,6 +13,14 @@ samples, then ring 2's sixteen, and so on. Ring ``r`` occupies slots ``[(2r-1)^2
   inside the window. The points of the first quadrant are computed with ``cos``/``sin`` and the other
   three quadrants are exact 90-degree rotations of them, so the tap tables are exactly symmetric under
   ``torch.rot90`` and 90-degree equivariance holds to the last bit of the weights.
+* ``sampling="polar-offset"``: as ``"polar"``, with every ring's points turned by half their angular
+  step, to ``2*pi*(j + 1/2)/(8r)``. No point then lies on an axis or a diagonal.
+  With ``"polar"`` the points on the axes read one pixel exactly while the others are blends of
+  up to four, so a ring's values differ in how blurred they are, in a pattern that repeats every 90
+  degrees and that a rotation by 45 degrees swaps (the axis and diagonal points change roles): a cue
+  to the orientation of the content that training can learn and that turns with the input. With the
+  offset, ring 1's eight points are images of one another under the grid's symmetries (quarter turns
+  and mirrors), so each is read through the same blend.
 
 Sorting then rearranges the samples (``sorting="ring"``: each ring's slots among themselves;
 ``sorting="global"``: all slots) and the sorted value in slot ``s`` is multiplied by the kernel weight
@@ -41,7 +49,7 @@ __all__ = [
     "check_variant",
 ]
 
-SAMPLINGS = ("square", "polar")
+SAMPLINGS = ("square", "polar", "polar-offset")
 SORTINGS = ("ring", "global")
 
 # Tap weights closer than this to 0 or 1 are snapped: cos(pi/2) is 6e-17, not 0, and a tap of weight
@@ -65,14 +73,14 @@ def row_major_offsets(kernel_size: int) -> List[Tuple[int, int]]:
     return [(dy, dx) for dy in range(-n, n + 1) for dx in range(-n, n + 1)]
 
 
-def polar_points(radius: int) -> List[Tuple[float, float]]:
-    """The ``8 * radius`` points ``(y, x)`` on the circle of that radius, angle ``2*pi*j/(8r)`` from the
-    +x axis, in order of ``j``. The first quadrant is computed; the others are its exact rotations
-    ``(y, x) -> (x, -y)`` by 90 degrees."""
+def polar_points(radius: int, offset: float = 0.0) -> List[Tuple[float, float]]:
+    """The ``8 * radius`` points ``(y, x)`` on the circle of that radius, angle ``2*pi*(j + offset)/(8r)``
+    from the +x axis, in order of ``j``. The first quadrant is computed; the others are its exact
+    rotations ``(y, x) -> (x, -y)`` by 90 degrees."""
     quarter = 2 * radius
     first = []
     for j in range(quarter):
-        angle = 2.0 * math.pi * j / (8 * radius)
+        angle = 2.0 * math.pi * (j + offset) / (8 * radius)
         first.append((radius * math.sin(angle), radius * math.cos(angle)))
     points = list(first)
     for _ in range(3):
@@ -128,7 +136,7 @@ class SortGeometry:
 
     Attributes:
         kernel_size: odd ``k``.
-        sampling: ``"square"`` or ``"polar"``.
+        sampling: ``"square"``, ``"polar"`` or ``"polar-offset"``.
         sorting: ``"ring"`` or ``"global"``.
         segments: ``(start, end)`` slot ranges sorted independently, in ring order.
         tap_offsets: ``(k*k, T, 2)`` int64 grid offsets ``(dy, dx)`` of each sample's taps (unused taps
@@ -205,9 +213,10 @@ def _build_geometry(k: int, sampling: str, sorting: str) -> SortGeometry:
     if sampling == "square":
         taps = [[(dy, dx, 1.0)] for dy, dx in grid]
     else:
+        offset = 0.5 if sampling == "polar-offset" else 0.0
         taps = [[(0, 0, 1.0)]]
         for r in range(1, n + 1):
-            taps += [_bilinear_taps(y, x) for y, x in polar_points(r)]
+            taps += [_bilinear_taps(y, x) for y, x in polar_points(r, offset)]
     width = max(len(t) for t in taps)
     taps = [t + [(*t[0][:2], 0.0)] * (width - len(t)) for t in taps]
     interpolation_rows = []

@@ -50,7 +50,7 @@ def _samples(x: torch.Tensor, geometry: SortGeometry, stride: Tuple[int, int], d
              out_size: Tuple[int, int]) -> torch.Tensor:
     """The ``k*k`` samples of every window in ring order, before sorting: ``(B, C, Ho, Wo, k*k)``."""
     patches = _patches(x, geometry, stride, dilation, out_size)
-    if geometry.sampling == "polar":
+    if geometry.sampling != "square":
         # Row-major window values -> ring-order bilinear samples.
         interpolation = geometry.interpolation.to(device=patches.device, dtype=patches.dtype)
         patches = torch.matmul(patches, interpolation.t())
@@ -141,7 +141,7 @@ def sort_conv2d_reference_backward(grad_output: torch.Tensor, x: torch.Tensor, w
         w = slot_weight(weight, geometry).reshape(groups, og, cg, kk).to(sorted_values.dtype)
         grad_sorted = torch.einsum("bgohw,gocs->bgchws", grad_out, w).reshape(sorted_values.shape)
         grad_samples = torch.zeros_like(grad_sorted).scatter_(-1, order, grad_sorted)
-        if geometry.sampling == "polar":
+        if geometry.sampling != "square":
             interpolation = geometry.interpolation.to(device=x.device, dtype=grad_samples.dtype)
             grad_samples = torch.matmul(grad_samples, interpolation)  # back to row-major window positions
         grad_x = torch.zeros(x.shape, dtype=grad_samples.dtype, device=x.device)

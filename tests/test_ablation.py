@@ -1,0 +1,72 @@
+"""scripts/ablation.py: its statistics against hand-computed values, and one tiny row end to end on MNIST-layout
+data written by the test (random pixels: the numbers mean nothing, the bookkeeping is what is checked)."""
+import base64
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import load_script
+from test_data import make_mnist
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def ablation():
+    return load_script(REPO / "scripts" / "ablation.py", "ablation_script")
+
+
+def test_summary_counts_an_images_angles_as_one_sample(ablation):
+    # 4 images x 3 angles (0, 10, 20): per-angle accuracy 100, 50, 25 %
+    correct = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 0, 0]], dtype=torch.bool)
+    s = ablation.summarise(correct, [0.0, 10.0, 20.0])
+    assert s["per_angle"] == [100.0, 50.0, 25.0]
+    assert s["mean"] == pytest.approx(100 * 7 / 12)
+    assert (s["upright"], s["worst"], s["worst_angle"], s["dip"]) == (100.0, 25.0, 20.0, 75.0)
+    per_image = torch.tensor([3, 2, 1, 1], dtype=torch.float64) / 3
+    assert s["mean_se"] == pytest.approx(100 * per_image.std().item() / 2)
+    assert s["upright_se"] == 0.0
+    assert s["worst_se"] == pytest.approx(100 * torch.tensor([1.0, 0, 0, 0]).std().item() / 2)
+    assert s["dip_se"] == pytest.approx(100 * torch.tensor([0.0, 1, 1, 1]).std().item() / 2)
+
+
+def test_a_row_trains_sweeps_records_and_is_not_rerun(ablation, tmp_path, capsys):
+    data = tmp_path / "mnist"
+    make_mnist(data, num_train=10020, num_test=16)  # the train split holds 10,000 images out for validation
+    common = ["--data-dir", str(data), "--results", str(tmp_path / "res"), "--output", str(tmp_path / "out"),
+              "--cache-dir", str(tmp_path / "cache"), "--train-samples", "20", "--epochs", "1", "--batch-size", "10",
+              "--sweep-samples", "8", "--angles", "0,45,90", "--model", "scnn_p_rs_3", "--model-kwargs",
+              "channels=(4,4,4,4,4,4)", "blur_sigma=0.5"]
+    ablation.main(["--name", "tiny", "--seeds", "0", "1", *common])
+    rows = [json.loads((tmp_path / "res" / "tiny" / f"seed{s}.json").read_text()) for s in (0, 1)]
+    for row in rows:
+        assert row["model_kwargs"] == {"channels": [4, 4, 4, 4, 4, 4], "blur_sigma": 0.5}
+        assert (row["train_samples"], row["epochs"], row["images"], row["angles"]) == (20, 1, 8, [0.0, 45.0, 90.0])
+        assert (tmp_path / "out" / "tiny" / f"seed{row['seed']}.pth").is_file()
+        bits = np.unpackbits(np.frombuffer(base64.b64decode(row["correct"]), dtype=np.uint8))[:8 * 3]
+        correct = torch.from_numpy(bits.reshape(8, 3).astype(bool))
+        assert row["per_angle"] == ablation.summarise(correct, row["angles"])["per_angle"]
+        assert row["per_angle"][0] == row["per_angle"][2]  # an SCNN is exactly invariant to a quarter turn
+        assert row["command"].startswith("python scripts/ablation.py")
+    # A seed whose result exists is not trained again.
+    weights = tmp_path / "out" / "tiny" / "seed0.pth"
+    mtime = weights.stat().st_mtime_ns
+    capsys.readouterr()
+    ablation.main(["--name", "tiny", "--seeds", "0", *common])
+    assert "exists: skipped" in capsys.readouterr().out and weights.stat().st_mtime_ns == mtime
+    ablation.main(["--table", "--results", str(tmp_path / "res")])
+    line = capsys.readouterr().out.splitlines()[2]
+    assert line.startswith("| tiny | 2 |") and f"{np.mean([r['mean'] for r in rows]):.2f}" in line
+    ablation.main(["--features", "--feature-samples", "8", *common])
+    features = json.loads((tmp_path / "res" / "features.json").read_text())
+    assert [(r["name"], r["seed"]) for r in features["rows"]] == [("tiny", 0), ("tiny", 1)]
+    assert all(math.isfinite(r["trained"]["relative"]) for r in features["rows"])
+
+
+def test_bad_canvas_is_refused(ablation, capsys):
+    with pytest.raises(SystemExit):
+        ablation.main(["--name", "x", "--data-dir", "nowhere", "--canvas", "27"])
+    assert "--canvas must be an even size >= 28" in capsys.readouterr().err
