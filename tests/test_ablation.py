@@ -1,22 +1,20 @@
-"""scripts/ablation.py: its statistics against hand-computed values, and one tiny row end to end on MNIST-layout
-data written by the test (random pixels: the numbers mean nothing, the bookkeeping is what is checked)."""
+"""timm_sortconv.cli.ablation (scripts/ablation.py): its statistics against hand-computed values, and one
+tiny row end to end on MNIST-layout data written by the test (random pixels: the numbers mean nothing, the
+bookkeeping is what is checked)."""
 import base64
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import load_script
 from test_data import make_mnist
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def ablation():
-    return load_script(REPO / "scripts" / "ablation.py", "ablation_script")
+    from timm_sortconv.cli import ablation
+    return ablation
 
 
 def test_summary_counts_an_images_angles_as_one_sample(ablation):

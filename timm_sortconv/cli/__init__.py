@@ -5,7 +5,9 @@
 * :mod:`.demo`: the main job: an SCNN and its plain twin trained on MNIST and swept over rotations;
 * :mod:`.mnist_results`: one row of RESULTS.md (train, MNIST test, MNIST-rot) as JSON, CSV and plot;
 * :mod:`.model_cards`: the model cards of published weights, from those rows;
-* :mod:`.invariance`: the feature-change sweep of models at random initialisation.
+* :mod:`.invariance`: the feature-change sweep of models at random initialisation;
+* :mod:`.ablation`: one row of RESULTS.md's ablation (train on an MNIST slice for some seeds, sweep, error bars);
+* :mod:`.dip_probe`: where a trained SCNN loses accuracy between the quarter turns (per-stage probes).
 
 :func:`run` is how each tool starts: a problem with the user's input (a missing data folder, a bad
 option value) ends the process with one ``error:`` line, without a traceback.

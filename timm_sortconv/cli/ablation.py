@@ -1,0 +1,434 @@
+"""One row of the MNIST-rot ablation: train a model on upright MNIST for some seeds, sweep it, report error bars.
+
+Every row of RESULTS.md's ablation runs this same protocol, so rows differ only by the model and its
+options (``--model``, ``--model-kwargs``) unless a flag of the recipe is changed on purpose:
+
+* **Training**: a seeded slice of ``--train-samples`` images of MNIST's 50,000-image training split (the
+  same images for every row and seed), ``--epochs`` epochs, batch ``--batch-size``, Adam at ``--lr``
+  decayed to zero by a cosine over the updates, no weight decay, no augmentation: the recipe of
+  ``scripts/configs/mnist_scnn_short.yaml``, in a plain loop (no loader processes); ``--weight-decay``
+  adds decoupled weight decay (AdamW). The model kept is the
+  last one. ``--seeds`` are training seeds (initialisation and image order).
+* **Sweep**: a fixed seeded slice of ``--sweep-samples`` MNIST test images (the slice RESULTS.md's
+  2,000-image sweeps use), each rotated by every angle of ``--angles`` exactly as MNIST-rot is made
+  (:class:`timm_sortconv.data.RotatedDataset`: bilinear, zero fill, rounded to 8 bits).
+* **Report**, per seed: the accuracy at each angle, the mean over the angles, the upright accuracy, the
+  worst angle and the dip (upright minus worst), each with its standard error over the images: an
+  image's results at all angles count as one sample (they are not independent), so the SE of the mean is
+  the standard deviation of the per-image mean over the angles divided by sqrt(images), and the dip's SE
+  is that of the per-image difference between upright and the worst angle. Over seeds: the mean and the
+  standard deviation between seeds.
+
+For a network that is exactly invariant to quarter turns (every SCNN on 28x28 inputs) the angles
+0..80 give the same mean as 0..350, at a quarter of the cost: ``--angles 0:90:10`` is what screening
+rows use, and the full 36 angles what peers (not exactly quarter-turn invariant) and final rows use.
+
+``--pretrained`` trains nothing: it sweeps the bundled weights of ``--model`` built with
+``--model-kwargs``, which tests an option that adds no parameters (e.g. ``blur_sigma=0.7``) on weights
+trained without it.
+
+Peers (``--model`` names that are not timm models; their packages are not dependencies of timm-sortconv,
+install them where you run this, e.g. ``pip install e2cnn gmr-conv torchio`` in a separate environment):
+
+* ``e2cnn``: an E(2)-CNN (Weiler & Cesa 2019, package ``e2cnn``) laid out as the SCNN: six
+  rotation-equivariant convolutions of the group C_N (``rotations``, default 8) on regular fields, with as
+  many channels as the SCNN's (``channels``, each ``N`` channels one field), kernels ``kernel_size`` (7)
+  x4 then 3 x2, inner BatchNorm and ReLU, 2x2 max pooling after the second and fourth, then pooling over
+  the group (invariant to C_N), global average pooling and a linear layer.
+* ``gmr:<timm model>``: that model with every ``k x k`` convolution (``k > 1``) replaced by GMR-Conv
+  (``GMR_Conv.GMR_Conv2d``, Du et al. 2025: radially symmetric Gaussian-mixture-ring kernels), as the
+  package's ``convert_to_gmr_conv`` does for stride-1 convolutions.
+
+Outputs: ``<results>/<name>/seed<S>.json`` (the numbers, the command, the per-image results packed as
+base64 bits) and ``<output>/<name>/seed<S>.pth`` (the weights). A seed whose JSON exists is skipped.
+``--table`` prints the Markdown table of every row under ``--results``. ``--features`` measures, for
+every trained seed under ``--results`` (bundled weights for ``--pretrained`` rows), and for the same network
+untrained, from its seed, how far the
+pooled features (the classifier's input) of the first ``--feature-samples`` sweep images move when the
+images are rotated by 45 degrees: the mean of ``||f(rotated) - f(upright)||`` relative to the mean
+``||f(upright)||``, and relative to the mean distance between the ten class centroids of the upright
+features (how far the rotation moves an image compared with how far apart the classes are); it writes
+``<results>/features.json``.
+
+Example::
+
+    python scripts/ablation.py --name p_rs_7 --model scnn_p_rs_7 --data-dir DATA --train-samples 10000 \\
+        --epochs 2 --seeds 0 1 2 --angles 0:90:10 --results results/mnist/ablation/screen
+    python scripts/ablation.py --table --results results/mnist/ablation/screen
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import math
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List
+
+import numpy as np
+import timm
+import torch
+import torch.nn.functional as F
+
+from ..data import RotatedDataset, cap_samples, create_dataset
+from ..models import SCNN  # importing the models registers them with timm
+from ..rotation import parse_rotations
+from . import run
+
+
+def parse_kwargs(items: List[str]) -> Dict:
+    """``key=value`` pairs; values are Python literals where they parse as one (as timm's ``--model-kwargs``)."""
+    import ast
+
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise SystemExit(f"--model-kwargs takes key=value pairs, got {item!r}")
+        key, value = item.split("=", 1)
+        try:
+            out[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[key] = value
+    return out
+
+
+def load_split(data_dir: str, split: str, samples: int, seed: int):
+    """``(images uint8 (N, 28, 28), labels)`` of a seeded slice of an MNIST split."""
+    base = create_dataset("sortconv/mnist", root=data_dir, split=split)
+    sliced = cap_samples(base, samples, seed=seed)
+    index = torch.tensor(sliced.indices) if sliced is not base else torch.arange(len(base))
+    return base.images[index], base.targets[index], sliced
+
+
+def rotated_sweep(data_dir: str, samples: int, angles: List[float], cache_dir: str):
+    """``(images uint8 (A, N, 28, 28), labels (N,))``: the test slice at every angle, as MNIST-rot makes them."""
+    key = f"mnist_test_{samples}_seed42_" + "_".join(f"{a:g}" for a in angles) + ".pt"
+    path = Path(cache_dir) / key if cache_dir else None
+    if path is not None and path.is_file():
+        return torch.load(path)
+    _, labels, sliced = load_split(data_dir, "test", samples, seed=42)
+    sweep = RotatedDataset(sliced, angles)
+    images = torch.stack([torch.from_numpy(np.array(sweep[i][0])) for i in range(len(sweep))])
+    result = (images.view(len(angles), len(sliced), 28, 28), labels)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(result, path)
+    return result
+
+
+MNIST_CFG = {"mean": (0.1307,), "std": (0.3081,)}
+
+
+class E2CNN(torch.nn.Module):
+    """The ``e2cnn`` peer of the module docstring."""
+
+    def __init__(self, rotations: int = 8, channels=(32, 32, 64, 64, 128, 128), kernel_size: int = 7,
+                 num_classes: int = 10):
+        super().__init__()
+        from e2cnn import gspaces, nn as enn
+
+        space = gspaces.Rot2dOnR2(N=rotations)
+        self.in_type = field = enn.FieldType(space, [space.trivial_repr])
+        layers = []
+        for i, (width, k) in enumerate(zip(channels, (kernel_size,) * 4 + (3, 3))):
+            if i in (2, 4):
+                layers.append(enn.PointwiseMaxPool(field, 2))
+            out = enn.FieldType(space, [space.regular_repr] * (width // rotations))
+            layers += [enn.R2Conv(field, out, k, padding=k // 2, bias=False), enn.InnerBatchNorm(out),
+                       enn.ReLU(out, inplace=True)]
+            field = out
+        layers.append(enn.GroupPooling(field))
+        self.features = enn.SequentialModule(*layers)
+        self.fc = torch.nn.Linear(channels[-1] // rotations, num_classes)
+        self.pretrained_cfg = MNIST_CFG
+        self.geometric_tensor = enn.GeometricTensor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.features(self.geometric_tensor(x, self.in_type)).tensor
+        return self.fc(x.mean((2, 3)))
+
+
+def gmr_convert(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` with its stride-1 ``k x k`` convolutions (``k > 1``) replaced by ``GMR_Conv2d``."""
+    from GMR_Conv import GMR_Conv2d
+
+    for name, child in module.named_children():
+        if type(child) is torch.nn.Conv2d and child.kernel_size[0] > 1:
+            if child.stride != (1, 1):
+                raise SystemExit(f"gmr: {name} has stride {child.stride}; only stride-1 convolutions are converted")
+            setattr(module, name, GMR_Conv2d(child.in_channels, child.out_channels, child.kernel_size,
+                                             padding=child.padding, dilation=child.dilation, groups=child.groups,
+                                             bias=child.bias is not None))
+        else:
+            gmr_convert(child)
+    return module
+
+
+def create_model(name: str, kwargs: Dict) -> torch.nn.Module:
+    """A timm model, ``"scnn"`` (``timm_sortconv.models.SCNN(**kwargs)``, for variants that no entrypoint
+    names, e.g. ``sampling="polar-offset"``), or one of the peers of the module docstring."""
+    if name == "scnn":
+        model = SCNN(**kwargs)
+        model.pretrained_cfg = MNIST_CFG
+        return model
+    if name == "e2cnn":
+        return E2CNN(**kwargs)
+    if name.startswith("gmr:"):
+        return gmr_convert(timm.create_model(name[4:], **kwargs))
+    return timm.create_model(name, **kwargs)
+
+
+CANVAS = 28  # --canvas: images are padded with black (0) to CANVAS x CANVAS before normalisation
+
+
+def normalise(images: torch.Tensor, cfg: dict) -> torch.Tensor:
+    pad = (CANVAS - images.shape[-1]) // 2
+    x = F.pad(images.float(), (pad, pad, pad, pad)) if pad else images.float()
+    return (x.unsqueeze(-3) / 255 - cfg["mean"][0]) / cfg["std"][0]
+
+
+def train(model, images, labels, args, seed: int) -> float:
+    """The recipe of the module docstring; returns the training time in seconds."""
+    cfg = model.pretrained_cfg
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    steps_per_epoch = len(images) // args.batch_size
+    total = steps_per_epoch * args.epochs
+    model.train()
+    start, step = time.time(), 0
+    for epoch in range(args.epochs):
+        order = torch.randperm(len(images), generator=torch.Generator().manual_seed(seed * 1000 + epoch))
+        for b in range(steps_per_epoch):
+            idx = order[b * args.batch_size:(b + 1) * args.batch_size]
+            for group in optimizer.param_groups:
+                group["lr"] = 0.5 * args.lr * (1 + math.cos(math.pi * step / total))
+            loss = F.cross_entropy(model(normalise(images[idx], cfg)), labels[idx])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            step += 1
+            if step % args.log_interval == 0 or step == total:
+                rate = step * args.batch_size / (time.time() - start)
+                print(f"  step {step}/{total} loss {loss.item():.4f} ({rate:.0f} img/s)", flush=True)
+    return time.time() - start
+
+
+@torch.no_grad()
+def sweep_correct(model, images: torch.Tensor, labels: torch.Tensor, batch: int = 500) -> torch.Tensor:
+    """``(N, A)`` bool: whether each image is classified correctly at each angle."""
+    model.eval()
+    cfg = model.pretrained_cfg
+    correct = torch.zeros(images.shape[1], images.shape[0], dtype=torch.bool)
+    for a in range(images.shape[0]):
+        for s in range(0, images.shape[1], batch):
+            logits = model(normalise(images[a, s:s + batch], cfg))
+            correct[s:s + batch, a] = logits.argmax(1) == labels[s:s + batch]
+    return correct
+
+
+def summarise(correct: torch.Tensor, angles: List[float]) -> Dict:
+    """Per-angle accuracy, mean, upright, worst angle and dip, with standard errors over images (in %)."""
+    c = correct.double()
+    n = c.shape[0]
+    per_angle = c.mean(0) * 100
+    worst = int(per_angle.argmin())
+    upright = angles.index(0.0) if 0.0 in angles else 0
+    se = lambda v: (v.std(unbiased=True) / math.sqrt(n)).item() * 100  # noqa: E731
+    return {
+        "angles": angles,
+        "per_angle": [round(v, 4) for v in per_angle.tolist()],
+        "mean": c.mean().item() * 100, "mean_se": se(c.mean(1)),
+        "upright": per_angle[upright].item(), "upright_se": se(c[:, upright]),
+        "worst": per_angle[worst].item(), "worst_angle": angles[worst], "worst_se": se(c[:, worst]),
+        "dip": (per_angle[upright] - per_angle[worst]).item(), "dip_se": se(c[:, upright] - c[:, worst]),
+        "images": n,
+    }
+
+
+def pack(correct: torch.Tensor) -> str:
+    return base64.b64encode(np.packbits(correct.numpy().astype(np.uint8)).tobytes()).decode()
+
+
+def run(args) -> None:
+    kwargs = parse_kwargs(args.model_kwargs)
+    angles = parse_rotations(args.angles)
+    rows_dir = Path(args.results) / args.name
+    weights_dir = Path(args.output) / args.name
+    rows_dir.mkdir(parents=True, exist_ok=True)
+    weights_dir.mkdir(parents=True, exist_ok=True)
+    if not args.pretrained:
+        train_images, train_labels, _ = load_split(args.data_dir, "train", args.train_samples, seed=42)
+    sweep_images, sweep_labels = rotated_sweep(args.data_dir, args.sweep_samples, angles, args.cache_dir)
+    for seed in args.seeds:
+        out = rows_dir / f"seed{seed}.json"
+        if out.is_file():
+            print(f"{out} exists: skipped")
+            continue
+        torch.manual_seed(seed)
+        if args.pretrained:
+            model = timm.create_model(args.model, pretrained=True, **kwargs)
+            seconds, train_samples = 0.0, 0
+        else:
+            model = create_model(args.model, kwargs)
+            train_samples = len(train_images)
+        params = sum(p.numel() for p in model.parameters())
+        print(f"{args.name} seed {seed}: {args.model} {kwargs} ({params} parameters), "
+              + ("bundled weights" if args.pretrained else f"{train_samples} images x {args.epochs} epochs"),
+              flush=True)
+        if not args.pretrained:
+            seconds = train(model, train_images, train_labels, args, seed)
+            torch.save(model.state_dict(), weights_dir / f"seed{seed}.pth")
+        start = time.time()
+        correct = sweep_correct(model, sweep_images, sweep_labels)
+        result = summarise(correct, angles)
+        result.update(name=args.name, model=args.model, model_kwargs=kwargs, seed=seed, params=params,
+                      train_samples=train_samples, epochs=0 if args.pretrained else args.epochs,
+                      batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
+                      train_seconds=round(seconds, 1), sweep_seconds=round(time.time() - start, 1),
+                      threads=torch.get_num_threads(), canvas=CANVAS,
+                      command="python scripts/ablation.py " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+                      correct=pack(correct))
+        out.write_text(json.dumps(result, indent=1))
+        print(f"  mean {result['mean']:.2f} +- {result['mean_se']:.2f}, upright {result['upright']:.2f}, "
+              f"worst {result['worst']:.2f} at {result['worst_angle']:g}, dip {result['dip']:.2f} "
+              f"+- {result['dip_se']:.2f} (train {seconds / 60:.1f} min)", flush=True)
+
+
+@torch.no_grad()
+def pooled_features(model, images: torch.Tensor) -> torch.Tensor:
+    model.eval()
+    x = normalise(images, model.pretrained_cfg)
+    if hasattr(model, "forward_head"):
+        return model.forward_head(model.forward_features(x), pre_logits=True).double()
+    return model.features(model.geometric_tensor(x, model.in_type)).tensor.mean((2, 3)).double()
+
+
+def feature_change(model, upright: torch.Tensor, rotated: torch.Tensor, labels: torch.Tensor) -> Dict:
+    """The two ratios of ``--features`` (see the module docstring) for one model."""
+    f0, f1 = pooled_features(model, upright), pooled_features(model, rotated)
+    moved = (f1 - f0).norm(dim=1).mean()
+    centroids = torch.stack([f0[labels == c].mean(0) for c in range(10)])
+    between = torch.cdist(centroids, centroids).sum() / 90
+    return {"relative": (moved / f0.norm(dim=1).mean()).item(), "to_class_distance": (moved / between).item()}
+
+
+def features(args) -> None:
+    global CANVAS
+    images, labels = rotated_sweep(args.data_dir, args.sweep_samples, [0.0, 45.0], args.cache_dir)
+    images, labels = images[:, :args.feature_samples], labels[:args.feature_samples]
+    rows = []
+    for path in sorted(Path(args.results).glob("*/seed*.json")):
+        row = json.loads(path.read_text())
+        weights = Path(args.output) / row["name"] / f"{path.stem}.pth"
+        bundled = row["epochs"] == 0
+        CANVAS = row.get("canvas", 28)
+        if not (bundled or weights.is_file()):
+            continue
+        torch.manual_seed(row["seed"])
+        model = create_model(row["model"], row["model_kwargs"])
+        untrained = feature_change(model, images[0], images[1], labels)
+        if bundled:
+            model = timm.create_model(row["model"], pretrained=True, **row["model_kwargs"])
+        else:
+            model.train()  # as when the weights were saved (e2cnn keeps expanded filters only in eval mode)
+            model.load_state_dict(torch.load(weights))
+        trained = feature_change(model, images[0], images[1], labels)
+        rows.append(dict(name=row["name"], seed=row["seed"], dip=row["dip"], trained=trained, untrained=untrained))
+        print(f"| {row['name']} | {row['seed']} | {row['dip']:.2f} | {100 * untrained['relative']:.1f}% | "
+              f"{100 * trained['relative']:.1f}% | {trained['to_class_distance']:.3f} |", flush=True)
+    (Path(args.results) / "features.json").write_text(json.dumps(dict(
+        angle=45, images=len(labels), command="python scripts/ablation.py " + " ".join(map(shlex.quote, sys.argv[1:])),
+        rows=rows), indent=1))
+
+
+def table(results: str) -> str:
+    """The Markdown table of every row under ``results``: per row the mean over its seeds, with the
+    spread between seeds (sd) and the mean per-seed standard error over images (se); and, where
+    ``--features`` measured the row's seeds, their mean feature change (untrained, trained, trained
+    relative to the class centroids' distance)."""
+    measured = Path(results) / "features.json"
+    changes: Dict[str, List[Dict]] = {}
+    for entry in json.loads(measured.read_text())["rows"] if measured.is_file() else []:
+        changes.setdefault(entry["name"], []).append(entry)
+    lines = ["| row | seeds | params | train | mean | upright | worst (angle) | dip | feature change at 45 degrees: "
+             "untrained, trained, trained / class distance |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for row in sorted(p for p in Path(results).iterdir() if p.is_dir()):
+        seeds = [json.loads(f.read_text()) for f in sorted(row.glob("seed*.json"))]
+        if not seeds:
+            continue
+
+        def cell(key: str) -> str:
+            values = np.array([s[key] for s in seeds])
+            se = np.mean([s[key + "_se"] for s in seeds])
+            sd = f", sd {values.std(ddof=1):.2f}" if len(values) > 1 else ""
+            return f"{values.mean():.2f} (se {se:.2f}{sd})"
+
+        worst_angles = sorted({f"{s['worst_angle']:g}" for s in seeds})
+        measured_seeds = changes.get(row.name, [])
+        change = "-"
+        if measured_seeds:
+            mean = lambda key, sub: np.mean([m[sub][key] for m in measured_seeds])  # noqa: E731
+            change = (f"{100 * mean('relative', 'untrained'):.1f}%, {100 * mean('relative', 'trained'):.1f}%, "
+                      f"{mean('to_class_distance', 'trained'):.3f} ({len(measured_seeds)} seeds)")
+        first = seeds[0]
+        trained = f"{first['train_samples']:,} x {first['epochs']}" if first["epochs"] else "bundled"
+        lines.append(f"| {row.name} | {len(seeds)} | {first['params']:,} | {trained} | {cell('mean')} | "
+                     f"{cell('upright')} | {cell('worst')} "
+                     f"({'/'.join(worst_angles)}) | {cell('dip')} | {change} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--name", help="row name (folder under --results)")
+    parser.add_argument("--model", default="scnn_p_rs_7")
+    parser.add_argument("--model-kwargs", nargs="*", default=[], help="key=value create_model arguments")
+    parser.add_argument("--data-dir", help="MNIST folder")
+    parser.add_argument("--train-samples", type=int, default=10000)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=50)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--weight-decay", type=float, default=0.0, help="decoupled (AdamW); 0: Adam, the recipe's")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--pretrained", action="store_true", help="sweep the bundled weights, train nothing")
+    parser.add_argument("--canvas", type=int, default=28,
+                        help="pad the 28x28 images (after rotating them) with black to this even size, for "
+                             "training and sweep alike: moves the digit away from the map borders")
+    parser.add_argument("--sweep-samples", type=int, default=2000)
+    parser.add_argument("--angles", default="0:90:10", help="START:STOP:STEP or a list, degrees")
+    parser.add_argument("--results", default="results/mnist/ablation/screen")
+    parser.add_argument("--output", default="output/ablation", help="where the weights go")
+    parser.add_argument("--cache-dir", default="output/ablation/cache", help="rotated test images ('' for none)")
+    parser.add_argument("--log-interval", type=int, default=100)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="intra-op threads (default 1: on a shared machine two spinning threads measured slower)")
+    parser.add_argument("--table", action="store_true", help="print the table of --results and exit")
+    parser.add_argument("--features", action="store_true", help="pooled-feature change at 45 degrees of every "
+                        "trained seed under --results (and of its untrained network), then exit")
+    parser.add_argument("--feature-samples", type=int, default=500)
+    args = parser.parse_args(argv)
+    if args.table:
+        print(table(args.results))
+        return
+    if args.features:
+        torch.set_num_threads(args.threads)
+        print("| row | seed | dip | feature change untrained | trained | trained, to class distance |\n"
+              "|---|---|---|---|---|---|")
+        features(args)
+        return
+    if not args.name or not args.data_dir:
+        parser.error("--name and --data-dir are needed to run a row")
+    if args.canvas < 28 or args.canvas % 2:
+        parser.error(f"--canvas must be an even size >= 28, got {args.canvas}")
+    global CANVAS
+    CANVAS = args.canvas
+    torch.set_num_threads(args.threads)
+    run(args)
+
+
+if __name__ == "__main__":
+    run(main)

@@ -1,0 +1,222 @@
+"""Where does an SCNN lose accuracy between the quarter turns? A diagnosis of trained weights, no training.
+
+For a trained SCNN and a slice of the MNIST test set, for each angle theta, with ``R`` the rotation by
+theta (:func:`timm_sortconv.invariance.rotate`, bilinear about the map's centre, zero fill):
+
+* **Equivariance error per stage.** ``F_s`` is the network up to stage ``s`` (each conv-BN-ReLU block,
+  each 2x2 pooling, the global pooling). ``cumulative`` is ``||F_s(R x) - R F_s(x)|| / ||R F_s(x)||`` on the
+  central disc of the map (radius half the map's width): how far the rotated image's features are from the
+  rotated upright features. ``local`` is the same for stage ``s`` alone, fed ``R`` of its upright input:
+  ``||L_s(R h) - R L_s(h)|| / ||R L_s(h)||``; it separates the error a stage adds from the one it inherits.
+  ``floor`` is ``||R^-1 R h - h|| / ||h||`` for the stage's output, the blur of rotating a map there and
+  back: errors near it are within what rotating a grid map can resolve.
+* **Repair.** The rotated image runs through the network, but at stage ``s`` its activation is replaced
+  by ``R F_s(x)``, the upright image's activation rotated (what an exactly equivariant network up to ``s``
+  would give); the accuracy of the rest of the network on that is reported per ``s``. Repairing at the
+  input is the plain rotated accuracy (float rotation, no 8-bit rounding); repairing at the pooled features
+  is the upright accuracy. The accuracy a stage adds when repaired is what the layers up to it lose.
+
+``--operator`` instead probes one SC window, no network and no data: smooth random images (sums of
+Gaussian blobs of width ``--blob-sigma`` pixels, optionally blurred by ``--blur`` more) are rendered on
+the grid exactly, upright and rotated by each angle about the window's centre pixel, and for each ring
+the relative change of the window's sorted ring values is reported, median over ``--fields`` images.
+Rendering is exact, so what changes is the operator's own response: where the ring's points fall
+between the pixels.
+
+Examples::
+
+    python scripts/dip_probe.py --data-dir DATA --model scnn_p_rs_7 --pretrained --samples 500 \\
+        --angles 10,20,30,45 --out results/mnist/ablation/probe_scnn_p_rs_7.json
+    python scripts/dip_probe.py --operator --angles 10,22.5,30,45 --sampling polar polar-offset --blur 0 0.7
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from typing import Callable, List, Tuple
+
+import timm
+import torch
+import torch.nn as nn
+
+from .. import models  # noqa: F401  (registers the SC models with timm)
+from ..data import cap_samples, create_dataset
+from ..rotation import parse_rotations, rotate
+from . import run
+
+
+def stages(model: nn.Module) -> List[Tuple[str, Callable[[torch.Tensor], torch.Tensor]]]:
+    """The network as a list of ``(name, function)``, each feeding the next: the ``features`` children
+    (blocks and poolings), then the global pooling, then the classifier."""
+    out = [(f"{i}:{type(m).__name__}", m) for i, m in enumerate(model.features)]
+    out.append(("pooled", lambda x: model.forward_head(x, pre_logits=True)))
+    out.append(("logits", model.head.fc))
+    return out
+
+
+def disc(size: int, device=None) -> torch.Tensor:
+    """Mask of the pixels whose centre lies within half the map's width of the map's centre."""
+    c = (size - 1) / 2
+    coords = torch.arange(size, dtype=torch.float64, device=device) - c
+    return (coords.view(-1, 1) ** 2 + coords.view(1, -1) ** 2) <= (size / 2) ** 2
+
+
+def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``||a - b|| / ||b||`` over the central disc for maps (summed over the batch), over all for vectors."""
+    if a.dim() == 4:
+        mask = disc(a.shape[-1], a.device)
+        a, b = a[..., mask], b[..., mask]
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def rot(t: torch.Tensor, angle: float) -> torch.Tensor:
+    return rotate(t, angle) if t.dim() == 4 else t
+
+
+@torch.no_grad()
+def probe(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, angles: List[float], mean: float,
+          std: float):
+    """The per-stage errors and repaired accuracies described in the module docstring, per angle."""
+    chain = stages(model)
+    upright = [(images - mean) / std]
+    for _, f in chain:
+        upright.append(f(upright[-1]))
+    names = ["input"] + [n for n, _ in chain]
+    result = {"stages": names, "upright_accuracy": (upright[-1].argmax(1) == labels).double().mean().item() * 100,
+              "angles": {}}
+    for angle in angles:
+        rotated = [(rotate(images, angle) - mean) / std]
+        for _, f in chain:
+            rotated.append(f(rotated[-1]))
+        rows = []
+        for s, name in enumerate(names):
+            ideal = rot(upright[s], angle)
+            row = {"stage": name, "cumulative": rel_error(rotated[s], ideal)}
+            if s > 0:
+                row["local"] = rel_error(chain[s - 1][1](rot(upright[s - 1], angle)), ideal)
+            if upright[s].dim() == 4:
+                row["floor"] = rel_error(rotate(ideal, -angle), upright[s])
+            if s < len(names) - 1:
+                x = ideal
+                for _, f in chain[s:]:
+                    x = f(x)
+                row["repaired_accuracy"] = (x.argmax(1) == labels).double().mean().item() * 100
+            rows.append(row)
+        rows[-1]["repaired_accuracy"] = result["upright_accuracy"]
+        result["angles"][f"{angle:g}"] = rows
+    return result
+
+
+def format_result(result) -> str:
+    lines = [f"upright accuracy {result['upright_accuracy']:.2f}%"]
+    for angle, rows in result["angles"].items():
+        lines.append(f"\nangle {angle}: stage | cumulative | local | floor | accuracy if repaired here")
+        for row in rows:
+            cells = [f"{row['stage']:>22}", f"{100 * row['cumulative']:8.2f}%"]
+            cells.append(f"{100 * row['local']:8.2f}%" if "local" in row else " " * 9)
+            cells.append(f"{100 * row['floor']:8.2f}%" if "floor" in row else " " * 9)
+            cells.append(f"{row['repaired_accuracy']:7.2f}%")
+            lines.append(" ".join(cells))
+    return "\n".join(lines)
+
+
+def blob_images(count: int, blob_sigma: float, blur: float, angle: float, size: int = 15, seed: int = 0):
+    """``(count, 1, size, size)`` smooth images, each the same sum of Gaussian blobs (random centres, real
+    coordinates) turned by ``angle`` degrees about the centre pixel, rendered exactly (a blur of ``blur``
+    pixels widens each blob: the Gaussians' widths add in quadrature)."""
+    gen = torch.Generator().manual_seed(seed)
+    centres = (torch.rand(count, 6, 2, generator=gen, dtype=torch.float64) * 2 - 1) * 4
+    heights = torch.randn(count, 6, generator=gen, dtype=torch.float64)
+    width2 = blob_sigma ** 2 + blur ** 2
+    t = math.radians(angle)
+    # y down, x right: a counter-clockwise turn on screen maps (y, x) -> (y cos - x sin, x cos + y sin)
+    turned = torch.stack((centres[..., 0] * math.cos(t) - centres[..., 1] * math.sin(t),
+                          centres[..., 1] * math.cos(t) + centres[..., 0] * math.sin(t)), -1)
+    coords = torch.arange(size, dtype=torch.float64) - size // 2
+    d2 = (coords.view(1, 1, -1, 1, 1) - turned[:, None, None, :, 0]) ** 2 \
+        + (coords.view(1, 1, 1, -1, 1) - turned[:, None, None, :, 1]) ** 2
+    images = (heights[:, None, None, :] * blob_sigma ** 2 / width2 * torch.exp(-d2 / (2 * width2))).sum(-1)
+    return images.view(count, 1, size, size)
+
+
+def operator_probe(angles, samplings, blob_sigmas, blurs, fields: int, kernel_size: int = 7):
+    """Rows ``(blob_sigma, blur, sampling, angle, [change of ring 1, ..., ring n])`` as described above."""
+    from ..ops import sort_conv2d
+    from ..ops.geometry import get_geometry
+
+    k, n = kernel_size, kernel_size // 2
+    ring_of = torch.tensor([max(abs(q // k - n), abs(q % k - n)) for q in range(k * k)])
+    one_hot = torch.eye(k * k, dtype=torch.float64).view(k * k, 1, k, k)
+    rows = []
+    for blob_sigma in blob_sigmas:
+        for blur in blurs:
+            upright = blob_images(fields, blob_sigma, blur, 0.0)
+            for sampling in samplings:
+                get_geometry(k, sampling, "ring")  # checks the variant
+                centre = upright.shape[-1] // 2 - n
+
+                def values(images):
+                    out = sort_conv2d(images, one_hot, sampling=sampling, sorting="ring", backend="reference")
+                    return out[:, :, centre, centre]
+
+                before = values(upright)
+                for angle in angles:
+                    after = values(blob_images(fields, blob_sigma, blur, angle))
+                    changes = []
+                    for r in range(1, n + 1):
+                        a, b = after[:, ring_of == r], before[:, ring_of == r]
+                        spread = (b - b.mean(1, keepdim=True)).norm(dim=1).clamp_min(1e-12)
+                        changes.append(((a - b).norm(dim=1) / spread).median().item())
+                    rows.append((blob_sigma, blur, sampling, angle, changes))
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data-dir", help="MNIST folder")
+    parser.add_argument("--operator", action="store_true", help="probe one SC window on smooth images (no data)")
+    parser.add_argument("--sampling", nargs="+", default=["polar"], help="polar samplings to compare (--operator)")
+    parser.add_argument("--blob-sigma", type=float, nargs="+", default=[1.0], help="blob widths (--operator)")
+    parser.add_argument("--blur", type=float, nargs="+", default=[0.0], help="extra blurs (--operator)")
+    parser.add_argument("--fields", type=int, default=2000, help="random images (--operator)")
+    parser.add_argument("--model", default="scnn_p_rs_7")
+    parser.add_argument("--pretrained", action="store_true", help="the bundled weights")
+    parser.add_argument("--checkpoint", default="", help="weights to load instead")
+    parser.add_argument("--model-kwargs", nargs="*", default=[], help="key=value create_model arguments")
+    parser.add_argument("--samples", type=int, default=500, help="test images (the first of the 2,000-image slice)")
+    parser.add_argument("--angles", default="10,20,30,45", help="degrees, START:STOP:STEP or a list")
+    parser.add_argument("--out", default="", help="write the result as JSON here")
+    args = parser.parse_args(argv)
+    if args.operator:
+        rows = operator_probe(parse_rotations(args.angles), args.sampling, args.blob_sigma, args.blur, args.fields)
+        print("blob sigma | blur | sampling | angle | median relative change of the sorted values, ring 1..n")
+        for blob_sigma, blur, sampling, angle, changes in rows:
+            print(f"{blob_sigma:10g} | {blur:4g} | {sampling:>12} | {angle:5g} | "
+                  + "  ".join(f"{100 * c:5.1f}%" for c in changes))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump([dict(blob_sigma=b, blur=u, sampling=s, angle=a, ring_change=c)
+                           for b, u, s, a, c in rows], f, indent=1)
+        return
+    if not args.data_dir:
+        parser.error("--data-dir is needed (or --operator)")
+    kwargs = dict(kv.split("=", 1) for kv in args.model_kwargs)
+    model = timm.create_model(args.model, pretrained=args.pretrained, checkpoint_path=args.checkpoint, **kwargs)
+    model.eval()
+    test = cap_samples(create_dataset("sortconv/mnist", root=args.data_dir, split="test"), 2000, seed=42)
+    index = test.indices[:args.samples]
+    images = test.dataset.images[index].unsqueeze(1).float() / 255
+    labels = test.dataset.targets[index]
+    cfg = model.pretrained_cfg
+    result = probe(model, images, labels, parse_rotations(args.angles), cfg["mean"][0], cfg["std"][0])
+    result.update(model=args.model, checkpoint=args.checkpoint or ("bundled" if args.pretrained else ""),
+                  samples=len(index))
+    print(format_result(result))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    run(main)
