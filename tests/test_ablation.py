@@ -68,3 +68,29 @@ def test_bad_canvas_is_refused(ablation, capsys):
     with pytest.raises(SystemExit):
         ablation.main(["--name", "x", "--data-dir", "nowhere", "--canvas", "27"])
     assert "--canvas must be an even size >= 28" in capsys.readouterr().err
+
+
+def test_train_rotation_rotates_the_batches_and_only_then(ablation):
+    """``--train-rotation``: 0 trains on the images as they are; a range of (practically) zero degrees
+    gives the same images back (rotation, rounding and clamping keep an 8-bit image), hence the same
+    weights; a real range trains on other images, hence other weights, reproducibly per seed."""
+    import argparse
+
+    import timm
+
+    images = torch.randint(0, 256, (40, 28, 28), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    labels = torch.randint(0, 10, (40,), generator=torch.Generator().manual_seed(1))
+
+    def weights(train_rotation):
+        torch.manual_seed(0)
+        model = timm.create_model("scnn_p_rs_3", channels=(4, 4, 4, 4, 4, 4))
+        args = argparse.Namespace(lr=2e-3, weight_decay=0.0, batch_size=10, epochs=1, log_interval=100,
+                                  train_rotation=train_rotation)
+        ablation.train(model, images, labels, args, seed=3)
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    plain = weights(0.0)
+    assert torch.equal(weights(1e-9), plain)
+    turned = weights(90.0)
+    assert not torch.allclose(turned, plain)
+    assert torch.equal(weights(90.0), turned)

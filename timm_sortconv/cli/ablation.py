@@ -8,7 +8,10 @@ options (``--model``, ``--model-kwargs``) unless a flag of the recipe is changed
   decayed to zero by a cosine over the updates, no weight decay, no augmentation: the recipe of
   ``scripts/configs/mnist_scnn_short.yaml``, in a plain loop (no loader processes); ``--weight-decay``
   adds decoupled weight decay (AdamW). The model kept is the
-  last one. ``--seeds`` are training seeds (initialisation and image order).
+  last one. ``--seeds`` are training seeds (initialisation and image order). ``--train-rotation D`` is a
+  diagnostic outside the paper's setting: every batch is rotated by one angle drawn uniformly from
+  ``[0, D)`` degrees (seeded; bilinear, zero fill, rounded to 8 bits as the sweep's images are), which shows
+  how much of the dip a network of that architecture can learn away when training shows it rotations.
 * **Sweep**: a fixed seeded slice of ``--sweep-samples`` MNIST test images (the slice RESULTS.md's
   2,000-image sweeps use), each rotated by every angle of ``--angles`` exactly as MNIST-rot is made
   (:class:`timm_sortconv.data.RotatedDataset`: bilinear, zero fill, rounded to 8 bits).
@@ -76,7 +79,7 @@ import torch.nn.functional as F
 
 from ..data import RotatedDataset, cap_samples, create_dataset
 from ..models import SCNN  # importing the models registers them with timm
-from ..rotation import parse_rotations
+from ..rotation import parse_rotations, rotate
 from . import run
 
 
@@ -198,6 +201,7 @@ def train(model, images, labels, args, seed: int) -> float:
     steps_per_epoch = len(images) // args.batch_size
     total = steps_per_epoch * args.epochs
     model.train()
+    angles = torch.Generator().manual_seed(seed * 1000 + 999)  # --train-rotation's angles, one per batch
     start, step = time.time(), 0
     for epoch in range(args.epochs):
         order = torch.randperm(len(images), generator=torch.Generator().manual_seed(seed * 1000 + epoch))
@@ -205,7 +209,11 @@ def train(model, images, labels, args, seed: int) -> float:
             idx = order[b * args.batch_size:(b + 1) * args.batch_size]
             for group in optimizer.param_groups:
                 group["lr"] = 0.5 * args.lr * (1 + math.cos(math.pi * step / total))
-            loss = F.cross_entropy(model(normalise(images[idx], cfg)), labels[idx])
+            batch = images[idx]
+            if args.train_rotation:
+                angle = float(torch.rand((), generator=angles)) * args.train_rotation
+                batch = rotate(batch.float(), angle).round().clamp(0, 255)
+            loss = F.cross_entropy(model(normalise(batch, cfg)), labels[idx])
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -287,6 +295,7 @@ def run(args) -> None:
         result.update(name=args.name, model=args.model, model_kwargs=kwargs, seed=seed, params=params,
                       train_samples=train_samples, epochs=0 if args.pretrained else args.epochs,
                       batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
+                      train_rotation=args.train_rotation,
                       train_seconds=round(seconds, 1), sweep_seconds=round(time.time() - start, 1),
                       threads=torch.get_num_threads(), canvas=CANVAS,
                       command="python scripts/ablation.py " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
@@ -393,6 +402,9 @@ def main(argv=None) -> None:
     parser.add_argument("--batch-size", type=int, default=50)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--weight-decay", type=float, default=0.0, help="decoupled (AdamW); 0: Adam, the recipe's")
+    parser.add_argument("--train-rotation", type=float, default=0.0, metavar="DEGREES",
+                        help="diagnostic: rotate each training batch by an angle in [0, DEGREES) (0: never, the "
+                             "paper's setting)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--pretrained", action="store_true", help="sweep the bundled weights, train nothing")
     parser.add_argument("--canvas", type=int, default=28,
