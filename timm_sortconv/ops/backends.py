@@ -15,8 +15,8 @@ a package). The operator :func:`timm_sortconv.ops.operator.sort_conv2d_op` looks
 for every call; ``backend="auto"`` takes the first registered fast backend that supports the call and
 is allowed for ``auto``, and the reference path otherwise.
 
-``TIMM_SORTCONV_DISABLE_FAST=1`` switches every fast backend off (read here, and only here, once per
-call): ``auto`` then always takes the reference path and naming a fast backend is an error.
+``TIMM_SORTCONV_DISABLE_FAST=1`` switches every fast backend off (read by :func:`fast_disabled`, the one
+place that reads it): ``auto`` then always takes the reference path and naming a fast backend is an error.
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from .backends import check_backend_name
 from .geometry import check_kernel_size, check_variant, get_geometry
-from .operator import check_input
+from .operator import check_input, check_size
 from .reference import sort_conv2d_reference
 
 __all__ = ["sort_conv2d", "sort_conv2d_zero_padded", "PADDING_MODES"]
@@ -106,10 +106,7 @@ def sort_conv2d(
     stride = _pair(stride, "stride", 1)
     dilation = _pair(dilation, "dilation", 1)
     pad = resolve_padding(padding, k, stride, dilation)
-    hp, wp = input.shape[2] + pad[2] + pad[3], input.shape[3] + pad[0] + pad[1]
-    if hp < dilation[0] * (k - 1) + 1 or wp < dilation[1] * (k - 1) + 1:
-        raise RuntimeError(f"sort_conv2d: padded input size ({hp}, {wp}) is smaller than the dilated kernel "
-                           f"({dilation[0] * (k - 1) + 1}, {dilation[1] * (k - 1) + 1})")
+    check_size(input, weight, pad, dilation)  # before F.pad below, whose own error would be less clear
     get_geometry(k, sampling, sorting)  # built now, outside any traced region, and cached
     check_backend_name(backend)
     if any(pad) and padding_mode != "zeros":

@@ -38,7 +38,7 @@ from .backends import NO_PADDING, Backend, resolve_backend
 from .geometry import get_geometry
 from .reference import sort_conv2d_reference
 
-__all__ = ["check_input", "sort_conv2d_backward_op", "sort_conv2d_op"]
+__all__ = ["check_input", "check_size", "sort_conv2d_backward_op", "sort_conv2d_op"]
 
 
 def _pair(values: Sequence[int]) -> Tuple[int, int]:
@@ -61,7 +61,8 @@ def check_input(input: Tensor, weight: Tensor, bias: Optional[Tensor], groups: i
                            "output channels")
 
 
-def _check_size(input: Tensor, weight: Tensor, padding, dilation) -> None:
+def check_size(input: Tensor, weight: Tensor, padding, dilation) -> None:
+    """Raises ``RuntimeError`` unless the padded input is at least as large as the dilated kernel."""
     k = weight.shape[-1]
     height, width = input.shape[2] + padding[2] + padding[3], input.shape[3] + padding[0] + padding[1]
     if height < dilation[0] * (k - 1) + 1 or width < dilation[1] * (k - 1) + 1:
@@ -73,7 +74,7 @@ def _call(input: Tensor, weight: Tensor, bias: Optional[Tensor], stride, padding
           sorting: str, backend: str):
     """The geometry, the backend that runs the call and the arguments every kernel takes."""
     check_input(input, weight, bias, groups)
-    _check_size(input, weight, padding, dilation)
+    check_size(input, weight, padding, dilation)
     geometry = get_geometry(weight.shape[-1], sampling, sorting)
     stride, dilation = _pair(stride), _pair(dilation)
     chosen = resolve_backend(backend, input, weight, bias, geometry, stride, dilation, groups)

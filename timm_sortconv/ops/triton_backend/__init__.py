@@ -51,7 +51,7 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from ..backends import Backend, register_backend
+from ..backends import NO_PADDING, Backend, register_backend
 from ..geometry import SortGeometry
 from . import config
 
@@ -69,7 +69,6 @@ AUTO_ENV = "TIMM_SORTCONV_TRITON_AUTO"
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_KERNEL_SIZE = 9
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-NO_PADDING = (0, 0, 0, 0)
 
 
 @dataclass(frozen=True)
