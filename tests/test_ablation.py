@@ -94,3 +94,25 @@ def test_train_rotation_rotates_the_batches_and_only_then(ablation):
     turned = weights(90.0)
     assert not torch.allclose(turned, plain)
     assert torch.equal(weights(90.0), turned)
+
+
+def test_the_tool_starts_through_the_cli_runner(ablation):
+    """``python -m timm_sortconv.cli.ablation`` ends in ``run(main)``: the package's runner, not a row function."""
+    from timm_sortconv import cli
+
+    assert ablation.run is cli.run
+
+
+def test_dip_probe_on_a_small_test_split_with_typed_model_kwargs(tmp_path):
+    """dip_probe takes the ablation's sweep slice (also when the split holds fewer than 2,000 images) and
+    parses ``--model-kwargs`` values as Python literals (``blur_sigma=0.5`` is a float, not a string)."""
+    from timm_sortconv.cli import dip_probe
+
+    data = tmp_path / "mnist"
+    make_mnist(data, num_train=10020, num_test=16)
+    out = tmp_path / "probe.json"
+    dip_probe.main(["--data-dir", str(data), "--model", "scnn_p_rs_3", "--model-kwargs", "channels=(4,4,4,4,4,4)",
+                    "blur_sigma=0.5", "--samples", "8", "--angles", "45", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["samples"] == 8 and result["model"] == "scnn_p_rs_3"
+    assert 0 <= result["upright_accuracy"] <= 100

@@ -260,7 +260,7 @@ def pack(correct: torch.Tensor) -> str:
     return base64.b64encode(np.packbits(correct.numpy().astype(np.uint8)).tobytes()).decode()
 
 
-def run(args) -> None:
+def run_rows(args) -> None:
     kwargs = parse_kwargs(args.model_kwargs)
     angles = parse_rotations(args.angles)
     rows_dir = Path(args.results) / args.name
@@ -439,7 +439,7 @@ def main(argv=None) -> None:
     global CANVAS
     CANVAS = args.canvas
     torch.set_num_threads(args.threads)
-    run(args)
+    run_rows(args)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Where does an SCNN lose accuracy between the quarter turns? A diagnosis of trained weights, no training.
 
 For a trained SCNN and a slice of the MNIST test set, for each angle theta, with ``R`` the rotation by
-theta (:func:`timm_sortconv.invariance.rotate`, bilinear about the map's centre, zero fill):
+theta (:func:`timm_sortconv.rotation.rotate`, bilinear about the map's centre, zero fill):
 
 * **Equivariance error per stage.** ``F_s`` is the network up to stage ``s`` (each conv-BN-ReLU block,
   each 2x2 pooling, the global pooling). ``cumulative`` is ``||F_s(R x) - R F_s(x)|| / ||R F_s(x)||`` on the
@@ -41,9 +41,9 @@ import torch
 import torch.nn as nn
 
 from .. import models  # noqa: F401  (registers the SC models with timm)
-from ..data import cap_samples, create_dataset
 from ..rotation import parse_rotations, rotate
 from . import run
+from .ablation import load_split, parse_kwargs
 
 
 def stages(model: nn.Module) -> List[Tuple[str, Callable[[torch.Tensor], torch.Tensor]]]:
@@ -201,17 +201,15 @@ def main(argv=None):
         return
     if not args.data_dir:
         parser.error("--data-dir is needed (or --operator)")
-    kwargs = dict(kv.split("=", 1) for kv in args.model_kwargs)
+    kwargs = parse_kwargs(args.model_kwargs)
     model = timm.create_model(args.model, pretrained=args.pretrained, checkpoint_path=args.checkpoint, **kwargs)
     model.eval()
-    test = cap_samples(create_dataset("sortconv/mnist", root=args.data_dir, split="test"), 2000, seed=42)
-    index = test.indices[:args.samples]
-    images = test.dataset.images[index].unsqueeze(1).float() / 255
-    labels = test.dataset.targets[index]
+    images, labels, _ = load_split(args.data_dir, "test", 2000, seed=42)  # the ablation's sweep slice
+    images, labels = images[:args.samples].unsqueeze(1).float() / 255, labels[:args.samples]
     cfg = model.pretrained_cfg
     result = probe(model, images, labels, parse_rotations(args.angles), cfg["mean"][0], cfg["std"][0])
     result.update(model=args.model, checkpoint=args.checkpoint or ("bundled" if args.pretrained else ""),
-                  samples=len(index))
+                  samples=len(labels))
     print(format_result(result))
     if args.out:
         with open(args.out, "w") as f:

@@ -159,8 +159,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-parser = build_parser()
-
 _RECOVERY_PREFIX = "recovery"
 
 
