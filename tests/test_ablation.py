@@ -116,3 +116,43 @@ def test_dip_probe_on_a_small_test_split_with_typed_model_kwargs(tmp_path):
     result = json.loads(out.read_text())
     assert result["samples"] == 8 and result["model"] == "scnn_p_rs_3"
     assert 0 <= result["upright_accuracy"] <= 100
+
+
+def test_paired_table_columns_are_the_mean_difference_over_common_seeds(ablation, tmp_path, capsys):
+    """``--table --paired ROW``: per row, mean over the seeds both ran of (row - ROW) and its standard error;
+    "-" where the network differs (other parameter count) or fewer than two seeds are shared."""
+    def write(row, seed, params, mean, worst, dip):
+        folder = tmp_path / row
+        folder.mkdir(exist_ok=True)
+        (folder / f"seed{seed}.json").write_text(json.dumps(dict(
+            name=row, seed=seed, params=params, train_samples=10, epochs=1, mean=mean, upright=mean + dip,
+            worst=worst, worst_angle=40.0, dip=dip, **{f"{k}_se": 0.1 for k in ("mean", "upright", "worst", "dip")})))
+
+    for seed, (m, w, d) in enumerate([(80.0, 70.0, 9.0), (82.0, 71.0, 8.0), (81.0, 72.0, 7.0)]):
+        write("ref", seed, 100, m, w, d)
+        write("better", seed, 100, m + 1 + seed, w + 2, d - 1)  # differences 1, 2, 3 in the mean
+    write("better", 7, 100, 50.0, 50.0, 50.0)  # a seed the reference lacks: not paired
+    write("peer", 0, 30, 90.0, 90.0, 1.0)
+    write("peer", 1, 30, 90.0, 90.0, 1.0)
+    ablation.main(["--table", "--results", str(tmp_path), "--paired", "ref"])
+    lines = {line.split(" | ")[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert lines["| better"].endswith("| +2.00 ± 0.58 | +2.00 ± 0.00 | -1.00 ± 0.00 |")
+    assert lines["| peer"].endswith("| - | - | - |") and lines["| ref"].endswith("| - | - | - |")
+    from timm_sortconv.cli import CommandError  # the runner prints it as one "error:" line, exit 2
+
+    with pytest.raises(CommandError, match=r"--paired missing: no seed\*.json"):
+        ablation.main(["--table", "--results", str(tmp_path), "--paired", "missing"])
+
+
+def test_moment_probe_reads_the_turn_of_each_digit(tmp_path):
+    """dip_probe --moments: the moment angle of a turned digit exceeds the upright one's by the turn."""
+    from timm_sortconv.cli import dip_probe
+
+    data = tmp_path / "mnist"
+    make_mnist(data, num_train=10020, num_test=16)
+    out = tmp_path / "moments.json"
+    dip_probe.main(["--moments", "--data-dir", str(data), "--samples", "16", "--angles", "0,30", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["order"], r["angle"]) for r in rows] == [(o, a) for o in (1, 2, 4) for a in (0.0, 30.0)]
+    assert all(r["median_error"] == 0.0 for r in rows if r["angle"] == 0.0)
+    assert all(0 <= r["share_over_5_degrees"] <= 1 for r in rows)

@@ -14,11 +14,22 @@ import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import pad_same, register_notrace_module
 
+from .canonical import _moment_angle, canonical_order
 from .ops.backends import check_backend_name
 from .ops.functional import sort_conv2d_zero_padded
 from .ops.geometry import get_geometry
+from .rotation import _rotate_each
 
 __all__ = ["SortConv2d", "SortConv2dSame"]
+
+
+def _canonicalize_input(input: torch.Tensor, order: int) -> torch.Tensor:
+    """``input`` (batched or not) turned to its order-``order`` moment orientation; unchanged for order 0."""
+    if order == 0:
+        return input
+    batch = input if input.dim() == 4 else input.unsqueeze(0)
+    out = _rotate_each(batch, -_moment_angle(batch, order), "border")
+    return out if input.dim() == 4 else out.squeeze(0)
 
 
 def _sort_conv_forward(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], stride: List[int],
@@ -53,6 +64,13 @@ class SortConv2d(nn.Conv2d):
             grid itself, exact only at multiples of 90 degrees).
         sorting: ``"ring"`` (sort each Chebyshev ring, keeps radial structure) or ``"global"``.
         backend: ``"auto"``, ``"reference"`` or a fast backend's name.
+        canonicalize: ``None``, or ``"moment2"``/``"moment4"``/``"moment1"``: first turn each input image
+            about its centre to the orientation of its order-2/4/1 angular moment
+            (:mod:`timm_sortconv.canonical`, edge pixels fill the corners). Meant for a network's first
+            layer, whose input is the image: a later SC layer's exact quarter-turn invariance then covers
+            the turn left over, so the network becomes invariant between the quarter turns as well. It is
+            a step before the operator, not part of it (:func:`~timm_sortconv.sort_conv2d` has no such
+            argument): it needs the whole image, the operator sees one window at a time.
 
     Shape:
         Input ``(N, C_in, H, W)`` or ``(C_in, H, W)``; output as ``nn.Conv2d``.
@@ -80,7 +98,9 @@ class SortConv2d(nn.Conv2d):
         sampling: str = "polar",
         sorting: str = "ring",
         backend: str = "auto",
+        canonicalize: Optional[str] = None,
     ) -> None:
+        canonical_order(canonicalize)  # checks the name
         # Validates kernel_size, sampling and sorting, and builds the sampling tables now, so that a
         # traced, compiled or exported forward finds them cached instead of recording their construction.
         get_geometry(kernel_size, sampling, sorting)
@@ -94,18 +114,28 @@ class SortConv2d(nn.Conv2d):
         self.sampling = sampling
         self.sorting = sorting
         self.backend = check_backend_name(backend)
+        self.canonicalize: Optional[str] = None
+        self.canonicalize_order = 0
+        self.set_canonicalize(canonicalize)
+
+    def set_canonicalize(self, canonicalize: Optional[str]) -> None:
+        """Sets the ``canonicalize`` argument of the constructor (``None`` turns it off)."""
+        self.canonicalize_order = canonical_order(canonicalize)
+        self.canonicalize = canonicalize
 
     def _conv_forward(self, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        input = _canonicalize_input(input, self.canonicalize_order)
         return _sort_conv_forward(input, weight, bias, self.stride, self._reversed_padding_repeated_twice,
                                   self.padding_mode, self.dilation, self.groups, self.sampling, self.sorting,
                                   self.backend)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, sampling={self.sampling}, sorting={self.sorting}, backend={self.backend}"
+        extra = "" if self.canonicalize is None else f", canonicalize={self.canonicalize}"
+        return f"{super().extra_repr()}, sampling={self.sampling}, sorting={self.sorting}, backend={self.backend}{extra}"
 
     @classmethod
     def from_conv(cls, conv: nn.Conv2d, *, sampling: str = "polar", sorting: str = "ring",
-                  backend: str = "auto") -> "SortConv2d":
+                  backend: str = "auto", canonicalize: Optional[str] = None) -> "SortConv2d":
         """A ``SortConv2d`` with ``conv``'s configuration, a copy of its weights, device and dtype.
 
         Example:
@@ -118,7 +148,8 @@ class SortConv2d(nn.Conv2d):
             raise TypeError(f"from_conv expects an nn.Conv2d, got {type(conv).__name__}")
         new = cls(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding, conv.dilation,
                   conv.groups, conv.bias is not None, conv.padding_mode, device=conv.weight.device,
-                  dtype=conv.weight.dtype, sampling=sampling, sorting=sorting, backend=backend)
+                  dtype=conv.weight.dtype, sampling=sampling, sorting=sorting, backend=backend,
+                  canonicalize=canonicalize)
         with torch.no_grad():
             new.weight.copy_(conv.weight)
             if conv.bias is not None:
@@ -155,16 +186,19 @@ class SortConv2dSame(SortConv2d):
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
                  groups: int = 1, bias: bool = True, padding_mode: str = "zeros", device=None, dtype=None, *,
-                 sampling: str = "polar", sorting: str = "ring", backend: str = "auto") -> None:
+                 sampling: str = "polar", sorting: str = "ring", backend: str = "auto",
+                 canonicalize: Optional[str] = None) -> None:
         if padding not in (0, (0, 0), "same"):
             raise ValueError(f"SortConv2dSame computes its padding per call; pass padding=0 or 'same', "
                              f"got padding={padding!r}")
         if padding_mode != "zeros":
             raise ValueError(f"SortConv2dSame pads with zeros like timm's Conv2dSame; got padding_mode={padding_mode!r}")
         super().__init__(in_channels, out_channels, kernel_size, stride, 0, dilation, groups, bias, padding_mode,
-                         device, dtype, sampling=sampling, sorting=sorting, backend=backend)
+                         device, dtype, sampling=sampling, sorting=sorting, backend=backend,
+                         canonicalize=canonicalize)
 
     def _conv_forward(self, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        input = _canonicalize_input(input, self.canonicalize_order)
         input = pad_same(input, self.kernel_size, self.stride, self.dilation)
         return _sort_conv_forward(input, weight, bias, self.stride, [0, 0, 0, 0], "zeros", self.dilation, self.groups,
                                   self.sampling, self.sorting, self.backend)

@@ -33,6 +33,7 @@ import torch.nn as nn
 from timm.layers import CondConv2d, Conv2dSame
 from timm.layers.conv2d_same import Conv2dSameExport
 
+from .canonical import canonical_order
 from .layers import SortConv2d, SortConv2dSame
 from .ops.backends import check_backend_name
 from ._moved import moved_names
@@ -118,6 +119,22 @@ def _not_conv2d_reason(module: nn.Module) -> str:
     return f"{type(module).__name__}: per-sample expert kernels are not supported"
 
 
+def _stem_name(model: nn.Module) -> Optional[str]:
+    """Qualified name of the convolution that reads the input: timm's ``pretrained_cfg["first_conv"]``,
+    else the first convolution in ``named_modules()`` order; ``None`` if there is none."""
+    cfg = getattr(model, "pretrained_cfg", None) or {}
+    first = cfg.get("first_conv") if isinstance(cfg, dict) else None
+    if isinstance(first, (list, tuple)):
+        first = first[0] if first else None
+    if isinstance(first, str):
+        try:
+            if _is_convolution(model.get_submodule(first)):
+                return first
+        except AttributeError:
+            pass
+    return next((name for name, module in model.named_modules() if _is_convolution(module)), None)
+
+
 def sortify(
     model: nn.Module,
     sampling: str = "polar",
@@ -127,6 +144,7 @@ def sortify(
     exclude: Patterns = None,
     *,
     backend: str = "auto",
+    canonicalize: Optional[str] = None,
     return_report: bool = False,
 ):
     """Replaces, in place, every eligible ``nn.Conv2d`` of ``model`` by a Sorting Convolution.
@@ -149,6 +167,12 @@ def sortify(
             matching convolutions are converted. ``*`` also matches dots. ``None``: all.
         exclude: glob pattern(s); matching convolutions are left alone (applied after ``include``).
         backend: ``SortConv2d`` backend for the new modules (``"auto"`` picks the fastest available).
+        canonicalize: ``None``, or ``"moment2"``/``"moment4"``/``"moment1"``: the stem convolution first
+            turns each input image to the orientation of its angular moment (``SortConv2d``'s
+            ``canonicalize``), so that the network's invariance covers the angles between the quarter
+            turns. The stem is the model's ``pretrained_cfg["first_conv"]`` (timm models), else its first
+            convolution in ``named_modules()`` order; it must end up a ``SortConv2d`` (an error says so
+            before anything is changed).
         return_report: also return the :class:`SortifyReport`.
 
     Returns:
@@ -167,6 +191,7 @@ def sortify(
         raise ValueError(f"min_kernel_size must be an int >= 1, got {min_kernel_size!r}")
     include_patterns = _as_patterns(include, "include")
     exclude_patterns = _as_patterns(exclude, "exclude")
+    canonical_order(canonicalize)  # checks the name
 
     report = SortifyReport()
     new_modules = {}
@@ -200,12 +225,24 @@ def sortify(
         new_modules[id(module)] = new_cls.from_conv(module, sampling=sampling, sorting=sorting, backend=backend)
         report.replaced.append(label)
 
+    stem = None
+    if canonicalize is not None:
+        stem_name = _stem_name(model)
+        stem = model.get_submodule(stem_name) if stem_name is not None else None
+        stem = new_modules.get(id(stem), stem)
+        if not isinstance(stem, SortConv2d):
+            found = "no convolution" if stem_name is None else f"the stem {stem_name or '<root>'!r}"
+            raise ValueError(f"canonicalize={canonicalize!r} turns the input of the model's stem convolution, "
+                             f"but {found} is not converted to a SortConv2d (include it, or leave canonicalize=None)")
+
     # Every reference is swapped, so a module registered under two names stays one shared module.
     for parent in list(model.modules()):
         for child_name, child in list(parent._modules.items()):
             if child is not None and id(child) in new_modules:
                 setattr(parent, child_name, new_modules[id(child)])
     model = new_modules.get(id(model), model)
+    if stem is not None:
+        stem.set_canonicalize(canonicalize)
 
     reasons = Counter(reason for _, reason in report.skipped)
     log = _logger.warning if report.skipped else _logger.info

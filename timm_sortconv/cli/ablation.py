@@ -70,7 +70,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import numpy as np
 import timm
@@ -80,7 +80,7 @@ import torch.nn.functional as F
 from ..data import RotatedDataset, cap_samples, create_dataset
 from ..models import SCNN  # importing the models registers them with timm
 from ..rotation import parse_rotations, rotate
-from . import run
+from . import CommandError, run
 
 
 def parse_kwargs(items: List[str]) -> Dict:
@@ -353,18 +353,38 @@ def features(args) -> None:
         rows=rows), indent=1))
 
 
-def table(results: str) -> str:
+def _load_seeds(row: Path) -> Dict[int, Dict]:
+    return {s["seed"]: s for s in (json.loads(f.read_text()) for f in sorted(row.glob("seed*.json")))}
+
+
+def paired_difference(row: Dict[int, Dict], reference: Dict[int, Dict], key: str) -> Optional[str]:
+    """``"+d ± se"``: the mean over the seeds both rows ran of (row - reference) in ``key``, with the standard
+    error of that mean; ``None`` with fewer than two common seeds. A seed fixes the initial weights and the
+    order of the images, so the same seed of two rows that add no parameters starts from the same network."""
+    common = sorted(set(row) & set(reference))
+    if len(common) < 2:
+        return None
+    diffs = np.array([row[s][key] - reference[s][key] for s in common])
+    return f"{diffs.mean():+.2f} ± {diffs.std(ddof=1) / np.sqrt(len(diffs)):.2f}"
+
+
+def table(results: str, paired: Optional[str] = None) -> str:
     """The Markdown table of every row under ``results``: per row the mean over its seeds, with the
     spread between seeds (sd) and the mean per-seed standard error over images (se); and, where
     ``--features`` measured the row's seeds, their mean feature change (untrained, trained, trained
-    relative to the class centroids' distance)."""
+    relative to the class centroids' distance). With ``paired`` (a row's name), three more columns: each
+    row's :func:`paired_difference` from that row in mean, worst angle and dip ("-" for a row with
+    other parameters, or fewer than two seeds in common)."""
+    reference = _load_seeds(Path(results) / paired) if paired else None
+    if paired and not reference:
+        raise CommandError(f"--paired {paired}: no seed*.json under {Path(results) / paired}")
     measured = Path(results) / "features.json"
     changes: Dict[str, List[Dict]] = {}
     for entry in json.loads(measured.read_text())["rows"] if measured.is_file() else []:
         changes.setdefault(entry["name"], []).append(entry)
     lines = ["| row | seeds | params | train | mean | upright | worst (angle) | dip | feature change at 45 degrees: "
-             "untrained, trained, trained / class distance |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "untrained, trained, trained / class distance |" + (f" paired vs {paired}: mean | worst | dip |" if paired else ""),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if paired else "")]
     for row in sorted(p for p in Path(results).iterdir() if p.is_dir()):
         seeds = [json.loads(f.read_text()) for f in sorted(row.glob("seed*.json"))]
         if not seeds:
@@ -385,9 +405,14 @@ def table(results: str) -> str:
                       f"{mean('to_class_distance', 'trained'):.3f} ({len(measured_seeds)} seeds)")
         first = seeds[0]
         trained = f"{first['train_samples']:,} x {first['epochs']}" if first["epochs"] else "bundled"
-        lines.append(f"| {row.name} | {len(seeds)} | {first['params']:,} | {trained} | {cell('mean')} | "
-                     f"{cell('upright')} | {cell('worst')} "
-                     f"({'/'.join(worst_angles)}) | {cell('dip')} | {change} |")
+        line = (f"| {row.name} | {len(seeds)} | {first['params']:,} | {trained} | {cell('mean')} | "
+                f"{cell('upright')} | {cell('worst')} ({'/'.join(worst_angles)}) | {cell('dip')} | {change} |")
+        if reference is not None:
+            same_net = first["params"] == next(iter(reference.values()))["params"] and row.name != paired
+            diffs = [paired_difference(_load_seeds(row), reference, key) if same_net else None
+                     for key in ("mean", "worst", "dip")]
+            line += "".join(f" {d or '-'} |" for d in diffs)
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -419,12 +444,14 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="intra-op threads (default 1: on a shared machine two spinning threads measured slower)")
     parser.add_argument("--table", action="store_true", help="print the table of --results and exit")
+    parser.add_argument("--paired", metavar="ROW", help="with --table: add each row's paired difference from ROW "
+                        "(mean over common seeds, with its standard error)")
     parser.add_argument("--features", action="store_true", help="pooled-feature change at 45 degrees of every "
                         "trained seed under --results (and of its untrained network), then exit")
     parser.add_argument("--feature-samples", type=int, default=500)
     args = parser.parse_args(argv)
     if args.table:
-        print(table(args.results))
+        print(table(args.results, args.paired))
         return
     if args.features:
         torch.set_num_threads(args.threads)

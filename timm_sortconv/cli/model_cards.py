@@ -38,8 +38,14 @@ parser.add_argument("--hub-row", nargs="*", default=[], metavar="JSON",
 parser.add_argument("--out", default=os.path.join(REPO, "model_cards"), metavar="DIR", help="where cards go")
 
 
+CANONICAL = ("; each input image is first turned about its centre to its principal axis (the orientation of its "
+             "second-order angular moment, `canonicalize='moment2'`, no parameters), so that the turn left over is "
+             "a multiple of 180 degrees, which the SC layers ignore")
+
+
 def describe(model: str) -> str:
-    _, variant, *rest = model.split("_")
+    canonical = model.endswith("_canon")
+    _, variant, *rest = model.removesuffix("_canon").split("_")
     k = rest[-1]
     if variant == "baseline":
         return (f"the plain-convolution twin of the SCNNs (`nn.Conv2d` everywhere, {k}x{k} kernels in the first "
@@ -47,7 +53,8 @@ def describe(model: str) -> str:
     sampling, sorting = variant, rest[0]
     rings = ", ".join(str(8 * r) for r in range(1, int(k) // 2 + 1))
     return (f"an SCNN with Sorting Convolution in all six layers: {SAMPLING[sampling]}, {SORTING[sorting]}; "
-            f"{k}x{k} kernels in the first four layers (rings of {rings} values), 3x3 in the last two")
+            f"{k}x{k} kernels in the first four layers (rings of {rings} values), 3x3 in the last two"
+            + (CANONICAL if canonical else ""))
 
 
 def angle_table(row) -> str:
@@ -102,13 +109,17 @@ def schedule(row) -> str:
 def card(row, params: int) -> str:
     row = portable(row)
     model = row["model"]
-    paper_mnist, paper_rot = PAPER.get(model, (None, None))
+    paper_model = model.removesuffix("_canon")  # the paper has no canonical turn: its model without one
+    paper_mnist, paper_rot = PAPER.get(paper_model, (None, None))
     swept = (f"all 10,000 test images x {len(row['angles'])} angles (the paper's full MNIST-rot, 360,000 images)"
              if row["mnist_rot_images"] == 10000 else
              f"a fixed random {row['mnist_rot_images']:,} of the 10,000 test images x {len(row['angles'])} angles "
              f"({row['mnist_rot_images'] * len(row['angles']):,} images; seed {row['seed']})")
     paper = lambda v: f"{v:.2f}%" if v is not None else "not reported"  # noqa: E731
     invariant = "" if "baseline" in model else (
+        " Its logits are invariant to rotations by multiples of 90 degrees (28x28 input; exactly, up to float "
+        "rounding of the canonical turn), and to every other angle up to the interpolation of the turns."
+        if model.endswith("_canon") else
         " Its logits are exactly invariant to rotations by multiples of 90 degrees (28x28 input), and close "
         "for any other angle.")
     return f"""---
@@ -136,7 +147,7 @@ Built with timm-sortconv (the `timm_sortconv` package), which implements the pap
 - Command: `{row['reproduce']}`
 
 ## Results (measured)
-| | this model | the paper ({model}, 100 epochs) |
+| | this model | the paper ({paper_model}, 100 epochs) |
 |---|---|---|
 | MNIST test (10,000 images) | {row['mnist_test_top1']:.2f}% | {paper(paper_mnist)} |
 | MNIST-rot | {row['mnist_rot_top1']:.2f}% | {paper(paper_rot)} |

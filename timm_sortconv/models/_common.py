@@ -30,6 +30,8 @@ class SequentialFeaturesMixin:
     * ``self.feature_ends``: for each tap, the index into ``self.features`` of the child whose output it
       is, increasing;
     * ``self.num_features``: the channels of the trunk's output;
+    * ``self.canonicalize``: a module applied to the input before ``self.features`` (``nn.Identity()``
+      or a :class:`~timm_sortconv.canonical.MomentCanonicalize2d`);
 
     and the model defines ``reset_classifier(num_classes, global_pool)``, which sizes the classifier for
     ``self.num_features``.
@@ -57,6 +59,7 @@ class SequentialFeaturesMixin:
         assert output_fmt == 'NCHW', 'Output shape must be NCHW.'
         intermediates = []
         take_indices, max_index = feature_take_indices(len(self.feature_ends), indices)
+        x = self.canonicalize(x)
         layers = self.features if torch.jit.is_scripting() or not stop_early else (
             self.features[:self.feature_ends[max_index] + 1])
         feat_idx = 0
@@ -116,6 +119,7 @@ class SequentialClassifierMixin(SequentialFeaturesMixin):
         self.head_hidden_size = self.head.num_features
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.canonicalize(x)
         if self.grad_checkpointing and not torch.jit.is_scripting():
             return checkpoint_seq(self.features, x)
         return self.features(x)

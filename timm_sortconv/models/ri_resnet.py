@@ -27,6 +27,7 @@ from timm.layers import DropBlock2d, DropPath, create_classifier, get_device_dty
 from timm.models import build_model_with_cfg, checkpoint_seq, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 
+from ..canonical import create_canonicalizer
 from ._conv import fixed_variant_args, get_conv_layer
 from ._common import ri_cfg
 
@@ -103,6 +104,9 @@ class SortResNet(nn.Module):
         in_chans: input channels.
         stem_width: channels of the stem convolution.
         global_pool: timm pooling type (``'avg'``, ``'max'``, ``'avgmax'``, ``'catavgmax'``).
+        canonicalize: ``None`` or ``'moment2'``/``'moment4'``/``'moment1'``: turn each input image about its
+            centre to the orientation of its angular moment first (:mod:`timm_sortconv.canonical`); no
+            parameters. Measured on MNIST-rot only (RESULTS.md).
         drop_rate: dropout before the classifier.
         drop_path_rate: stochastic depth, linearly increasing over the blocks.
         drop_block_rate: DropBlock in stages 3 and 4.
@@ -121,6 +125,7 @@ class SortResNet(nn.Module):
             in_chans: int = 3,
             stem_width: int = 64,
             global_pool: str = 'avg',
+            canonicalize: Optional[str] = None,
             drop_rate: float = 0.,
             drop_path_rate: float = 0.,
             drop_block_rate: float = 0.,
@@ -132,6 +137,7 @@ class SortResNet(nn.Module):
     ) -> None:
         super().__init__()
         dd = {'device': device, 'dtype': dtype}
+        self.canonicalize = create_canonicalizer(canonicalize)
         if len(layers) != 4 or len(channels) != 4:
             raise ValueError(f"ResNet has four stages: give four block counts and four widths, got "
                              f"layers={tuple(layers)}, channels={tuple(channels)}")
@@ -245,6 +251,7 @@ class SortResNet(nn.Module):
         assert output_fmt == 'NCHW', 'Output shape must be NCHW.'
         intermediates = []
         take_indices, max_index = feature_take_indices(len(self.feature_info), indices)
+        x = self.canonicalize(x)
         x = self.act1(self.bn1(self.conv1(x)))
         if 0 in take_indices:
             intermediates.append(x)
@@ -284,6 +291,7 @@ class SortResNet(nn.Module):
         return take_indices
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.canonicalize(x)
         x = self.conv1(x)
         x = self.bn1(x)
         x = self.act1(x)

@@ -23,6 +23,7 @@ import torch.nn as nn
 from timm.layers import ClassifierHead
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 
+from ..canonical import create_canonicalizer
 from ._common import SequentialClassifierMixin, ri_cfg
 from ._conv import ConvNormAct, fixed_variant_args, get_conv_layer
 
@@ -45,6 +46,9 @@ class SortVGG(SequentialClassifierMixin, nn.Module):
         num_classes: classifier outputs (0: no classifier).
         in_chans: input channels.
         global_pool: timm pooling type (``'avg'``, ``'max'``, ``'avgmax'``, ``'catavgmax'``).
+        canonicalize: ``None`` or ``'moment2'``/``'moment4'``/``'moment1'``: turn each input image about its
+            centre to the orientation of its angular moment first (:mod:`timm_sortconv.canonical`); no
+            parameters. Measured on MNIST-rot only (RESULTS.md).
         drop_rate: dropout before the classifier.
         bn_momentum, bn_eps: BatchNorm settings.
 
@@ -60,6 +64,7 @@ class SortVGG(SequentialClassifierMixin, nn.Module):
             num_classes: int = 45,
             in_chans: int = 3,
             global_pool: str = 'avg',
+            canonicalize: Optional[str] = None,
             drop_rate: float = 0.,
             bn_momentum: float = 0.1,
             bn_eps: float = 1e-5,
@@ -69,6 +74,7 @@ class SortVGG(SequentialClassifierMixin, nn.Module):
         super().__init__()
         dd = {'device': device, 'dtype': dtype}
         conv_layer = get_conv_layer(sampling, sorting, backend)
+        self.canonicalize = create_canonicalizer(canonicalize)
         self.num_classes = num_classes
         self.in_chans = in_chans
         self.drop_rate = drop_rate

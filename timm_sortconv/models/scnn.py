@@ -22,6 +22,7 @@ import torch.nn as nn
 from timm.layers import ClassifierHead
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 
+from ..canonical import create_canonicalizer
 from ..hub import HUB_ORG, bundled_weights_dir
 from ..lowpass import GaussianBlur2d, create_downsample
 from ._common import PAPER_CFG, SequentialClassifierMixin
@@ -54,6 +55,11 @@ class SCNN(SequentialClassifierMixin, nn.Module):
         blur_sigma: standard deviation (pixels) of a fixed Gaussian blur before each of the six
             convolutions, one number for all or six; 0 for none. It removes the content that varies
             fastest between SC's samples (see :mod:`timm_sortconv.lowpass`); no parameters.
+        canonicalize: ``None``, or ``'moment2'``/``'moment4'``/``'moment1'``: turn each input image to the
+            orientation of its order-2/4/1 angular moment before the first convolution
+            (:class:`~timm_sortconv.canonical.MomentCanonicalize2d`). With order 2 or 4 the leftover
+            turn is a multiple of 90 degrees, which the SC layers ignore, so the network's invariance
+            extends to the angles between the quarter turns; no parameters.
         drop_rate: dropout before the classifier.
         bn_momentum, bn_eps: BatchNorm settings (timm's ``train.py`` passes them when asked).
 
@@ -74,6 +80,7 @@ class SCNN(SequentialClassifierMixin, nn.Module):
             downsample: str = 'max',
             padding_mode: str = 'zeros',
             blur_sigma: Union[float, Sequence[float]] = 0.,
+            canonicalize: Optional[str] = None,
             drop_rate: float = 0.,
             bn_momentum: float = 0.1,
             bn_eps: float = 1e-5,
@@ -89,6 +96,7 @@ class SCNN(SequentialClassifierMixin, nn.Module):
             raise ValueError(f"blur_sigma must be a number >= 0 or six of them (one per convolution), "
                              f"got {blur_sigma!r}")
         create_downsample(downsample)  # checks the name before anything is built
+        self.canonicalize = create_canonicalizer(canonicalize)
         conv_layer = get_conv_layer(sampling, sorting, backend)
         if padding_mode != 'zeros':
             conv_layer = partial(conv_layer, padding_mode=padding_mode)
@@ -159,8 +167,9 @@ def _pretrained(model_name: str) -> Dict[str, Any]:
 
 
 default_cfgs = generate_default_cfgs({
-    f'scnn_{variant}_{k}.mnist': _cfg(**_pretrained(f'scnn_{variant}_{k}'))
-    for variant in ('s_gs', 's_rs', 'p_gs', 'p_rs', 'baseline') for k in (3, 5, 7)
+    **{f'scnn_{variant}_{k}.mnist': _cfg(**_pretrained(f'scnn_{variant}_{k}'))
+       for variant in ('s_gs', 's_rs', 'p_gs', 'p_rs', 'baseline') for k in (3, 5, 7)},
+    'scnn_p_rs_7_canon.mnist': _cfg(**_pretrained('scnn_p_rs_7_canon')),
 })
 
 
@@ -252,3 +261,11 @@ def scnn_baseline_5(pretrained: bool = False, **kwargs: Any) -> SCNN:
 def scnn_baseline_7(pretrained: bool = False, **kwargs: Any) -> SCNN:
     """The plain-convolution baseline of the SCNNs with 7x7 kernels in the first four layers."""
     return _create_scnn('scnn_baseline_7', 7, None, None, pretrained, **kwargs)
+
+
+@register_model
+def scnn_p_rs_7_canon(pretrained: bool = False, **kwargs: Any) -> SCNN:
+    """``scnn_p_rs_7`` whose input is first turned to its principal axis (``canonicalize='moment2'``):
+    the same weights' shapes, invariant to every angle up to interpolation (see :mod:`timm_sortconv.canonical`)."""
+    kwargs.setdefault('canonicalize', 'moment2')
+    return _create_scnn('scnn_p_rs_7_canon', 7, 'polar', 'ring', pretrained, **kwargs)

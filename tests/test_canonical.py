@@ -1,0 +1,248 @@
+"""Moment canonicalization (``timm_sortconv.canonical``) and the per-image turn it uses (``rotate_each``):
+the angle follows a turn of the input, the canonical images of all turns of a digit agree, an SCNN with it
+keeps exact quarter-turn invariance and gains invariance between the quarter turns, gradients reach the
+input, and it survives scripting, tracing, compiling and export."""
+import math
+import warnings
+
+import pytest
+import timm
+import torch
+import torch.nn as nn
+
+import timm_sortconv  # noqa: F401  (registers the models)
+from timm_sortconv import SortConv2d, sortify
+from timm_sortconv.canonical import CANONICALIZERS, MomentCanonicalize2d, create_canonicalizer, moment_angle
+from timm_sortconv.data import create_dataset, mnist_sample_dir
+from timm_sortconv.rotation import rotate, rotate_each
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+MEAN, STD = 0.1307, 0.3081
+
+
+def digits(n=16):
+    """``n`` normalised test digits of the bundled MNIST sample, ``(n, 1, 28, 28)`` float64."""
+    data = create_dataset("sortconv/mnist", root=str(mnist_sample_dir()), split="test")
+    x = data.images[:n].to(torch.float64).unsqueeze(1) / 255.0
+    return (x - MEAN) / STD
+
+
+def turned(x, angle):
+    """``x`` turned as MNIST-rot turns a digit: in pixel space, zero (black) fill, then normalised again."""
+    return (rotate(x * STD + MEAN, angle) - MEAN) / STD
+
+
+def wrapped(delta, period):
+    """``delta`` (degrees) brought to ``(-period / 2, period / 2]``."""
+    return torch.remainder(delta + period / 2, period) - period / 2
+
+
+def test_rotate_each_matches_rotate_and_rot90():
+    x = torch.rand(3, 2, 9, 9, dtype=torch.float64)
+    out = rotate_each(x, torch.tensor([90.0, 33.0, -180.0]))
+    assert torch.allclose(out[0], torch.rot90(x[0], 1, dims=(-2, -1)), atol=1e-12)
+    assert torch.allclose(out[1:2], rotate(x[1:2], 33.0), atol=1e-12)
+    assert torch.allclose(out[2], torch.rot90(x[2], 2, dims=(-2, -1)), atol=1e-12)
+    # border fill: a constant image stays constant under any turn
+    ones = torch.ones(1, 1, 8, 8)
+    assert torch.allclose(rotate_each(ones, torch.tensor([20.0]), padding_mode="border"), ones)
+    assert rotate_each(ones, torch.tensor([20.0]))[0, 0, 0, 0] < 1  # zeros fill
+
+
+@pytest.mark.parametrize("images, angles, match", [
+    (torch.rand(2, 8, 8), torch.zeros(2), "shape \\(N, C, H, W\\)"),
+    (torch.rand(2, 1, 8, 8), torch.zeros(3), "one angle per image"),
+])
+def test_rotate_each_bad_input(images, angles, match):
+    with pytest.raises(ValueError, match=match):
+        rotate_each(images, angles)
+
+
+@pytest.mark.parametrize("order", [1, 2, 4])
+def test_moment_angle_follows_the_turn_of_the_image(order):
+    x = digits()
+    base = moment_angle(x, order)
+    period = 360.0 / order
+    for angle in (10.0, 45.0, 70.0, 90.0):
+        moved = moment_angle(turned(x, angle), order)
+        err = wrapped(moved - base - angle, period).abs()
+        # interpolation moves the estimate a little; order 1 (the centroid) is the least stable
+        assert err.median() < (1.5 if order == 1 else 0.5), (angle, err)
+    assert base.abs().max() <= 180.0 / order + 1e-9
+
+
+def test_moment_angle_of_a_bar_and_of_a_blank_image():
+    x = torch.zeros(2, 3, 15, 15)
+    x[0, :, 7, 2:13] = 1.0  # horizontal bar: principal axis at 0 degrees
+    angles = moment_angle(torch.cat([rotate(x[:1], 30), x[1:]]), order=2)
+    assert abs(angles[0].item() - 30.0) < 1.0
+    assert angles[1].item() == 0.0  # no orientation to read: no turn
+    blank = x[1:]
+    assert torch.equal(MomentCanonicalize2d()(blank), blank)
+
+
+@pytest.mark.parametrize("order", [1, 2, 4])
+def test_canonical_images_of_all_turns_agree_up_to_the_leftover_quarter_turns(order):
+    x = digits(8)
+    canon = MomentCanonicalize2d(order)
+    ref = canon(x)
+    leftovers = {1: (0,), 2: (0, 2), 4: (0, 1, 2, 3)}[order]
+    for angle in (20.0, 45.0, 100.0):
+        out = canon(turned(x, angle))
+        # distance to the nearest quarter turn of the upright digit's canonical image, relative to its size
+        dist = torch.stack([(out - torch.rot90(ref, t, (2, 3))).flatten(1).norm(dim=1) for t in leftovers]).min(0).values
+        rel = dist / ref.flatten(1).norm(dim=1)
+        plain = (turned(x, angle) - x).flatten(1).norm(dim=1) / x.flatten(1).norm(dim=1)
+        assert rel.median() < 0.25 and (rel < plain).all(), (angle, rel, plain)
+
+
+@pytest.mark.parametrize("name", sorted(CANONICALIZERS))
+def test_scnn_with_canonicalize_keeps_its_parameters_and_exact_quarter_turns(name):
+    torch.manual_seed(0)
+    paper = timm.create_model("scnn_p_rs_3")
+    model = timm.create_model("scnn_p_rs_3", canonicalize=name)
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in paper.named_parameters()]
+    model.load_state_dict(paper.state_dict())  # nothing new to save
+    model = model.double().eval()
+    x = torch.randn(2, 1, 28, 28, dtype=torch.float64)
+    with torch.no_grad():
+        out = model(torch.cat([torch.rot90(x, t, (2, 3)) for t in range(4)])).view(4, 2, -1)
+    # the canonical turn of a quarter-turned image is computed anew: equal up to rounding, not bit-exact
+    assert (out[1:] - out[0]).abs().max() < 1e-9 * out.abs().max()
+
+
+def test_canonicalize_makes_the_sweep_flat_between_the_quarter_turns():
+    """An untrained SCNN already changes its logits between the quarter turns; turned to the principal
+    axis first, clearly less (what is left is the interpolation of the two turns)."""
+    torch.manual_seed(0)
+    plain = timm.create_model("scnn_p_rs_3", channels=(8, 8, 8, 8, 8, 8)).double().eval()
+    canon = timm.create_model("scnn_p_rs_3", channels=(8, 8, 8, 8, 8, 8), canonicalize="moment2").double().eval()
+    canon.load_state_dict(plain.state_dict())
+    x = digits(16)
+    with torch.no_grad():
+        for angle in (30.0, 45.0):
+            errs = []
+            for model in (plain, canon):
+                a, b = model.forward_features(x), model.forward_features(turned(x, angle))
+                errs.append(((b.mean((2, 3)) - a.mean((2, 3))).norm(dim=1) / a.mean((2, 3)).norm(dim=1)).median())
+            assert errs[1] < 0.7 * errs[0], (angle, errs)
+
+
+def test_canonicalize_passes_gradients_to_the_input_and_to_the_weights():
+    model = timm.create_model("scnn_p_rs_3", channels=(4, 4, 4, 4, 4, 4), canonicalize="moment2")
+    x = digits(4).float().requires_grad_(True)
+    model(x).logsumexp(1).sum().backward()
+    assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    # with the angle held fixed the turn is linear in the image: gradcheck that map
+    y = digits(2)[:, :, 6:18, 6:18].clone().requires_grad_(True)
+    angles = moment_angle(y, 2).detach()
+    assert torch.autograd.gradcheck(lambda t: rotate_each(t, -angles, "border"), (y,))
+
+
+def test_canonicalize_survives_script_trace_compile_and_export():
+    torch.manual_seed(0)
+    model = timm.create_model("scnn_p_rs_3", channels=(4, 4, 4, 4, 4, 4), canonicalize="moment2").eval()
+    x = digits(3).float()
+    with torch.no_grad():
+        expected = model(turned(x.double(), 25.0).float())
+        inp = turned(x.double(), 25.0).float()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # scripting's and tracing's deprecation and constant-size notices
+            scripted = torch.jit.script(model)
+            traced = torch.jit.trace(model, (x,))
+        assert torch.allclose(scripted(inp), expected, atol=1e-5)
+        assert torch.allclose(traced(inp), expected, atol=1e-5)
+        compiled = torch.compile(model, backend="eager", fullgraph=True)
+        assert torch.allclose(compiled(inp), expected, atol=1e-5)
+        exported = torch.export.export(model, (x,))
+        assert torch.allclose(exported.module()(inp), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(order=0), "order must be an int >= 1"), (dict(order=2.0), "order must be an int >= 1"),
+    (dict(padding_mode="edge"), "padding_mode must be 'border', 'zeros' or 'reflection'"),
+])
+def test_bad_canonicalizer_arguments(bad, match):
+    with pytest.raises(ValueError, match=match):
+        MomentCanonicalize2d(**bad)
+
+
+def test_bad_canonicalize_name_names_the_accepted_ones():
+    with pytest.raises(ValueError, match=r"canonicalize must be None or one of \['moment1', 'moment2', 'moment4'\]"):
+        timm.create_model("scnn_p_rs_3", canonicalize="pca")
+    assert isinstance(create_canonicalizer(None), torch.nn.Identity)
+    with pytest.raises(ValueError, match="shape \\(N, C, H, W\\)"):
+        moment_angle(torch.rand(8, 8))
+
+
+def test_canonical_entrypoint_is_p_rs_7_with_moment2():
+    model = timm.create_model("scnn_p_rs_7_canon", channels=(2, 2, 2, 2, 2, 2))
+    assert isinstance(model.canonicalize, MomentCanonicalize2d) and model.canonicalize.order == 2
+    assert model.features[0].conv.sampling == "polar" and model.features[0].conv.sorting == "ring"
+    assert math.isclose(sum(p.numel() for p in model.parameters()),
+                        sum(p.numel() for p in timm.create_model("scnn_p_rs_7", channels=(2,) * 6).parameters()))
+
+
+def test_sort_conv2d_canonicalize_turns_its_input_first():
+    torch.manual_seed(0)
+    conv = SortConv2d(1, 4, 5, padding=2, canonicalize="moment2").double()
+    plain = SortConv2d(1, 4, 5, padding=2).double()
+    plain.load_state_dict(conv.state_dict())
+    assert "canonicalize=moment2" in repr(conv) and "canonicalize" not in repr(plain)
+    x = digits(4)
+    with torch.no_grad():
+        assert torch.allclose(conv(x), plain(MomentCanonicalize2d(2)(x)), atol=1e-12)
+        assert torch.allclose(conv(x[0]), conv(x[:1])[0], atol=1e-12)  # unbatched input
+    conv.set_canonicalize(None)
+    with torch.no_grad():
+        assert torch.equal(conv(x), plain(x))
+    with pytest.raises(ValueError, match="canonicalize must be None or one of"):
+        SortConv2d(1, 4, 3, canonicalize="moment3")
+
+
+def test_sortify_canonicalize_sets_the_stem_only():
+    model = timm.create_model("resnet18", num_classes=3)
+    sortify(model, canonicalize="moment2")
+    stems = [name for name, m in model.named_modules() if isinstance(m, SortConv2d) and m.canonicalize]
+    assert stems == ["conv1"]  # resnet18's pretrained_cfg["first_conv"]
+    plain = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1))
+    sortify(plain, canonicalize="moment4")
+    assert plain[0].canonicalize == "moment4" and plain[2].canonicalize is None
+
+
+def test_sortify_canonicalize_refuses_a_stem_it_does_not_convert_and_changes_nothing():
+    model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1))
+    with pytest.raises(ValueError, match="the stem '0' is not converted to a SortConv2d"):
+        sortify(model, exclude="0", canonicalize="moment2")
+    assert not any(isinstance(m, SortConv2d) for m in model.modules())
+    with pytest.raises(ValueError, match="canonicalize must be None or one of"):
+        sortify(model, canonicalize="moment3")
+
+
+@pytest.mark.parametrize("name", ["ri_resnet18", "ri_vgg16", "ri_densenet40"])
+def test_every_model_takes_canonicalize_and_applies_it_in_forward_features_and_intermediates(name):
+    torch.manual_seed(0)
+    kwargs = dict(num_classes=3, in_chans=1)
+    model = timm.create_model(name, canonicalize="moment2", **kwargs).eval()
+    plain = timm.create_model(name, **kwargs).eval()
+    plain.load_state_dict(model.state_dict())
+    x = torch.randn(1, 1, 32, 32)
+    with torch.no_grad():
+        turned_x = MomentCanonicalize2d(2)(x)
+        assert torch.allclose(model.forward_features(x), plain.forward_features(turned_x), atol=1e-5)
+        last = model.forward_intermediates(x, intermediates_only=True)[-1]
+        assert torch.allclose(last, plain.forward_intermediates(turned_x, intermediates_only=True)[-1], atol=1e-5)
+
+
+@pytest.mark.parametrize("name, size", [("scnn_p_rs_3", 28), ("ri_resnet18", 32)])
+def test_features_only_models_canonicalize_first(name, size):
+    torch.manual_seed(0)
+    feats = timm.create_model(name, features_only=True, in_chans=1, canonicalize="moment2").eval()
+    plain = timm.create_model(name, features_only=True, in_chans=1).eval()
+    plain.load_state_dict(feats.state_dict())
+    x = torch.randn(2, 1, size, size)
+    with torch.no_grad():
+        for a, b in zip(feats(x), plain(MomentCanonicalize2d(2)(x))):
+            assert torch.allclose(a, b, atol=1e-5)

@@ -1,0 +1,143 @@
+"""Turning each input image to a canonical orientation read from its own moments, before an SC network.
+
+An SC network is exactly invariant to quarter turns of its input, and between them it is not: its
+layers sample the image on a grid, and a network trained on upright digits learns to read what a turn
+between the quarter turns changes (RESULTS.md, "Between the quarter turns"). :class:`MomentCanonicalize2d`
+removes that part of the turn before the network sees the image. It measures the orientation of the
+image's order-``k`` angular moment about the image centre,
+
+    ``c_k = sum_p w(r_p) (I(p) - m) r_p^k exp(i k theta_p)``,
+
+(``theta_p`` counter-clockwise on screen, ``w`` a disc that fades out over the last 2 pixels before the
+inscribed circle, ``m`` the image's mean over that disc), and turns the image by ``-arg(c_k) / k``
+degrees. Turning the input by ``a`` multiplies ``c_k`` by ``exp(i k a)``, so every turn of an image is
+brought to the same canonical image up to a multiple of ``360 / k`` degrees. With ``k = 2`` (the image's
+principal axis) or ``k = 4`` that leftover is a multiple of a quarter turn, which the SC network after it
+ignores exactly: together they are invariant to every angle, up to the interpolation of the turns and
+the error of the angle estimate. ``k = 1`` (the direction of the centroid) leaves nothing over, so it
+also serves a plain CNN, but its angle is less stable.
+
+It has no parameters. It is a property of the network's input, not of a convolution: it needs the
+image's centre, which is the centre of the turns a sweep applies (MNIST-rot turns each digit about the
+centre of its 28x28 frame). An image whose moment vanishes (a blank image, or one symmetric under turns
+of ``360 / k`` degrees) has no orientation to read; its angle is taken as 0. The angle is a function of
+the input but is treated as a constant by autograd (the gradient flows through the turned image only),
+because ``arg`` has no useful gradient where the moment is small.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn as nn
+from timm.layers import register_notrace_module
+
+from .rotation import _rotate_each
+
+__all__ = ["CANONICALIZERS", "MomentCanonicalize2d", "canonical_order", "create_canonicalizer", "moment_angle"]
+
+#: Names accepted by :func:`create_canonicalizer` (and the models' ``canonicalize=``), by moment order.
+CANONICALIZERS = {"moment1": 1, "moment2": 2, "moment4": 4}
+
+
+
+def moment_angle(images: torch.Tensor, order: int = 2) -> torch.Tensor:
+    """The orientation ``arg(c_k) / k`` of each image's order-``k`` angular moment, in degrees.
+
+    Args:
+        images: ``(N, C, H, W)``; the channels are averaged first.
+        order: ``k >= 1``; the angle is defined modulo ``360 / k`` degrees and lies in
+            ``(-180 / k, 180 / k]``.
+
+    Returns:
+        ``(N,)`` float32 (float64 for float64 input) angles, counter-clockwise on screen: turning an
+        image by ``a`` degrees (:func:`timm_sortconv.rotation.rotate`) adds ``a`` (modulo ``360 / k``).
+
+    Example:
+        >>> from timm_sortconv.rotation import rotate
+        >>> x = torch.zeros(1, 1, 15, 15)
+        >>> x[0, 0, 7, 2:13] = 1.0  # a horizontal bar
+        >>> round(moment_angle(rotate(x, 30)).item())
+        30
+    """
+    if images.dim() != 4:
+        raise ValueError(f"moment_angle expects images of shape (N, C, H, W), got {list(images.shape)}")
+    if isinstance(order, bool) or not isinstance(order, int) or order < 1:
+        raise ValueError(f"order must be an int >= 1, got {order!r}")
+    return _moment_angle(images, order)
+
+
+def _moment_angle(images: torch.Tensor, order: int) -> torch.Tensor:
+    """:func:`moment_angle` without the argument checks (TorchScript compiles this one)."""
+    dtype = torch.float64 if images.dtype == torch.float64 else torch.float32
+    x = images.detach().to(dtype).mean(dim=1)
+    h, w = x.shape[-2], x.shape[-1]
+    ys = torch.arange(h, dtype=dtype, device=x.device) - (h - 1) / 2.0
+    xs = torch.arange(w, dtype=dtype, device=x.device) - (w - 1) / 2.0
+    yy, xx = torch.meshgrid(ys, xs, indexing="ij")
+    radius = torch.sqrt(xx * xx + yy * yy)
+    disc = ((min(h, w) / 2.0 - radius) / 2.0).clamp(0.0, 1.0)  # fades out over the last 2 pixels
+    # theta counter-clockwise on screen: y points down, so the angle of (x, -y).
+    theta = torch.atan2(-yy, xx)
+    weight = disc * radius.pow(order)
+    centred = x - (x * disc).sum(dim=(-2, -1), keepdim=True) / disc.sum()
+    real = (centred * weight * torch.cos(order * theta)).sum(dim=(-2, -1))
+    imag = (centred * weight * torch.sin(order * theta)).sum(dim=(-2, -1))
+    return torch.rad2deg(torch.atan2(imag, real)) / order
+
+
+# timm's FX feature extraction treats it as a leaf: its sizes come from the input's shape in Python.
+@register_notrace_module
+class MomentCanonicalize2d(nn.Module):
+    """Turns each image by minus its :func:`moment_angle`, about its centre (the module docstring says why).
+
+    Args:
+        order: the moment's order ``k`` (1, 2 or 4 are the useful ones; 2 and 4 leave a multiple of a
+            quarter turn, which an SC network ignores).
+        padding_mode: what the corners turned in from outside the image hold: ``"border"`` (the nearest
+            edge pixel: the background of a digit or a texture, the default), ``"zeros"`` or
+            ``"reflection"``.
+
+    Shape: ``(N, C, H, W)`` in and out, any float dtype.
+
+    Example:
+        >>> from timm_sortconv.rotation import rotate
+        >>> canon = MomentCanonicalize2d(order=2)
+        >>> x = torch.zeros(1, 1, 15, 15)
+        >>> x[0, 0, 3:12, 7] = 1.0  # a vertical bar
+        >>> a, b = canon(x), canon(rotate(x, 35))
+        >>> float((a - b).abs().max()) < 0.35   # the same image up to interpolation
+        True
+    """
+
+    def __init__(self, order: int = 2, padding_mode: str = "border") -> None:
+        super().__init__()
+        if isinstance(order, bool) or not isinstance(order, int) or order < 1:
+            raise ValueError(f"order must be an int >= 1, got {order!r}")
+        if padding_mode not in ("border", "zeros", "reflection"):
+            raise ValueError(f"padding_mode must be 'border', 'zeros' or 'reflection', got {padding_mode!r}")
+        self.order = order
+        self.padding_mode = padding_mode
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _rotate_each(x, -_moment_angle(x, self.order), self.padding_mode)
+
+    def extra_repr(self) -> str:
+        return f"order={self.order}, padding_mode={self.padding_mode!r}"
+
+
+def canonical_order(name: Optional[str]) -> int:
+    """The moment order that a ``canonicalize=`` argument names (``CANONICALIZERS``), 0 for ``None``."""
+    if name is None:
+        return 0
+    if name not in CANONICALIZERS:
+        raise ValueError(f"canonicalize must be None or one of {sorted(CANONICALIZERS)}, got {name!r}")
+    return CANONICALIZERS[name]
+
+
+def create_canonicalizer(name: Optional[str]) -> nn.Module:
+    """The module a model's ``canonicalize=`` names: ``None`` gives ``nn.Identity()``, ``"momentK"`` a
+    :class:`MomentCanonicalize2d` of order ``K`` (``CANONICALIZERS`` lists them)."""
+    order = canonical_order(name)
+    return nn.Identity() if order == 0 else MomentCanonicalize2d(order)
