@@ -27,7 +27,7 @@
 #   models      the SortConv2d layers of scnn_p_rs_7, ri_resnet18 and ri_densenet40
 #   throughput  training steps of the three models against their *_baseline twins
 #   mnist       the paper's MNIST protocol (scripts/configs/mnist_scnn.yaml, 100 epochs) on the Triton
-#               backend; $OUT/mnist_run gets its last checkpoint, summary.csv and args.yaml. It takes more
+#               backend, for $MNIST_MODEL (default scnn_p_rs_7; e.g. scnn_p_rs_7_canon); $OUT/mnist_run gets its last checkpoint, summary.csv and args.yaml. It takes more
 #               than one call: copy $OUT/mnist_run to .carry/mnist_run and call again to resume from it
 set -uo pipefail
 
@@ -113,7 +113,7 @@ for name in $STAGES; do
     mnist)
         resume=""
         [ -f .carry/mnist_run/last.pth.tar ] && resume="--resume .carry/mnist_run/last.pth.tar"
-        stage mnist "TIMM_SORTCONV_TRITON_AUTO=1 $PYTHON scripts/train.py -c scripts/configs/mnist_scnn.yaml --data-dir .carry/mnist --output /tmp/train --experiment mnist_run $resume"
+        stage mnist "TIMM_SORTCONV_TRITON_AUTO=1 $PYTHON scripts/train.py -c scripts/configs/mnist_scnn.yaml --model ${MNIST_MODEL:-scnn_p_rs_7} --data-dir .carry/mnist --output /tmp/train --experiment mnist_run $resume"
         mkdir -p "$OUT/mnist_run"
         cp /tmp/train/mnist_run/{last.pth.tar,summary.csv,args.yaml} "$OUT/mnist_run/" 2>/dev/null ;;
     *)

@@ -105,10 +105,11 @@ class MomentCanonicalize2d(nn.Module):
         >>> from timm_sortconv.rotation import rotate
         >>> canon = MomentCanonicalize2d(order=2)
         >>> x = torch.zeros(1, 1, 15, 15)
-        >>> x[0, 0, 3:12, 7] = 1.0  # a vertical bar
+        >>> x[0, 0, 3:12, 6:9] = 1.0  # a vertical bar, 3 pixels wide
         >>> a, b = canon(x), canon(rotate(x, 35))
-        >>> float((a - b).abs().max()) < 0.35   # the same image up to interpolation
-        True
+        >>> def change(u, v): return float((u - v).norm() / u.norm())
+        >>> round(change(x, rotate(x, 35)), 2), round(change(a, b), 2)  # turned: 0.83; canonical: interpolation
+        (0.83, 0.24)
     """
 
     def __init__(self, order: int = 2, padding_mode: str = "border") -> None:
