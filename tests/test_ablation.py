@@ -156,3 +156,21 @@ def test_moment_probe_reads_the_turn_of_each_digit(tmp_path):
     assert [(r["order"], r["angle"]) for r in rows] == [(o, a) for o in (1, 2, 4) for a in (0.0, 30.0)]
     assert all(r["median_error"] == 0.0 for r in rows if r["angle"] == 0.0)
     assert all(0 <= r["share_over_5_degrees"] <= 1 for r in rows)
+
+
+@pytest.mark.parametrize("tool", ["train", "validate", "mnist_results", "ablation", "dip_probe"])
+def test_a_model_kwarg_without_equals_is_a_usage_error_naming_it(tool, capsys):
+    import importlib
+
+    module = importlib.import_module(f"timm_sortconv.cli.{tool}")
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(["--model-kwargs", "canonicalize"])
+    assert exit_info.value.code == 2
+    assert "argument --model-kwargs: expected KEY=VALUE, got 'canonicalize'" in capsys.readouterr().err
+
+
+def test_key_values_are_python_literals_where_they_parse():
+    from timm_sortconv.cli import parse_key_values
+
+    assert parse_key_values(["a=0.5", "b=(1,2)", "c=polar", "d=None", "e=x=y"]) == dict(
+        a=0.5, b=(1, 2), c="polar", d=None, e="x=y")

@@ -19,7 +19,7 @@ import argparse
 import sys
 from typing import Callable, Optional, Sequence
 
-__all__ = ["CommandError", "add_data_args", "add_input_args", "run"]
+__all__ = ["CommandError", "KeyValueArgs", "add_data_args", "add_input_args", "key_value", "parse_key_values", "run"]
 
 
 class CommandError(Exception):
@@ -38,6 +38,37 @@ def run(main: Callable[[Optional[Sequence[str]]], object], argv: Optional[Sequen
     except (CommandError, DatasetLayoutError) as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def key_value(text: str) -> str:
+    """argparse ``type`` of one ``KEY=VALUE`` item (``--model-kwargs`` and the like): checks its form, so that
+    a malformed item is a usage error naming it, and returns it unchanged."""
+    key, sep, _ = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return text
+
+
+def parse_key_values(items: Sequence[str]) -> dict:
+    """``KEY=VALUE`` items as a dict; a value is a Python literal where it parses as one (``0.5``, ``(1, 2)``,
+    ``None``), else the string (``polar``), as timm's ``--model-kwargs``."""
+    import ast
+
+    out = {}
+    for item in items:
+        key, _, value = key_value(item).partition("=")
+        try:
+            out[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[key] = value
+    return out
+
+
+class KeyValueArgs(argparse.Action):
+    """``nargs="*"`` action that stores :func:`parse_key_values` of the items (use with ``type=key_value``)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, parse_key_values(values))
 
 
 def add_data_args(group: argparse._ArgumentGroup) -> None:

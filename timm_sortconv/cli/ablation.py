@@ -80,23 +80,8 @@ import torch.nn.functional as F
 from ..data import RotatedDataset, cap_samples, create_dataset
 from ..models import SCNN  # importing the models registers them with timm
 from ..rotation import parse_rotations, rotate
-from . import CommandError, run
+from . import CommandError, key_value, parse_key_values, run
 
-
-def parse_kwargs(items: List[str]) -> Dict:
-    """``key=value`` pairs; values are Python literals where they parse as one (as timm's ``--model-kwargs``)."""
-    import ast
-
-    out = {}
-    for item in items:
-        if "=" not in item:
-            raise SystemExit(f"--model-kwargs takes key=value pairs, got {item!r}")
-        key, value = item.split("=", 1)
-        try:
-            out[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            out[key] = value
-    return out
 
 
 def load_split(data_dir: str, split: str, samples: int, seed: int):
@@ -261,7 +246,7 @@ def pack(correct: torch.Tensor) -> str:
 
 
 def run_rows(args) -> None:
-    kwargs = parse_kwargs(args.model_kwargs)
+    kwargs = parse_key_values(args.model_kwargs)
     angles = parse_rotations(args.angles)
     rows_dir = Path(args.results) / args.name
     weights_dir = Path(args.output) / args.name
@@ -420,7 +405,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--name", help="row name (folder under --results)")
     parser.add_argument("--model", default="scnn_p_rs_7")
-    parser.add_argument("--model-kwargs", nargs="*", default=[], help="key=value create_model arguments")
+    parser.add_argument("--model-kwargs", nargs="*", default=[], type=key_value, metavar="KEY=VALUE",
+                        help="create_model arguments")
     parser.add_argument("--data-dir", help="MNIST folder")
     parser.add_argument("--train-samples", type=int, default=10000)
     parser.add_argument("--epochs", type=int, default=2)

@@ -50,8 +50,8 @@ import torch.nn as nn
 from .. import models  # noqa: F401  (registers the SC models with timm)
 from ..canonical import moment_angle
 from ..rotation import parse_rotations, rotate
-from . import run
-from .ablation import load_split, parse_kwargs, rotated_sweep
+from . import key_value, parse_key_values, run
+from .ablation import load_split, rotated_sweep
 
 
 def stages(model: nn.Module) -> List[Tuple[str, Callable[[torch.Tensor], torch.Tensor]]]:
@@ -208,7 +208,8 @@ def main(argv=None):
     parser.add_argument("--model", default="scnn_p_rs_7")
     parser.add_argument("--pretrained", action="store_true", help="the bundled weights")
     parser.add_argument("--checkpoint", default="", help="weights to load instead")
-    parser.add_argument("--model-kwargs", nargs="*", default=[], help="key=value create_model arguments")
+    parser.add_argument("--model-kwargs", nargs="*", default=[], type=key_value, metavar="KEY=VALUE",
+                        help="create_model arguments")
     parser.add_argument("--samples", type=int, default=500, help="test images (the first of the 2,000-image slice)")
     parser.add_argument("--angles", default="10,20,30,45", help="degrees, START:STOP:STEP or a list")
     parser.add_argument("--out", default="", help="write the result as JSON here")
@@ -235,7 +236,7 @@ def main(argv=None):
             with open(args.out, "w") as f:
                 json.dump(dict(samples=args.samples, rows=rows), f, indent=1)
         return
-    kwargs = parse_kwargs(args.model_kwargs)
+    kwargs = parse_key_values(args.model_kwargs)
     model = timm.create_model(args.model, pretrained=args.pretrained, checkpoint_path=args.checkpoint, **kwargs)
     model.eval()
     images, labels, _ = load_split(args.data_dir, "test", 2000, seed=42)  # the ablation's sweep slice

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from ..invariance import read_sweep_csv
-from . import CommandError, run
+from . import CommandError, key_value, run
 from . import train as train_tool
 from . import validate as validate_tool
 
@@ -55,7 +55,7 @@ PAPER = {
 
 parser = argparse.ArgumentParser(description="Train an SCNN on MNIST and measure it on MNIST and MNIST-rot")
 parser.add_argument("--model", metavar="MODEL", help="registered model, e.g. scnn_p_rs_7")
-parser.add_argument("--model-kwargs", nargs="*", default=[], metavar="KEY=VALUE",
+parser.add_argument("--model-kwargs", nargs="*", default=[], type=key_value, metavar="KEY=VALUE",
                     help="model arguments (scripts/train.py --model-kwargs), e.g. downsample=avg")
 parser.add_argument("--name", default="", help="name of the row, run and files (default: the model name)")
 parser.add_argument("--data-dir", metavar="DIR", help="folder with the MNIST IDX files")

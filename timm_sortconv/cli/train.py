@@ -50,7 +50,7 @@ from timm.utils import load_checkpoint_metadata
 
 from .. import models  # noqa: F401  (registers the SC models with timm)
 from ..data import cap_samples, create_dataset, create_train_loader, is_sortconv_dataset, resolve_data_config
-from . import CommandError, add_data_args, add_input_args, run
+from . import CommandError, KeyValueArgs, add_data_args, add_input_args, key_value, run
 
 _logger = logging.getLogger("train")
 
@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("-vb", "--validation-batch-size", type=int, default=None, metavar="N", help="validation batch size")
     group.add_argument("--channels-last", action="store_true", default=False, help="channels_last memory layout")
     group.add_argument("--grad-checkpointing", action="store_true", default=False, help="gradient checkpointing")
-    group.add_argument("--model-kwargs", nargs="*", default={}, action=utils.ParseKwargs,
+    group.add_argument("--model-kwargs", nargs="*", default={}, action=KeyValueArgs, type=key_value, metavar="KEY=VALUE",
                        help="extra create_model arguments, e.g. sampling=polar sorting=ring")
     group.add_argument("--torchcompile", "--torch-compile", nargs="?", type=str, default=None, const="inductor",
                        help="torch.compile the model with this backend (default: inductor)")
@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--weight-decay", type=float, default=0.0, help="weight decay (default: 0)")
     group.add_argument("--clip-grad", type=float, default=None, metavar="NORM", help="clip gradients (default: off)")
     group.add_argument("--clip-mode", type=str, default="norm", help='clipping mode: "norm", "value" or "agc"')
-    group.add_argument("--opt-kwargs", nargs="*", default={}, action=utils.ParseKwargs)
+    group.add_argument("--opt-kwargs", nargs="*", default={}, action=KeyValueArgs, type=key_value, metavar="KEY=VALUE")
 
     group = parser.add_argument_group("Learning rate schedule")
     group.add_argument("--sched", type=str, default="step", metavar="SCHEDULER",

@@ -21,7 +21,6 @@ import os
 from typing import Dict, Optional, Sequence
 
 import torch
-from timm import utils
 from timm.models import create_model
 
 from .. import models  # noqa: F401  (registers the SC models with timm)
@@ -29,7 +28,7 @@ from ..data import RotatedDataset, cap_samples, create_dataset, is_sortconv_data
 from ..invariance import PerAngle, accuracy_sweep, accuracy_table, plot_sweep, read_sweep_csv, write_sweep_csv
 from ..layers import SortConv2d
 from ..rotation import parse_rotations
-from . import CommandError, add_data_args, add_input_args, run
+from . import CommandError, KeyValueArgs, add_data_args, add_input_args, key_value, run
 
 _logger = logging.getLogger("validate")
 
@@ -55,7 +54,7 @@ group.add_argument("--baseline-model", default="", metavar="MODEL", help="a seco
 group.add_argument("--baseline-checkpoint", default="", metavar="PATH", help="weights of --baseline-model")
 group.add_argument("--baseline-pretrained", action="store_true", default=False,
                    help="load --baseline-model's published weights")
-group.add_argument("--model-kwargs", nargs="*", default={}, action=utils.ParseKwargs,
+group.add_argument("--model-kwargs", nargs="*", default={}, action=KeyValueArgs, type=key_value, metavar="KEY=VALUE",
                    help="extra create_model arguments for both models, e.g. sampling=polar")
 add_input_args(group)
 
