@@ -78,8 +78,19 @@ def test_moment_angle_of_a_bar_and_of_a_blank_image():
     angles = moment_angle(torch.cat([rotate(x[:1], 30), x[1:]]), order=2)
     assert abs(angles[0].item() - 30.0) < 1.0
     assert angles[1].item() == 0.0  # no orientation to read: no turn
-    blank = x[1:]
-    assert torch.equal(MomentCanonicalize2d()(blank), blank)
+    # an image too small for the disc has no orientation either: the same image back, nothing undefined
+    tiny = torch.tensor([[[[0.2, 0.9]]]])
+    assert moment_angle(tiny).item() == 0.0
+    assert torch.allclose(MomentCanonicalize2d()(tiny), tiny)
+
+
+def test_canonicalizer_takes_one_unbatched_image_and_angles_on_another_device():
+    x = digits(2).float()
+    canon = MomentCanonicalize2d(2)
+    assert torch.allclose(canon(x[0]), canon(x)[0], atol=1e-6)
+    # the turn follows the images' device (here "meta", standing in for a GPU), whatever the angles' device
+    out = rotate_each(torch.empty(2, 1, 8, 8, device="meta"), torch.tensor([30.0, 60.0]))
+    assert out.device.type == "meta" and out.shape == (2, 1, 8, 8)
 
 
 @pytest.mark.parametrize("order", [1, 2, 4])
@@ -210,6 +221,13 @@ def test_sortify_canonicalize_sets_the_stem_only():
     plain = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1))
     sortify(plain, canonicalize="moment4")
     assert plain[0].canonicalize == "moment4" and plain[2].canonicalize is None
+
+
+def test_sortify_refuses_to_turn_a_model_that_turns_its_input_already():
+    model = timm.create_model("scnn_baseline_3", channels=(2,) * 6, canonicalize="moment2")
+    with pytest.raises(ValueError, match="the model already turns its input"):
+        sortify(model, canonicalize="moment2")
+    assert not any(isinstance(m, SortConv2d) for m in model.modules())
 
 
 def test_sortify_canonicalize_refuses_a_stem_it_does_not_convert_and_changes_nothing():

@@ -101,3 +101,23 @@ def test_onnx_export_runs_in_onnxruntime(sampling, sorting):
         for x in (example, other):
             (out,) = session.run(None, {"x": x.numpy()})
             torch.testing.assert_close(torch.from_numpy(out), model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_onnx_export_of_a_canonicalizing_model_runs_in_onnxruntime():
+    """``canonicalize=`` (the moment angle and the per-image turn) exports as standard ONNX operators."""
+    onnxruntime = pytest.importorskip("onnxruntime")
+    torch.manual_seed(0)
+    model = nn.Sequential(SortConv2d(1, 4, 5, padding=2, canonicalize="moment2"), nn.ReLU(),
+                          SortConv2d(4, 3, 3, padding=1)).eval()
+    generator = torch.Generator().manual_seed(2)
+    example, other = torch.randn(2, 1, 12, 12, generator=generator), torch.randn(3, 1, 12, 12, generator=generator)
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (example,), buffer, opset_version=17, dynamo=False, input_names=["x"],
+                          output_names=["y"], dynamic_axes={"x": {0: "batch"}})
+    session = onnxruntime.InferenceSession(buffer.getvalue(), providers=["CPUExecutionProvider"])
+    with torch.no_grad():
+        for x in (example, other):
+            (out,) = session.run(None, {"x": x.numpy()})
+            torch.testing.assert_close(torch.from_numpy(out), model(x), atol=1e-4, rtol=1e-4)

@@ -48,11 +48,12 @@ def moment_angle(images: torch.Tensor, order: int = 2) -> torch.Tensor:
     Args:
         images: ``(N, C, H, W)``; the channels are averaged first.
         order: ``k >= 1``; the angle is defined modulo ``360 / k`` degrees and lies in
-            ``(-180 / k, 180 / k]``.
+            ``[-180 / k, 180 / k]``.
 
     Returns:
         ``(N,)`` float32 (float64 for float64 input) angles, counter-clockwise on screen: turning an
         image by ``a`` degrees (:func:`timm_sortconv.rotation.rotate`) adds ``a`` (modulo ``360 / k``).
+        An image without orientation (blank, or too small for the disc) gives 0.
 
     Example:
         >>> from timm_sortconv.rotation import rotate
@@ -81,10 +82,21 @@ def _moment_angle(images: torch.Tensor, order: int) -> torch.Tensor:
     # theta counter-clockwise on screen: y points down, so the angle of (x, -y).
     theta = torch.atan2(-yy, xx)
     weight = disc * radius.pow(order)
-    centred = x - (x * disc).sum(dim=(-2, -1), keepdim=True) / disc.sum()
+    centred = x - (x * disc).sum(dim=(-2, -1), keepdim=True) / disc.sum().clamp_min(1e-12)
     real = (centred * weight * torch.cos(order * theta)).sum(dim=(-2, -1))
     imag = (centred * weight * torch.sin(order * theta)).sum(dim=(-2, -1))
-    return torch.rad2deg(torch.atan2(imag, real)) / order
+    # plain arithmetic rather than torch.rad2deg, which ONNX export does not know
+    return torch.atan2(imag, real) * (180.0 / math.pi / order)
+
+
+def _canonicalize(images: torch.Tensor, order: int, padding_mode: str) -> torch.Tensor:
+    """``images`` (``(N, C, H, W)`` or one ``(C, H, W)``) turned to their order-``order`` moment orientation;
+    unchanged for order 0. Shared by :class:`MomentCanonicalize2d` and ``SortConv2d(canonicalize=)``."""
+    if order == 0:
+        return images
+    batch = images if images.dim() == 4 else images.unsqueeze(0)
+    out = _rotate_each(batch, -_moment_angle(batch, order), padding_mode)
+    return out if images.dim() == 4 else out.squeeze(0)
 
 
 # timm's FX feature extraction treats it as a leaf: its sizes come from the input's shape in Python.
@@ -99,7 +111,7 @@ class MomentCanonicalize2d(nn.Module):
             edge pixel: the background of a digit or a texture, the default), ``"zeros"`` or
             ``"reflection"``.
 
-    Shape: ``(N, C, H, W)`` in and out, any float dtype.
+    Shape: ``(N, C, H, W)`` or ``(C, H, W)`` in and out, any float dtype.
 
     Example:
         >>> from timm_sortconv.rotation import rotate
@@ -122,7 +134,7 @@ class MomentCanonicalize2d(nn.Module):
         self.padding_mode = padding_mode
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _rotate_each(x, -_moment_angle(x, self.order), self.padding_mode)
+        return _canonicalize(x, self.order, self.padding_mode)
 
     def extra_repr(self) -> str:
         return f"order={self.order}, padding_mode={self.padding_mode!r}"

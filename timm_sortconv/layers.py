@@ -14,22 +14,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import pad_same, register_notrace_module
 
-from .canonical import _moment_angle, canonical_order
+from .canonical import _canonicalize, canonical_order
 from .ops.backends import check_backend_name
 from .ops.functional import sort_conv2d_zero_padded
 from .ops.geometry import get_geometry
-from .rotation import _rotate_each
 
 __all__ = ["SortConv2d", "SortConv2dSame"]
-
-
-def _canonicalize_input(input: torch.Tensor, order: int) -> torch.Tensor:
-    """``input`` (batched or not) turned to its order-``order`` moment orientation; unchanged for order 0."""
-    if order == 0:
-        return input
-    batch = input if input.dim() == 4 else input.unsqueeze(0)
-    out = _rotate_each(batch, -_moment_angle(batch, order), "border")
-    return out if input.dim() == 4 else out.squeeze(0)
 
 
 def _sort_conv_forward(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], stride: List[int],
@@ -124,7 +114,7 @@ class SortConv2d(nn.Conv2d):
         self.canonicalize = canonicalize
 
     def _conv_forward(self, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        input = _canonicalize_input(input, self.canonicalize_order)
+        input = _canonicalize(input, self.canonicalize_order, "border")
         return _sort_conv_forward(input, weight, bias, self.stride, self._reversed_padding_repeated_twice,
                                   self.padding_mode, self.dilation, self.groups, self.sampling, self.sorting,
                                   self.backend)
@@ -198,7 +188,7 @@ class SortConv2dSame(SortConv2d):
                          canonicalize=canonicalize)
 
     def _conv_forward(self, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        input = _canonicalize_input(input, self.canonicalize_order)
+        input = _canonicalize(input, self.canonicalize_order, "border")
         input = pad_same(input, self.kernel_size, self.stride, self.dilation)
         return _sort_conv_forward(input, weight, bias, self.stride, [0, 0, 0, 0], "zeros", self.dilation, self.groups,
                                   self.sampling, self.sorting, self.backend)

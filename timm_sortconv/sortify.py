@@ -171,8 +171,9 @@ def sortify(
             turns each input image to the orientation of its angular moment (``SortConv2d``'s
             ``canonicalize``), so that the network's invariance covers the angles between the quarter
             turns. The stem is the model's ``pretrained_cfg["first_conv"]`` (timm models), else its first
-            convolution in ``named_modules()`` order; it must end up a ``SortConv2d`` (an error says so
-            before anything is changed).
+            convolution in ``named_modules()`` order; it must end up a ``SortConv2d``, and the model must
+            not turn its input already (a model's own ``canonicalize``); an error says so before anything is
+            changed. Like ``sampling``, it is a setting of the layer, not saved in the ``state_dict``.
         return_report: also return the :class:`SortifyReport`.
 
     Returns:
@@ -226,6 +227,9 @@ def sortify(
         report.replaced.append(label)
 
     stem = None
+    if canonicalize is not None and not isinstance(getattr(model, "canonicalize", None), (nn.Identity, type(None))):
+        raise ValueError(f"canonicalize={canonicalize!r}: the model already turns its input "
+                         f"(model.canonicalize is {type(model.canonicalize).__name__}); turning it twice only blurs it")
     if canonicalize is not None:
         stem_name = _stem_name(model)
         stem = model.get_submodule(stem_name) if stem_name is not None else None

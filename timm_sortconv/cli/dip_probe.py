@@ -33,7 +33,7 @@ Examples::
     python scripts/dip_probe.py --data-dir DATA --model scnn_p_rs_7 --pretrained --samples 500 \\
         --angles 10,20,30,45 --out results/mnist/ablation/probe_scnn_p_rs_7.json
     python scripts/dip_probe.py --operator --angles 10,22.5,30,45 --sampling polar polar-offset --blur 0 0.7
-    python scripts/dip_probe.py --moments --data-dir DATA --samples 2000 --angles 0:90:10 \
+    python scripts/dip_probe.py --moments --data-dir DATA --samples 2000 --angles 0:90:10 \\
         --out results/mnist/ablation/moment_probe.json
 """
 from __future__ import annotations
