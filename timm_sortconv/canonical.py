@@ -42,6 +42,11 @@ CANONICALIZERS = {"moment1": 1, "moment2": 2, "moment4": 4}
 
 
 
+def _check_order(order: int) -> None:
+    if isinstance(order, bool) or not isinstance(order, int) or order < 1:
+        raise ValueError(f"order must be an int >= 1, got {order!r}")
+
+
 def moment_angle(images: torch.Tensor, order: int = 2) -> torch.Tensor:
     """The orientation ``arg(c_k) / k`` of each image's order-``k`` angular moment, in degrees.
 
@@ -64,8 +69,7 @@ def moment_angle(images: torch.Tensor, order: int = 2) -> torch.Tensor:
     """
     if images.dim() != 4:
         raise ValueError(f"moment_angle expects images of shape (N, C, H, W), got {list(images.shape)}")
-    if isinstance(order, bool) or not isinstance(order, int) or order < 1:
-        raise ValueError(f"order must be an int >= 1, got {order!r}")
+    _check_order(order)
     return _moment_angle(images, order)
 
 
@@ -126,8 +130,7 @@ class MomentCanonicalize2d(nn.Module):
 
     def __init__(self, order: int = 2, padding_mode: str = "border") -> None:
         super().__init__()
-        if isinstance(order, bool) or not isinstance(order, int) or order < 1:
-            raise ValueError(f"order must be an int >= 1, got {order!r}")
+        _check_order(order)
         if padding_mode not in ("border", "zeros", "reflection"):
             raise ValueError(f"padding_mode must be 'border', 'zeros' or 'reflection', got {padding_mode!r}")
         self.order = order

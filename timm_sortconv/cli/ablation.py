@@ -394,7 +394,7 @@ def table(results: str, paired: Optional[str] = None) -> str:
                 f"{cell('upright')} | {cell('worst')} ({'/'.join(worst_angles)}) | {cell('dip')} | {change} |")
         if reference is not None:
             same_net = first["params"] == next(iter(reference.values()))["params"] and row.name != paired
-            diffs = [paired_difference(_load_seeds(row), reference, key) if same_net else None
+            diffs = [paired_difference({s["seed"]: s for s in seeds}, reference, key) if same_net else None
                      for key in ("mean", "worst", "dip")]
             line += "".join(f" {d or '-'} |" for d in diffs)
         lines.append(line)
