@@ -41,7 +41,6 @@ __all__ = ["CANONICALIZERS", "MomentCanonicalize2d", "canonical_order", "create_
 CANONICALIZERS = {"moment1": 1, "moment2": 2, "moment4": 4}
 
 
-
 def _check_order(order: int) -> None:
     if isinstance(order, bool) or not isinstance(order, int) or order < 1:
         raise ValueError(f"order must be an int >= 1, got {order!r}")

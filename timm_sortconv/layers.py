@@ -104,8 +104,6 @@ class SortConv2d(nn.Conv2d):
         self.sampling = sampling
         self.sorting = sorting
         self.backend = check_backend_name(backend)
-        self.canonicalize: Optional[str] = None
-        self.canonicalize_order = 0
         self.set_canonicalize(canonicalize)
 
     def set_canonicalize(self, canonicalize: Optional[str]) -> None:
