@@ -26,7 +26,8 @@ from timm_sortconv.ops.functional import resolve_padding
 from timm_sortconv.ops.geometry import get_geometry
 from timm_sortconv.ops.reference import sorted_patches
 
-VARIANTS = [(s, o) for s in ("square", "polar") for o in ("ring", "global")]
+# the four paper variants, and two orbit sortings (samples in orbit order, segments of 4 and 2 slots)
+VARIANTS = [(s, o) for s in ("square", "polar") for o in ("ring", "global")] + [("square", "c4"), ("polar", "c2")]
 VARIANT_IDS = [f"{s}-{o}" for s, o in VARIANTS]
 # (stride, dilation, groups, padding_mode): every value of each appears with several of the others.
 CONFIGS = [

@@ -47,7 +47,8 @@ def _quarter_turn_error(model, x):
 
 
 def test_registry_holds_every_entrypoint():
-    assert sorted(timm.list_models("scnn_*")) == sorted(SCNNS + SCNN_BASELINES + ["scnn_p_rs_7_canon"])
+    canonical = ["scnn_p_rs_7_canon", "scnn_p_c2_7_canon"]
+    assert sorted(timm.list_models("scnn_*")) == sorted(SCNNS + SCNN_BASELINES + canonical)
     assert sorted(timm.list_models("ri_*")) == sorted(RI + RI_BASELINES)
 
 

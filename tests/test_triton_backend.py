@@ -10,7 +10,7 @@ the registered operator (``backend="triton"``: its autograd formula and autocast
 interpreter the backend takes CPU tensors.
 
 Every path (:mod:`timm_sortconv.ops.triton_backend.config`) is tested: the columns path on all 20 geometries
-(k = 1..9, four variants), the direct and fused kernels on every k; strides, dilations and groups (1, 2,
+(k = 1..9, four variants), the direct and fused kernels on every k, each path on the orbit sortings; strides, dilations and groups (1, 2,
 depthwise) rotate through them so that each value meets each path.
 """
 import os
@@ -146,6 +146,14 @@ def test_fused_forward_agrees_with_reference(path, k):
 def test_every_geometry_is_tested_forward_and_backward():
     tested = {case for cases in FORWARD_AND_BACKWARD.values() for case in cases}
     assert tested == {(k, v) for k in (1, 3, 5, 7, 9) for v in VARIANTS}
+
+
+@kernel_test
+@pytest.mark.parametrize("path", ["columns", "direct", "fused"], indirect=True)
+def test_orbit_sortings_agree_with_reference(path):
+    # sorting="c4"/"c2": many segments of 4 or 2 slots, samples in orbit order (square sampling too)
+    for index, (k, sampling, sorting) in enumerate([(3, "polar", "c2"), (5, "square", "c4"), (5, "polar-offset", "c2")]):
+        check_against_reference(index, get_geometry(k, sampling, sorting), grads=path != "fused")
 
 
 @kernel_test

@@ -52,7 +52,10 @@ class SortConv2d(nn.Conv2d):
         sampling: ``"polar"`` (bilinear samples on circles, near-invariant to any angle),
             ``"polar-offset"`` (the same circles, points half a step off the axes) or ``"square"`` (the
             grid itself, exact only at multiples of 90 degrees).
-        sorting: ``"ring"`` (sort each Chebyshev ring, keeps radial structure) or ``"global"``.
+        sorting: ``"ring"`` (sort each Chebyshev ring, keeps radial structure), ``"global"``, or
+            ``"c4"``/``"c2"`` (sort each ring's samples only among those a quarter/half turn apart: exactly
+            invariant to quarter/half turns, and keeps the direction modulo 90/180 degrees, for a network
+            whose input is turned by ``canonicalize="moment4"``/``"moment2"``).
         backend: ``"auto"``, ``"reference"`` or a fast backend's name.
         canonicalize: ``None``, or ``"moment2"``/``"moment4"``/``"moment1"``: first turn each input image
             about its centre to the orientation of its order-2/4/1 angular moment

@@ -159,8 +159,8 @@ def sortify(
     Args:
         model: any ``nn.Module``; it is modified in place. If ``model`` is itself a convolution the
             converted module is returned, so always use the return value.
-        sampling: ``"polar"`` or ``"square"``.
-        sorting: ``"ring"`` or ``"global"``.
+        sampling: ``"polar"``, ``"polar-offset"`` or ``"square"``.
+        sorting: ``"ring"``, ``"global"``, ``"c4"`` or ``"c2"`` (:func:`~timm_sortconv.sort_conv2d`).
         min_kernel_size: odd square kernels smaller than this stay plain (default 3: ``1 x 1`` kept).
         include: glob pattern(s) (:func:`fnmatch.fnmatchcase`) on qualified module names as printed by
             ``model.named_modules()``, e.g. ``"layer1.*"`` or ``["conv1", "layer*.0.conv?"]``; only

@@ -21,7 +21,10 @@ SAMPLING = {"s": "square sampling (the window's own pixels, ring r being the 8r 
                  "interpolated)"}
 SORTING = {"rs": "ring sorting (each ring's values sorted on their own)",
            "gs": "global sorting (all k*k values of the window, the centre included, sorted together and laid "
-                 "back in row-major order)"}
+                 "back in row-major order)",
+           "c2": "half-turn orbit sorting (`sorting='c2'`: each ring's values sorted in pairs 180 degrees apart, "
+                 "so that a half turn changes nothing and the direction modulo 180 degrees is kept)",
+           "c4": "quarter-turn orbit sorting (`sorting='c4'`: each ring's values sorted in fours 90 degrees apart)"}
 CITATION = """@article{mo2024sorting,
   title   = {Sorting Convolution Operation for Achieving Rotational Invariance},
   author  = {Mo, Hanlin and Zhao, Guoying},

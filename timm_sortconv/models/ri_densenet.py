@@ -128,7 +128,7 @@ class SortDenseNet(SequentialFeaturesMixin, nn.Module):
         growth_rate: channels added by each dense layer.
         block_config: dense layers per block.
         sampling: ``'polar'`` or ``'square'``, or ``None`` with ``sorting=None`` for ``nn.Conv2d``.
-        sorting: ``'ring'`` or ``'global'``, or ``None``.
+        sorting: ``'ring'``, ``'global'``, ``'c4'`` or ``'c2'`` (:func:`~timm_sortconv.sort_conv2d`), or ``None``.
         backend: the ``SortConv2d`` backend (``'auto'``, ``'reference'`` or a fast backend's name).
         num_classes: classifier outputs (0: no classifier).
         in_chans: input channels.

@@ -98,7 +98,7 @@ class SortResNet(nn.Module):
         layers: BasicBlocks per stage.
         channels: widths of the stages.
         sampling: ``'polar'`` or ``'square'``, or ``None`` with ``sorting=None`` for ``nn.Conv2d``.
-        sorting: ``'ring'`` or ``'global'``, or ``None``.
+        sorting: ``'ring'``, ``'global'``, ``'c4'`` or ``'c2'`` (:func:`~timm_sortconv.sort_conv2d`), or ``None``.
         backend: the ``SortConv2d`` backend (``'auto'``, ``'reference'`` or a fast backend's name).
         num_classes: classifier outputs (0: no classifier).
         in_chans: input channels.

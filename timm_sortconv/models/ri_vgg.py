@@ -41,7 +41,7 @@ class SortVGG(SequentialClassifierMixin, nn.Module):
     Args:
         cfg: layer widths and ``'M'`` (2x2 max pooling), as timm's ``vgg.cfgs``.
         sampling: ``'polar'`` or ``'square'``, or ``None`` with ``sorting=None`` for ``nn.Conv2d``.
-        sorting: ``'ring'`` or ``'global'``, or ``None``.
+        sorting: ``'ring'``, ``'global'``, ``'c4'`` or ``'c2'`` (:func:`~timm_sortconv.sort_conv2d`), or ``None``.
         backend: the ``SortConv2d`` backend (``'auto'``, ``'reference'`` or a fast backend's name).
         num_classes: classifier outputs (0: no classifier).
         in_chans: input channels.

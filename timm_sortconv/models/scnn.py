@@ -38,7 +38,7 @@ class SCNN(SequentialClassifierMixin, nn.Module):
     Args:
         kernel_size: kernel of the first four convolutions (odd).
         sampling: ``'polar'``, ``'polar-offset'`` or ``'square'``, or ``None`` with ``sorting=None`` for ``nn.Conv2d``.
-        sorting: ``'ring'`` or ``'global'``, or ``None``.
+        sorting: ``'ring'``, ``'global'``, ``'c4'`` or ``'c2'`` (:func:`~timm_sortconv.sort_conv2d`), or ``None``.
         backend: the ``SortConv2d`` backend (``'auto'``, ``'reference'`` or a fast backend's name).
         num_classes: classifier outputs (0: no classifier).
         in_chans: input channels.
@@ -170,6 +170,7 @@ default_cfgs = generate_default_cfgs({
     **{f'scnn_{variant}_{k}.mnist': _cfg(**_pretrained(f'scnn_{variant}_{k}'))
        for variant in ('s_gs', 's_rs', 'p_gs', 'p_rs', 'baseline') for k in (3, 5, 7)},
     'scnn_p_rs_7_canon.mnist': _cfg(**_pretrained('scnn_p_rs_7_canon')),
+    'scnn_p_c2_7_canon.mnist': _cfg(**_pretrained('scnn_p_c2_7_canon')),
 })
 
 
@@ -269,3 +270,13 @@ def scnn_p_rs_7_canon(pretrained: bool = False, **kwargs: Any) -> SCNN:
     the same weights' shapes, invariant to every angle up to interpolation (see :mod:`timm_sortconv.canonical`)."""
     kwargs.setdefault('canonicalize', 'moment2')
     return _create_scnn('scnn_p_rs_7_canon', 7, 'polar', 'ring', pretrained, **kwargs)
+
+
+@register_model
+def scnn_p_c2_7_canon(pretrained: bool = False, **kwargs: Any) -> SCNN:
+    """The P-RS-7 network with half-turn orbit sorting (``sorting='c2'``: each ring's samples sorted in pairs
+    180 degrees apart) and its input turned to its principal axis (``canonicalize='moment2'``): the turn
+    leaves a multiple of 180 degrees over, which c2 ignores exactly, and c2 keeps the direction modulo 180
+    degrees that ring sorting discards. The same weights' shapes as ``scnn_baseline_7``."""
+    kwargs.setdefault('canonicalize', 'moment2')
+    return _create_scnn('scnn_p_c2_7_canon', 7, 'polar', 'c2', pretrained, **kwargs)

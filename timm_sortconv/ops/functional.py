@@ -66,9 +66,10 @@ def sort_conv2d(
 
     For every input channel and output position the ``k x k`` window is sampled (``"square"``: the
     grid values; ``"polar"``: bilinear samples on circles of radius 1..k//2), sorted (``"ring"``: each
-    ring separately; ``"global"``: all values), laid back on the grid, and contracted with ``weight``
+    ring separately; ``"global"``: all values; ``"c4"``/``"c2"``: within each ring, the samples a quarter/half
+    turn apart), laid back on the grid, and contracted with ``weight``
     exactly as :func:`torch.nn.functional.conv2d` would. The result is invariant to any rotation of the
-    window's content that maps the sample points onto themselves.
+    window's content that maps the sample points onto themselves (``"c4"``/``"c2"``: a quarter/half turn).
 
     Args:
         input: ``(N, C_in, H, W)`` floating-point tensor.
@@ -79,7 +80,8 @@ def sort_conv2d(
         padding_mode: ``"zeros"``, ``"reflect"``, ``"replicate"`` or ``"circular"`` (as ``nn.Conv2d``).
         sampling: ``"polar"`` (default), ``"polar-offset"`` (the polar points turned by half a step, off the
             axes and diagonals) or ``"square"``.
-        sorting: ``"ring"`` (default) or ``"global"``.
+        sorting: ``"ring"`` (default), ``"global"``, or ``"c4"``/``"c2"``: only the samples of a ring that a
+            quarter/half turn maps onto one another are sorted together (see :mod:`.geometry`).
         backend: ``"auto"`` (the fastest backend that supports the call), ``"reference"`` or the name of
             a fast backend (see :func:`timm_sortconv.ops.available_backends`).
 

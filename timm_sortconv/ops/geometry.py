@@ -27,6 +27,20 @@ Sorting then rearranges the samples (``sorting="ring"``: each ring's slots among
 at grid position :attr:`SortGeometry.slot_to_grid` ``[s]``: for ring sorting, ring ``r``'s sorted
 values are written to ring ``r``'s positions in row-major order (the centre stays in the centre);
 for global sorting, the ``k*k`` sorted values are written row-major over the whole window.
+
+``sorting="c4"`` and ``sorting="c2"`` sort less: only within the *orbits* of the quarter turns (C4:
+the 4 samples of a ring at angles ``a, a + 90, a + 180, a + 270`` degrees) or of the half turn (C2:
+the 2 samples at ``a`` and ``a + 180``). A quarter (half) turn of the window permutes every orbit
+cyclically, so the result is exactly invariant to it, as for ring sorting, while the network keeps
+which orbit, that is which direction modulo 90 (180) degrees, each value came from. That is the
+information ring sorting throws away, and a network needs it where the input's orientation is known
+up to a quarter (half) turn: after :class:`~timm_sortconv.canonical.MomentCanonicalize2d` of order 4
+(2). For these sortings the samples of each ring are laid out orbit by orbit (slot ``(o, m)`` of ring
+``r``: the sample at angular index ``j = o + m * 8r / |C|``, counted counter-clockwise from the +x
+axis), each orbit one segment, and the sorted value of slot ``(o, m)`` is multiplied by the weight at
+the ``j``-th grid position of ring ``r`` in the same angular order. With square sampling a sample is
+then multiplied by the weight at its own position before sorting, so an orbit of one would be
+``nn.Conv2d``.
 """
 from __future__ import annotations
 
@@ -50,7 +64,9 @@ __all__ = [
 ]
 
 SAMPLINGS = ("square", "polar", "polar-offset")
-SORTINGS = ("ring", "global")
+SORTINGS = ("ring", "global", "c4", "c2")
+# sorting -> the order of the rotation group whose orbits are sorted
+ORBIT_SORTINGS = {"c4": 4, "c2": 2}
 
 # Tap weights closer than this to 0 or 1 are snapped: cos(pi/2) is 6e-17, not 0, and a tap of weight
 # 6e-17 one step outside the circle's bounding box would leave the window.
@@ -137,13 +153,16 @@ class SortGeometry:
     Attributes:
         kernel_size: odd ``k``.
         sampling: ``"square"``, ``"polar"`` or ``"polar-offset"``.
-        sorting: ``"ring"`` or ``"global"``.
+        sorting: ``"ring"``, ``"global"``, ``"c4"`` or ``"c2"``.
         segments: ``(start, end)`` slot ranges sorted independently, in ring order.
         tap_offsets: ``(k*k, T, 2)`` int64 grid offsets ``(dy, dx)`` of each sample's taps (unused taps
             repeat the first one with weight 0).
         tap_weights: ``(k*k, T)`` float64 bilinear weights; each row sums to 1.
         interpolation: ``(k*k, k*k)`` float64 matrix mapping the row-major window to ring-order samples.
         slot_to_grid: ``(k*k,)`` int64 row-major kernel position that multiplies each sorted slot.
+        sample_grid: the grid offset ``(dy, dx)`` of each sample's first tap, in slot order: for square
+            sampling, where each sample is read (the same as ``tap_offsets[:, 0]``, kept as Python ints
+            so that traced code reads it as constants).
     """
 
     kernel_size: int
@@ -154,6 +173,7 @@ class SortGeometry:
     tap_weights: torch.Tensor
     interpolation: torch.Tensor
     slot_to_grid: torch.Tensor
+    sample_grid: Tuple[Tuple[int, int], ...] = ()
 
     def comparators(self) -> List[Tuple[int, int]]:
         """The sorting network over ring-order slots: one Batcher network per segment, shifted."""
@@ -207,16 +227,41 @@ def get_geometry(kernel_size: int, sampling: str = "polar", sorting: str = "ring
     return _GEOMETRIES[key]
 
 
+def angular_ring_offsets(radius: int) -> List[Tuple[int, int]]:
+    """Ring ``radius``'s ``8 * radius`` grid offsets ``(dy, dx)`` in counter-clockwise order of their angle
+    ``atan2(dy, dx)`` in ``[0, 360)`` degrees, the order of :func:`polar_points`: a quarter turn
+    ``(dy, dx) -> (dx, -dy)`` moves each one ``2 * radius`` places on."""
+    ring = [(dy, dx) for dy in range(-radius, radius + 1) for dx in range(-radius, radius + 1)
+            if max(abs(dy), abs(dx)) == radius]
+    return sorted(ring, key=lambda p: math.atan2(p[0], p[1]) % (2.0 * math.pi))
+
+
+def _orbit_order(radius: int, group: int) -> List[int]:
+    """Angular indices ``j`` of ring ``radius`` orbit by orbit: ``o + m * 8r / group`` for each orbit ``o``,
+    then each member ``m``."""
+    step = 8 * radius // group
+    return [o + m * step for o in range(step) for m in range(group)]
+
+
 def _build_geometry(k: int, sampling: str, sorting: str) -> SortGeometry:
     n = k // 2
     grid = ring_grid_offsets(k)
+    group = ORBIT_SORTINGS.get(sorting, 0)
+    if group:  # samples and weights in angular order, orbit by orbit
+        orders = [_orbit_order(r, group) for r in range(1, n + 1)]
+        angular = [angular_ring_offsets(r) for r in range(1, n + 1)]
+        weight_grid = [(0, 0)] + [angular[r - 1][j] for r in range(1, n + 1) for j in orders[r - 1]]
     if sampling == "square":
-        taps = [[(dy, dx, 1.0)] for dy, dx in grid]
+        sample_grid = weight_grid if group else grid
+        taps = [[(dy, dx, 1.0)] for dy, dx in sample_grid]
     else:
         offset = 0.5 if sampling == "polar-offset" else 0.0
         taps = [[(0, 0, 1.0)]]
         for r in range(1, n + 1):
-            taps += [_bilinear_taps(y, x) for y, x in polar_points(r, offset)]
+            points = polar_points(r, offset)
+            if group:
+                points = [points[j] for j in orders[r - 1]]
+            taps += [_bilinear_taps(y, x) for y, x in points]
     width = max(len(t) for t in taps)
     taps = [t + [(*t[0][:2], 0.0)] * (width - len(t)) for t in taps]
     interpolation_rows = []
@@ -232,10 +277,14 @@ def _build_geometry(k: int, sampling: str, sorting: str) -> SortGeometry:
     weights = torch.tensor([[w for _, _, w in t] for t in taps], dtype=torch.float64)
     interpolation = torch.tensor(interpolation_rows, dtype=torch.float64)
     ring_bounds = [(0, 1)] + [((2 * r - 1) ** 2, (2 * r + 1) ** 2) for r in range(1, n + 1)]
-    if sorting == "ring":
+    if group:
+        segments = ((0, 1),) + tuple((s, s + group) for start, end in ring_bounds[1:] for s in range(start, end, group))
+        slot_to_grid = torch.tensor([(dy + n) * k + (dx + n) for dy, dx in weight_grid], dtype=torch.long)
+    elif sorting == "ring":
         segments = tuple(ring_bounds)
         slot_to_grid = torch.tensor([(dy + n) * k + (dx + n) for dy, dx in grid], dtype=torch.long)
     else:
         segments = ((0, k * k),)
         slot_to_grid = torch.arange(k * k)
-    return SortGeometry(k, sampling, sorting, segments, offsets, weights, interpolation, slot_to_grid)
+    sample_grid = tuple((t[0][0], t[0][1]) for t in taps)
+    return SortGeometry(k, sampling, sorting, segments, offsets, weights, interpolation, slot_to_grid, sample_grid)

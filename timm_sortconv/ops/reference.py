@@ -6,7 +6,7 @@ PyTorch supports, is differentiable through autograd, and traces/exports (no dat
 Steps, for an already padded input ``(B, C, Hp, Wp)``:
 
 1. **Patches.** The ``k*k`` window values of every output position, taken by strided slicing of the
-   padded input in ring order: ``(B, C, Ho, Wo, k*k)``.
+   padded input: in slot order for square sampling, row-major for polar: ``(B, C, Ho, Wo, k*k)``.
 2. **Sampling.** Square sampling uses them as they are; polar sampling multiplies them by the
    ``(k*k, k*k)`` bilinear interpolation matrix of :mod:`timm_sortconv.ops.geometry`.
 3. **Sorting.** ``torch.sort`` along the last axis, per ring segment or over all slots.
@@ -26,19 +26,20 @@ from typing import Optional, Tuple
 
 import torch
 
-from .geometry import SortGeometry, ring_grid_offsets, row_major_offsets
+from .geometry import SortGeometry, row_major_offsets
 
 __all__ = ["sorted_patches", "sort_conv2d_reference", "sort_conv2d_reference_backward"]
 
 
 def _patches(x: torch.Tensor, geometry: SortGeometry, stride: Tuple[int, int], dilation: Tuple[int, int],
              out_size: Tuple[int, int]) -> torch.Tensor:
-    """Window values in ring order, ``(B, C, Ho, Wo, k*k)``, by one strided slice per grid offset."""
+    """Window values ``(B, C, Ho, Wo, k*k)`` by one strided slice per grid offset: the samples in slot order
+    for square sampling, the row-major window for polar sampling."""
     k, n = geometry.kernel_size, geometry.kernel_size // 2
     (sh, sw), (dh, dw), (ho, wo) = stride, dilation, out_size
-    # Square samples are the window itself, taken straight in ring order; polar samples are
+    # Square samples are the window itself, taken straight in slot order; polar samples are
     # interpolated from the row-major window.
-    order = ring_grid_offsets(k) if geometry.sampling == "square" else row_major_offsets(k)
+    order = geometry.sample_grid if geometry.sampling == "square" else row_major_offsets(k)
     slices = []
     for dy, dx in order:
         top, left = (dy + n) * dh, (dx + n) * dw
@@ -57,10 +58,22 @@ def _samples(x: torch.Tensor, geometry: SortGeometry, stride: Tuple[int, int], d
     return patches
 
 
+def _orbit_size(geometry: SortGeometry) -> int:
+    """The common size of every segment after the centre's (orbit sortings), else 0."""
+    sizes = {end - start for start, end in geometry.segments[1:]}
+    return sizes.pop() if geometry.segments[:1] == ((0, 1),) and len(sizes) == 1 else 0
+
+
 def _sort_segments(samples: torch.Tensor, geometry: SortGeometry) -> Tuple[torch.Tensor, torch.Tensor]:
     """Each segment of the last axis sorted ascending, and where each sorted value came from (slot indices)."""
     if len(geometry.segments) == 1:
         return torch.sort(samples, dim=-1)
+    orbit = _orbit_size(geometry)
+    if orbit > 1 and len(geometry.segments) > 2:  # equal segments after the centre: one batched sort
+        values, order = torch.sort(samples[..., 1:].unflatten(-1, (-1, orbit)), dim=-1)
+        order = order + torch.arange(1, samples.shape[-1], orbit, device=samples.device).unsqueeze(-1)
+        centre = torch.zeros_like(samples[..., :1], dtype=torch.long)
+        return torch.cat([samples[..., :1], values.flatten(-2)], -1), torch.cat([centre, order.flatten(-2)], -1)
     values, indices = [], []
     for start, end in geometry.segments:
         part = samples[..., start:end]
@@ -80,6 +93,10 @@ def sorted_patches(x: torch.Tensor, geometry: SortGeometry, stride: Tuple[int, i
     samples = _samples(x, geometry, stride, dilation, out_size)
     if len(geometry.segments) == 1:
         return torch.sort(samples, dim=-1).values
+    orbit = _orbit_size(geometry)
+    if orbit > 1 and len(geometry.segments) > 2:
+        values = torch.sort(samples[..., 1:].unflatten(-1, (-1, orbit)), dim=-1).values
+        return torch.cat([samples[..., :1], values.flatten(-2)], -1)
     parts = [samples[..., s:e] if e - s == 1 else torch.sort(samples[..., s:e], dim=-1).values
              for s, e in geometry.segments]
     return torch.cat(parts, dim=-1)
@@ -145,7 +162,7 @@ def sort_conv2d_reference_backward(grad_output: torch.Tensor, x: torch.Tensor, w
             interpolation = geometry.interpolation.to(device=x.device, dtype=grad_samples.dtype)
             grad_samples = torch.matmul(grad_samples, interpolation)  # back to row-major window positions
         grad_x = torch.zeros(x.shape, dtype=grad_samples.dtype, device=x.device)
-        order_of_window = ring_grid_offsets(k) if geometry.sampling == "square" else row_major_offsets(k)
+        order_of_window = geometry.sample_grid if geometry.sampling == "square" else row_major_offsets(k)
         n = k // 2
         (sh, sw), (dh, dw) = stride, dilation
         for q, (dy, dx) in enumerate(order_of_window):
