@@ -328,6 +328,8 @@ def test_path_rule(monkeypatch):
     assert config.choose_path(3, 128, 24) == "columns"  # outputs for the direct kernels' FMAs
     assert config.choose_path(64, 64, 9) == config.FORWARD_PATH
     assert config.choose_path(64, 64, 24) == "columns"  # larger windows: the fused kernel would spill
+    assert config.choose_path(64, 64, 2, slots=9) == config.FORWARD_PATH  # 3x3 orbit sorting
+    assert config.choose_path(64, 64, 2, slots=49) == "columns"  # 7x7 orbit sorting: fused unmeasured there
     assert config.choose_path(64, 64, 9, 1000, 132) == config.FORWARD_PATH
     assert config.choose_path(64, 64, 9, 64, 132) == "columns"  # too few programs to fill the GPU
     monkeypatch.setenv(config.PATH_ENV, "columns")

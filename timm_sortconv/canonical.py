@@ -14,8 +14,9 @@ degrees. Turning the input by ``a`` multiplies ``c_k`` by ``exp(i k a)``, so eve
 brought to the same canonical image up to a multiple of ``360 / k`` degrees. With ``k = 2`` (the image's
 principal axis) or ``k = 4`` that leftover is a multiple of a quarter turn, which the SC network after it
 ignores exactly: together they are invariant to every angle, up to the interpolation of the turns and
-the error of the angle estimate. ``k = 1`` (the direction of the centroid) leaves nothing over, so it
-also serves a plain CNN, but its angle is less stable.
+the error of the angle estimate (with ``sorting="c2"``, which ignores half turns only, ``k = 2``). ``k = 1``
+(the direction of the centroid) leaves nothing over, so it also serves a plain CNN, but its angle is less
+stable.
 
 It has no parameters. It is a property of the network's input, not of a convolution: it needs the
 image's centre, which is the centre of the turns a sweep applies (MNIST-rot turns each digit about the

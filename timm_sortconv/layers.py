@@ -61,7 +61,8 @@ class SortConv2d(nn.Conv2d):
             about its centre to the orientation of its order-2/4/1 angular moment
             (:mod:`timm_sortconv.canonical`, edge pixels fill the corners). Meant for a network's first
             layer, whose input is the image: a later SC layer's exact quarter-turn invariance then covers
-            the turn left over, so the network becomes invariant between the quarter turns as well. It is
+            the turn left over, so the network becomes invariant between the quarter turns as well (with
+            ``sorting="c2"``, which ignores only half turns, use ``"moment2"`` or ``"moment1"``). It is
             a step before the operator, not part of it (:func:`~timm_sortconv.sort_conv2d` has no such
             argument): it needs the whole image, the operator sees one window at a time.
 

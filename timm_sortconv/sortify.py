@@ -170,7 +170,8 @@ def sortify(
         canonicalize: ``None``, or ``"moment2"``/``"moment4"``/``"moment1"``: the stem convolution first
             turns each input image to the orientation of its angular moment (``SortConv2d``'s
             ``canonicalize``), so that the network's invariance covers the angles between the quarter
-            turns. The stem is the model's ``pretrained_cfg["first_conv"]`` (timm models), else its first
+            turns (with ``sorting="c2"``: ``"moment2"`` or ``"moment1"``, the turn left over by order 4 is
+            not ignored). The stem is the model's ``pretrained_cfg["first_conv"]`` (timm models), else its first
             convolution in ``named_modules()`` order; it must end up a ``SortConv2d``, and the model must
             not turn its input already (a model's own ``canonicalize``); an error says so before anything is
             changed. Like ``sampling``, it is a setting of the layer, not saved in the ``state_dict``.

@@ -114,7 +114,8 @@ def schedule(row) -> str:
 def card(row, params: int) -> str:
     row = portable(row)
     model = row["model"]
-    paper_model = model.removesuffix("_canon")  # the paper has no canonical turn: its model without one
+    # the paper has no canonical turn nor orbit sorting: its P-RS model of the same kernel size
+    paper_model = model.removesuffix("_canon").replace("_c2_", "_rs_").replace("_c4_", "_rs_")
     paper_mnist, paper_rot = PAPER.get(paper_model, (None, None))
     swept = (f"all 10,000 test images x {len(row['angles'])} angles (the paper's full MNIST-rot, 360,000 images)"
              if row["mnist_rot_images"] == 10000 else

@@ -785,9 +785,10 @@ void unsort_fixed(scalar_t* grad, const SwapMask<typename Simd<scalar_t>::vec>* 
   }
 }
 
-// The segment sizes with an unrolled network: rings (8r) and whole windows (k*k) for k <= 7, and
-// the ring of k = 9. Other sizes run the comparators from Python over rows in memory.
-#define TIMM_SORTCONV_FIXED_SIZES(X) X(8) X(9) X(16) X(24) X(25) X(32) X(49)
+// The segment sizes with an unrolled network: rings (8r) and whole windows (k*k) for k <= 7, the
+// ring of k = 9, and the orbits of sorting="c2"/"c4" (2, 4). Other sizes run the comparators from Python
+// over rows in memory.
+#define TIMM_SORTCONV_FIXED_SIZES(X) X(2) X(4) X(8) X(9) X(16) X(24) X(25) X(32) X(49)
 
 template <int N>
 bool same_network(const int32_t* pairs, int64_t count, int64_t start) {

@@ -1,4 +1,6 @@
-"""SCNN: the MNIST network of the Sorting Convolution paper, in its 12 SC variants and its plain baseline.
+"""SCNN: the MNIST network of the Sorting Convolution paper, in its 12 SC variants and its plain baseline,
+and ``scnn_p_rs_7_canon`` / ``scnn_p_c2_7_canon``, P-RS-7 turned to its principal axis first (the second with
+half-turn orbit sorting, ``sorting='c2'``).
 
 Six convolutions with 32, 32, 64, 64, 128, 128 channels, each followed by BatchNorm and ReLU; 2x2 max
 pooling after the second and the fourth; the first four have a ``K x K`` kernel (K = 3, 5 or 7), the
@@ -59,7 +61,8 @@ class SCNN(SequentialClassifierMixin, nn.Module):
             orientation of its order-2/4/1 angular moment before the first convolution
             (:class:`~timm_sortconv.canonical.MomentCanonicalize2d`). With order 2 or 4 the leftover
             turn is a multiple of 90 degrees, which the SC layers ignore, so the network's invariance
-            extends to the angles between the quarter turns; no parameters.
+            extends to the angles between the quarter turns; no parameters. With ``sorting='c2'`` (half
+            turns ignored, the direction modulo 180 degrees kept) use order 2: it leaves a multiple of 180.
         drop_rate: dropout before the classifier.
         bn_momentum, bn_eps: BatchNorm settings (timm's ``train.py`` passes them when asked).
 

@@ -35,12 +35,12 @@ cyclically, so the result is exactly invariant to it, as for ring sorting, while
 which orbit, that is which direction modulo 90 (180) degrees, each value came from. That is the
 information ring sorting throws away, and a network needs it where the input's orientation is known
 up to a quarter (half) turn: after :class:`~timm_sortconv.canonical.MomentCanonicalize2d` of order 4
-(2). For these sortings the samples of each ring are laid out orbit by orbit (slot ``(o, m)`` of ring
-``r``: the sample at angular index ``j = o + m * 8r / |C|``, counted counter-clockwise from the +x
-axis), each orbit one segment, and the sorted value of slot ``(o, m)`` is multiplied by the weight at
-the ``j``-th grid position of ring ``r`` in the same angular order. With square sampling a sample is
-then multiplied by the weight at its own position before sorting, so an orbit of one would be
-``nn.Conv2d``.
+(2); with ring sorting either order does. For these sortings the samples of each ring are laid out
+orbit by orbit (slot ``(o, m)`` of ring ``r``: the sample at angular index ``j = o + m * 8r / |C|``, in
+order of the angle ``atan2(dy, dx)`` from the +x axis, as :func:`polar_points` counts), each orbit one
+segment, and the sorted value of slot ``(o, m)`` is multiplied by the weight at the ``j``-th grid
+position of ring ``r`` in the same angular order. With square sampling, slot ``(o, m)`` reads the grid
+position whose weight it carries, so without the sorting it would be ``nn.Conv2d``.
 """
 from __future__ import annotations
 
@@ -154,11 +154,11 @@ class SortGeometry:
         kernel_size: odd ``k``.
         sampling: ``"square"``, ``"polar"`` or ``"polar-offset"``.
         sorting: ``"ring"``, ``"global"``, ``"c4"`` or ``"c2"``.
-        segments: ``(start, end)`` slot ranges sorted independently, in ring order.
+        segments: ``(start, end)`` slot ranges sorted independently, in slot order.
         tap_offsets: ``(k*k, T, 2)`` int64 grid offsets ``(dy, dx)`` of each sample's taps (unused taps
             repeat the first one with weight 0).
         tap_weights: ``(k*k, T)`` float64 bilinear weights; each row sums to 1.
-        interpolation: ``(k*k, k*k)`` float64 matrix mapping the row-major window to ring-order samples.
+        interpolation: ``(k*k, k*k)`` float64 matrix mapping the row-major window to the samples in slot order.
         slot_to_grid: ``(k*k,)`` int64 row-major kernel position that multiplies each sorted slot.
         sample_grid: the grid offset ``(dy, dx)`` of each sample's first tap, in slot order: for square
             sampling, where each sample is read (the same as ``tap_offsets[:, 0]``, kept as Python ints
@@ -176,7 +176,7 @@ class SortGeometry:
     sample_grid: Tuple[Tuple[int, int], ...] = ()
 
     def comparators(self) -> List[Tuple[int, int]]:
-        """The sorting network over ring-order slots: one Batcher network per segment, shifted."""
+        """The sorting network over the slots: one Batcher network per segment, shifted."""
         return [(a + s, b + s) for s, e in self.segments for a, b in batcher_comparators(e - s)]
 
 
@@ -228,8 +228,8 @@ def get_geometry(kernel_size: int, sampling: str = "polar", sorting: str = "ring
 
 
 def angular_ring_offsets(radius: int) -> List[Tuple[int, int]]:
-    """Ring ``radius``'s ``8 * radius`` grid offsets ``(dy, dx)`` in counter-clockwise order of their angle
-    ``atan2(dy, dx)`` in ``[0, 360)`` degrees, the order of :func:`polar_points`: a quarter turn
+    """Ring ``radius``'s ``8 * radius`` grid offsets ``(dy, dx)`` in order of their angle ``atan2(dy, dx)`` in
+    ``[0, 360)`` degrees (``dy`` the row offset), the order of :func:`polar_points`: a quarter turn
     ``(dy, dx) -> (dx, -dy)`` moves each one ``2 * radius`` places on."""
     ring = [(dy, dx) for dy in range(-radius, radius + 1) for dx in range(-radius, radius + 1)
             if max(abs(dy), abs(dx)) == radius]

@@ -49,7 +49,7 @@ def _patches(x: torch.Tensor, geometry: SortGeometry, stride: Tuple[int, int], d
 
 def _samples(x: torch.Tensor, geometry: SortGeometry, stride: Tuple[int, int], dilation: Tuple[int, int],
              out_size: Tuple[int, int]) -> torch.Tensor:
-    """The ``k*k`` samples of every window in ring order, before sorting: ``(B, C, Ho, Wo, k*k)``."""
+    """The ``k*k`` samples of every window in slot order, before sorting: ``(B, C, Ho, Wo, k*k)``."""
     patches = _patches(x, geometry, stride, dilation, out_size)
     if geometry.sampling != "square":
         # Row-major window values -> ring-order bilinear samples.
@@ -59,7 +59,8 @@ def _samples(x: torch.Tensor, geometry: SortGeometry, stride: Tuple[int, int], d
 
 
 def _orbit_size(geometry: SortGeometry) -> int:
-    """The common size of every segment after the centre's (orbit sortings), else 0."""
+    """With the centre a segment of its own and every other segment of one size (the orbit sortings, and ring
+    sorting for k = 3), that size; else 0."""
     sizes = {end - start for start, end in geometry.segments[1:]}
     return sizes.pop() if geometry.segments[:1] == ((0, 1),) and len(sizes) == 1 else 0
 

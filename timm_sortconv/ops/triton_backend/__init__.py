@@ -8,7 +8,7 @@ Three paths use them (:mod:`.config` chooses per call and holds every block size
 * ``direct``: groups with few input and output channels (depthwise convolutions): FMAs into an
   [outputs, groups, positions] tile; the backward sorts again, records the swaps, and adds the input and
   weight gradients with atomics.
-* ``fused`` (forward, 3x3 windows): an implicit GEMM; each sorted slot tile goes straight into ``tl.dot``.
+* ``fused`` (forward, windows of at most 9 samples: k = 3): an implicit GEMM; each sorted slot tile goes straight into ``tl.dot``.
 * ``columns``: sorted columns written for a bounded chunk of images and multiplied by cuBLAS. Also the
   backward of every call that is not direct: the weight and column gradients are cuBLAS products, a kernel
   sorts again and replays the recorded swaps in reverse to send the column gradient back through the taps,
@@ -373,7 +373,7 @@ def forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     zeros) with ``weight`` and ``bias`` of x's dtype, on the path :func:`config.choose_path` picks."""
     call = _Call.of(x, weight, geometry, stride, dilation, groups, pad)
     path = config.choose_path(call.in_per_group, call.out_per_group, call.largest_segment,
-                              *_fused_occupancy(x, weight, call))
+                              *_fused_occupancy(x, weight, call), slots=call.slots)
     if path == "direct":
         return _direct_forward(x, weight, bias, call)
     if path == "fused":

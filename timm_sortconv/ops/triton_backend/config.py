@@ -19,8 +19,8 @@ Which kernels compute a call (:func:`choose_path`):
 ``TIMM_SORTCONV_TRITON_PATH=direct|fused|columns`` forces one path for every call (benchmarks compare them
 that way); each is exact for any call.
 
-A lane holds the values of its largest sorted segment (9, 16, 25, 24, 49, 32, 81 for the variants up to
-k = 9), so the block sizes below give each thread one or two lanes (in the sm_90 compile report of
+A lane holds the values of its largest sorted segment (9, 16, 25, 24, 49, 32, 81 for the ring and global
+variants up to k = 9; 4 or 2 for the orbit sortings), so the block sizes below give each thread one or two lanes (in the sm_90 compile report of
 BENCHMARKS.md the columns kernels and the direct forward do not spill up to k = 7; the direct backward
 spills 296 bytes at 7x7 polar rings, its 49 window gradients being live at once). ``scripts/triton_kernel_report.py``
 compiles every kernel for an H100 (sm_90) on any machine and prints registers and spills per setting;
@@ -44,6 +44,10 @@ PATHS = ("direct", "fused", "columns")
 # (k = 5 ring: 344 spilled bytes in float32; k = 7 ring: 1456), where the columns kernel does not spill.
 FORWARD_PATH = "fused"
 FUSED_MAX_SEGMENT = 9
+# ... and where the window has at most FUSED_MAX_SLOTS samples: the orbit sortings ("c4"/"c2") have segments
+# of 4 or 2 values at any k, but the fused kernel at k >= 5 (25 or more slots per window, each a tl.dot) has
+# not been compiled or measured.
+FUSED_MAX_SLOTS = 9
 # The fused kernel has one program per block of positions and of outputs, each looping over all input
 # channels: with fewer than this many programs per multiprocessor (e.g. 32 images of 8x8 with 256 channels:
 # 64 programs on an H100's 132) the GPU idles, and the columns path's cuBLAS product splits the reduction.
@@ -67,10 +71,11 @@ def _next_power_of_two(n: int) -> int:
 
 
 def choose_path(in_per_group: int, out_per_group: int, largest_segment: int, fused_programs: int = 0,
-                multiprocessors: int = 0) -> str:
+                multiprocessors: int = 0, slots: int = 0) -> str:
     """The forward path of a call; the backward is ``"direct"`` for direct calls, else ``"columns"``.
     ``fused_programs``: how many programs the fused kernel would launch, on a GPU of ``multiprocessors``
-    (0: unknown, e.g. in Triton's interpreter, which then does not count)."""
+    (0: unknown, e.g. in Triton's interpreter, which then does not count); ``slots``: the window's samples
+    (``k * k``; 0: the largest segment's)."""
     forced = os.environ.get(PATH_ENV, "").strip().lower()
     if forced:
         if forced not in PATHS:
@@ -78,7 +83,8 @@ def choose_path(in_per_group: int, out_per_group: int, largest_segment: int, fus
         return forced
     if in_per_group < DOT_MIN_CHANNELS:
         return "direct" if out_per_group <= DIRECT_MAX_OUT_PER_GROUP else "columns"
-    if largest_segment > FUSED_MAX_SEGMENT or fused_programs < FUSED_MIN_PROGRAMS_PER_SM * multiprocessors:
+    if (largest_segment > FUSED_MAX_SEGMENT or max(slots, largest_segment) > FUSED_MAX_SLOTS
+            or fused_programs < FUSED_MIN_PROGRAMS_PER_SM * multiprocessors):
         return "columns"
     return FORWARD_PATH
 
