@@ -51,9 +51,11 @@ import torch.nn.functional as F
 import timm
 import timm_sortconv
 from timm_sortconv import SortConv2d, sort_conv2d
-from timm_sortconv.ops import cpu_backend
+from timm_sortconv.ops import SAMPLINGS, SORTINGS, cpu_backend
 
-VARIANTS = ("polar-ring", "polar-global", "square-ring", "square-global")
+VARIANTS = ("polar-ring", "polar-global", "square-ring", "square-global")  # the default: the paper's four
+# every sampling-sorting pair the operator takes (e.g. polar-c2, polar-offset-ring)
+ACCEPTED_VARIANTS = tuple(f"{sampling}-{sorting}" for sampling in SAMPLINGS for sorting in SORTINGS)
 MODELS = {"scnn_p_rs_7": 100, "ri_resnet18": 10, "ri_densenet40": 10}  # the paper's batch sizes
 
 
@@ -179,7 +181,7 @@ def layer_calls(shape: LayerShape, variant: Optional[str], backend: str):
         def op(*args):
             return F.conv2d(*args, **kwargs)
     else:
-        sampling, sorting = variant.split("-")
+        sampling, sorting = variant.rsplit("-", 1)
 
         def op(*args):
             return sort_conv2d(*args, sampling=sampling, sorting=sorting, backend=backend, **kwargs)
@@ -452,7 +454,7 @@ def cuda_layer_calls(shape: LayerShape, variant: Optional[str], backend: str, de
         def op(x, weight, bias):
             return F.conv2d(x, weight, bias, shape.stride, shape.pad, shape.dilation, shape.groups)
     else:
-        sampling, sorting = variant.split("-")
+        sampling, sorting = variant.rsplit("-", 1)
 
         def op(x, weight, bias):
             return sort_conv2d(x, weight, bias, shape.stride, shape.pad, shape.dilation, shape.groups,
@@ -697,8 +699,8 @@ def parse_args(argv=None):
             if not k.isdigit() or int(k) % 2 == 0:
                 parser.error(f"--kernel-sizes takes odd ints, got {k!r}")
     for variant in args.variants.split(","):
-        if variant not in VARIANTS:
-            parser.error(f"unknown variant {variant!r}; accepted: {', '.join(VARIANTS)}")
+        if variant not in ACCEPTED_VARIANTS:
+            parser.error(f"unknown variant {variant!r}; accepted: {', '.join(ACCEPTED_VARIANTS)}")
     for name in args.shapes.split(","):
         if name != "none" and name not in SHAPE_SETS and name not in MODELS:
             parser.error(f"unknown shape set {name!r}; accepted: {', '.join(SHAPE_SETS)}, none, {', '.join(MODELS)}")

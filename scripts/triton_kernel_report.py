@@ -27,7 +27,11 @@ from typing import Dict, List
 
 import torch
 
-VARIANTS = ("polar-ring", "polar-global", "square-ring", "square-global")
+from timm_sortconv.ops.geometry import SAMPLINGS, SORTINGS
+
+VARIANTS = ("polar-ring", "polar-global", "square-ring", "square-global")  # the default: the paper's four
+# every sampling-sorting pair the operator takes (e.g. polar-c2)
+ACCEPTED_VARIANTS = tuple(f"{sampling}-{sorting}" for sampling in SAMPLINGS for sorting in SORTINGS)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float64: "*fp64"}
 # Buffers the backend allocates in the accumulation dtype (float32, float64 for float64) whatever the input's.
@@ -55,7 +59,7 @@ def parse_args(argv=None):
     args.kernels = args.kernels.split(",") if args.kernels else list(KERNELS)
     args.dtypes = args.dtypes.split(",")
     args.out_per_group = [int(o) for o in args.out_per_group.split(",")]
-    for name, given, accepted in (("variant", args.variants, VARIANTS), ("kernel", args.kernels, KERNELS),
+    for name, given, accepted in (("variant", args.variants, ACCEPTED_VARIANTS), ("kernel", args.kernels, KERNELS),
                                   ("dtype", args.dtypes, tuple(DTYPES))):
         for value in given:
             if value not in accepted:
@@ -148,7 +152,7 @@ def main(argv=None) -> int:
                                                        "direct_backward_kernel") else args.out_per_group[:1]
             for k in args.k:
                 for variant in args.variants:
-                    geometry = get_geometry(k, *variant.split("-"))
+                    geometry = get_geometry(k, *variant.rsplit("-", 1))
                     fn = load_kernels(geometry)[kernel]
                     for dtype_name in args.dtypes:
                         dtype = DTYPES[dtype_name]
