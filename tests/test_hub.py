@@ -259,21 +259,28 @@ def test_every_card_describes_shipped_weights(card):
     assert f"# {card.stem}.mnist" in text and f"timm.create_model(\"{card.stem}\", pretrained=True)" in text
 
 
-def test_shipped_canonical_model_is_flat_between_the_quarter_turns():
-    """On the shipped sample's 500 test digits turned as MNIST-rot turns them, the bundled
-    ``scnn_p_rs_7_canon`` is as accurate at 30 and 45 degrees as upright (within 2 points), while the bundled
-    ``scnn_p_rs_7`` (no canonical turn) loses more than twice as much at 45 degrees."""
+def _sample_accuracy():
+    """Top-1 of a model on the shipped sample's 500 test digits turned by an angle as MNIST-rot turns them."""
     from timm_sortconv.data import create_dataset, mnist_sample_dir
     from timm_sortconv.rotation import rotate
 
     data = create_dataset("sortconv/mnist", root=str(mnist_sample_dir()), split="test")
     x, y = data.images.unsqueeze(1).float() / 255.0, data.targets
+
     def accuracy(model, angle):
         with torch.no_grad():
             turned = rotate(x, angle).mul(255).round().div(255)  # 8-bit, as the MNIST-rot images
             return 100 * (model((turned - 0.1307) / 0.3081).argmax(1) == y).float().mean().item()
+    return accuracy
 
-    canon = timm.create_model("scnn_p_rs_7_canon", pretrained=True).eval()
+
+@pytest.mark.parametrize("name", ["scnn_p_rs_7_canon", "scnn_p_c2_7_canon"])
+def test_shipped_canonical_models_are_flat_between_the_quarter_turns(name):
+    """On the sample's 500 test digits, each bundled canonical model is as accurate at 30 and 45 degrees as
+    upright (within 2 points), while the bundled ``scnn_p_rs_7`` (no canonical turn) loses more than twice
+    as much at 45 degrees."""
+    accuracy = _sample_accuracy()
+    canon = timm.create_model(name, pretrained=True).eval()
     plain = timm.create_model("scnn_p_rs_7", pretrained=True).eval()
     upright = accuracy(canon, 0.0)
     assert upright > 95
@@ -282,13 +289,26 @@ def test_shipped_canonical_model_is_flat_between_the_quarter_turns():
     assert accuracy(plain, 0.0) - accuracy(plain, 45.0) > 2 * max(max(drops), 1.0)
 
 
-def test_model_card_of_the_canonical_model_says_so(tmp_path):
+def test_shipped_c2_model_keeps_more_than_ring_sorting():
+    """Half-turn orbit sorting keeps the direction the canonical turn fixes: the bundled ``scnn_p_c2_7_canon``
+    is more accurate than ``scnn_p_rs_7_canon`` on the sample's digits, upright and at 45 degrees."""
+    accuracy = _sample_accuracy()
+    c2 = timm.create_model("scnn_p_c2_7_canon", pretrained=True).eval()
+    ring = timm.create_model("scnn_p_rs_7_canon", pretrained=True).eval()
+    for angle in (0.0, 45.0):
+        assert accuracy(c2, angle) > accuracy(ring, angle), angle
+
+
+@pytest.mark.parametrize("model,sorting", [("scnn_p_rs_7_canon", "ring sorting (each ring's values sorted"),
+                                           ("scnn_p_c2_7_canon", "half-turn orbit sorting (`sorting='c2'`")])
+def test_model_cards_of_the_canonical_models_say_so(tmp_path, model, sorting):
     row = tmp_path / "canon.json"
-    row.write_text(json.dumps(_row("scnn_p_rs_7_canon", mnist_rot_images=10000)))
+    row.write_text(json.dumps(_row(model, mnist_rot_images=10000)))
     out = tmp_path / "cards"
     subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "model_cards.py"), str(row), "--out", str(out)],
                    check=True, capture_output=True)
-    card = (out / "scnn_p_rs_7_canon.md").read_text()
+    card = (out / f"{model}.md").read_text()
     assert "turned about its centre to its principal axis" in card and "canonicalize='moment2'" in card
-    assert "rings of 8, 16, 24 values" in card and "| the paper (scnn_p_rs_7, 100 epochs) |" in card
-    assert "| MNIST-rot | 91.23% | 95.05% |" in card
+    assert sorting in card and "rings of 8, 16, 24 values" in card
+    # the paper has neither the turn nor orbit sorting: its P-RS-7 figures stand beside
+    assert "| the paper (scnn_p_rs_7, 100 epochs) |" in card and "| MNIST-rot | 91.23% | 95.05% |" in card

@@ -37,7 +37,8 @@ install them where you run this, e.g. ``pip install e2cnn gmr-conv torchio`` in 
   rotation-equivariant convolutions of the group C_N (``rotations``, default 8) on regular fields, with as
   many channels as the SCNN's (``channels``, each ``N`` channels one field), kernels ``kernel_size`` (7)
   x4 then 3 x2, inner BatchNorm and ReLU, 2x2 max pooling after the second and fourth, then pooling over
-  the group (invariant to C_N), global average pooling and a linear layer.
+  the group (invariant to C_N), global average pooling and a linear layer. ``canonicalize`` (``"moment2"``,
+  ...) turns each input image first, as the SCNN's option does.
 * ``gmr:<timm model>``: that model with every ``k x k`` convolution (``k > 1``) replaced by GMR-Conv
   (``GMR_Conv.GMR_Conv2d``, Du et al. 2025: radially symmetric Gaussian-mixture-ring kernels), as the
   package's ``convert_to_gmr_conv`` does for stride-1 convolutions.
@@ -77,6 +78,7 @@ import timm
 import torch
 import torch.nn.functional as F
 
+from ..canonical import create_canonicalizer
 from ..data import RotatedDataset, cap_samples, create_dataset
 from ..models import SCNN  # importing the models registers them with timm
 from ..rotation import parse_rotations, rotate
@@ -115,10 +117,11 @@ class E2CNN(torch.nn.Module):
     """The ``e2cnn`` peer of the module docstring."""
 
     def __init__(self, rotations: int = 8, channels=(32, 32, 64, 64, 128, 128), kernel_size: int = 7,
-                 num_classes: int = 10):
+                 num_classes: int = 10, canonicalize: Optional[str] = None):
         super().__init__()
         from e2cnn import gspaces, nn as enn
 
+        self.canonicalize = create_canonicalizer(canonicalize)
         space = gspaces.Rot2dOnR2(N=rotations)
         self.in_type = field = enn.FieldType(space, [space.trivial_repr])
         layers = []
@@ -136,7 +139,7 @@ class E2CNN(torch.nn.Module):
         self.geometric_tensor = enn.GeometricTensor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.features(self.geometric_tensor(x, self.in_type)).tensor
+        x = self.features(self.geometric_tensor(self.canonicalize(x), self.in_type)).tensor
         return self.fc(x.mean((2, 3)))
 
 
