@@ -52,7 +52,7 @@ def _samples(x: torch.Tensor, geometry: SortGeometry, stride: Tuple[int, int], d
     """The ``k*k`` samples of every window in slot order, before sorting: ``(B, C, Ho, Wo, k*k)``."""
     patches = _patches(x, geometry, stride, dilation, out_size)
     if geometry.sampling != "square":
-        # Row-major window values -> ring-order bilinear samples.
+        # Row-major window values -> bilinear samples in slot order.
         interpolation = geometry.interpolation.to(device=patches.device, dtype=patches.dtype)
         patches = torch.matmul(patches, interpolation.t())
     return patches
