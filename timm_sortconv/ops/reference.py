@@ -65,16 +65,23 @@ def _orbit_size(geometry: SortGeometry) -> int:
     return sizes.pop() if geometry.segments[:1] == ((0, 1),) and len(sizes) == 1 else 0
 
 
+def _sort_orbits(samples: torch.Tensor, orbit: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The samples after the centre sorted in consecutive groups of ``orbit``, in one batched sort: the sorted
+    samples with the centre in front ``(..., k*k)``, and each group's sort order ``(..., groups, orbit)``."""
+    values, order = torch.sort(samples[..., 1:].unflatten(-1, (-1, orbit)), dim=-1)
+    return torch.cat([samples[..., :1], values.flatten(-2)], -1), order
+
+
 def _sort_segments(samples: torch.Tensor, geometry: SortGeometry) -> Tuple[torch.Tensor, torch.Tensor]:
     """Each segment of the last axis sorted ascending, and where each sorted value came from (slot indices)."""
     if len(geometry.segments) == 1:
         return torch.sort(samples, dim=-1)
     orbit = _orbit_size(geometry)
     if orbit > 1 and len(geometry.segments) > 2:  # equal segments after the centre: one batched sort
-        values, order = torch.sort(samples[..., 1:].unflatten(-1, (-1, orbit)), dim=-1)
+        values, order = _sort_orbits(samples, orbit)
         order = order + torch.arange(1, samples.shape[-1], orbit, device=samples.device).unsqueeze(-1)
         centre = torch.zeros_like(samples[..., :1], dtype=torch.long)
-        return torch.cat([samples[..., :1], values.flatten(-2)], -1), torch.cat([centre, order.flatten(-2)], -1)
+        return values, torch.cat([centre, order.flatten(-2)], -1)
     values, indices = [], []
     for start, end in geometry.segments:
         part = samples[..., start:end]
@@ -96,8 +103,7 @@ def sorted_patches(x: torch.Tensor, geometry: SortGeometry, stride: Tuple[int, i
         return torch.sort(samples, dim=-1).values
     orbit = _orbit_size(geometry)
     if orbit > 1 and len(geometry.segments) > 2:
-        values = torch.sort(samples[..., 1:].unflatten(-1, (-1, orbit)), dim=-1).values
-        return torch.cat([samples[..., :1], values.flatten(-2)], -1)
+        return _sort_orbits(samples, orbit)[0]
     parts = [samples[..., s:e] if e - s == 1 else torch.sort(samples[..., s:e], dim=-1).values
              for s, e in geometry.segments]
     return torch.cat(parts, dim=-1)
