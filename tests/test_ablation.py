@@ -176,3 +176,76 @@ def test_key_values_are_python_literals_where_they_parse():
 
     assert parse_key_values(["a=0.5", "b=(1,2)", "c=polar", "d=None", "e=x=y"]) == dict(
         a=0.5, b=(1, 2), c="polar", d=None, e="x=y")
+
+
+@pytest.mark.parametrize("pool", ["max", "key"])
+@pytest.mark.parametrize("sampling", ["polar", "square"])
+@pytest.mark.parametrize("sorting,turn", [("c2", 2), ("c4", 1)])
+def test_orient_screening_layers_are_exactly_invariant_to_their_group_only(ablation, pool, sampling, sorting, turn):
+    torch.manual_seed(0)
+    kwargs = dict(channels=(4, 4, 8, 8, 8, 8), sampling=sampling, sorting=sorting)
+    model = ablation.create_model(f"orient{pool}:scnn", dict(kwargs)).double().eval()
+    assert sum(isinstance(m, ablation.OrientConv2d) for m in model.modules()) == 6
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in ablation.SCNN(**kwargs).parameters())
+    x = torch.randn(3, 1, 28, 28, dtype=torch.float64)
+    with torch.no_grad():
+        upright = model(x)
+        turned = model(torch.rot90(x, turn, (2, 3)))
+        torch.testing.assert_close(turned, upright, rtol=1e-9, atol=1e-9)
+        if sorting == "c2":  # a half-turn group says nothing about quarter turns
+            assert (model(torch.rot90(x, 1, (2, 3))) - upright).abs().max() > 1e-6
+
+
+@pytest.mark.parametrize("sampling", ["polar", "square"])
+def test_orient_effective_kernel_applies_the_weight_to_the_unsorted_samples(ablation, sampling):
+    from timm_sortconv import SortConv2d
+    from timm_sortconv.ops.geometry import get_geometry
+
+    torch.manual_seed(1)
+    conv = SortConv2d(3, 5, 7, padding=3, sampling=sampling, sorting="c2").double()
+    layer = ablation.OrientConv2d(conv, "max")
+    x = torch.randn(2, 3, 9, 10, dtype=torch.float64)
+    g = get_geometry(7, sampling, "c2")
+    windows = torch.nn.functional.unfold(x, 7, padding=3).view(2, 3, 49, -1)  # row-major windows, per channel
+    samples = torch.einsum("st,bctl->bcsl", g.interpolation.double(), windows)  # slot order, unsorted
+    expected = torch.einsum("ocs,bcsl->bol", conv.weight.flatten(2)[:, :, g.slot_to_grid], samples)
+    torch.testing.assert_close(layer.turned_responses(x)[:, 0].flatten(2), expected)
+    # the other turn is the same kernel turned by 180 degrees: the response to the half-turned input, turned back
+    turned_back = torch.rot90(layer.turned_responses(torch.rot90(x, 2, (2, 3)))[:, 0], 2, (2, 3))
+    torch.testing.assert_close(layer.turned_responses(x)[:, 1], turned_back)
+
+
+def test_orient_on_ring_sorting_is_refused_naming_the_accepted_sortings(ablation):
+    with pytest.raises(ablation.CommandError, match="'c2' or 'c4'"):
+        ablation.create_model("orientmax:scnn", dict(channels=(4, 4, 8, 8, 8, 8), sorting="ring"))
+
+
+def test_turn_cost_compares_two_rows_upright_image_by_image(ablation, tmp_path, capsys):
+    """``--turn-cost``: upright accuracy of two stored rows over their common seeds, by moment-strength quartile
+    of the sweep's upright images and by class; the per-image results come from the seeds' packed bits."""
+    data = tmp_path / "mnist"
+    make_mnist(data, num_test=40)  # labels 0..9 repeating
+    res = tmp_path / "res"
+    # 8 images x 2 angles; row "a" gets every upright image right, row "b" the even-numbered ones only.
+    for name, upright in (("a", [True] * 8), ("b", [i % 2 == 0 for i in range(8)])):
+        for seed in (0, 1):
+            correct = torch.tensor([[u, False] for u in upright])
+            (res / name).mkdir(parents=True, exist_ok=True)
+            (res / name / f"seed{seed}.json").write_text(json.dumps(dict(
+                seed=seed, images=8, angles=[0.0, 90.0], correct=ablation.pack(correct))))
+    (res / "b" / "seed5.json").write_text((res / "b" / "seed0.json").read_text().replace('"seed": 0', '"seed": 5'))
+    ablation.main(["--turn-cost", "a", "b", "--results", str(res), "--data-dir", str(data)])
+    out = capsys.readouterr().out
+    assert out.startswith("Seeds 0, 1;")  # seed 5 of "b" has no partner
+    lines = {line.split(" | ")[0]: line for line in out.splitlines()}
+    assert lines["| all"].startswith("| all | 8 | 100.00 | 50.00 | -50.00 ±")
+    # the test slice is a seeded sample: its labels decide which classes appear; each class's
+    # difference is -100 for the odd-numbered images of the slice and 0 for the even ones
+    _, labels = ablation.rotated_sweep(str(data), 8, [0.0], "")
+    for c in set(labels.tolist()):
+        odd = [i % 2 == 1 for i, label in enumerate(labels.tolist()) if label == c]
+        assert lines[f"| {c}"].startswith(f"| {c} | {len(odd)} | 100.00 | {100 - 100 * np.mean(odd):.2f} |")
+    quartile_counts = [int(lines[f"| Q{q}"].split(" | ")[1]) for q in range(1, 5)]
+    assert sum(quartile_counts) == 8
+    with pytest.raises(ablation.CommandError, match="no seed in common"):
+        ablation.turn_cost(str(res), "a", "missing", str(data), 2)

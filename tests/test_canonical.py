@@ -12,7 +12,8 @@ import torch.nn as nn
 
 import timm_sortconv  # noqa: F401  (registers the models)
 from timm_sortconv import SortConv2d, sortify
-from timm_sortconv.canonical import CANONICALIZERS, MomentCanonicalize2d, create_canonicalizer, moment_angle
+from timm_sortconv.canonical import CANONICALIZERS, MomentCanonicalize2d, create_canonicalizer, moment_angle, \
+    moment_strength
 from timm_sortconv.data import create_dataset, mnist_sample_dir
 from timm_sortconv.rotation import rotate, rotate_each
 
@@ -82,6 +83,27 @@ def test_moment_angle_of_a_bar_and_of_a_blank_image():
     tiny = torch.tensor([[[[0.2, 0.9]]]])
     assert moment_angle(tiny).item() == 0.0
     assert torch.allclose(MomentCanonicalize2d()(tiny), tiny)
+
+
+@pytest.mark.parametrize("order", [1, 2, 4])
+def test_moment_strength_ignores_turns_and_lies_in_the_unit_interval(order):
+    x = digits()
+    base = moment_strength(x, order)
+    assert ((base >= 0) & (base <= 1)).all() and base.max() > 0
+    torch.testing.assert_close(moment_strength(torch.rot90(x, 1, (2, 3)), order), base)  # exact turn
+    # a turn between the quarter turns resamples the image: the strength moves by interpolation only
+    assert (moment_strength(turned(x, 30.0), order) - base).abs().median() < 0.1 * base.median()
+
+
+def test_moment_strength_of_a_bar_a_square_and_a_blank_image():
+    x = torch.zeros(3, 1, 15, 15)
+    x[0, 0, 7, 2:13] = 1.0  # a bar has a principal axis
+    x[1, 0, 4:11, 4:11] = 1.0  # a square has none (order 2), but has an order-4 direction
+    s2, s4 = moment_strength(x, 2), moment_strength(x, 4)
+    assert s2[0] > 0.2 and s2[1] < 1e-6 and s4[1] > 0.05
+    assert s2[2] == 0.0 and s4[2] == 0.0
+    with pytest.raises(ValueError, match="N, C, H, W"):
+        moment_strength(x[0])
 
 
 def test_canonicalizer_takes_one_unbatched_image_and_angles_on_another_device():

@@ -36,7 +36,8 @@ from timm.layers import register_notrace_module
 
 from .rotation import _rotate_each
 
-__all__ = ["CANONICALIZERS", "MomentCanonicalize2d", "canonical_order", "create_canonicalizer", "moment_angle"]
+__all__ = ["CANONICALIZERS", "MomentCanonicalize2d", "canonical_order", "create_canonicalizer", "moment_angle",
+           "moment_strength"]
 
 #: Names accepted by :func:`create_canonicalizer` (and the models' ``canonicalize=``), by moment order.
 CANONICALIZERS = {"moment1": 1, "moment2": 2, "moment4": 4}
@@ -73,8 +74,31 @@ def moment_angle(images: torch.Tensor, order: int = 2) -> torch.Tensor:
     return _moment_angle(images, order)
 
 
-def _moment_angle(images: torch.Tensor, order: int) -> torch.Tensor:
-    """:func:`moment_angle` without the argument checks (TorchScript compiles this one)."""
+def moment_strength(images: torch.Tensor, order: int = 2) -> torch.Tensor:
+    """How strongly each image is oriented at order ``k``: ``|c_k| / sum_p w(r_p) |I(p) - m| r_p^k``.
+
+    The ratio lies in ``[0, 1]``; it does not change when the image is turned (both sums turn with it), and
+    it is small where :func:`moment_angle` is set by details of the shape rather than by one dominant
+    direction (a round digit for ``k = 2``), so that such images are turned to orientations that differ
+    from one writer to the next. Same arguments as :func:`moment_angle`; returns ``(N,)`` (0 for a blank
+    image).
+
+    Example:
+        >>> x = torch.zeros(2, 1, 15, 15)
+        >>> x[0, 0, 7, 2:13] = 1.0  # a bar: oriented (the background counts in the denominator)
+        >>> x[1, 0, 4:11, 4:11] = 1.0  # a square: no order-2 direction
+        >>> [round(v, 2) for v in moment_strength(x).tolist()]
+        [0.33, 0.0]
+    """
+    if images.dim() != 4:
+        raise ValueError(f"moment_strength expects images of shape (N, C, H, W), got {list(images.shape)}")
+    _check_order(order)
+    real, imag, total = _moment(images, order)
+    return torch.sqrt(real * real + imag * imag) / total.clamp_min(1e-12)
+
+
+def _moment(images: torch.Tensor, order: int):
+    """``(Re c_k, Im c_k, sum w |I - m| r^k)`` per image (the module docstring defines ``c_k``)."""
     dtype = torch.float64 if images.dtype == torch.float64 else torch.float32
     x = images.detach().to(dtype).mean(dim=1)
     h, w = x.shape[-2], x.shape[-1]
@@ -89,6 +113,12 @@ def _moment_angle(images: torch.Tensor, order: int) -> torch.Tensor:
     centred = x - (x * disc).sum(dim=(-2, -1), keepdim=True) / disc.sum().clamp_min(1e-12)
     real = (centred * weight * torch.cos(order * theta)).sum(dim=(-2, -1))
     imag = (centred * weight * torch.sin(order * theta)).sum(dim=(-2, -1))
+    return real, imag, (centred.abs() * weight).sum(dim=(-2, -1))
+
+
+def _moment_angle(images: torch.Tensor, order: int) -> torch.Tensor:
+    """:func:`moment_angle` without the argument checks (TorchScript compiles this one)."""
+    real, imag, _ = _moment(images, order)
     # plain arithmetic rather than torch.rad2deg, which ONNX export does not know
     return torch.atan2(imag, real) * (180.0 / math.pi / order)
 

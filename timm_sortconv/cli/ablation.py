@@ -39,6 +39,16 @@ install them where you run this, e.g. ``pip install e2cnn gmr-conv torchio`` in 
   x4 then 3 x2, inner BatchNorm and ReLU, 2x2 max pooling after the second and fourth, then pooling over
   the group (invariant to C_N), global average pooling and a linear layer. ``canonicalize`` (``"moment2"``,
   ...) turns each input image first, as the SCNN's option does.
+* ``orientmax:<model>`` and ``orientkey:<model>``: ``<model>`` (``scnn`` or a timm name; its SC layers
+  must use an orbit sorting, ``sorting="c2"`` or ``"c4"``) with every ``SortConv2d`` replaced by
+  :class:`OrientConv2d` with the same weights: no sorting, the window read as the SC layer samples it, the
+  kernel applied in each turn of the sorting's group (2 or 4) and the turns pooled. ``orientmax`` keeps, per
+  output channel, the largest of the turned responses (pooling over the group at every layer);
+  ``orientkey`` keeps, at each position, all channels of the one turn whose summed response is largest
+  (one choice per window, shared by the channels). Both are exactly invariant to the group's turns, as the
+  orbit sorting is, and add no parameters. They test whether sorting each ring's values per channel
+  (which discards, per channel, which of the turned samples was which) is what costs the orbit sortings
+  against the E(2)-CNN. A screening layer of this tool, not an option of the package.
 * ``gmr:<timm model>``: that model with every ``k x k`` convolution (``k > 1``) replaced by GMR-Conv
   (``GMR_Conv.GMR_Conv2d``, Du et al. 2025: radially symmetric Gaussian-mixture-ring kernels), as the
   package's ``convert_to_gmr_conv`` does for stride-1 convolutions.
@@ -52,7 +62,9 @@ pooled features (the classifier's input) of the first ``--feature-samples`` swee
 images are rotated by 45 degrees: the mean of ``||f(rotated) - f(upright)||`` relative to the mean
 ``||f(upright)||``, and relative to the mean distance between the ten class centroids of the upright
 features (how far the rotation moves an image compared with how far apart the classes are); it writes
-``<results>/features.json``.
+``<results>/features.json``. ``--turn-cost WITHOUT WITH`` compares two stored rows' upright accuracy, image by
+image, by how strongly each upright image is oriented (:func:`~timm_sortconv.canonical.moment_strength`) and
+by class: where a canonical turn costs what it costs.
 
 Example::
 
@@ -143,6 +155,69 @@ class E2CNN(torch.nn.Module):
         return self.fc(x.mean((2, 3)))
 
 
+class OrientConv2d(torch.nn.Module):
+    """The ``orientmax:``/``orientkey:`` layer of the module docstring, built from an SC layer ``conv``.
+
+    The unsorted SC window is linear in the input, so applying the layer's weight to it is a convolution
+    with an effective kernel: each sample's weight spread over the grid by the sample's bilinear taps
+    (square sampling: the weight itself). That kernel turned by each multiple of ``360 / turns`` degrees
+    gives ``turns`` responses per output channel, computed in one ``conv2d``; a turn of the input by
+    ``360 / turns`` degrees permutes them cyclically, so pooling over them is invariant to it.
+    """
+
+    def __init__(self, conv, pool: str):
+        super().__init__()
+        from ..ops.geometry import get_geometry
+
+        turns = {"c2": 2, "c4": 4}.get(conv.sorting)
+        if turns is None:
+            raise CommandError(f"orient{pool}: the SC layers must use sorting='c2' or 'c4' (they name the group), "
+                               f"got sorting={conv.sorting!r}")
+        if pool not in ("max", "key"):
+            raise CommandError(f"orient{pool}: the pooling must be 'max' or 'key'")
+        if conv.padding_mode != "zeros" or conv.stride != (1, 1) or conv.dilation != (1, 1):
+            raise CommandError("orientmax/orientkey: only stride-1, undilated, zero-padded SC layers are converted")
+        geometry = get_geometry(conv.kernel_size[0], conv.sampling, conv.sorting)
+        self.turns, self.pool, self.padding, self.groups = turns, pool, conv.padding, conv.groups
+        self.weight, self.bias = conv.weight, conv.bias
+        # Slot s of the unsorted window multiplies weight[slot_to_grid[s]] and reads row-major taps
+        # interpolation[s]: the effective row-major kernel is weight[..., slot_to_grid] @ interpolation.
+        self.register_buffer("slot_to_grid", geometry.slot_to_grid.clone(), persistent=False)
+        self.register_buffer("interpolation", geometry.interpolation.float(), persistent=False)
+
+    def effective_kernel(self) -> torch.Tensor:
+        w = self.weight
+        flat = w.flatten(2)[:, :, self.slot_to_grid] @ self.interpolation.to(w.dtype)
+        return flat.view_as(w)
+
+    def turned_responses(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, turns, C_out, H, W)``: the response to the kernel turned by ``t * 360 / turns`` degrees."""
+        w = self.effective_kernel()
+        kernels = torch.cat([torch.rot90(w, t * 4 // self.turns, (2, 3)) for t in range(self.turns)])
+        return F.conv2d(x, kernels, None, 1, self.padding, 1, self.groups).unflatten(1, (self.turns, -1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.turned_responses(x)
+        if self.pool == "max":
+            out = y.amax(1)
+        else:
+            best = y.sum(2).argmax(1)[:, None, None]  # (B, 1, 1, H, W): the turn with the largest summed response
+            out = torch.gather(y, 1, best.expand(-1, 1, y.shape[2], -1, -1)).squeeze(1)
+        return out if self.bias is None else out + self.bias[:, None, None]
+
+
+def orient_convert(module: torch.nn.Module, pool: str) -> torch.nn.Module:
+    """``module`` with every ``SortConv2d`` replaced by an :class:`OrientConv2d` with the same weights."""
+    from ..layers import SortConv2d
+
+    for name, child in module.named_children():
+        if isinstance(child, SortConv2d):
+            setattr(module, name, OrientConv2d(child, pool))
+        else:
+            orient_convert(child, pool)
+    return module
+
+
 def gmr_convert(module: torch.nn.Module) -> torch.nn.Module:
     """``module`` with its stride-1 ``k x k`` convolutions (``k > 1``) replaced by ``GMR_Conv2d``."""
     from GMR_Conv import GMR_Conv2d
@@ -168,6 +243,9 @@ def create_model(name: str, kwargs: Dict) -> torch.nn.Module:
         return model
     if name == "e2cnn":
         return E2CNN(**kwargs)
+    if name.startswith(("orientmax:", "orientkey:")):
+        pool, base = name.split(":", 1)
+        return orient_convert(create_model(base, kwargs), pool[len("orient"):])
     if name.startswith("gmr:"):
         return gmr_convert(timm.create_model(name[4:], **kwargs))
     return timm.create_model(name, **kwargs)
@@ -404,6 +482,52 @@ def table(results: str, paired: Optional[str] = None) -> str:
     return "\n".join(lines)
 
 
+def unpack(row: Dict) -> np.ndarray:
+    """A seed's per-image results, ``(images, angles)`` bool, from its JSON (:func:`pack` wrote them)."""
+    images, angles = row["images"], len(row["angles"])
+    bits = np.unpackbits(np.frombuffer(base64.b64decode(row["correct"]), dtype=np.uint8))
+    return bits[:images * angles].reshape(images, angles).astype(bool)
+
+
+def turn_cost(results: str, without: str, with_turn: str, data_dir: str, order: int) -> str:
+    """Where a canonical turn costs upright accuracy: Markdown tables of the upright accuracy of row
+    ``without`` and row ``with_turn`` (mean over the seeds both ran) and their paired difference, per
+    quartile of the upright sweep images' :func:`~timm_sortconv.canonical.moment_strength` of ``order`` (Q1:
+    the least oriented quarter, whose turn depends most on details of the writing) and per class."""
+    from ..canonical import moment_strength
+
+    rows = [_load_seeds(Path(results) / name) for name in (without, with_turn)]
+    seeds = sorted(set(rows[0]) & set(rows[1]))
+    if not seeds:
+        raise CommandError(f"--turn-cost: {without} and {with_turn} have no seed in common under {results}")
+    images = {rows[i][s]["images"] for i in (0, 1) for s in seeds}
+    if len(images) != 1:
+        raise CommandError(f"--turn-cost: the rows swept different numbers of images ({sorted(images)})")
+    upright = [np.mean([unpack(row[s])[:, 0] for s in seeds], axis=0) * 100 for row in rows]
+    # both rows' angle 0 is the same slice of upright test images: the sweep's first angle
+    sweep, labels = rotated_sweep(data_dir, images.pop(), [0.0], "")
+    strength = moment_strength(sweep[0][:, None].double(), order).numpy()
+    edges = np.quantile(strength, [0.25, 0.5, 0.75])
+    quartile = np.digitize(strength, edges)
+    labels = labels.numpy()
+
+    def line(name: str, mask: np.ndarray) -> str:
+        if not mask.any():
+            return f"| {name} | 0 | - | - | - |"
+        diff = upright[1][mask] - upright[0][mask]
+        se = f" ± {diff.std(ddof=1) / np.sqrt(mask.sum()):.2f}" if mask.sum() > 1 else ""
+        return (f"| {name} | {mask.sum()} | {upright[0][mask].mean():.2f} | {upright[1][mask].mean():.2f} | "
+                f"{diff.mean():+.2f}{se} |")
+
+    head = f"| {{}} | images | {without} upright | {with_turn} upright | difference (se over images) |\n|---|---|---|---|---|"
+    lines = [f"Seeds {', '.join(map(str, seeds))}; order-{order} strength quartile edges "
+             + ", ".join(f"{e:.3f}" for e in edges), "", head.format(f"order-{order} strength")]
+    lines += [line(f"Q{q + 1}", quartile == q) for q in range(4)] + [line("all", quartile >= 0), "",
+                                                                     head.format("class")]
+    lines += [line(str(c), labels == c) for c in range(10)]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--name", help="row name (folder under --results)")
@@ -438,7 +562,17 @@ def main(argv=None) -> None:
     parser.add_argument("--features", action="store_true", help="pooled-feature change at 45 degrees of every "
                         "trained seed under --results (and of its untrained network), then exit")
     parser.add_argument("--feature-samples", type=int, default=500)
+    parser.add_argument("--turn-cost", nargs=2, metavar=("WITHOUT", "WITH"),
+                        help="where a canonical turn costs upright accuracy: rows WITHOUT and WITH the turn under "
+                             "--results, by quartile of the images' --order moment strength and by class (needs "
+                             "--data-dir), then exit")
+    parser.add_argument("--order", type=int, default=2, help="with --turn-cost: the moment order of the turn")
     args = parser.parse_args(argv)
+    if args.turn_cost:
+        if not args.data_dir:
+            parser.error("--turn-cost needs --data-dir (the sweep's images and labels)")
+        print(turn_cost(args.results, *args.turn_cost, args.data_dir, args.order))
+        return
     if args.table:
         print(table(args.results, args.paired))
         return
