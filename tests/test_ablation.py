@@ -249,3 +249,25 @@ def test_turn_cost_compares_two_rows_upright_image_by_image(ablation, tmp_path, 
     assert sum(quartile_counts) == 8
     with pytest.raises(ablation.CommandError, match="no seed in common"):
         ablation.turn_cost(str(res), "a", "missing", str(data), 2)
+
+
+def test_orient_eight_turns_move_the_weights_along_the_polar_rings(ablation):
+    """``orientmax8``: eight copies of the kernel, 45 degrees apart along the rings; every second one is an
+    exact quarter turn of the one before, so the pooled network is exactly invariant to quarter turns."""
+    from timm_sortconv import SortConv2d
+
+    torch.manual_seed(2)
+    conv = SortConv2d(2, 3, 7, padding=3, sampling="polar", sorting="c2").double()
+    kernels = ablation.OrientConv2d(conv, "max", 8).effective_kernels().unflatten(0, (8, 3))
+    torch.testing.assert_close(kernels[0], ablation.OrientConv2d(conv, "max").effective_kernels()[:3])
+    for t in range(8):  # two 45-degree steps are a quarter turn of the kernel, in one direction throughout
+        torch.testing.assert_close(kernels[(t + 2) % 8], torch.rot90(kernels[t], -1, (2, 3)))
+    assert (kernels[1] - kernels[0]).abs().max() > 1e-3  # a 45-degree step is a different kernel
+    model = ablation.create_model("orientmax8:scnn", dict(channels=(4, 4, 8, 8, 8, 8), sorting="c2")).double().eval()
+    x = torch.randn(2, 1, 28, 28, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(model(torch.rot90(x, 1, (2, 3))), model(x), rtol=1e-9, atol=1e-9)
+    with pytest.raises(ablation.CommandError, match="8 needs sampling='polar'"):
+        ablation.create_model("orientmax8:scnn", dict(channels=(4, 4, 8, 8, 8, 8), sorting="c2", sampling="square"))
+    with pytest.raises(ablation.CommandError, match="orientmax:<model> or orientkey:<model>"):
+        ablation.create_model("orientmin:scnn", {})

@@ -312,3 +312,31 @@ def test_model_cards_of_the_canonical_models_say_so(tmp_path, model, sorting):
     assert sorting in card and "rings of 8, 16, 24 values" in card
     # the paper has neither the turn nor orbit sorting: its P-RS-7 figures stand beside
     assert "| the paper (scnn_p_rs_7, 100 epochs) |" in card and "| MNIST-rot | 91.23% | 95.05% |" in card
+
+
+def test_card_of_weights_trained_on_from_the_bundled_ones_gives_both_stages(tmp_path):
+    """A row trained with ``--pretrained`` started from the model's bundled weights: its card names the row
+    that trained those (the JSON named after the model beside it), both schedules and both commands."""
+    first = _row("scnn_p_c2_7_canon", epochs=8, train_minutes=88.8, best_epoch=6, best_val_top1=98.99,
+                 reproduce="python scripts/mnist_results.py --model scnn_p_c2_7_canon --epochs 8 --data-dir DATA")
+    more = _row("scnn_p_c2_7_canon", name="scnn_p_c2_7_canon-ft4", epochs=4, train_minutes=44.0, best_epoch=3,
+                best_val_top1=99.06, mnist_test_top1=99.02, train_args=["--pretrained", "--lr", "5e-4"],
+                reproduce="python scripts/mnist_results.py --model scnn_p_c2_7_canon --name scnn_p_c2_7_canon-ft4 "
+                          "--epochs 4 --data-dir DATA --pretrained --lr 5e-4")
+    rows = tmp_path / "rows"
+    rows.mkdir()
+    (rows / "scnn_p_c2_7_canon-ft4.json").write_text(json.dumps(more))
+    command = [sys.executable, str(REPO_ROOT / "scripts" / "model_cards.py"), str(rows / "scnn_p_c2_7_canon-ft4.json"),
+               "--out", str(tmp_path / "cards")]
+    missing = subprocess.run(command, capture_output=True, text=True)
+    assert missing.returncode == 2 and "scnn_p_c2_7_canon.json, does not exist" in missing.stderr
+    assert "Traceback" not in missing.stderr
+    (rows / "scnn_p_c2_7_canon.json").write_text(json.dumps(first))
+    subprocess.run(command, check=True, capture_output=True)
+    card = (tmp_path / "cards" / "scnn_p_c2_7_canon.md").read_text()
+    assert "in two stages: 8 epochs of the preset" in card or "in two stages: 8 epochs, batch 50" in card
+    assert "keeping its best epoch (6,\n  validation top-1 98.99%)" in card
+    assert "then 4 more epochs of the same\n  preset from those weights (`--pretrained`) with `--lr 5e-4`" in card
+    assert "88.8 + 44.0 minutes" in card and "| MNIST test (10,000 images) | 99.02% |" in card
+    assert "`python scripts/mnist_results.py --model scnn_p_c2_7_canon --epochs 8 --data-dir DATA`, then" in card
+    assert "--name scnn_p_c2_7_canon-ft4 --epochs 4 --data-dir DATA --pretrained --lr 5e-4`" in card

@@ -79,6 +79,7 @@ import base64
 import json
 import math
 import os
+import re
 import shlex
 import sys
 import time
@@ -156,45 +157,68 @@ class E2CNN(torch.nn.Module):
 
 
 class OrientConv2d(torch.nn.Module):
-    """The ``orientmax:``/``orientkey:`` layer of the module docstring, built from an SC layer ``conv``.
+    """The ``orient*:`` layer of the module docstring, built from an SC layer ``conv``.
 
     The unsorted SC window is linear in the input, so applying the layer's weight to it is a convolution
     with an effective kernel: each sample's weight spread over the grid by the sample's bilinear taps
-    (square sampling: the weight itself). That kernel turned by each multiple of ``360 / turns`` degrees
-    gives ``turns`` responses per output channel, computed in one ``conv2d``; a turn of the input by
-    ``360 / turns`` degrees permutes them cyclically, so pooling over them is invariant to it.
+    (square sampling: the weight itself). ``turns`` copies of that kernel, turned by each multiple of
+    ``360 / turns`` degrees, give ``turns`` responses per output channel in one ``conv2d``, and they are
+    pooled. With 2 or 4 turns the copies are exact quarter/half turns of the kernel, which a turn of the input
+    by as much permutes cyclically, so the pooled output is exactly invariant to it. With 8 (polar sampling
+    only) a 45-degree turn moves every sample of ring ``r`` by ``r`` places along its circle, so the copies are
+    the weights moved along the rings (and so exactly 90-degree turns of each other in pairs four apart); the
+    pooled output is exactly invariant to quarter turns and invariant to 45-degree turns of the content up to
+    the bilinear reading of the points, as ring sorting is.
     """
 
-    def __init__(self, conv, pool: str):
+    def __init__(self, conv, pool: str, turns: Optional[int] = None):
         super().__init__()
-        from ..ops.geometry import get_geometry
+        from ..ops.geometry import get_geometry, row_major_offsets
 
-        turns = {"c2": 2, "c4": 4}.get(conv.sorting)
-        if turns is None:
-            raise CommandError(f"orient{pool}: the SC layers must use sorting='c2' or 'c4' (they name the group), "
-                               f"got sorting={conv.sorting!r}")
+        group = {"c2": 2, "c4": 4}.get(conv.sorting)
+        if group is None:
+            raise CommandError(f"orient{pool}: the SC layers must use sorting='c2' or 'c4' (they name the layout of "
+                               f"the samples), got sorting={conv.sorting!r}")
+        turns = turns or group
+        if turns not in (2, 4, 8) or (turns == 8 and conv.sampling != "polar"):
+            raise CommandError(f"orient{pool}{turns}: the turns must be 2, 4 or 8, and 8 needs sampling='polar' "
+                               f"(got sampling={conv.sampling!r})")
         if pool not in ("max", "key"):
             raise CommandError(f"orient{pool}: the pooling must be 'max' or 'key'")
         if conv.padding_mode != "zeros" or conv.stride != (1, 1) or conv.dilation != (1, 1):
             raise CommandError("orientmax/orientkey: only stride-1, undilated, zero-padded SC layers are converted")
-        geometry = get_geometry(conv.kernel_size[0], conv.sampling, conv.sorting)
+        k = conv.kernel_size[0]
+        geometry = get_geometry(k, conv.sampling, conv.sorting)
         self.turns, self.pool, self.padding, self.groups = turns, pool, conv.padding, conv.groups
         self.weight, self.bias = conv.weight, conv.bias
         # Slot s of the unsorted window multiplies weight[slot_to_grid[s]] and reads row-major taps
         # interpolation[s]: the effective row-major kernel is weight[..., slot_to_grid] @ interpolation.
-        self.register_buffer("slot_to_grid", geometry.slot_to_grid.clone(), persistent=False)
         self.register_buffer("interpolation", geometry.interpolation.float(), persistent=False)
+        # Slot order of each turn: turn t reads, in slot s, the weight of the slot t*r places back along
+        # s's ring (r its radius); each sample's point is the mean of its taps (bilinear taps reproduce it).
+        grid = torch.tensor(row_major_offsets(k), dtype=torch.float64)
+        points = geometry.interpolation @ grid  # (k*k, 2): (y, x) of every slot's sample
+        radius = points.norm(dim=1).round().long()
+        angle = torch.atan2(points[:, 0], points[:, 1])
+        index = torch.where(radius > 0, torch.round(angle / (2 * math.pi) * 8 * radius.clamp_min(1)).long()
+                            % (8 * radius.clamp_min(1)), torch.zeros_like(radius))
+        slot_of = {(int(r), int(j)): s for s, (r, j) in enumerate(zip(radius, index))}
+        orders = []
+        for t in range(turns):
+            step = 8 // turns * t  # 45-degree steps
+            orders.append([slot_of[(int(r), int((j - step * r) % max(8 * int(r), 1)))]
+                           for r, j in zip(radius, index)])
+        self.register_buffer("slot_to_grid", geometry.slot_to_grid[torch.tensor(orders)], persistent=False)
 
-    def effective_kernel(self) -> torch.Tensor:
+    def effective_kernels(self) -> torch.Tensor:
+        """``(turns * C_out, C_in / groups, k, k)``: the row-major kernel of each turn, turn by turn."""
         w = self.weight
-        flat = w.flatten(2)[:, :, self.slot_to_grid] @ self.interpolation.to(w.dtype)
-        return flat.view_as(w)
+        flat = w.flatten(2)[:, :, self.slot_to_grid] @ self.interpolation.to(w.dtype)  # (O, C, turns, k*k)
+        return flat.permute(2, 0, 1, 3).reshape(-1, w.shape[1], *w.shape[2:])
 
     def turned_responses(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, turns, C_out, H, W)``: the response to the kernel turned by ``t * 360 / turns`` degrees."""
-        w = self.effective_kernel()
-        kernels = torch.cat([torch.rot90(w, t * 4 // self.turns, (2, 3)) for t in range(self.turns)])
-        return F.conv2d(x, kernels, None, 1, self.padding, 1, self.groups).unflatten(1, (self.turns, -1))
+        return F.conv2d(x, self.effective_kernels(), None, 1, self.padding, 1, self.groups).unflatten(1, (self.turns, -1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.turned_responses(x)
@@ -206,15 +230,15 @@ class OrientConv2d(torch.nn.Module):
         return out if self.bias is None else out + self.bias[:, None, None]
 
 
-def orient_convert(module: torch.nn.Module, pool: str) -> torch.nn.Module:
+def orient_convert(module: torch.nn.Module, pool: str, turns: Optional[int] = None) -> torch.nn.Module:
     """``module`` with every ``SortConv2d`` replaced by an :class:`OrientConv2d` with the same weights."""
     from ..layers import SortConv2d
 
     for name, child in module.named_children():
         if isinstance(child, SortConv2d):
-            setattr(module, name, OrientConv2d(child, pool))
+            setattr(module, name, OrientConv2d(child, pool, turns))
         else:
-            orient_convert(child, pool)
+            orient_convert(child, pool, turns)
     return module
 
 
@@ -243,9 +267,14 @@ def create_model(name: str, kwargs: Dict) -> torch.nn.Module:
         return model
     if name == "e2cnn":
         return E2CNN(**kwargs)
-    if name.startswith(("orientmax:", "orientkey:")):
-        pool, base = name.split(":", 1)
-        return orient_convert(create_model(base, kwargs), pool[len("orient"):])
+    if name.startswith("orient") and ":" in name:
+        prefix, base = name.split(":", 1)
+        match = re.fullmatch(r"orient(max|key)(2|4|8)?", prefix)
+        if not match:
+            raise CommandError(f"--model {name}: use orientmax:<model> or orientkey:<model>, optionally with the "
+                               "number of turns, e.g. orientmax8:scnn")
+        turns = int(match.group(2)) if match.group(2) else None
+        return orient_convert(create_model(base, kwargs), match.group(1), turns)
     if name.startswith("gmr:"):
         return gmr_convert(timm.create_model(name[4:], **kwargs))
     return timm.create_model(name, **kwargs)
