@@ -194,27 +194,28 @@ class OrientConv2d(torch.nn.Module):
         # Slot s of the unsorted window multiplies weight[slot_to_grid[s]] and reads row-major taps
         # interpolation[s]: the effective row-major kernel is weight[..., slot_to_grid] @ interpolation.
         self.register_buffer("interpolation", geometry.interpolation.float(), persistent=False)
-        # Slot order of each turn: turn t reads, in slot s, the weight of the slot t*r places back along
-        # s's ring (r its radius); each sample's point is the mean of its taps (bilinear taps reproduce it).
-        grid = torch.tensor(row_major_offsets(k), dtype=torch.float64)
-        points = geometry.interpolation @ grid  # (k*k, 2): (y, x) of every slot's sample
-        radius = points.norm(dim=1).round().long()
-        angle = torch.atan2(points[:, 0], points[:, 1])
-        index = torch.where(radius > 0, torch.round(angle / (2 * math.pi) * 8 * radius.clamp_min(1)).long()
-                            % (8 * radius.clamp_min(1)), torch.zeros_like(radius))
-        slot_of = {(int(r), int(j)): s for s, (r, j) in enumerate(zip(radius, index))}
-        orders = []
-        for t in range(turns):
-            step = 8 // turns * t  # 45-degree steps
-            orders.append([slot_of[(int(r), int((j - step * r) % max(8 * int(r), 1)))]
-                           for r, j in zip(radius, index)])
+        # Turn 1 of eight (45 degrees) reads, in slot s, the weight of the slot r places back along s's ring
+        # (r its radius); each sample's point is the mean of its taps (bilinear taps reproduce it).
+        orders = [list(range(k * k))]
+        if turns == 8:
+            grid = torch.tensor(row_major_offsets(k), dtype=torch.float64)
+            points = geometry.interpolation @ grid  # (k*k, 2): (y, x) of every slot's sample
+            radius = points.norm(dim=1).round().long().tolist()
+            angle = torch.atan2(points[:, 0], points[:, 1])
+            index = [round(a / (2 * math.pi) * 8 * r) % (8 * r) if r else 0 for a, r in zip(angle.tolist(), radius)]
+            slot_of = {(r, j): slot for slot, (r, j) in enumerate(zip(radius, index))}
+            orders.append([slot_of[(r, (j - r) % (8 * r) if r else 0)] for r, j in zip(radius, index)])
         self.register_buffer("slot_to_grid", geometry.slot_to_grid[torch.tensor(orders)], persistent=False)
 
     def effective_kernels(self) -> torch.Tensor:
-        """``(turns * C_out, C_in / groups, k, k)``: the row-major kernel of each turn, turn by turn."""
+        """``(turns * C_out, C_in / groups, k, k)``: the row-major kernel of each turn, turn by turn. The
+        quarter turns are ``rot90`` of the first kernel (of the first two for eight turns), so that they
+        are exact."""
         w = self.weight
-        flat = w.flatten(2)[:, :, self.slot_to_grid] @ self.interpolation.to(w.dtype)  # (O, C, turns, k*k)
-        return flat.permute(2, 0, 1, 3).reshape(-1, w.shape[1], *w.shape[2:])
+        base = [(w.flatten(2)[:, :, order] @ self.interpolation.to(w.dtype)).view_as(w) for order in self.slot_to_grid]
+        step = 4 // self.turns if self.turns < 8 else 1  # quarter turns between consecutive copies of one base
+        kernels = [torch.rot90(base[t % len(base)], -(t // len(base)) * step, (2, 3)) for t in range(self.turns)]
+        return torch.cat(kernels)
 
     def turned_responses(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, turns, C_out, H, W)``: the response to the kernel turned by ``t * 360 / turns`` degrees."""
