@@ -46,7 +46,9 @@ install them where you run this, e.g. ``pip install e2cnn gmr-conv torchio`` in 
   output channel, the largest of the turned responses (pooling over the group at every layer);
   ``orientkey`` keeps, at each position, all channels of the one turn whose summed response is largest
   (one choice per window, shared by the channels). Both are exactly invariant to the group's turns, as the
-  orbit sorting is, and add no parameters. They test whether sorting each ring's values per channel
+  orbit sorting is, and add no parameters. ``orientmax8:``/``orientkey8:`` (polar sampling) pool eight copies
+  45 degrees apart, the kernel's weights moved along its rings: exactly invariant to quarter turns, and to
+  45-degree turns up to the bilinear reading of the ring points, as ring sorting is. They test whether sorting each ring's values per channel
   (which discards, per channel, which of the turned samples was which) is what costs the orbit sortings
   against the E(2)-CNN. A screening layer of this tool, not an option of the package.
 * ``gmr:<timm model>``: that model with every ``k x k`` convolution (``k > 1``) replaced by GMR-Conv
