@@ -4,6 +4,7 @@ bookkeeping is what is checked)."""
 import base64
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -101,6 +102,23 @@ def test_the_tool_starts_through_the_cli_runner(ablation):
     from timm_sortconv import cli
 
     assert ablation.run is cli.run
+
+
+def test_a_table_piped_into_head_stops_without_a_traceback(tmp_path):
+    """``scripts/ablation.py --table | head -2``: the runner ends quietly when its reader goes away."""
+    import subprocess
+    import sys
+
+    for row in range(400):  # enough lines to outlast the pipe's buffer
+        (tmp_path / f"r{row}").mkdir()
+        (tmp_path / f"r{row}" / "seed0.json").write_text(json.dumps(dict(
+            seed=0, params=1, train_samples=1, epochs=1, worst_angle=0.0,
+            **{k: 1.0 for k in ("mean", "upright", "worst", "dip")}, **{f"{k}_se": 0.0 for k in
+                                                                        ("mean", "upright", "worst", "dip")})))
+    script = Path(__file__).resolve().parents[1] / "scripts" / "ablation.py"
+    done = subprocess.run(f"'{sys.executable}' '{script}' --table --results '{tmp_path}' | head -2", shell=True,
+                          capture_output=True, text=True, check=True)
+    assert done.stdout.count("\n") == 2 and "Traceback" not in done.stderr
 
 
 def test_dip_probe_on_a_small_test_split_with_typed_model_kwargs(tmp_path):

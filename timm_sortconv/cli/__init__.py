@@ -16,6 +16,7 @@ option value) ends the process with one ``error:`` line, without a traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Callable, Optional, Sequence
 
@@ -38,6 +39,10 @@ def run(main: Callable[[Optional[Sequence[str]]], object], argv: Optional[Sequen
     except (CommandError, DatasetLayoutError) as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+    except BrokenPipeError:
+        # the reader of the output went away (``| head``): stop quietly, as command-line tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(1) from None
 
 
 def key_value(text: str) -> str:
