@@ -167,8 +167,8 @@ class OrientConv2d(torch.nn.Module):
     ``360 / turns`` degrees, give ``turns`` responses per output channel in one ``conv2d``, and they are
     pooled. With 2 or 4 turns the copies are exact quarter/half turns of the kernel, which a turn of the input
     by as much permutes cyclically, so the pooled output is exactly invariant to it. With 8 (polar sampling
-    only) a 45-degree turn moves every sample of ring ``r`` by ``r`` places along its circle, so the copies are
-    the weights moved along the rings (and so exactly 90-degree turns of each other in pairs four apart); the
+    only) a 45-degree turn moves every sample of ring ``r`` by ``r`` places along its circle: the second copy is
+    the weights moved so along the rings, and copies two apart are exact quarter turns of each other; the
     pooled output is exactly invariant to quarter turns and invariant to 45-degree turns of the content up to
     the bilinear reading of the points, as ring sorting is.
     """
