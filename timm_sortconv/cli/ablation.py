@@ -175,7 +175,7 @@ class OrientConv2d(torch.nn.Module):
 
     def __init__(self, conv, pool: str, turns: Optional[int] = None):
         super().__init__()
-        from ..ops.geometry import get_geometry, row_major_offsets
+        from ..ops.geometry import _orbit_order, get_geometry
 
         group = {"c2": 2, "c4": 4}.get(conv.sorting)
         if group is None:
@@ -197,16 +197,12 @@ class OrientConv2d(torch.nn.Module):
         # interpolation[s]: the effective row-major kernel is weight[..., slot_to_grid] @ interpolation.
         self.register_buffer("interpolation", geometry.interpolation.float(), persistent=False)
         # Turn 1 of eight (45 degrees) reads, in slot s, the weight of the slot r places back along s's ring
-        # (r its radius); each sample's point is the mean of its taps (bilinear taps reproduce it).
+        # (r its radius), from the geometry's own layout: ring r's slots hold the angular indices _orbit_order.
         orders = [list(range(k * k))]
         if turns == 8:
-            grid = torch.tensor(row_major_offsets(k), dtype=torch.float64)
-            points = geometry.interpolation @ grid  # (k*k, 2): (y, x) of every slot's sample
-            radius = points.norm(dim=1).round().long().tolist()
-            angle = torch.atan2(points[:, 0], points[:, 1])
-            index = [round(a / (2 * math.pi) * 8 * r) % (8 * r) if r else 0 for a, r in zip(angle.tolist(), radius)]
-            slot_of = {(r, j): slot for slot, (r, j) in enumerate(zip(radius, index))}
-            orders.append([slot_of[(r, (j - r) % (8 * r) if r else 0)] for r, j in zip(radius, index)])
+            ring_index = [(0, 0)] + [(r, j) for r in range(1, k // 2 + 1) for j in _orbit_order(r, group)]
+            slot_of = {key: slot for slot, key in enumerate(ring_index)}
+            orders.append([slot_of[(r, (j - r) % (8 * r) if r else 0)] for r, j in ring_index])
         self.register_buffer("slot_to_grid", geometry.slot_to_grid[torch.tensor(orders)], persistent=False)
 
     def effective_kernels(self) -> torch.Tensor:

@@ -114,20 +114,18 @@ def schedule(row) -> str:
 def training_lines(row) -> str:
     """The card's schedule, time, best epoch and command lines; a row trained on from the model's earlier
     bundled weights (``--pretrained``, with its ``row["start"]``) gives both stages."""
+    not_paper = ("This is\n  **not** the paper's 100 epochs (Adam 1e-4 x 0.8 every 10 epochs, `scripts/configs/mnist_scnn.yaml`): "
+                 "it is\n  what fits a 2-core CPU. Training took")
     start = row.get("start")
     if start is None:
-        return f"""- Schedule actually run: {schedule(row)}. This is
-  **not** the paper's 100 epochs (Adam 1e-4 x 0.8 every 10 epochs, `scripts/configs/mnist_scnn.yaml`): it is
-  what fits a 2-core CPU. Training took {row['train_minutes']:.1f} minutes there; best epoch {row['best_epoch']}
+        return f"""- Schedule actually run: {schedule(row)}. {not_paper} {row['train_minutes']:.1f} minutes there; best epoch {row['best_epoch']}
   (validation top-1 {row['best_val_top1']:.2f}%).
 - Command: `{row['reproduce']}`"""
     extra = " ".join(a for a in row.get("train_args") or [] if a != "--pretrained")
     return f"""- Schedule actually run, in two stages: {schedule(start)}, keeping its best epoch ({start['best_epoch']},
   validation top-1 {start['best_val_top1']:.2f}%), which was bundled; then {row['epochs']} more epochs of the same
   preset from those weights (`--pretrained`) with `{extra}` (best epoch {row['best_epoch']}, validation top-1
-  {row['best_val_top1']:.2f}%). This is **not** the paper's 100 epochs (Adam 1e-4 x 0.8 every 10 epochs,
-  `scripts/configs/mnist_scnn.yaml`): it is what fits a 2-core CPU. Training took
-  {start['train_minutes']:.1f} + {row['train_minutes']:.1f} minutes there.
+  {row['best_val_top1']:.2f}%). {not_paper} {start['train_minutes']:.1f} + {row['train_minutes']:.1f} minutes there.
 - Commands: `{start['reproduce']}`, then, with the first stage's best checkpoint as the bundled weights,
   `{row['reproduce']}`"""
 
