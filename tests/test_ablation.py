@@ -289,3 +289,34 @@ def test_orient_eight_turns_move_the_weights_along_the_polar_rings(ablation):
         ablation.create_model("orientmax8:scnn", dict(channels=(4, 4, 8, 8, 8, 8), sorting="c2", sampling="square"))
     with pytest.raises(ablation.CommandError, match="orientmax:<model> or orientkey:<model>"):
         ablation.create_model("orientmin:scnn", {})
+
+
+def test_frames_screening_wrapper_pools_the_canonical_frames_and_keeps_the_invariance(ablation):
+    """``frames<pool><K>x<step>:``: the image read at K offsets around its canonical turn, the pooled features
+    pooled over the frames; one frame at offset 0 is the canonicalized model itself."""
+    from timm_sortconv.canonical import moment_angle
+    from timm_sortconv.rotation import rotate_each
+
+    kwargs = dict(channels=(4, 4, 8, 8, 8, 8), sampling="square", sorting="c2", canonicalize="moment2")
+    x = torch.nn.functional.pad(torch.randn(3, 1, 20, 20, dtype=torch.float64), (4, 4, 4, 4))
+    torch.manual_seed(3)
+    single = ablation.create_model("framesavg1x0:scnn", dict(kwargs)).double().eval()
+    torch.manual_seed(3)
+    plain = ablation.SCNN(**kwargs).double().eval()
+    torch.manual_seed(4)
+    model = ablation.create_model("framesmax3x20:scnn", dict(kwargs)).double().eval()
+    assert model.offsets == [-20.0, 0.0, 20.0]
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in plain.parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(single(x), plain(x))
+        inner = model.model  # its canonicalize is now the identity: the wrapper turns the frames
+        angle = moment_angle(x)
+        frames = [rotate_each(x, -(angle + o), "border") for o in (-20.0, 0.0, 20.0)]
+        feats = torch.stack([inner.forward_head(inner.forward_features(f), pre_logits=True) for f in frames])
+        torch.testing.assert_close(model(x), inner.head.fc(feats.amax(0)))
+        # every frame turns with the input, and the c2 layers ignore the half turn the moment leaves
+        torch.testing.assert_close(model(torch.rot90(x, 2, (2, 3))), model(x), rtol=1e-9, atol=1e-9)
+    with pytest.raises(ablation.CommandError, match="needs canonicalize="):
+        ablation.create_model("framesavg3x20:scnn", dict(channels=(4, 4, 8, 8, 8, 8), sorting="c2"))
+    with pytest.raises(ablation.CommandError, match=r"frames\(avg\|max\)<K>x<step>"):
+        ablation.create_model("framesmean3:scnn", dict(kwargs))

@@ -51,6 +51,13 @@ install them where you run this, e.g. ``pip install e2cnn gmr-conv torchio`` in 
   45-degree turns up to the bilinear reading of the ring points, as ring sorting is. They test whether sorting each ring's values per channel
   (which discards, per channel, which of the turned samples was which) is what costs the orbit sortings
   against the E(2)-CNN. A screening layer of this tool, not an option of the package.
+* ``frames<pool><K>x<step>:<model>`` (``pool`` ``avg`` or ``max``, e.g. ``framesavg3x20:scnn``): ``<model>``,
+  which must have ``canonicalize=``, read in ``K`` canonical frames: the image turned by minus its moment
+  angle plus each of ``K`` offsets ``step`` degrees apart and centred on 0 (3x20: -20, 0, 20), the frames'
+  globally pooled features averaged or maxed before the classifier (:class:`FrameAverage`). Each frame turns
+  with the input, so the invariance of the canonical turn is kept; ``K`` forward passes, no parameters.
+  It tests whether reading a weakly oriented digit near, not only at, its measured angle lowers what the
+  turn costs. A screening wrapper of this tool, not an option of the package.
 * ``gmr:<timm model>``: that model with every ``k x k`` convolution (``k > 1``) replaced by GMR-Conv
   (``GMR_Conv.GMR_Conv2d``, Du et al. 2025: radially symmetric Gaussian-mixture-ring kernels), as the
   package's ``convert_to_gmr_conv`` does for stride-1 convolutions.
@@ -241,6 +248,40 @@ def orient_convert(module: torch.nn.Module, pool: str, turns: Optional[int] = No
     return module
 
 
+class FrameAverage(torch.nn.Module):
+    """``model`` read in several canonical frames of each image, its pooled features pooled over the frames.
+
+    The image is turned by minus its moment angle plus each of ``offsets`` (degrees) instead of by minus the
+    angle alone (``model.canonicalize`` is replaced by this), and the frames' globally pooled features are
+    averaged (``pool="avg"``) or maxed (``"max"``) before the classifier. Every frame turns with the input, so
+    the invariance of the canonical turn is kept; the offsets let the classifier depend less on the exact
+    angle read from a weakly oriented digit. ``len(offsets)`` forward passes; no parameters.
+    """
+
+    def __init__(self, model: torch.nn.Module, offsets, pool: str) -> None:
+        super().__init__()
+        from ..canonical import MomentCanonicalize2d
+        if not isinstance(getattr(model, "canonicalize", None), MomentCanonicalize2d):
+            raise CommandError("frames: the model needs canonicalize= (e.g. canonicalize=moment2)")
+        self.order = model.canonicalize.order
+        self.padding_mode = model.canonicalize.padding_mode
+        model.canonicalize = torch.nn.Identity()
+        self.model = model
+        self.offsets = [float(o) for o in offsets]
+        self.pool = pool
+        self.pretrained_cfg = getattr(model, "pretrained_cfg", MNIST_CFG)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from ..canonical import _moment_angle
+        from ..rotation import _rotate_each
+        angle = _moment_angle(x, self.order)
+        frames = torch.cat([_rotate_each(x, -(angle + o), self.padding_mode) for o in self.offsets])
+        feats = self.model.forward_head(self.model.forward_features(frames), pre_logits=True)
+        feats = feats.view(len(self.offsets), x.shape[0], -1)
+        feats = feats.mean(0) if self.pool == "avg" else feats.amax(0)
+        return self.model.head.fc(feats)
+
+
 def gmr_convert(module: torch.nn.Module) -> torch.nn.Module:
     """``module`` with its stride-1 ``k x k`` convolutions (``k > 1``) replaced by ``GMR_Conv2d``."""
     from GMR_Conv import GMR_Conv2d
@@ -274,6 +315,14 @@ def create_model(name: str, kwargs: Dict) -> torch.nn.Module:
                                "number of turns, e.g. orientmax8:scnn")
         turns = int(match.group(2)) if match.group(2) else None
         return orient_convert(create_model(base, kwargs), match.group(1), turns)
+    if name.startswith("frames") and ":" in name:
+        prefix, base = name.split(":", 1)
+        match = re.fullmatch(r"frames(avg|max)(\d+)x([\d.]+)", prefix)
+        if not match:
+            raise CommandError(f"--model {name}: use frames(avg|max)<K>x<step>:<model>, e.g. framesavg3x20:scnn")
+        k, step = int(match.group(2)), float(match.group(3))
+        offsets = [(j - (k - 1) / 2) * step for j in range(k)]
+        return FrameAverage(create_model(base, kwargs), offsets, match.group(1))
     if name.startswith("gmr:"):
         return gmr_convert(timm.create_model(name[4:], **kwargs))
     return timm.create_model(name, **kwargs)
