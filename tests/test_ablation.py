@@ -320,3 +320,5 @@ def test_frames_screening_wrapper_pools_the_canonical_frames_and_keeps_the_invar
         ablation.create_model("framesavg3x20:scnn", dict(channels=(4, 4, 8, 8, 8, 8), sorting="c2"))
     with pytest.raises(ablation.CommandError, match=r"frames\(avg\|max\)<K>x<step>"):
         ablation.create_model("framesmean3:scnn", dict(kwargs))
+    with pytest.raises(ablation.CommandError, match=r"<K>x<step>"):  # no frame at all
+        ablation.create_model("framesavg0x20:scnn", dict(kwargs))
