@@ -100,10 +100,10 @@ import timm
 import torch
 import torch.nn.functional as F
 
-from ..canonical import create_canonicalizer
+from ..canonical import MomentCanonicalize2d, _moment_angle, create_canonicalizer
 from ..data import RotatedDataset, cap_samples, create_dataset
 from ..models import SCNN  # importing the models registers them with timm
-from ..rotation import parse_rotations, rotate
+from ..rotation import _rotate_each, parse_rotations, rotate
 from . import CommandError, key_value, parse_key_values, run
 
 
@@ -260,7 +260,6 @@ class FrameAverage(torch.nn.Module):
 
     def __init__(self, model: torch.nn.Module, offsets, pool: str) -> None:
         super().__init__()
-        from ..canonical import MomentCanonicalize2d
         if not isinstance(getattr(model, "canonicalize", None), MomentCanonicalize2d):
             raise CommandError("frames: the model needs canonicalize= (e.g. canonicalize=moment2)")
         self.order = model.canonicalize.order
@@ -272,8 +271,6 @@ class FrameAverage(torch.nn.Module):
         self.pretrained_cfg = getattr(model, "pretrained_cfg", MNIST_CFG)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from ..canonical import _moment_angle
-        from ..rotation import _rotate_each
         angle = _moment_angle(x, self.order)
         frames = torch.cat([_rotate_each(x, -(angle + o), self.padding_mode) for o in self.offsets])
         feats = self.model.forward_head(self.model.forward_features(frames), pre_logits=True)
