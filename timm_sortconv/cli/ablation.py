@@ -316,7 +316,8 @@ def create_model(name: str, kwargs: Dict) -> torch.nn.Module:
         prefix, base = name.split(":", 1)
         match = re.fullmatch(r"frames(avg|max)(\d+)x([\d.]+)", prefix)
         if not match or int(match.group(2)) < 1:
-            raise CommandError(f"--model {name}: use frames(avg|max)<K>x<step>:<model> with K >= 1, e.g. framesavg3x20:scnn")
+            raise CommandError(f"--model {name}: use frames(avg|max)<K>x<step>:<model> with K >= 1, "
+                               "e.g. framesavg3x20:scnn")
         k, step = int(match.group(2)), float(match.group(3))
         offsets = [(j - (k - 1) / 2) * step for j in range(k)]
         return FrameAverage(create_model(base, kwargs), offsets, match.group(1))
