@@ -28,13 +28,18 @@ the CPU cannot run is refused with an error, never executed. No build is specifi
 (``-march=native`` is not used), so a cache entry serves every CPU of its level.
 
 Builds are cached in PyTorch's extension cache (``TORCH_EXTENSIONS_DIR``, by default
-``~/.cache/torch_extensions``) under a name that hashes the sources, the flags, the level and the torch and
-Python versions, and every process on the machine reuses them. The build compiles a copy of the sources
-kept in its cache entry, so two checkouts of the package with identical sources share one entry and
-checkouts with different sources get different entries: none rebuilds another's. If the build fails (no
-compiler, no ninja), a warning says why, a lower level is tried, and where none builds ``backend="auto"``
-uses the reference path. ``TIMM_SORTCONV_DISABLE_FAST=1`` switches the backend off
-(:func:`timm_sortconv.ops.backends.fast_disabled`).
+``~/.cache/torch_extensions``) under a name that hashes the sources, the flags, the level, the torch and
+Python versions and the build environment (:func:`build_environment`: the torch installation's folder, Python's
+header folders and the compiler, which the entry's ``build.ninja`` names), and every process on the machine
+reuses them. The build compiles a copy of the sources kept in its cache entry, so two checkouts of the
+package with identical sources in one environment share one entry, while checkouts with different sources
+and environments with another torch folder (two virtual environments) get entries of their own: none
+rebuilds another's (were the environment left out, each would rewrite the shared ``build.ninja`` with its
+own paths and ninja would recompile at every switch). A build prints one line to stderr before it starts
+(what it builds, why, about how long it takes) and one when it is done; loading a cached build prints
+nothing. If the build fails (no compiler, no ninja), a warning says why, a lower level is tried, and where
+none builds ``backend="auto"`` uses the reference path. ``TIMM_SORTCONV_DISABLE_FAST=1`` switches the
+backend off (:func:`timm_sortconv.ops.backends.fast_disabled`).
 
 Supported (``supports_cpu``): CPU tensors of float32 or float64 (input, weight and bias of one
 dtype), odd ``k <= 15``, any stride, dilation and groups. Under ``torch.autocast`` on the CPU the
@@ -50,8 +55,10 @@ import os
 import platform
 import shutil
 import sys
+import sysconfig
 import tempfile
 import threading
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,8 +72,8 @@ from .backends import DISABLE_ENV, NO_PADDING, Backend, fast_disabled, register_
 from .geometry import SortGeometry
 
 __all__ = ["ISA_ENV", "ISA_LEVELS", "MAX_KERNEL_SIZE", "POLAR_TAP_SIZES", "SOURCE_DIR", "CpuKernel",
-           "IsaLevel", "cpu_isa", "extension_name", "load_extension", "load_kernel", "polar_tap_header",
-           "runnable_isa_levels", "sort_conv2d_cpu", "supports_cpu"]
+           "IsaLevel", "build_environment", "cpu_isa", "extension_name", "load_extension", "load_kernel",
+           "polar_tap_header", "runnable_isa_levels", "sort_conv2d_cpu", "supports_cpu"]
 
 ISA_ENV = "TIMM_SORTCONV_CPU_ISA"
 MAX_KERNEL_SIZE = 15
@@ -218,13 +225,23 @@ def _sources(folder: Path) -> Dict[str, bytes]:
     return {path.name: path.read_bytes() for path in sorted(folder.iterdir()) if path.suffix in (".cpp", ".h")}
 
 
+def build_environment() -> Tuple[str, ...]:
+    """What ``cpp_extension.load`` writes into a build's ``build.ninja`` besides the sources and flags: the
+    torch installation's folder as this interpreter imports it (its headers and libraries are named by
+    path), Python's header folders and the C++ compiler (``CXX``, else ``c++``)."""
+    paths = sysconfig.get_paths()
+    return (os.path.dirname(os.path.abspath(torch.__file__)), paths.get("include", ""),
+            paths.get("platinclude", ""), os.environ.get("CXX", "c++"))
+
+
 def extension_name(sources: Dict[str, bytes], isa: str) -> str:
-    """The cache entry's name: a hash of the sources, the flags, the level and the torch and Python versions
-    (not of where the sources are, nor of the CPU model)."""
+    """The cache entry's name: a hash of the sources, the flags, the level, the torch and Python versions and
+    :func:`build_environment` (not of where the sources are, nor of the CPU model)."""
     digest = hashlib.sha256()
     for name, text in sources.items():
         digest.update(name.encode() + b"\0" + text + b"\0")
-    for part in (" ".join(_CFLAGS + ISA_LEVELS[isa].flags + _LDFLAGS), isa, torch.__version__, sys.version):
+    for part in (" ".join(_CFLAGS + ISA_LEVELS[isa].flags + _LDFLAGS), isa, torch.__version__, sys.version,
+                 *build_environment()):
         digest.update(part.encode() + b"\0")
     return f"timm_sortconv_cpu_{isa}_{digest.hexdigest()[:16]}"
 
@@ -242,8 +259,14 @@ def _stage_sources(sources: Dict[str, bytes], folder: Path) -> None:
         os.replace(f.name, path)
 
 
+def _say(line: str) -> None:
+    sys.stderr.write(f"timm_sortconv: {line}\n")
+    sys.stderr.flush()
+
+
 def _build(sources: Dict[str, bytes], isa: str, verbose: bool) -> ModuleType:
-    """Compiles (or loads from the cache) the sources for ``isa``; raises where they cannot be built."""
+    """Compiles (or loads from the cache) the sources for ``isa``; raises where they cannot be built. A build
+    (no library in the cache entry yet) is announced on stderr before it starts and when it is done."""
     cpp_extension = _import_cpp_extension()
     path = _ninja_on_path()
     if path is None:
@@ -253,15 +276,25 @@ def _build(sources: Dict[str, bytes], isa: str, verbose: bool) -> ModuleType:
     build_directory = root / name
     source_folder = build_directory / "src"
     _stage_sources(sources, source_folder)
+    # Every .cpp is a translation unit of its own (ninja compiles them in parallel).
+    units = [str(source_folder / file_name) for file_name in sources if file_name.endswith(".cpp")]
+    library = build_directory / (name + (".pyd" if sys.platform == "win32" else ".so"))
+    compiles = not library.is_file()
+    if compiles:
+        _say(f"compiling the fused CPU kernel ({isa} level, {len(units)} C++ files) into {build_directory}, "
+             f"because this Python environment (torch {torch.__version__} in {build_environment()[0]}) has no "
+             f"build of these sources yet; this takes about a minute on 2 cores, once per environment")
+    start = time.perf_counter()
     saved_path = os.environ.get("PATH")
     os.environ["PATH"] = path
     try:
-        # Every .cpp is a translation unit of its own (ninja compiles them in parallel).
-        units = [str(source_folder / file_name) for file_name in sources if file_name.endswith(".cpp")]
-        return cpp_extension.load(name=name, sources=units,
-                                  extra_include_paths=[str(source_folder)],
-                                  extra_cflags=list(_CFLAGS + ISA_LEVELS[isa].flags), extra_ldflags=list(_LDFLAGS),
-                                  build_directory=str(build_directory), verbose=verbose)
+        module = cpp_extension.load(name=name, sources=units, extra_include_paths=[str(source_folder)],
+                                    extra_cflags=list(_CFLAGS + ISA_LEVELS[isa].flags), extra_ldflags=list(_LDFLAGS),
+                                    build_directory=str(build_directory), verbose=verbose)
+        if compiles:
+            _say(f"the fused CPU kernel ({isa}) is built ({time.perf_counter() - start:.0f} s); later processes "
+                 "of this environment load it from the cache")
+        return module
     finally:
         if saved_path is None:
             del os.environ["PATH"]
