@@ -3,8 +3,8 @@
 A published model folder holds exactly what :func:`timm.models.save_for_hf` writes
 (``model.safetensors`` and ``config.json`` with ``architecture``, ``model_args`` and the
 ``pretrained_cfg``) plus the model card as ``README.md``. ``timm.create_model("hf-hub:ORG/NAME")`` and
-``timm.create_model("local-dir:/path")`` load such a folder; :func:`load_pretrained` does the same
-with errors that say what is wrong with the folder.
+``timm.create_model("local-dir:/path")`` load such a folder; :func:`load_pretrained` does the same, for a
+folder or a Hub repository, with errors that say what is wrong with the folder.
 """
 from __future__ import annotations
 
@@ -91,6 +91,42 @@ def fill_hf_cache(folder: Union[str, Path], repo_id: str, cache_dir: Union[str, 
     return snapshot
 
 
+HF_HUB_PREFIX = "hf-hub:"
+
+
+def _download(source: str) -> Path:
+    """The cached snapshot folder of ``hf-hub:ORG/NAME[@REVISION]`` after downloading its config and weights
+    through ``huggingface_hub`` (``HF_ENDPOINT``, ETag and revision checks, the ``HF_HUB_CACHE`` cache, served
+    from that cache when the server cannot be reached), as ``timm.create_model`` does. A file the repository
+    lacks is left for :func:`_check_folder` to name."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.utils import EntryNotFoundError, HfHubHTTPError, LocalEntryNotFoundError
+
+    repo_id, _, revision = source[len(HF_HUB_PREFIX):].partition("@")
+    if repo_id.count("/") != 1 or not all(repo_id.split("/")):
+        raise PretrainedLoadError(f"{source!r} names no Hub repository; expected {HF_HUB_PREFIX}ORG/NAME[@REVISION]")
+    folder = None
+    for name in (CONFIG_NAME, WEIGHTS_NAME):
+        try:
+            folder = Path(hf_hub_download(repo_id, name, revision=revision or None)).parent
+        except LocalEntryNotFoundError as e:
+            raise PretrainedLoadError(f"{source}: {name} could not be downloaded and is not in the Hugging Face "
+                                      f"cache ({_first_line(e)})") from e
+        except EntryNotFoundError:
+            continue
+        except (HfHubHTTPError, OSError, ValueError) as e:
+            raise PretrainedLoadError(f"{source}: {name} could not be downloaded ({_first_line(e)})") from e
+    if folder is None:
+        raise PretrainedLoadError(f"{source} holds neither {CONFIG_NAME} nor {WEIGHTS_NAME}; a model repository "
+                                  "holds the folder save_pretrained writes")
+    return folder
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
 def _check_folder(folder: Path) -> dict:
     if not folder.is_dir():
         raise PretrainedLoadError(f"{folder} is not a folder; expected one holding {CONFIG_NAME} and {WEIGHTS_NAME}")
@@ -117,14 +153,16 @@ def _check_folder(folder: Path) -> dict:
 def load_pretrained(folder: Union[str, Path], **kwargs) -> torch.nn.Module:
     """Builds the model a ``save_pretrained`` folder describes and loads its weights, checking the folder.
 
-    Equivalent to ``timm.create_model("local-dir:" + folder, **kwargs)``, but a missing file, an unknown
-    architecture, a corrupted safetensors file or weights of the wrong shape raise
-    :class:`PretrainedLoadError` saying which.
+    ``folder`` is a folder, or ``hf-hub:ORG/NAME[@REVISION]`` for a Hub repository holding one (downloaded
+    into the Hugging Face cache as ``timm.create_model`` downloads it; ``HF_ENDPOINT`` names the server).
+    Equivalent to ``timm.create_model("local-dir:" + folder, **kwargs)`` (``"hf-hub:..."``), but a missing
+    file, an unknown architecture, a corrupted safetensors file or weights of the wrong shape raise
+    :class:`PretrainedLoadError` saying which, in the same words for a Hub repository as for a folder.
     """
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    folder = Path(folder)
+    folder = _download(folder) if str(folder).startswith(HF_HUB_PREFIX) else Path(folder)
     config = _check_folder(folder)
     try:
         state_dict = load_file(folder / WEIGHTS_NAME)
