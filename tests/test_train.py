@@ -10,6 +10,7 @@ of their own call the tools' ``main(argv)`` in this process, which saves the int
 import csv
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -331,3 +332,37 @@ def test_mnist_results_rows_train_measure_compare_and_tabulate(data_dir, tmp_pat
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("| row |") and [line.split("|")[1].strip() for line in lines[2:]] == ["base", "sc"]
     assert f"{base['mnist_rot_top1']:.2f}%" in lines[2]
+
+
+@pytest.mark.parametrize("tool", ["train.py", "validate.py"])
+def test_a_folder_of_mnist_files_without_dataset_names_the_option_in_one_line(tool, tmp_path):
+    """The bundled sample (IDX files) given as an image folder: one line naming --dataset sortconv/mnist, no
+    traceback, nothing written."""
+    from timm_sortconv.data import mnist_sample_dir
+
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / tool), "--data-dir", str(mnist_sample_dir()),
+                             "--model", "scnn_p_rs_3", "--output" if tool == "train.py" else "--results-csv",
+                             str(tmp_path / "out")], capture_output=True, text=True, cwd=tmp_path,
+                            env={**os.environ, "TIMM_SORTCONV_DISABLE_FAST": "1"})
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: --data-dir {mnist_sample_dir()} holds MNIST IDX files (e.g. t10k-images-idx3-ubyte.gz), not an "
+        "image folder: add --dataset sortconv/mnist (or sortconv/mnist_rot)"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_data_folders_that_are_no_mnist_folder_pass_the_check(tmp_path):
+    validate_tool.check_image_folder("", str(tmp_path))  # an (empty) image folder: timm reports what it finds
+    validate_tool.check_image_folder("", None)
+    validate_tool.check_image_folder("sortconv/mnist", str(tmp_path))
+    raw = tmp_path / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    (raw / "train-images-idx3-ubyte").write_bytes(b"")
+    with pytest.raises(CommandError, match="add --dataset sortconv/mnist"):
+        validate_tool.check_image_folder("", str(tmp_path))
+
+
+@pytest.mark.parametrize("parser", [train_tool.build_parser(), validate_tool.parser], ids=["train", "validate"])
+def test_help_shows_input_size_as_c_h_w(parser):
+    assert "--input-size C H W" in parser.format_help()
+    assert parser.parse_args(["--model", "scnn_p_rs_3", "--input-size", "1", "28", "28"]).input_size == [1, 28, 28]

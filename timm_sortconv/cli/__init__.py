@@ -91,7 +91,8 @@ def add_input_args(group: argparse._ArgumentGroup) -> None:
     """The options that override a model's classes and its data config, with timm's names."""
     group.add_argument("--num-classes", type=int, default=None, metavar="N", help="classes (model default if unset)")
     group.add_argument("--in-chans", type=int, default=None, metavar="N", help="input channels (model default if unset)")
-    group.add_argument("--input-size", default=None, nargs=3, type=int, metavar="N N N", help="input C H W")
+    group.add_argument("--input-size", default=None, nargs=3, type=int, metavar=("C", "H", "W"),
+                       help="input channels, height and width")
     group.add_argument("--crop-pct", default=None, type=float, metavar="N",
                        help="evaluation centre crop fraction (1.0 for sortconv/ data sets, else the model's)")
     group.add_argument("--mean", type=float, nargs="+", default=None, metavar="MEAN", help="normalisation mean")

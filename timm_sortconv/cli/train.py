@@ -51,6 +51,7 @@ from timm.utils import load_checkpoint_metadata
 from .. import models  # noqa: F401  (registers the SC models with timm)
 from ..data import cap_samples, create_dataset, create_train_loader, is_sortconv_dataset, resolve_data_config
 from . import CommandError, KeyValueArgs, add_data_args, add_input_args, key_value, run
+from .validate import check_image_folder
 
 _logger = logging.getLogger("train")
 
@@ -350,6 +351,7 @@ def remove_recovery_files(saver) -> None:
 
 def main(argv=None):
     args, args_text = parse_args(argv)
+    check_image_folder(args.dataset, args.data_dir)
     if torch.cuda.is_available():
         torch.backends.cudnn.benchmark = False  # the same kernels every run, for resumable runs
 

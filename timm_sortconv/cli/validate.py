@@ -16,6 +16,7 @@ Example (MNIST-rot on 500 test images, an SCNN against its plain twin)::
         --rotations 0:360:10 --samples 500 --results-csv sweep.csv --plot sweep.png
 """
 import argparse
+import glob
 import logging
 import os
 from typing import Dict, Optional, Sequence
@@ -101,6 +102,19 @@ def describe(model: torch.nn.Module) -> str:
                                                for sampling, sorting in variants) + ")"
 
 
+def check_image_folder(dataset: str, data_dir: Optional[str]) -> None:
+    """Without ``--dataset`` the data folder is read as an image folder; a folder of MNIST's IDX files (as the
+    bundled sample, ``timm_sortconv/data/mnist_sample``) is refused in one line that names the option to add,
+    instead of timm's traceback about finding no images."""
+    if dataset or not data_dir:
+        return
+    idx_files = [path for folder in ("", "raw", os.path.join("MNIST", "raw"))
+                 for path in glob.glob(os.path.join(glob.escape(data_dir), folder, "*-idx[13]-ubyte*"))]
+    if idx_files:
+        raise CommandError(f"--data-dir {data_dir} holds MNIST IDX files (e.g. {os.path.basename(idx_files[0])}), "
+                           "not an image folder: add --dataset sortconv/mnist (or sortconv/mnist_rot)")
+
+
 def build_sweep(args, channels: int) -> RotatedDataset:
     """The split, capped by ``--samples``, at every angle of ``--rotations`` (angle 0 alone without it)."""
     options = dict(download=args.dataset_download)
@@ -140,6 +154,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, PerAngle]:
     args = parser.parse_args(argv)
     if args.baseline_checkpoint and not args.baseline_model:
         parser.error("--baseline-checkpoint needs --baseline-model")
+    check_image_folder(args.dataset, args.data_dir)
     if args.rotations:
         try:
             parse_rotations(args.rotations)
