@@ -174,3 +174,28 @@ def test_command_line(capsys):
     main(["--models", "scnn_p_rs_3", "scnn_baseline_3", "--angles", "0,90", "--num-images", "2"])
     out = capsys.readouterr().out
     assert "| 90 | 0.00% | 100.0% |" in out and "scnn_baseline_3: feature change" in out
+
+
+def test_sweep_plot_labels_both_panels_and_its_legends_cover_no_curve():
+    """Each panel has a title and a legend naming every curve, drawn outside the panel: no legend can hide
+    a point of a curve, however low."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from timm_sortconv.invariance import sweep_figure
+
+    angles = [10.0 * i for i in range(36)]
+    results = {"scnn_p_rs_3": {a: 90.0 for a in angles}, "scnn_baseline_3": {a: 2.0 + a / 100 for a in angles}}
+    fig = sweep_figure(results, "MNIST", {"scnn_p_rs_3": "Sorting Convolution"})
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    assert len(fig.axes) == 2
+    for axes in fig.axes:
+        assert axes.get_title()
+        legend = axes.get_legend()
+        assert legend is not None, axes.get_title()
+        names = [text.get_text() for text in legend.get_texts()]
+        assert len(names) == 2 and names[0].startswith("scnn_p_rs_3: Sorting Convolution") \
+            and names[1].startswith("scnn_baseline_3")
+        assert not legend.get_window_extent(renderer).overlaps(axes.get_window_extent(renderer))
+    plt.close(fig)
