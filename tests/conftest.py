@@ -1,10 +1,17 @@
 """Shared pytest fixtures and helpers."""
 import importlib.util
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
+
+REPO = Path(__file__).resolve().parent.parent
+# The research tools (tests/research/) import one another as scripts run from their folder do.
+RESEARCH = REPO / "scripts" / "research"
+if str(RESEARCH) not in sys.path:
+    sys.path.insert(0, str(RESEARCH))
 
 
 def load_script(path, name):

@@ -15,9 +15,9 @@ Only the kernel changes between versions: the geometry tables, the weight layout
 are today's (``timm_sortconv.ops.cpu_backend``), so versions must share the extension's interface.
 
 Examples:
-    python scripts/bench_kernel_ab.py git:HEAD~3 git:HEAD
-    python scripts/bench_kernel_ab.py git:main path/to/edited/csrc --shape 10,64,64,64,3 --repeats 11
-    python scripts/bench_kernel_ab.py git:HEAD@avx2 git:HEAD@avx512
+    python scripts/research/bench_kernel_ab.py git:HEAD~3 git:HEAD
+    python scripts/research/bench_kernel_ab.py git:main path/to/edited/csrc --shape 10,64,64,64,3 --repeats 11
+    python scripts/research/bench_kernel_ab.py git:HEAD@avx2 git:HEAD@avx512
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from typing import Optional, Tuple
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from timm_sortconv.ops import cpu_backend  # noqa: E402

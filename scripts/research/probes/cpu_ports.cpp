@@ -1,7 +1,7 @@
 // Throughput probes behind the design notes of BENCHMARKS.md: do AVX-512 min/max run beside the FMAs
 // or on the same pipes, and what does an unaligned 64-byte load cost against an aligned one?
 //
-//   g++ -O3 -march=native -o /tmp/cpu_ports scripts/probes/cpu_ports.cpp && /tmp/cpu_ports
+//   g++ -O3 -march=native -o /tmp/cpu_ports scripts/research/probes/cpu_ports.cpp && /tmp/cpu_ports
 //
 // Each probe runs 16 independent chains (more than the latency of any of these instructions needs to
 // be hidden), so it measures throughput. It prints nanoseconds per instruction; where min/max and FMA

@@ -30,11 +30,11 @@ modulo ``360 / order``; the median error and the share of digits off by more tha
 
 Examples::
 
-    python scripts/dip_probe.py --data-dir DATA --model scnn_p_rs_7 --pretrained --samples 500 \\
-        --angles 10,20,30,45 --out results/mnist/ablation/probe_scnn_p_rs_7.json
-    python scripts/dip_probe.py --operator --angles 10,22.5,30,45 --sampling polar polar-offset --blur 0 0.7
-    python scripts/dip_probe.py --moments --data-dir DATA --samples 2000 --angles 0:90:10 \\
-        --out results/mnist/ablation/moment_probe.json
+    python scripts/research/dip_probe.py --data-dir DATA --model scnn_p_rs_7 --pretrained --samples 500 \\
+        --angles 10,20,30,45 --out scripts/research/results/ablation/probe_scnn_p_rs_7.json
+    python scripts/research/dip_probe.py --operator --angles 10,22.5,30,45 --sampling polar polar-offset --blur 0 0.7
+    python scripts/research/dip_probe.py --moments --data-dir DATA --samples 2000 --angles 0:90:10 \\
+        --out scripts/research/results/ablation/moment_probe.json
 """
 from __future__ import annotations
 
@@ -47,11 +47,11 @@ import timm
 import torch
 import torch.nn as nn
 
-from .. import models  # noqa: F401  (registers the SC models with timm)
-from ..canonical import moment_angle
-from ..rotation import parse_rotations, rotate
-from . import key_value, parse_key_values, run
-from .ablation import load_split, rotated_sweep
+import timm_sortconv  # noqa: F401  (registers the SC models with timm)
+from ablation import load_split, rotated_sweep
+from timm_sortconv.canonical import moment_angle
+from timm_sortconv.cli import key_value, parse_key_values, run
+from timm_sortconv.rotation import parse_rotations, rotate
 
 
 def stages(model: nn.Module) -> List[Tuple[str, Callable[[torch.Tensor], torch.Tensor]]]:
@@ -150,8 +150,8 @@ def blob_images(count: int, blob_sigma: float, blur: float, angle: float, size: 
 
 def operator_probe(angles, samplings, blob_sigmas, blurs, fields: int, kernel_size: int = 7):
     """Rows ``(blob_sigma, blur, sampling, angle, [change of ring 1, ..., ring n])`` as described above."""
-    from ..ops import sort_conv2d
-    from ..ops.geometry import get_geometry
+    from timm_sortconv import sort_conv2d
+    from timm_sortconv import get_geometry
 
     k, n = kernel_size, kernel_size // 2
     ring_of = torch.tensor([max(abs(q // k - n), abs(q % k - n)) for q in range(k * k)])

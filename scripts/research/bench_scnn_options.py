@@ -5,7 +5,7 @@ One process builds every variant and times one forward+backward of a batch in tu
 rounds), so that a machine whose speed drifts between minutes slows every variant alike; the minimum over
 the rounds is reported, with its ratio to the paper's network.
 
-    python scripts/bench_scnn_options.py --batch 50 --threads 1 --rounds 3
+    python scripts/research/bench_scnn_options.py --batch 50 --threads 1 --rounds 3
 """
 import argparse
 import time

@@ -6,7 +6,7 @@ temporary ``TORCH_EXTENSIONS_DIR`` with ``cpu_backend.load_kernel`` and prints t
 CPU time of the compiler processes (ninja runs the translation units in parallel, so wall clock is less
 than CPU time on an idle machine with several cores).
 
-    python scripts/probes/build_time.py avx512 avx2 generic
+    python scripts/research/probes/build_time.py avx512 avx2 generic
 """
 import argparse
 import os

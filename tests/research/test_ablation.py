@@ -1,4 +1,4 @@
-"""timm_sortconv.cli.ablation (scripts/ablation.py): its statistics against hand-computed values, and one
+"""The research tools ``scripts/research/ablation.py`` (with ``peers.py``) and ``dip_probe.py``: the ablation's statistics against hand-computed values, and one
 tiny row end to end on MNIST-layout data written by the test (random pixels: the numbers mean nothing, the
 bookkeeping is what is checked)."""
 import base64
@@ -9,12 +9,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import REPO
 from test_data import make_mnist
 
 
 @pytest.fixture(scope="module")
+def peers():
+    import peers
+    return peers
+
+
+@pytest.fixture(scope="module")
 def ablation():
-    from timm_sortconv.cli import ablation
+    import ablation
     return ablation
 
 
@@ -49,7 +56,7 @@ def test_a_row_trains_sweeps_records_and_is_not_rerun(ablation, tmp_path, capsys
         correct = torch.from_numpy(bits.reshape(8, 3).astype(bool))
         assert row["per_angle"] == ablation.summarise(correct, row["angles"])["per_angle"]
         assert row["per_angle"][0] == row["per_angle"][2]  # an SCNN is exactly invariant to a quarter turn
-        assert row["command"].startswith("python scripts/ablation.py")
+        assert row["command"].startswith("python scripts/research/ablation.py")
     # A seed whose result exists is not trained again.
     weights = tmp_path / "out" / "tiny" / "seed0.pth"
     mtime = weights.stat().st_mtime_ns
@@ -98,14 +105,14 @@ def test_train_rotation_rotates_the_batches_and_only_then(ablation):
 
 
 def test_the_tool_starts_through_the_cli_runner(ablation):
-    """``python -m timm_sortconv.cli.ablation`` ends in ``run(main)``: the package's runner, not a row function."""
+    """``python scripts/research/ablation.py`` ends in ``run(main)``: the package's runner, not a row function."""
     from timm_sortconv import cli
 
     assert ablation.run is cli.run
 
 
 def test_a_table_piped_into_head_stops_without_a_traceback(tmp_path):
-    """``scripts/ablation.py --table | head -2``: the runner ends quietly when its reader goes away."""
+    """``scripts/research/ablation.py --table | head -2``: the runner ends quietly when its reader goes away."""
     import subprocess
     import sys
 
@@ -115,7 +122,7 @@ def test_a_table_piped_into_head_stops_without_a_traceback(tmp_path):
             seed=0, params=1, train_samples=1, epochs=1, worst_angle=0.0,
             **{k: 1.0 for k in ("mean", "upright", "worst", "dip")}, **{f"{k}_se": 0.0 for k in
                                                                         ("mean", "upright", "worst", "dip")})))
-    script = Path(__file__).resolve().parents[1] / "scripts" / "ablation.py"
+    script = REPO / "scripts" / "research" / "ablation.py"
     done = subprocess.run(f"'{sys.executable}' '{script}' --table --results '{tmp_path}' | head -2", shell=True,
                           capture_output=True, text=True, check=True)
     assert done.stdout.count("\n") == 2 and "Traceback" not in done.stderr
@@ -124,7 +131,7 @@ def test_a_table_piped_into_head_stops_without_a_traceback(tmp_path):
 def test_dip_probe_on_a_small_test_split_with_typed_model_kwargs(tmp_path):
     """dip_probe takes the ablation's sweep slice (also when the split holds fewer than 2,000 images) and
     parses ``--model-kwargs`` values as Python literals (``blur_sigma=0.5`` is a float, not a string)."""
-    from timm_sortconv.cli import dip_probe
+    import dip_probe
 
     data = tmp_path / "mnist"
     make_mnist(data, num_train=10020, num_test=16)
@@ -165,7 +172,7 @@ def test_paired_table_columns_are_the_mean_difference_over_common_seeds(ablation
 def test_moment_probe_reads_the_turn_of_each_digit(tmp_path):
     """dip_probe --moments on the shipped sample's real test digits: the moment angle of a turned digit
     exceeds the upright one's by the turn, to within a degree for orders 2 and 4."""
-    from timm_sortconv.cli import dip_probe
+    import dip_probe
     from timm_sortconv.data import mnist_sample_dir
 
     out = tmp_path / "moments.json"
@@ -178,11 +185,12 @@ def test_moment_probe_reads_the_turn_of_each_digit(tmp_path):
     assert rows[(2, 30.0)]["share_over_5_degrees"] < 0.02
 
 
-@pytest.mark.parametrize("tool", ["train", "validate", "mnist_results", "ablation", "dip_probe"])
+@pytest.mark.parametrize("tool", ["timm_sortconv.cli.train", "timm_sortconv.cli.validate",
+                                  "timm_sortconv.cli.mnist_results", "ablation", "dip_probe"])
 def test_a_model_kwarg_without_equals_is_a_usage_error_naming_it(tool, capsys):
     import importlib
 
-    module = importlib.import_module(f"timm_sortconv.cli.{tool}")
+    module = importlib.import_module(tool)
     with pytest.raises(SystemExit) as exit_info:
         module.main(["--model-kwargs", "canonicalize"])
     assert exit_info.value.code == 2
@@ -199,11 +207,11 @@ def test_key_values_are_python_literals_where_they_parse():
 @pytest.mark.parametrize("pool", ["max", "key"])
 @pytest.mark.parametrize("sampling", ["polar", "square"])
 @pytest.mark.parametrize("sorting,turn", [("c2", 2), ("c4", 1)])
-def test_orient_screening_layers_are_exactly_invariant_to_their_group_only(ablation, pool, sampling, sorting, turn):
+def test_orient_screening_layers_are_exactly_invariant_to_their_group_only(ablation, peers, pool, sampling, sorting, turn):
     torch.manual_seed(0)
     kwargs = dict(channels=(4, 4, 8, 8, 8, 8), sampling=sampling, sorting=sorting)
     model = ablation.create_model(f"orient{pool}:scnn", dict(kwargs)).double().eval()
-    assert sum(isinstance(m, ablation.OrientConv2d) for m in model.modules()) == 6
+    assert sum(isinstance(m, peers.OrientConv2d) for m in model.modules()) == 6
     assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in ablation.SCNN(**kwargs).parameters())
     x = torch.randn(3, 1, 28, 28, dtype=torch.float64)
     with torch.no_grad():
@@ -215,13 +223,13 @@ def test_orient_screening_layers_are_exactly_invariant_to_their_group_only(ablat
 
 
 @pytest.mark.parametrize("sampling", ["polar", "square"])
-def test_orient_effective_kernel_applies_the_weight_to_the_unsorted_samples(ablation, sampling):
+def test_orient_effective_kernel_applies_the_weight_to_the_unsorted_samples(peers, sampling):
     from timm_sortconv import SortConv2d
     from timm_sortconv.ops.geometry import get_geometry
 
     torch.manual_seed(1)
     conv = SortConv2d(3, 5, 7, padding=3, sampling=sampling, sorting="c2").double()
-    layer = ablation.OrientConv2d(conv, "max")
+    layer = peers.OrientConv2d(conv, "max")
     x = torch.randn(2, 3, 9, 10, dtype=torch.float64)
     g = get_geometry(7, sampling, "c2")
     windows = torch.nn.functional.unfold(x, 7, padding=3).view(2, 3, 49, -1)  # row-major windows, per channel
@@ -269,15 +277,15 @@ def test_turn_cost_compares_two_rows_upright_image_by_image(ablation, tmp_path, 
         ablation.turn_cost(str(res), "a", "missing", str(data), 2)
 
 
-def test_orient_eight_turns_move_the_weights_along_the_polar_rings(ablation):
+def test_orient_eight_turns_move_the_weights_along_the_polar_rings(ablation, peers):
     """``orientmax8``: eight copies of the kernel, 45 degrees apart along the rings; every second one is an
     exact quarter turn of the one before, so the pooled network is exactly invariant to quarter turns."""
     from timm_sortconv import SortConv2d
 
     torch.manual_seed(2)
     conv = SortConv2d(2, 3, 7, padding=3, sampling="polar", sorting="c2").double()
-    kernels = ablation.OrientConv2d(conv, "max", 8).effective_kernels().unflatten(0, (8, 3))
-    torch.testing.assert_close(kernels[0], ablation.OrientConv2d(conv, "max").effective_kernels()[:3])
+    kernels = peers.OrientConv2d(conv, "max", 8).effective_kernels().unflatten(0, (8, 3))
+    torch.testing.assert_close(kernels[0], peers.OrientConv2d(conv, "max").effective_kernels()[:3])
     for t in range(8):  # two 45-degree steps are a quarter turn of the kernel, in one direction throughout
         torch.testing.assert_close(kernels[(t + 2) % 8], torch.rot90(kernels[t], -1, (2, 3)))
     assert (kernels[1] - kernels[0]).abs().max() > 1e-3  # a 45-degree step is a different kernel
