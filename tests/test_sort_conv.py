@@ -543,11 +543,11 @@ def test_unbatched_input(sampling, sorting):
 # ---------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kernel_size,match", [
-    (4, r"odd kernel size.*got kernel_size=4"),
-    (0, r"odd kernel size.*got kernel_size=0"),
-    (-3, r"odd kernel size.*got kernel_size=-3"),
-    ((3, 5), r"square kernel.*kernel_size=\(3, 5\).*odd int"),
-    ((2, 2), r"odd kernel size.*got kernel_size=2"),
+    (0, r"kernel size k >= 1.*got kernel_size=0"),
+    (-3, r"kernel size k >= 1.*got kernel_size=-3"),
+    (2.0, r"kernel size k >= 1.*got kernel_size=2.0"),
+    ((3, 5), r"square kernel.*kernel_size=\(3, 5\).*one int k >= 1"),
+    ((0, 0), r"kernel size k >= 1.*got kernel_size=0"),
 ])
 def test_bad_kernel_size(kernel_size, match):
     with pytest.raises(ValueError, match=match):
@@ -556,8 +556,8 @@ def test_bad_kernel_size(kernel_size, match):
 
 def test_bad_kernel_size_functional():
     x = torch.randn(1, 2, 8, 8)
-    with pytest.raises(ValueError, match=r"odd kernel size.*got kernel_size=4"):
-        sort_conv2d(x, torch.randn(2, 2, 4, 4))
+    with pytest.raises(ValueError, match=r"kernel size k >= 1.*got kernel_size=0"):
+        sort_conv2d(x, torch.randn(2, 2, 0, 0))
     with pytest.raises(ValueError, match=r"square kernel.*kernel_size=\(3, 5\)"):
         sort_conv2d(x, torch.randn(2, 2, 3, 5))
     with pytest.raises(ValueError, match=r"weight must be 4-D.*\(2, 2, 3\)"):
@@ -583,7 +583,7 @@ def test_groups_must_divide_channels():
         SortConv2d(4, 6, 3, groups=4)
     with pytest.raises(ValueError, match=r"groups=0"):
         SortConv2d(4, 6, 3, groups=0)
-    with pytest.raises(ValueError, match=r"C_out=4, got groups=3"):
+    with pytest.raises(ValueError, match=r"groups=3 must be a positive int dividing out_channels=4$"):
         sort_conv2d(torch.randn(1, 6, 6, 6), torch.randn(4, 2, 3, 3), groups=3)
 
 

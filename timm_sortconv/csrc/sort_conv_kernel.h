@@ -292,7 +292,7 @@ Plan<scalar_t> make_plan(const at::Tensor& input, const at::Tensor& tap_offsets,
                          const std::array<int64_t, 4>& pad) {
   Plan<scalar_t> plan;
   const int64_t slots = kernel_size * kernel_size;
-  TORCH_CHECK(kernel_size >= 1 && kernel_size % 2 == 1, "sort_conv_cpu: kernel_size must be odd, got ", kernel_size);
+  TORCH_CHECK(kernel_size >= 1, "sort_conv_cpu: kernel_size must be >= 1, got ", kernel_size);
   TORCH_CHECK(stride_h >= 1 && stride_w >= 1 && dilation_h >= 1 && dilation_w >= 1,
               "sort_conv_cpu: stride and dilation must be >= 1");
   TORCH_CHECK(tap_offsets.dim() == 3 && tap_offsets.size(0) == slots && tap_offsets.size(2) == 2,
@@ -322,7 +322,8 @@ Plan<scalar_t> make_plan(const at::Tensor& input, const at::Tensor& tap_offsets,
   const auto weights = tap_weights.to(at::kDouble).contiguous();
   const int64_t* off = offsets.data_ptr<int64_t>();
   const double* wgt = weights.data_ptr<double>();
-  const int64_t half = kernel_size / 2, max_taps = tap_offsets.size(1);
+  // Offsets count from the window's pixel k / 2 (its centre for odd k, the pixel below and right of it for even k).
+  const int64_t half = kernel_size / 2, last = kernel_size - 1 - half, max_taps = tap_offsets.size(1);
   plan.grid_offset.resize(slots);
   for (int64_t q = 0; q < slots; ++q) {
     plan.grid_offset[q] = (q / kernel_size) * dilation_h * plan.in_w + (q % kernel_size) * dilation_w;
@@ -340,7 +341,7 @@ Plan<scalar_t> make_plan(const at::Tensor& input, const at::Tensor& tap_offsets,
         continue;
       }
       const int64_t dy = off[(s * max_taps + t) * 2], dx = off[(s * max_taps + t) * 2 + 1];
-      TORCH_CHECK(dy >= -half && dy <= half && dx >= -half && dx <= half, "sort_conv_cpu: a tap leaves the window");
+      TORCH_CHECK(dy >= -half && dy <= last && dx >= -half && dx <= last, "sort_conv_cpu: a tap leaves the window");
       const int64_t q = (dy + half) * kernel_size + (dx + half);
       sample_position.push_back({s, q});
       position_sample.push_back({q, s});

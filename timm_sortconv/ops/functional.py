@@ -17,7 +17,7 @@ from .geometry import check_kernel_size, check_variant, get_geometry
 from .operator import check_input, check_size
 from .reference import sort_conv2d_reference
 
-__all__ = ["sort_conv2d", "sort_conv2d_zero_padded", "PADDING_MODES"]
+__all__ = ["sort_conv2d", "sort_conv2d_zero_padded", "check_groups", "PADDING_MODES"]
 
 PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
 
@@ -29,6 +29,16 @@ def _pair(value: IntPair, name: str, minimum: int) -> Tuple[int, int]:
     if len(pair) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) and v >= minimum for v in pair):
         raise ValueError(f"{name} must be an int >= {minimum} or a pair of them, got {name}={value!r}")
     return pair
+
+
+def check_groups(groups, out_channels: int, in_channels: Optional[int] = None) -> int:
+    """Returns ``groups`` if it is a positive int dividing ``out_channels`` (and ``in_channels``, where given),
+    else raises ``ValueError`` naming the values."""
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1 or out_channels % groups \
+            or (in_channels is not None and in_channels % groups):
+        channels = f"out_channels={out_channels}" + ("" if in_channels is None else f" and in_channels={in_channels}")
+        raise ValueError(f"groups={groups!r} must be a positive int dividing {channels}")
+    return groups
 
 
 def resolve_padding(padding: Union[str, IntPair], kernel_size: int, stride: Tuple[int, int],
@@ -73,7 +83,7 @@ def sort_conv2d(
 
     Args:
         input: ``(N, C_in, H, W)`` floating-point tensor.
-        weight: ``(C_out, C_in / groups, k, k)`` with odd ``k``.
+        weight: ``(C_out, C_in / groups, k, k)``, ``k`` odd or even.
         bias: optional ``(C_out,)``.
         stride, padding, dilation, groups: as in :func:`torch.nn.functional.conv2d`; ``padding`` may be
             ``"same"`` or ``"valid"``.
@@ -98,12 +108,11 @@ def sort_conv2d(
     # int(): while tracing, sizes are tensors; the kernel size is a constant of the traced graph.
     k = check_kernel_size(tuple(int(size) for size in weight.shape[2:]))
     check_variant(sampling, sorting)
-    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1 or weight.shape[0] % groups:
-        raise ValueError(f"groups must be a positive int dividing C_out={weight.shape[0]}, got groups={groups!r}")
     if padding_mode not in PADDING_MODES:
         raise ValueError(f"padding_mode={padding_mode!r} is not accepted; use one of {PADDING_MODES}")
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"sort_conv2d expects a torch.Tensor input, got {type(input).__name__}")
+    check_groups(groups, weight.shape[0])  # the input's channels: check_input below
     check_input(input, weight, bias, groups)
     stride = _pair(stride, "stride", 1)
     dilation = _pair(dilation, "dilation", 1)

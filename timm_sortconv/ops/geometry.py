@@ -1,9 +1,19 @@
-"""Sampling geometry of Sorting Convolution, computed from first principles for any odd kernel size.
+"""Sampling geometry of Sorting Convolution, computed from first principles for any kernel size.
 
 A ``k x k`` window (``k = 2n + 1``) is split into the centre and ``n`` Chebyshev rings; ring ``r``
 holds the ``8r`` grid positions ``(dy, dx)`` with ``max(|dy|, |dx|) = r``. Every SC variant works on
 a vector of ``k*k`` *samples* laid out in **ring order**: the centre first, then ring 1's eight
 samples, then ring 2's sixteen, and so on. Ring ``r`` occupies slots ``[(2r-1)^2, (2r+1)^2)``.
+
+**Even kernels** (``k = 2n``, e.g. the ``4 x 4`` stem and ``2 x 2`` downsampling of ConvNeXt) have their
+centre between four pixels. Measured from it, the pixels sit at half-integer coordinates, and ring ``r``
+(``r = 1 .. n``) holds the ``8r - 4`` positions at Chebyshev distance ``r - 1/2``: the inner ``2 x 2``, then
+12, 20, ... positions, slots ``[(2r-2)^2, (2r)^2)``; there is no centre sample. A quarter turn about the
+centre maps every ring onto itself, so everything below (polar points on circles of radius ``r - 1/2``,
+the sortings, their orbits of 4 and 2) carries over unchanged. Grid offsets are stored as integers
+``(dy, dx) = (row, column) - k // 2`` for every ``k``, so a window's top-left pixel is at ``-(k // 2)``
+and row-major index ``(dy + k // 2) * k + (dx + k // 2)``; for even ``k`` the true position of an offset
+relative to the centre is ``(dy + 1/2, dx + 1/2)``.
 
 * ``sampling="square"``: the samples of ring ``r`` are the window's values at ring ``r``'s grid
   positions (so each sample has a single tap of weight 1).
@@ -51,12 +61,14 @@ from typing import Dict, List, Tuple
 import torch
 
 __all__ = [
+    "ORBIT_SORTINGS",
     "SAMPLINGS",
     "SORTINGS",
     "SortGeometry",
     "get_geometry",
     "ring_grid_offsets",
     "row_major_offsets",
+    "orbit_order",
     "polar_points",
     "batcher_comparators",
     "check_kernel_size",
@@ -73,30 +85,44 @@ ORBIT_SORTINGS = {"c4": 4, "c2": 2}
 _SNAP = 1e-12
 
 
+def _centre_shift(kernel_size: int) -> float:
+    """Where the window's centre lies from the grid offset ``(0, 0)``: 0 for odd ``k``, 1/2 for even."""
+    return 0.0 if kernel_size % 2 else 0.5
+
+
+def _rings(kernel_size: int) -> List[Tuple[float, List[Tuple[int, int]]]]:
+    """``(radius, offsets)`` per ring, inside out: the Chebyshev distance of the ring's positions from the
+    window's centre and their grid offsets ``(dy, dx)`` in row-major order (the centre of an odd window is
+    the ring of radius 0)."""
+    shift = _centre_shift(kernel_size)
+    low = -(kernel_size // 2)
+    positions = [(dy, dx) for dy in range(low, low + kernel_size) for dx in range(low, low + kernel_size)]
+    radius = lambda p: max(abs(p[0] + shift), abs(p[1] + shift))  # noqa: E731
+    radii = sorted({radius(p) for p in positions})
+    return [(r, [p for p in positions if radius(p) == r]) for r in radii]
+
+
 def ring_grid_offsets(kernel_size: int) -> List[Tuple[int, int]]:
-    """Grid offsets ``(dy, dx)`` of the window in ring order: centre, then each Chebyshev ring in
-    row-major order."""
-    n = kernel_size // 2
-    offsets = [(0, 0)]
-    for r in range(1, n + 1):
-        offsets += [(dy, dx) for dy in range(-r, r + 1) for dx in range(-r, r + 1) if max(abs(dy), abs(dx)) == r]
-    return offsets
+    """Grid offsets ``(dy, dx)`` of the window in ring order: each Chebyshev ring (the centre first for odd
+    ``k``) in row-major order."""
+    return [p for _, ring in _rings(kernel_size) for p in ring]
 
 
 def row_major_offsets(kernel_size: int) -> List[Tuple[int, int]]:
     """Grid offsets ``(dy, dx)`` of the window in row-major order."""
-    n = kernel_size // 2
-    return [(dy, dx) for dy in range(-n, n + 1) for dx in range(-n, n + 1)]
+    low = -(kernel_size // 2)
+    return [(dy, dx) for dy in range(low, low + kernel_size) for dx in range(low, low + kernel_size)]
 
 
-def polar_points(radius: int, offset: float = 0.0) -> List[Tuple[float, float]]:
-    """The ``8 * radius`` points ``(y, x)`` on the circle of that radius, angle ``2*pi*(j + offset)/(8r)``
-    from the +x axis, in order of ``j``. The first quadrant is computed; the others are its exact
-    rotations ``(y, x) -> (x, -y)`` by 90 degrees."""
-    quarter = 2 * radius
+def polar_points(radius: float, offset: float = 0.0, count: int = 0) -> List[Tuple[float, float]]:
+    """The ``count`` points ``(y, x)`` (default ``8 * radius``; a multiple of 4) on the circle of that radius,
+    angle ``2*pi*(j + offset)/count`` from the +x axis, in order of ``j``. The first quadrant is computed; the
+    others are its exact rotations ``(y, x) -> (x, -y)`` by 90 degrees."""
+    count = count or int(8 * radius)
+    quarter = count // 4
     first = []
     for j in range(quarter):
-        angle = 2.0 * math.pi * (j + offset) / (8 * radius)
+        angle = 2.0 * math.pi * (j + offset) / count
         first.append((radius * math.sin(angle), radius * math.cos(angle)))
     points = list(first)
     for _ in range(3):
@@ -151,7 +177,7 @@ class SortGeometry:
     """Everything an SC implementation needs for one ``(kernel_size, sampling, sorting)``.
 
     Attributes:
-        kernel_size: odd ``k``.
+        kernel_size: ``k`` (odd or even, see the module docstring).
         sampling: ``"square"``, ``"polar"`` or ``"polar-offset"``.
         sorting: ``"ring"``, ``"global"``, ``"c4"`` or ``"c2"``.
         segments: ``(start, end)`` slot ranges sorted independently, in slot order.
@@ -181,18 +207,16 @@ class SortGeometry:
 
 
 def check_kernel_size(kernel_size) -> int:
-    """Returns the odd square kernel size ``k`` or raises ``ValueError`` naming what was given."""
+    """Returns the square kernel size ``k`` or raises ``ValueError`` naming what was given."""
     if isinstance(kernel_size, (tuple, list)):
         if len(kernel_size) != 2 or kernel_size[0] != kernel_size[1]:
             raise ValueError(
                 f"SortConv2d needs a square kernel, got kernel_size={tuple(kernel_size)}; "
-                "pass one odd int k >= 1 or a pair (k, k)"
+                "pass one int k >= 1 or a pair (k, k)"
             )
         kernel_size = kernel_size[0]
-    if isinstance(kernel_size, bool) or not isinstance(kernel_size, int) or kernel_size < 1 or kernel_size % 2 == 0:
-        raise ValueError(
-            f"SortConv2d needs an odd kernel size k >= 1 (1, 3, 5, 7, ...), got kernel_size={kernel_size!r}"
-        )
+    if isinstance(kernel_size, bool) or not isinstance(kernel_size, int) or kernel_size < 1:
+        raise ValueError(f"SortConv2d needs a kernel size k >= 1 (1, 2, 3, ...), got kernel_size={kernel_size!r}")
     return kernel_size
 
 
@@ -210,7 +234,7 @@ _GEOMETRIES: Dict[Tuple[int, str, str], SortGeometry] = {}
 
 
 def get_geometry(kernel_size: int, sampling: str = "polar", sorting: str = "ring") -> SortGeometry:
-    """The cached :class:`SortGeometry` for an odd ``kernel_size`` and a variant.
+    """The cached :class:`SortGeometry` for a ``kernel_size`` and a variant.
 
     Example:
         >>> g = get_geometry(3, "polar", "ring")
@@ -227,48 +251,63 @@ def get_geometry(kernel_size: int, sampling: str = "polar", sorting: str = "ring
     return _GEOMETRIES[key]
 
 
+def _angular(offsets: List[Tuple[int, int]], shift: float) -> List[Tuple[int, int]]:
+    """``offsets`` (one ring) in order of their angle about the window's centre, ``atan2`` in ``[0, 360)``."""
+    return sorted(offsets, key=lambda p: math.atan2(p[0] + shift, p[1] + shift) % (2.0 * math.pi))
+
+
 def angular_ring_offsets(radius: int) -> List[Tuple[int, int]]:
-    """Ring ``radius``'s ``8 * radius`` grid offsets ``(dy, dx)`` in order of their angle ``atan2(dy, dx)`` in
-    ``[0, 360)`` degrees (``dy`` the row offset), the order of :func:`polar_points`: a quarter turn
-    ``(dy, dx) -> (dx, -dy)`` moves each one ``2 * radius`` places on."""
+    """Ring ``radius``'s ``8 * radius`` grid offsets ``(dy, dx)`` (odd kernels) in order of their angle
+    ``atan2(dy, dx)`` in ``[0, 360)`` degrees (``dy`` the row offset), the order of :func:`polar_points`: a
+    quarter turn ``(dy, dx) -> (dx, -dy)`` moves each one ``2 * radius`` places on."""
     ring = [(dy, dx) for dy in range(-radius, radius + 1) for dx in range(-radius, radius + 1)
             if max(abs(dy), abs(dx)) == radius]
-    return sorted(ring, key=lambda p: math.atan2(p[0], p[1]) % (2.0 * math.pi))
+    return _angular(ring, 0.0)
 
 
-def _orbit_order(radius: int, group: int) -> List[int]:
-    """Angular indices ``j`` of ring ``radius`` orbit by orbit: ``o + m * 8r / group`` for each orbit ``o``,
-    then each member ``m``."""
-    step = 8 * radius // group
+def orbit_order(size: int, group: int) -> List[int]:
+    """Angular indices ``j`` of a ring of ``size`` samples in the slot order of the orbit sortings: orbit by
+    orbit, ``o + m * size / group`` for each orbit ``o`` and then each member ``m``.
+
+    Example:
+        >>> orbit_order(8, 4)  # ring 1 of an odd window: two orbits of a quarter turn
+        [0, 2, 4, 6, 1, 3, 5, 7]
+    """
+    step = size // group
     return [o + m * step for o in range(step) for m in range(group)]
 
 
 def _build_geometry(k: int, sampling: str, sorting: str) -> SortGeometry:
-    n = k // 2
-    grid = ring_grid_offsets(k)
+    n, shift = k // 2, _centre_shift(k)
+    rings = _rings(k)
     group = ORBIT_SORTINGS.get(sorting, 0)
-    if group:  # samples and weights in angular order, orbit by orbit
-        orders = [_orbit_order(r, group) for r in range(1, n + 1)]
-        angular = [angular_ring_offsets(r) for r in range(1, n + 1)]
-        weight_grid = [(0, 0)] + [angular[r - 1][j] for r in range(1, n + 1) for j in orders[r - 1]]
+    if group:  # samples and weights in angular order, orbit by orbit; the centre (radius 0) stays alone
+        weight_rings = [ring if radius == 0 else [_angular(ring, shift)[j] for j in orbit_order(len(ring), group)]
+                        for radius, ring in rings]
+    else:
+        weight_rings = [ring for _, ring in rings]
+    weight_grid = [p for ring in weight_rings for p in ring]
     if sampling == "square":
-        sample_grid = weight_grid if group else grid
-        taps = [[(dy, dx, 1.0)] for dy, dx in sample_grid]
+        taps = [[(dy, dx, 1.0)] for dy, dx in weight_grid]
     else:
         offset = 0.5 if sampling == "polar-offset" else 0.0
-        taps = [[(0, 0, 1.0)]]
-        for r in range(1, n + 1):
-            points = polar_points(r, offset)
+        taps = []
+        for radius, ring in rings:
+            if radius == 0:
+                taps.append([(0, 0, 1.0)])
+                continue
+            points = polar_points(radius, offset, len(ring))
             if group:
-                points = [points[j] for j in orders[r - 1]]
-            taps += [_bilinear_taps(y, x) for y, x in points]
+                points = [points[j] for j in orbit_order(len(ring), group)]
+            # the points are measured from the centre, the taps from the grid offset (0, 0)
+            taps += [_bilinear_taps(y - shift, x - shift) for y, x in points]
     width = max(len(t) for t in taps)
     taps = [t + [(*t[0][:2], 0.0)] * (width - len(t)) for t in taps]
     interpolation_rows = []
     for sample_taps in taps:
         row = [0.0] * (k * k)
         for dy, dx, w in sample_taps:
-            assert max(abs(dy), abs(dx)) <= n, "a bilinear tap left the window"
+            assert -n <= min(dy, dx) and max(dy, dx) < k - n, "a bilinear tap left the window"
             row[(dy + n) * k + (dx + n)] += w
         interpolation_rows.append(row)
     # The tables are filled as Python lists and converted once: a caller that is traced or compiled
@@ -276,15 +315,20 @@ def _build_geometry(k: int, sampling: str, sorting: str) -> SortGeometry:
     offsets = torch.tensor([[(dy, dx) for dy, dx, _ in t] for t in taps], dtype=torch.long)
     weights = torch.tensor([[w for _, _, w in t] for t in taps], dtype=torch.float64)
     interpolation = torch.tensor(interpolation_rows, dtype=torch.float64)
-    ring_bounds = [(0, 1)] + [((2 * r - 1) ** 2, (2 * r + 1) ** 2) for r in range(1, n + 1)]
-    if group:
-        segments = ((0, 1),) + tuple((s, s + group) for start, end in ring_bounds[1:] for s in range(start, end, group))
-        slot_to_grid = torch.tensor([(dy + n) * k + (dx + n) for dy, dx in weight_grid], dtype=torch.long)
+    bounds, start = [], 0
+    for _, ring in rings:
+        bounds.append((start, start + len(ring)))
+        start += len(ring)
+    if group:  # the centre alone, then each orbit
+        segments = tuple(seg for a, b in bounds
+                         for seg in ([(a, b)] if b - a == 1 else [(s, s + group) for s in range(a, b, group)]))
     elif sorting == "ring":
-        segments = tuple(ring_bounds)
-        slot_to_grid = torch.tensor([(dy + n) * k + (dx + n) for dy, dx in grid], dtype=torch.long)
+        segments = tuple(bounds)
     else:
         segments = ((0, k * k),)
+    if sorting == "global":
         slot_to_grid = torch.arange(k * k)
+    else:
+        slot_to_grid = torch.tensor([(dy + n) * k + (dx + n) for dy, dx in weight_grid], dtype=torch.long)
     sample_grid = tuple((t[0][0], t[0][1]) for t in taps)
     return SortGeometry(k, sampling, sorting, segments, offsets, weights, interpolation, slot_to_grid, sample_grid)
