@@ -218,31 +218,36 @@ def test_canonical_entrypoint_is_p_rs_7_with_moment2():
                         sum(p.numel() for p in timm.create_model("scnn_p_rs_7", channels=(2,) * 6).parameters()))
 
 
-def test_sort_conv2d_canonicalize_turns_its_input_first():
+def test_a_convolution_does_not_turn_its_input_and_says_where_the_turn_goes():
+    with pytest.raises(TypeError, match=r"SortConv2d\(canonicalize='moment2'\): a convolution does not turn its "
+                                        r"input; put timm_sortconv.canonical.MomentCanonicalize2d in front"):
+        SortConv2d(1, 4, 5, padding=2, canonicalize="moment2")
+
+
+def test_sortify_canonicalize_turns_the_input_in_front_of_the_model():
+    """On a timm or torchvision model the turn is a module in front of the model (``model.canonicalize``, no
+    parameters, applied before ``forward``), not an attribute of a convolution."""
     torch.manual_seed(0)
-    conv = SortConv2d(1, 4, 5, padding=2, canonicalize="moment2").double()
-    plain = SortConv2d(1, 4, 5, padding=2).double()
-    plain.load_state_dict(conv.state_dict())
-    assert "canonicalize=moment2" in repr(conv) and "canonicalize" not in repr(plain)
-    x = digits(4)
-    with torch.no_grad():
-        assert torch.allclose(conv(x), plain(MomentCanonicalize2d(2)(x)), atol=1e-12)
-        assert torch.allclose(conv(x[0]), conv(x[:1])[0], atol=1e-12)  # unbatched input
-    conv.set_canonicalize(None)
-    with torch.no_grad():
-        assert torch.equal(conv(x), plain(x))
-    with pytest.raises(ValueError, match="canonicalize must be None or one of"):
-        SortConv2d(1, 4, 3, canonicalize="moment3")
-
-
-def test_sortify_canonicalize_sets_the_stem_only():
     model = timm.create_model("resnet18", num_classes=3)
-    sortify(model, canonicalize="moment2")
-    stems = [name for name, m in model.named_modules() if isinstance(m, SortConv2d) and m.canonicalize]
-    assert stems == ["conv1"]  # resnet18's pretrained_cfg["first_conv"]
-    plain = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1))
-    sortify(plain, canonicalize="moment4")
-    assert plain[0].canonicalize == "moment4" and plain[2].canonicalize is None
+    keys = set(model.state_dict())
+    model, report = sortify(model, canonicalize="moment2", return_report=True)
+    assert isinstance(model.canonicalize, MomentCanonicalize2d) and model.canonicalize.order == 2
+    assert report.canonicalize == "moment2" and "input turned first: canonicalize='moment2'" in str(report)
+    assert set(model.state_dict()) == keys
+    assert not any(hasattr(m, "canonicalize") for m in model.modules() if isinstance(m, SortConv2d))
+    plain = sortify(timm.create_model("resnet18", num_classes=3))
+    plain.load_state_dict(model.state_dict())
+    x = torch.randn(2, 3, 33, 33)
+    with torch.no_grad():
+        assert torch.allclose(model.eval()(x), plain.eval()(MomentCanonicalize2d(2)(x)), atol=1e-5)
+
+
+def test_sortify_canonicalize_sets_the_models_own_input_turn():
+    """This package's models apply ``model.canonicalize`` themselves (forward_features and intermediates too):
+    sortify fills that slot."""
+    model = sortify(timm.create_model("scnn_baseline_3", channels=(2,) * 6), canonicalize="moment4")
+    assert isinstance(model.canonicalize, MomentCanonicalize2d) and model.canonicalize.order == 4
+    assert not model._forward_pre_hooks
 
 
 def test_sortify_refuses_to_turn_a_model_that_turns_its_input_already():
@@ -250,15 +255,8 @@ def test_sortify_refuses_to_turn_a_model_that_turns_its_input_already():
     with pytest.raises(ValueError, match="the model already turns its input"):
         sortify(model, canonicalize="moment2")
     assert not any(isinstance(m, SortConv2d) for m in model.modules())
-
-
-def test_sortify_canonicalize_refuses_a_stem_it_does_not_convert_and_changes_nothing():
-    model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1))
-    with pytest.raises(ValueError, match="the stem '0' is not converted to a SortConv2d"):
-        sortify(model, exclude="0", canonicalize="moment2")
-    assert not any(isinstance(m, SortConv2d) for m in model.modules())
     with pytest.raises(ValueError, match="canonicalize must be None or one of"):
-        sortify(model, canonicalize="moment3")
+        sortify(nn.Sequential(nn.Conv2d(1, 4, 3, padding=1)), canonicalize="moment3")
 
 
 @pytest.mark.parametrize("name", ["ri_resnet18", "ri_vgg16", "ri_densenet40"])

@@ -9,7 +9,8 @@ from timm.layers import DropBlock2d, DropPath
 from timm.models import FeatureListNet, group_parameters
 
 import timm_sortconv  # noqa: F401  (registers the models)
-from timm_sortconv import SortConv2d
+from timm_sortconv import SortConv2d, quarter_turn_check
+from timm_sortconv.grid import CentredAvgPool2d, CentredConv2d, CentredMaxPool2d
 from timm_sortconv.hub import bundled_weights_dir
 from timm_sortconv.models.scnn import SCNN
 from conftest import randomise_batchnorm
@@ -19,9 +20,12 @@ SCNN_BASELINES = [f"scnn_baseline_{k}" for k in (3, 5, 7)]
 RI = ["ri_vgg16", "ri_resnet18", "ri_densenet40"]
 RI_BASELINES = [f"{name}_baseline" for name in RI]
 ALL = SCNNS + SCNN_BASELINES + RI + RI_BASELINES
-# One SC model per family, and input sides at which every stride and pooling tiles the map, so a
-# quarter turn of the input maps each layer's sampling grid onto itself (see the model docstrings).
+# One SC model per family, and input sides at which, with PyTorch's grids (stride_align="corner", the paper's
+# networks), every stride and pooling tiles the map, so a quarter turn maps each layer's grid onto itself.
 FAMILIES = {"scnn_p_rs_3": 28, "ri_vgg16": 32, "ri_resnet18": 18, "ri_densenet40": 15}
+# Every registered SC entrypoint, its default input side, and three other sides of both parities.
+SC_ENTRYPOINTS = SCNNS + ["scnn_p_rs_7_canon", "scnn_p_c2_7_canon"] + RI
+OTHER_SIZES = {28: (27, 30, 33), 128: (127, 130, 97)}
 # Small inputs every family accepts (RI-VGG16 pools five times).
 SMALL = {"scnn": 28, "ri_vgg16": 32, "ri_resnet18": 16, "ri_densenet40": 16}
 
@@ -90,7 +94,7 @@ def test_scnn_average_downsampling_keeps_parameters_and_quarter_turn_invariance(
     paper = timm.create_model("scnn_p_rs_7")
     model = timm.create_model("scnn_p_rs_7", downsample="avg").double().eval()
     pools = [m for m in model.modules() if isinstance(m, (nn.MaxPool2d, nn.AvgPool2d))]
-    assert [type(m) for m in pools] == [nn.AvgPool2d, nn.AvgPool2d]
+    assert [type(m) for m in pools] == [CentredAvgPool2d, CentredAvgPool2d]
     assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in paper.parameters())
     randomise_batchnorm(model)
     x = torch.randn(2, 1, 28, 28, dtype=torch.float64)
@@ -104,13 +108,68 @@ def test_scnn_average_downsampling_keeps_parameters_and_quarter_turn_invariance(
         timm.create_model("scnn_p_rs_7", downsample="blur")
 
 
+def _exact_at(name, sizes, **kwargs):
+    """Asserts that ``name`` (random weights and BatchNorm statistics) is exactly invariant to quarter turns at
+    each of ``sizes`` in float64 (:func:`timm_sortconv.quarter_turn_check`)."""
+    torch.manual_seed(0)
+    model = timm.create_model(name, **kwargs)
+    randomise_batchnorm(model)
+    for size in sizes:
+        check = quarter_turn_check(model, size, batch=1, search=0)
+        assert check.error < 1e-10, f"{name} at {size}: {check}"
+
+
+@pytest.mark.parametrize("name", SC_ENTRYPOINTS)
+def test_every_sc_entrypoint_is_exact_at_its_default_size_and_three_others(name):
+    """The registered networks as they are (their widths, their default input size from ``pretrained_cfg``);
+    the 128x128 ones at their default size only here, their other sizes below (slow)."""
+    default = timm.create_model(name).pretrained_cfg["input_size"][-1]
+    _exact_at(name, (default,) + (OTHER_SIZES[default] if default == 28 else ()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", RI)
+def test_every_ri_entrypoint_is_exact_at_three_other_sizes(name):
+    _exact_at(name, OTHER_SIZES[128])
+
+
+@pytest.mark.parametrize("name", ["ri_resnet18", "ri_densenet40"])
+@pytest.mark.parametrize("size", [33, 40, 47, 64])
+def test_narrow_ri_networks_are_exact_at_sizes_of_both_parities(name, size):
+    """The same strided layers as the entrypoints, narrow enough to be quick, at sides whose strided grids are
+    off centre with PyTorch's grid (ri_vgg16 has no width option: its other sizes are in the slow test)."""
+    widths = {"ri_resnet18": dict(channels=(4, 8, 8, 8), stem_width=4),
+              "ri_densenet40": dict(growth_rate=2, block_config=(2, 2, 2), stem_width=4)}[name]
+    _exact_at(name, (size,), num_classes=3, **widths)
+
+
+def test_the_paper_grid_is_an_option_and_differs_only_where_the_size_needs_it():
+    """``stride_align="corner"`` builds the paper's network (plain pooling and shortcut classes) with the same
+    ``state_dict`` keys; at 28x28, where every grid is centred anyway, the two compute the same logits."""
+    centre, corner = timm.create_model("ri_resnet18"), timm.create_model("ri_resnet18", stride_align="corner")
+    assert type(centre.maxpool) is CentredMaxPool2d and type(corner.maxpool) is nn.MaxPool2d
+    assert type(centre.layer2[0].downsample[0]) is CentredConv2d and type(corner.layer2[0].downsample[0]) is nn.Conv2d
+    assert centre.layer2[0].conv1.stride_align == "centre" and corner.layer2[0].conv1.stride_align == "corner"
+    assert list(centre.state_dict()) == list(corner.state_dict())
+    torch.manual_seed(0)
+    scnn = timm.create_model("scnn_p_rs_3").double().eval()
+    paper = timm.create_model("scnn_p_rs_3", stride_align="corner").double().eval()
+    paper.load_state_dict(scnn.state_dict())
+    x = torch.randn(2, 1, 28, 28, dtype=torch.float64)
+    with torch.no_grad():
+        assert torch.equal(scnn(x), paper(x))
+        assert not torch.allclose(scnn(x[..., 1:, 1:]), paper(x[..., 1:, 1:]))
+    with pytest.raises(ValueError, match="stride_align='middle' is not accepted; use 'centre'"):
+        timm.create_model("ri_vgg16", stride_align="middle")
+
+
 @pytest.mark.parametrize("name, size", list(FAMILIES.items()))
 def test_sc_models_are_invariant_to_quarter_turns_and_their_baselines_are_not(name, size):
     torch.manual_seed(0)
     x = torch.randn(1, 1, size, size, dtype=torch.float64)
     errors = {}
     for model_name in (name, _baseline(name)):
-        model = timm.create_model(model_name, in_chans=1).double().eval()
+        model = timm.create_model(model_name, in_chans=1, stride_align="corner").double().eval()
         randomise_batchnorm(model)
         errors[model_name] = _quarter_turn_error(model, x)
     assert errors[name] < 1e-12

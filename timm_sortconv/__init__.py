@@ -10,7 +10,7 @@ functional ``sort_conv2d`` and its fast backends) -> :mod:`.layers` (``SortConv2
 results) -> :mod:`.hub` (weights) and :mod:`.cli` (train, validate, demo and the other tools).
 """
 from . import models
-from .invariance import RotationSweep, rotation_sweep
+from .invariance import QuarterTurnCheck, RotationSweep, quarter_turn_check, rotation_sweep
 from .layers import SortConv2d, SortConv2dSame
 from .ops import available_backends, get_geometry, sort_conv2d
 from .rotation import rotate
@@ -19,12 +19,14 @@ from .sortify import SortifyReport, sortify
 __version__ = "0.1.0"
 
 __all__ = [
+    "QuarterTurnCheck",
     "RotationSweep",
     "SortConv2d",
     "SortConv2dSame",
     "SortifyReport",
     "available_backends",
     "get_geometry",
+    "quarter_turn_check",
     "rotate",
     "rotation_sweep",
     "sort_conv2d",

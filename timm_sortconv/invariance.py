@@ -11,9 +11,13 @@ Two measurements over a sweep of angles, both built on :func:`timm_sortconv.rota
   timm's loader; :func:`accuracy_table`, :func:`write_sweep_csv` / :func:`read_sweep_csv` and
   :func:`plot_sweep` print, store, read back and draw such per-angle accuracies
   (``scripts/validate.py --rotations``, ``scripts/mnist_results.py``, ``scripts/demo.py``).
+
+And one check of SC's exact promise: :func:`quarter_turn_check` measures how far any model is from exact
+invariance to quarter turns at a given input size, and finds the nearest sizes where it is exact.
 """
 from __future__ import annotations
 
+import copy
 import csv
 import logging
 import math
@@ -26,15 +30,16 @@ from typing import Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from ._moved import moved_names
 from .rotation import rotate
 
 __all__ = [
     "PerAngle",
+    "QuarterTurnCheck",
     "RotationSweep",
     "accuracy_sweep",
     "accuracy_table",
     "plot_sweep",
+    "quarter_turn_check",
     "read_sweep_csv",
     "rotate",
     "rotation_sweep",
@@ -374,5 +379,106 @@ def sweep_figure(results: Mapping[str, PerAngle], title: str, kinds: Optional[Ma
     return fig
 
 
-# Names that lived here before: they still import, with a warning naming their home.
-__getattr__ = moved_names(__name__, {"synthetic_digits": "timm_sortconv.data"})
+@dataclass(frozen=True)
+class QuarterTurnCheck:
+    """What :func:`quarter_turn_check` measured.
+
+    Attributes:
+        size: the input size ``(H, W)`` measured.
+        error: ``||f(rot90 x) - f(x)|| / ||f(x)||`` for the model's output ``f`` (for feature maps,
+            ``rot90`` of the upright maps stands in for ``f(x)``: equivariance), random ``x``.
+        tolerance: the largest error counted as exact (round-off of the measuring dtype).
+        below, above: the nearest square sizes below and above ``size`` at which the model measured exact
+            (``size`` itself where it is exact), ``None`` where none was found within the search.
+    """
+
+    size: Tuple[int, int]
+    error: float
+    tolerance: float
+    below: Optional[int]
+    above: Optional[int]
+
+    @property
+    def exact(self) -> bool:
+        return self.error <= self.tolerance
+
+    def __str__(self) -> str:
+        size = "x".join(map(str, self.size))
+        if self.exact:
+            return f"exactly invariant to quarter turns at {size} (error {self.error:.1e})"
+        nearest = ", ".join(str(s) for s in (self.below, self.above) if s is not None) or "none found nearby"
+        return f"not invariant to quarter turns at {size} (error {self.error:.1e}); nearest exact sizes: {nearest}"
+
+
+def _model_in_chans(model: nn.Module) -> int:
+    cfg = getattr(model, "pretrained_cfg", None) or {}
+    if isinstance(cfg, dict) and cfg.get("input_size"):
+        return int(cfg["input_size"][0])
+    first = next((m for m in model.modules() if isinstance(m, nn.Conv2d)), None)
+    return first.in_channels if first is not None else 3
+
+
+def _turn_error(outputs, turned) -> float:
+    """The relative change of ``outputs`` (a tensor or a list/tuple/dict of them) under the quarter turn."""
+    if isinstance(outputs, dict):
+        outputs, turned = list(outputs.values()), list(turned.values())
+    if isinstance(outputs, (list, tuple)):
+        return max(_turn_error(a, b) for a, b in zip(outputs, turned))
+    expected = torch.rot90(outputs, 1, (-2, -1)) if outputs.dim() == 4 else outputs
+    return float((turned - expected).norm() / expected.norm().clamp_min(torch.finfo(expected.dtype).tiny))
+
+
+def quarter_turn_check(model: nn.Module, size, *, in_chans: Optional[int] = None, dtype: torch.dtype = torch.float64,
+                       search: int = 32, batch: int = 2, seed: int = 0) -> QuarterTurnCheck:
+    """Measures how far ``model`` is from exact invariance to quarter turns at input ``size``, and finds the
+    nearest square sizes at which it is exact.
+
+    The model is copied (in ``dtype``, evaluation mode; the original is untouched) and fed ``batch`` random
+    images of ``in_chans`` channels (default: the model's ``pretrained_cfg`` or first convolution) and their
+    quarter turns. At other sizes the same is measured, nearest first, up to ``search`` pixels away, until an
+    exact size is found on each side. An error at most ``1e-10`` (float64) or ``1e-5`` (other dtypes) counts
+    as exact.
+
+    Args:
+        model: any image model; its output may be logits, pooled features or feature maps (checked for
+            equivariance), or a list of them (``features_only``).
+        size: an int (square) or ``(H, W)``.
+
+    Returns:
+        :class:`QuarterTurnCheck`; ``print`` it for one line.
+
+    Example:
+        >>> import timm
+        >>> print(quarter_turn_check(timm.create_model("scnn_p_rs_3"), 30))
+        exactly invariant to quarter turns at 30x30 (error ...)
+    """
+    height, width = (size, size) if isinstance(size, int) else tuple(size)
+    model = copy.deepcopy(model).to(dtype).eval()
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    channels = in_chans or _model_in_chans(model)
+    tolerance = 1e-10 if dtype == torch.float64 else 1e-5
+    generator = torch.Generator().manual_seed(seed)
+
+    def error(h: int, w: int) -> float:
+        x = torch.randn(batch, channels, h, w, generator=generator, dtype=dtype).to(device)
+        with torch.no_grad():
+            return _turn_error(model(x), model(torch.rot90(x, 1, (2, 3))))
+
+    measured = error(height, width)
+    if measured <= tolerance:
+        return QuarterTurnCheck((height, width), measured, tolerance, height, height)
+    nearest = []
+    for direction in (-1, 1):
+        found = None
+        for step in range(1, search + 1):
+            side = min(height, width) + direction * step
+            if side < 1:
+                break
+            try:
+                if error(side, side) <= tolerance:
+                    found = side
+                    break
+            except RuntimeError:  # too small for the network
+                break
+        nearest.append(found)
+    return QuarterTurnCheck((height, width), measured, tolerance, nearest[0], nearest[1])

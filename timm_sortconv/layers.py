@@ -1,7 +1,7 @@
 """The Sorting Convolution layers: drop-in ``nn.Conv2d`` modules whose windows are sampled and sorted before the product.
 
-* :class:`SortConv2d`: ``nn.Conv2d``'s constructor, parameters and padding, plus ``sampling``, ``sorting``
-  and ``backend``;
+* :class:`SortConv2d`: ``nn.Conv2d``'s constructor, parameters and padding, plus ``sampling``, ``sorting``,
+  ``backend`` and ``stride_align``;
 * :class:`SortConv2dSame`: the same with TensorFlow-style dynamic "SAME" padding, the twin of timm's
   ``Conv2dSame`` (what :func:`timm_sortconv.sortify` puts in its place).
 """
@@ -14,9 +14,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import pad_same, register_notrace_module
 
-from .canonical import _canonicalize, canonical_order
+from .grid import centre_grid, centre_grid_same, check_stride_align
 from .ops.backends import check_backend_name
-from .ops.functional import sort_conv2d_zero_padded
+from .ops.functional import check_groups, sort_conv2d_zero_padded
 from .ops.geometry import get_geometry
 
 __all__ = ["SortConv2d", "SortConv2dSame"]
@@ -48,7 +48,8 @@ class SortConv2d(nn.Conv2d):
 
     Args:
         in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode,
-        device, dtype: as :class:`torch.nn.Conv2d`; ``kernel_size`` must be odd and square.
+        device, dtype: as :class:`torch.nn.Conv2d`; ``kernel_size`` must be square (odd or even: an even
+            window's rings lie about the point between its four central pixels, see :mod:`.ops.geometry`).
         sampling: ``"polar"`` (bilinear samples on circles, near-invariant to any angle),
             ``"polar-offset"`` (the same circles, points half a step off the axes) or ``"square"`` (the
             grid itself, exact only at multiples of 90 degrees).
@@ -57,14 +58,15 @@ class SortConv2d(nn.Conv2d):
             invariant to quarter/half turns, and keeps the direction modulo 90/180 degrees, for a network
             whose input is turned by ``canonicalize="moment4"``/``"moment2"``).
         backend: ``"auto"``, ``"reference"`` or a fast backend's name.
-        canonicalize: ``None``, or ``"moment2"``/``"moment4"``/``"moment1"``: first turn each input image
-            about its centre to the orientation of its order-2/4/1 angular moment
-            (:mod:`timm_sortconv.canonical`, edge pixels fill the corners). Meant for a network's first
-            layer, whose input is the image: a later SC layer's exact quarter-turn invariance then covers
-            the turn left over, so the network becomes invariant between the quarter turns as well (with
-            ``sorting="c2"``, which ignores only half turns, use ``"moment2"`` or ``"moment1"``). It is
-            a step before the operator, not part of it (:func:`~timm_sortconv.sort_conv2d` has no such
-            argument): it needs the whole image, the operator sees one window at a time.
+        stride_align: where a strided layer's grid of windows lies: ``"centre"`` (default: symmetric about
+            the image's centre, so that a quarter turn of the input maps it onto itself at every input size;
+            the input is cropped, or read half a pixel on, where its size needs it, :mod:`timm_sortconv.grid`)
+            or ``"corner"`` (``nn.Conv2d``'s grid, which is symmetric only for some sizes). Unit strides are
+            the same either way.
+
+    Turning each image to a canonical orientation first is a step in front of the model, not part of a
+    convolution: :class:`timm_sortconv.canonical.MomentCanonicalize2d`, or ``canonicalize=`` of the models and
+    of :func:`~timm_sortconv.sortify`.
 
     Shape:
         Input ``(N, C_in, H, W)`` or ``(C_in, H, W)``; output as ``nn.Conv2d``.
@@ -92,42 +94,40 @@ class SortConv2d(nn.Conv2d):
         sampling: str = "polar",
         sorting: str = "ring",
         backend: str = "auto",
-        canonicalize: Optional[str] = None,
+        stride_align: str = "centre",
+        canonicalize: None = None,
     ) -> None:
-        canonical_order(canonicalize)  # checks the name
+        if canonicalize is not None:
+            raise TypeError(f"SortConv2d(canonicalize={canonicalize!r}): a convolution does not turn its input; put "
+                            "timm_sortconv.canonical.MomentCanonicalize2d in front of the model, or pass canonicalize= "
+                            "to timm.create_model(...) or to sortify(...)")
         # Validates kernel_size, sampling and sorting, and builds the sampling tables now, so that a
         # traced, compiled or exported forward finds them cached instead of recording their construction.
         get_geometry(kernel_size, sampling, sorting)
-        # nn.Conv2d's own message does not say which values were given.
-        if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1 \
-                or in_channels % groups or out_channels % groups:
-            raise ValueError(f"SortConv2d: groups={groups!r} must be a positive int dividing in_channels="
-                             f"{in_channels} and out_channels={out_channels}")
+        check_groups(groups, out_channels, in_channels)  # nn.Conv2d's own message does not name the values
         super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
                          padding_mode, device, dtype)
         self.sampling = sampling
         self.sorting = sorting
         self.backend = check_backend_name(backend)
-        self.set_canonicalize(canonicalize)
-
-    def set_canonicalize(self, canonicalize: Optional[str]) -> None:
-        """Sets the ``canonicalize`` argument of the constructor (``None`` turns it off)."""
-        self.canonicalize_order = canonical_order(canonicalize)
-        self.canonicalize = canonicalize
+        self.stride_align = check_stride_align(stride_align)
 
     def _conv_forward(self, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        input = _canonicalize(input, self.canonicalize_order, "border")
+        if self.stride_align == "centre":
+            input = centre_grid(input, [self.kernel_size[0], self.kernel_size[1]], [self.stride[0], self.stride[1]],
+                                [self._reversed_padding_repeated_twice[2], self._reversed_padding_repeated_twice[0]],
+                                [self.dilation[0], self.dilation[1]])
         return _sort_conv_forward(input, weight, bias, self.stride, self._reversed_padding_repeated_twice,
                                   self.padding_mode, self.dilation, self.groups, self.sampling, self.sorting,
                                   self.backend)
 
     def extra_repr(self) -> str:
-        extra = "" if self.canonicalize is None else f", canonicalize={self.canonicalize}"
-        return f"{super().extra_repr()}, sampling={self.sampling}, sorting={self.sorting}, backend={self.backend}{extra}"
+        align = "" if self.stride == (1, 1) else f", stride_align={self.stride_align}"
+        return f"{super().extra_repr()}, sampling={self.sampling}, sorting={self.sorting}, backend={self.backend}{align}"
 
     @classmethod
     def from_conv(cls, conv: nn.Conv2d, *, sampling: str = "polar", sorting: str = "ring",
-                  backend: str = "auto", canonicalize: Optional[str] = None) -> "SortConv2d":
+                  backend: str = "auto", stride_align: str = "centre") -> "SortConv2d":
         """A ``SortConv2d`` with ``conv``'s configuration, a copy of its weights, device and dtype.
 
         Example:
@@ -141,7 +141,7 @@ class SortConv2d(nn.Conv2d):
         new = cls(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding, conv.dilation,
                   conv.groups, conv.bias is not None, conv.padding_mode, device=conv.weight.device,
                   dtype=conv.weight.dtype, sampling=sampling, sorting=sorting, backend=backend,
-                  canonicalize=canonicalize)
+                  stride_align=stride_align)
         with torch.no_grad():
             new.weight.copy_(conv.weight)
             if conv.bias is not None:
@@ -162,9 +162,12 @@ register_notrace_module(SortConv2d)
 class SortConv2dSame(SortConv2d):
     """``SortConv2d`` with TensorFlow-style dynamic "SAME" padding, the sorting twin of timm's ``Conv2dSame``.
 
-    The input is padded by ``timm.layers.pad_same`` for its actual size (asymmetric, more on the
-    bottom/right, for strided layers), then sorted and convolved without further padding, exactly
-    where ``Conv2dSame`` would convolve.
+    The input is padded for its actual size to TensorFlow's output size ``ceil(N / stride)``, then sorted
+    and convolved without further padding. With ``stride_align="corner"`` it is padded by
+    ``timm.layers.pad_same`` (an odd pixel of padding on the bottom/right), exactly where ``Conv2dSame``
+    would convolve; with ``"centre"`` (default) symmetrically, reading the input half a pixel on where the
+    padding is odd (:func:`timm_sortconv.grid.centre_grid_same`), so that a quarter turn maps the grid onto
+    itself (this also centres a stride-1 even kernel).
 
     Args:
         as :class:`~timm_sortconv.SortConv2d`; ``padding`` must be ``0`` or ``"same"`` (the padding is
@@ -179,19 +182,21 @@ class SortConv2dSame(SortConv2d):
     def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
                  groups: int = 1, bias: bool = True, padding_mode: str = "zeros", device=None, dtype=None, *,
                  sampling: str = "polar", sorting: str = "ring", backend: str = "auto",
-                 canonicalize: Optional[str] = None) -> None:
+                 stride_align: str = "centre") -> None:
         if padding not in (0, (0, 0), "same"):
             raise ValueError(f"SortConv2dSame computes its padding per call; pass padding=0 or 'same', "
                              f"got padding={padding!r}")
         if padding_mode != "zeros":
             raise ValueError(f"SortConv2dSame pads with zeros like timm's Conv2dSame; got padding_mode={padding_mode!r}")
         super().__init__(in_channels, out_channels, kernel_size, stride, 0, dilation, groups, bias, padding_mode,
-                         device, dtype, sampling=sampling, sorting=sorting, backend=backend,
-                         canonicalize=canonicalize)
+                         device, dtype, sampling=sampling, sorting=sorting, backend=backend, stride_align=stride_align)
 
     def _conv_forward(self, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        input = _canonicalize(input, self.canonicalize_order, "border")
-        input = pad_same(input, self.kernel_size, self.stride, self.dilation)
+        if self.stride_align == "centre":
+            input = centre_grid_same(input, [self.kernel_size[0], self.kernel_size[1]],
+                                     [self.stride[0], self.stride[1]], [self.dilation[0], self.dilation[1]])
+        else:
+            input = pad_same(input, self.kernel_size, self.stride, self.dilation)
         return _sort_conv_forward(input, weight, bias, self.stride, [0, 0, 0, 0], "zeros", self.dilation, self.groups,
                                   self.sampling, self.sorting, self.backend)
 

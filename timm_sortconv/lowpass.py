@@ -6,8 +6,8 @@ neighbouring samples or pixels. These layers remove some of it before SC samples
 map is subsampled. They have no parameters (their kernels are buffers) and their kernels are
 symmetric under ``torch.rot90``, so a network built from them keeps SC's exact invariance to quarter
 turns: :class:`GaussianBlur2d` has an odd kernel centred on a pixel, and :class:`BlurPool2d`'s output
-pixel ``j`` is centred at ``2j + 0.5``, the centre of the 2x2 tile a 2x2 pooling would take, so on an
-even-sized map a quarter turn maps its sampling grid onto itself.
+pixels sit where a 2x2 pooling's tiles are centred, which a quarter turn maps onto themselves on an
+even-sized map, and on any map with ``stride_align="centre"`` (:mod:`timm_sortconv.grid`).
 """
 from __future__ import annotations
 
@@ -16,6 +16,10 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from timm.layers import register_notrace_module
+
+from .grid import centre_grid, check_stride_align, pool_class
 
 __all__ = ["DOWNSAMPLES", "BlurPool2d", "GaussianBlur2d", "create_downsample", "gaussian_kernel1d"]
 
@@ -73,13 +77,15 @@ class GaussianBlur2d(_SeparableFilter):
         self.sigma = sigma
 
 
+@register_notrace_module  # its centring branches on the input's size (FX feature extraction keeps it whole)
 class BlurPool2d(nn.Module):
     """2x downsampling after a low-pass: ``mode="avg"`` filters with the binomial ``[1, 3, 3, 1] / 8`` (per
     axis) at stride 2, ``mode="max"`` takes the 2x2 maximum at stride 1 first and then filters with
     ``[1, 2, 1] / 4`` at stride 2 (Zhang, *Making Convolutional Networks Shift-Invariant Again*, 2019).
 
-    Either way output pixel ``j`` is centred where the 2x2 tile ``(2j, 2j + 1)`` is, and an ``H x W`` map
-    becomes ``floor(H / 2) x floor(W / 2)`` like a 2x2 pooling of stride 2.
+    Either way an ``H x W`` map becomes ``floor(H / 2) x floor(W / 2)`` like a 2x2 pooling of stride 2, and
+    output pixel ``j`` is centred where the 2x2 tile ``(2j, 2j + 1)`` is (``stride_align="corner"``) or where a
+    centred 2x2 pooling's tile is (``"centre"``, :mod:`timm_sortconv.grid`; the same on even sides).
 
     Example:
         >>> pool = BlurPool2d("max")
@@ -90,11 +96,12 @@ class BlurPool2d(nn.Module):
         True
     """
 
-    def __init__(self, mode: str = "avg") -> None:
+    def __init__(self, mode: str = "avg", stride_align: str = "centre") -> None:
         super().__init__()
         if mode not in ("avg", "max"):
             raise ValueError(f"BlurPool2d mode={mode!r} is not accepted; use 'avg' or 'max'")
         self.mode = mode
+        self.stride_align = check_stride_align(stride_align)
         if mode == "avg":
             self.filter = _SeparableFilter(torch.tensor([1.0, 3.0, 3.0, 1.0]) / 8, stride=2, padding=1)
         else:
@@ -103,22 +110,23 @@ class BlurPool2d(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "max":
             x = F.max_pool2d(x, kernel_size=2, stride=1)
+        if self.stride_align == "centre":
+            taps = self.filter.kernel.shape[0]
+            x = centre_grid(x, [taps, taps], [2, 2], [self.filter.padding, self.filter.padding], [1, 1])
         return self.filter(x)
 
     def extra_repr(self) -> str:
-        return f"mode={self.mode!r}"
+        return f"mode={self.mode!r}, stride_align={self.stride_align!r}"
 
 
 DOWNSAMPLES = ("max", "avg", "blur-avg", "blur-max")
 
 
-def create_downsample(name: str) -> nn.Module:
+def create_downsample(name: str, stride_align: str = "centre") -> nn.Module:
     """The 2x downsampling ``name``: ``"max"``/``"avg"`` (2x2 pooling, stride 2) or ``"blur-avg"``/
-    ``"blur-max"`` (:class:`BlurPool2d`)."""
-    if name == "max":
-        return nn.MaxPool2d(kernel_size=2, stride=2)
-    if name == "avg":
-        return nn.AvgPool2d(kernel_size=2, stride=2)
+    ``"blur-max"`` (:class:`BlurPool2d`), its grid placed by ``stride_align`` (:mod:`timm_sortconv.grid`)."""
+    if name in ("max", "avg"):
+        return pool_class(name, stride_align)(kernel_size=2, stride=2)
     if name in ("blur-avg", "blur-max"):
-        return BlurPool2d(name.split("-")[1])
+        return BlurPool2d(name.split("-")[1], stride_align)
     raise ValueError(f"downsample={name!r} is not accepted; use one of {', '.join(map(repr, DOWNSAMPLES))}")

@@ -9,16 +9,29 @@ Each convolution of the model gets exactly one verdict, checked in this order:
 1. "excluded": its qualified name is rejected by ``include``/``exclude``;
 2. "already": it is a ``SortConv2d`` (so the pass is idempotent);
 3. "skipped", with the reason: it is not a 2-D ``nn.Conv2d`` (``Conv1d``, ``Conv3d``, transposed
-   convolutions, timm's ``CondConv2d``), or its kernel is not square, or not odd;
+   convolutions, timm's ``CondConv2d``), or its kernel is not square, or it is even and
+   ``even_kernels=False``, or it is even with ``nn.Conv2d``'s asymmetric ``padding="same"``;
 4. "kept": its kernel is smaller than ``min_kernel_size`` (a ``1 x 1`` convolution already commutes
    with rotations, so it stays plain);
 5. "replaced": ``nn.Conv2d`` and subclasses that keep its ``forward`` (torchvision's and timm's plain
    convolutions, ``timm.layers.create_conv2d`` with static padding, each branch of a ``MixedConv2d``)
    become :class:`~timm_sortconv.SortConv2d`; timm's ``Conv2dSame`` / ``Conv2dSameExport`` (dynamic
-   TensorFlow "SAME" padding) become :class:`SortConv2dSame`, which pads exactly the same way;
+   TensorFlow "SAME" padding) become :class:`SortConv2dSame`, with the same output size; even kernels
+   (ConvNeXt's ``4 x 4`` stem and ``2 x 2`` downsampling, patch embeddings) included;
 6. "skipped": any other ``nn.Conv2d`` subclass, because it overrides ``forward`` with arithmetic
    that ``SortConv2d`` would silently drop (timm's ``StdConv2d`` family standardises the weight on
    every call).
+
+With ``stride_align="centre"`` (default) every strided layer is also given a grid of windows centred on
+the image (:mod:`timm_sortconv.grid`), so that a quarter turn of the input maps it onto itself at every
+input size: the new SC layers, the strided plain convolutions that are kept (``1 x 1`` shortcut
+projections; they become :class:`~timm_sortconv.grid.CentredConv2d`) and ``nn.MaxPool2d`` /
+``nn.AvgPool2d`` (:class:`~timm_sortconv.grid.CentredMaxPool2d`, :class:`~timm_sortconv.grid.CentredAvgPool2d`);
+they are listed as "centred" (layers centred already are left as they are). A strided layer it cannot centre (an excluded or skipped convolution, a
+pooling layer of another class, ``ceil_mode=True``) is listed as "uncentred" with the reason: the model is
+then exactly invariant only at the sizes where that layer's grid happens to be centred, which
+:func:`timm_sortconv.quarter_turn_check` finds for a given model and size. Layers without parameters are
+swapped the same way, so the ``state_dict`` keys stay the same.
 """
 from __future__ import annotations
 
@@ -28,15 +41,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
-import torch
 import torch.nn as nn
 from timm.layers import CondConv2d, Conv2dSame
 from timm.layers.conv2d_same import Conv2dSameExport
 
-from .canonical import canonical_order
+from .canonical import CANONICALIZERS, create_canonicalizer
+from .grid import CENTRED_LAYERS, CentredAvgPool2d, CentredConv2d, CentredMaxPool2d, check_stride_align
 from .layers import SortConv2d, SortConv2dSame
 from .ops.backends import check_backend_name
-from ._moved import moved_names
 from .ops.geometry import check_variant
 
 __all__ = ["SortifyReport", "sortify"]
@@ -51,10 +63,14 @@ class SortifyReport:
 
     Attributes:
         replaced: convolutions now computed by ``SortConv2d`` / ``SortConv2dSame``.
-        kept: square odd kernels smaller than ``min_kernel_size`` (e.g. ``1 x 1``), plain on purpose.
+        kept: square kernels smaller than ``min_kernel_size`` (e.g. ``1 x 1``), plain on purpose.
         already: modules that were ``SortConv2d`` before the call.
         excluded: convolutions left alone because of ``include``/``exclude``.
         skipped: ``(name, reason)`` for convolutions that could not be converted.
+        centred: strided layers whose grid of windows is now centred (``stride_align="centre"``).
+        uncentred: ``(name, reason)`` for strided layers whose grid could not be centred: the model is
+            exactly invariant to quarter turns only at the input sizes where their grid is centred anyway.
+        canonicalize: the ``canonicalize`` put in front of the model, or ``None``.
     """
 
     replaced: List[str] = field(default_factory=list)
@@ -62,19 +78,29 @@ class SortifyReport:
     already: List[str] = field(default_factory=list)
     excluded: List[str] = field(default_factory=list)
     skipped: List[Tuple[str, str]] = field(default_factory=list)
+    centred: List[str] = field(default_factory=list)
+    uncentred: List[Tuple[str, str]] = field(default_factory=list)
+    canonicalize: Optional[str] = None
 
     def summary(self) -> str:
         """One line with the counts."""
         return (f"replaced {len(self.replaced)}, kept {len(self.kept)} (kernel < min_kernel_size), "
-                f"already sorting {len(self.already)}, excluded {len(self.excluded)}, skipped {len(self.skipped)}")
+                f"already sorting {len(self.already)}, excluded {len(self.excluded)}, skipped {len(self.skipped)}; "
+                f"strided grids centred {len(self.centred)}, not centred {len(self.uncentred)}")
 
     def __str__(self) -> str:
         lines = [f"sortify: {self.summary()}"]
+        if self.canonicalize:
+            lines.append(f"  input turned first: canonicalize={self.canonicalize!r}")
         for title, names in (("replaced", self.replaced), ("kept", self.kept), ("already", self.already),
-                             ("excluded", self.excluded)):
+                             ("excluded", self.excluded), ("centred", self.centred)):
             if names:
                 lines.append(f"  {title}: {', '.join(names)}")
         lines += [f"  skipped {name}: {reason}" for name, reason in self.skipped]
+        lines += [f"  not centred {name}: {reason}" for name, reason in self.uncentred]
+        if self.uncentred:
+            lines.append("  exact quarter-turn invariance only at some input sizes: "
+                         "timm_sortconv.quarter_turn_check(model, size) measures it and finds the nearest")
         return "\n".join(lines)
 
 
@@ -119,31 +145,60 @@ def _not_conv2d_reason(module: nn.Module) -> str:
     return f"{type(module).__name__}: per-sample expert kernels are not supported"
 
 
-def _stem_name(model: nn.Module) -> Optional[str]:
-    """Qualified name of the convolution that reads the input: timm's ``pretrained_cfg["first_conv"]``,
-    else the first convolution in ``named_modules()`` order; ``None`` if there is none."""
-    cfg = getattr(model, "pretrained_cfg", None) or {}
-    first = cfg.get("first_conv") if isinstance(cfg, dict) else None
-    if isinstance(first, (list, tuple)):
-        first = first[0] if first else None
-    if isinstance(first, str):
-        try:
-            if _is_convolution(model.get_submodule(first)):
-                return first
-        except AttributeError:
-            pass
-    return next((name for name, module in model.named_modules() if _is_convolution(module)), None)
+def _strided(module: nn.Module) -> bool:
+    """Whether ``module`` has a stride other than 1 and is not centred already (:data:`CENTRED_LAYERS`)."""
+    if isinstance(module, CENTRED_LAYERS):
+        return False
+    stride = getattr(module, "stride", 1)
+    return any(step != 1 for step in (stride if isinstance(stride, (tuple, list)) else (stride,)))
+
+
+def _centred_twin(module: nn.Module) -> Tuple[Optional[nn.Module], str]:
+    """``(module with a centred grid, "")`` for a strided plain convolution or pooling layer, or
+    ``(None, why not)``."""
+    if type(module) is nn.Conv2d or (isinstance(module, nn.Conv2d) and _replacement_class(module)[0] is SortConv2d
+                                     and not isinstance(module, (Conv2dSame, Conv2dSameExport))):
+        if isinstance(module.padding, str):
+            return None, f"padding={module.padding!r}"
+        return CentredConv2d.from_conv(module), ""
+    if type(module) in (nn.MaxPool2d, nn.AvgPool2d):
+        if module.ceil_mode:
+            return None, f"{type(module).__name__} with ceil_mode=True"
+        centred = CentredMaxPool2d if isinstance(module, nn.MaxPool2d) else CentredAvgPool2d
+        return centred.from_pool(module).train(module.training), ""
+    return None, f"{type(module).__name__} has no centred counterpart"
+
+
+def _add_canonicalizer(model: nn.Module, canonicalize: str) -> None:
+    """Puts :func:`~timm_sortconv.canonical.create_canonicalizer` ``(canonicalize)`` in front of ``model``: as
+    ``model.canonicalize`` where the model applies that attribute itself (this package's models), else
+    registered as ``model.canonicalize`` and applied by a forward pre-hook."""
+    existing = getattr(model, "canonicalize", None)
+    if existing is not None and not isinstance(existing, nn.Identity):
+        raise ValueError(f"canonicalize={canonicalize!r}: the model already turns its input (model.canonicalize is "
+                         f"{type(existing).__name__}); turning it twice only blurs it")
+    applied_by_model = isinstance(existing, nn.Identity)
+    model.canonicalize = create_canonicalizer(canonicalize)
+    if not applied_by_model:
+        model.register_forward_pre_hook(_canonicalize_input)
+
+
+def _canonicalize_input(model: nn.Module, args: tuple) -> tuple:
+    """Forward pre-hook: the model's first argument, turned by ``model.canonicalize``."""
+    return (model.canonicalize(args[0]),) + tuple(args[1:])
 
 
 def sortify(
     model: nn.Module,
     sampling: str = "polar",
     sorting: str = "ring",
-    min_kernel_size: int = 3,
+    min_kernel_size: int = 2,
     include: Patterns = None,
     exclude: Patterns = None,
     *,
     backend: str = "auto",
+    stride_align: str = "centre",
+    even_kernels: bool = True,
     canonicalize: Optional[str] = None,
     return_report: bool = False,
 ):
@@ -154,27 +209,30 @@ def sortify(
     ``requires_grad``. The parameter count and ``state_dict`` keys do not change, so checkpoints of the
     original model load into the sortified one and back. A module registered under several names
     (tied weights) is replaced once and stays shared. Hooks registered on a replaced module are not
-    carried over. The module docstring lists which convolutions change and why others do not.
+    carried over. The module docstring lists which layers change and why others do not.
 
     Args:
         model: any ``nn.Module``; it is modified in place. If ``model`` is itself a convolution the
             converted module is returned, so always use the return value.
         sampling: ``"polar"``, ``"polar-offset"`` or ``"square"``.
         sorting: ``"ring"``, ``"global"``, ``"c4"`` or ``"c2"`` (:func:`~timm_sortconv.sort_conv2d`).
-        min_kernel_size: odd square kernels smaller than this stay plain (default 3: ``1 x 1`` kept).
+        min_kernel_size: square kernels smaller than this stay plain (default 2: only ``1 x 1`` kept, which commutes with rotations).
         include: glob pattern(s) (:func:`fnmatch.fnmatchcase`) on qualified module names as printed by
             ``model.named_modules()``, e.g. ``"layer1.*"`` or ``["conv1", "layer*.0.conv?"]``; only
             matching convolutions are converted. ``*`` also matches dots. ``None``: all.
         exclude: glob pattern(s); matching convolutions are left alone (applied after ``include``).
         backend: ``SortConv2d`` backend for the new modules (``"auto"`` picks the fastest available).
-        canonicalize: ``None``, or ``"moment2"``/``"moment4"``/``"moment1"``: the stem convolution first
-            turns each input image to the orientation of its angular moment (``SortConv2d``'s
-            ``canonicalize``), so that the network's invariance covers the angles between the quarter
-            turns (with ``sorting="c2"``: ``"moment2"`` or ``"moment1"``, the turn left over by order 4 is
-            not ignored). The stem is the model's ``pretrained_cfg["first_conv"]`` (timm models), else its first
-            convolution in ``named_modules()`` order; it must end up a ``SortConv2d``, and the model must
-            not turn its input already (a model's own ``canonicalize``); an error says so before anything is
-            changed. Like ``sampling``, it is a setting of the layer, not saved in the ``state_dict``.
+        stride_align: ``"centre"`` (default): every strided layer it can reach gets a grid centred on the image
+            (the module docstring lists them), so the model is exactly invariant to quarter turns at every
+            input size; ``"corner"``: strided grids stay where PyTorch puts them.
+        even_kernels: convert even square kernels too (default). Their windows' centre lies between four
+            pixels, and the result is exactly invariant to quarter turns like an odd kernel's.
+        canonicalize: ``None``, or ``"moment2"``/``"moment4"``/``"moment1"``: each input image is first turned
+            to the orientation of its angular moment (:mod:`timm_sortconv.canonical`), by a module put in
+            front of the model (``model.canonicalize``, applied by the model's ``forward``), so that the
+            model's invariance covers the angles between the quarter turns (with ``sorting="c2"``:
+            ``"moment2"`` or ``"moment1"``). It has no parameters, so the ``state_dict`` keys do not change.
+            A model that turns its input already is refused before anything changes.
         return_report: also return the :class:`SortifyReport`.
 
     Returns:
@@ -184,61 +242,61 @@ def sortify(
     Example:
         >>> import timm
         >>> net, report = sortify(timm.create_model("resnet18"), return_report=True)
-        >>> len(report.replaced), len(report.kept)
-        (17, 3)
+        >>> len(report.replaced), len(report.kept), len(report.centred)
+        (17, 3, 8)
     """
     check_variant(sampling, sorting)
     check_backend_name(backend)
+    check_stride_align(stride_align)
     if isinstance(min_kernel_size, bool) or not isinstance(min_kernel_size, int) or min_kernel_size < 1:
         raise ValueError(f"min_kernel_size must be an int >= 1, got {min_kernel_size!r}")
     include_patterns = _as_patterns(include, "include")
     exclude_patterns = _as_patterns(exclude, "exclude")
-    canonical_order(canonicalize)  # checks the name
+    if canonicalize is not None:
+        if canonicalize not in CANONICALIZERS:
+            raise ValueError(f"canonicalize must be None or one of {sorted(CANONICALIZERS)}, got {canonicalize!r}")
+        existing = getattr(model, "canonicalize", None)
+        if existing is not None and not isinstance(existing, nn.Identity):
+            raise ValueError(f"canonicalize={canonicalize!r}: the model already turns its input (model.canonicalize "
+                             f"is {type(existing).__name__}); turning it twice only blurs it")
 
-    report = SortifyReport()
+    report = SortifyReport(canonicalize=canonicalize)
     new_modules = {}
     for name, module in model.named_modules():
-        if not _is_convolution(module):
-            continue
         label = name or "<root>"
-        if not _selected(name, include_patterns, exclude_patterns):
-            report.excluded.append(label)
+        if not _is_convolution(module):
+            if stride_align == "centre" and isinstance(module, (nn.MaxPool2d, nn.AvgPool2d)) and _strided(module):
+                twin, reason = _centred_twin(module)
+                if twin is None:
+                    report.uncentred.append((label, reason))
+                else:
+                    new_modules[id(module)] = twin
+                    report.centred.append(label)
             continue
-        if isinstance(module, SortConv2d):
-            report.already.append(label)
+        verdict = _verdict(module, name, include_patterns, exclude_patterns, min_kernel_size, even_kernels)
+        if verdict == "replaced":
+            new_cls = _replacement_class(module)[0]
+            new_modules[id(module)] = new_cls.from_conv(module, sampling=sampling, sorting=sorting, backend=backend,
+                                                        stride_align=stride_align)
+            report.replaced.append(label)
+            if stride_align == "centre" and _strided(module):
+                report.centred.append(label)
             continue
-        if not isinstance(module, nn.Conv2d):
-            report.skipped.append((label, _not_conv2d_reason(module)))
+        if isinstance(verdict, tuple):
+            report.skipped.append((label, verdict[1]))
+        else:
+            getattr(report, verdict).append(label)
+        if stride_align != "centre" or not _strided(module) or verdict == "already":
             continue
-        kh, kw = module.kernel_size
-        if kh != kw:
-            report.skipped.append((label, f"non-square kernel {kh}x{kw}"))
-            continue
-        if kh % 2 == 0:
-            report.skipped.append((label, f"even kernel {kh}x{kw} has no centre pixel"))
-            continue
-        if kh < min_kernel_size:
-            report.kept.append(label)
-            continue
-        new_cls, reason = _replacement_class(module)
-        if new_cls is None:
-            report.skipped.append((label, reason))
-            continue
-        new_modules[id(module)] = new_cls.from_conv(module, sampling=sampling, sorting=sorting, backend=backend)
-        report.replaced.append(label)
-
-    stem = None
-    if canonicalize is not None and not isinstance(getattr(model, "canonicalize", None), (nn.Identity, type(None))):
-        raise ValueError(f"canonicalize={canonicalize!r}: the model already turns its input "
-                         f"(model.canonicalize is {type(model.canonicalize).__name__}); turning it twice only blurs it")
-    if canonicalize is not None:
-        stem_name = _stem_name(model)
-        stem = model.get_submodule(stem_name) if stem_name is not None else None
-        stem = new_modules.get(id(stem), stem)
-        if not isinstance(stem, SortConv2d):
-            found = "no convolution" if stem_name is None else f"the stem {stem_name or '<root>'!r}"
-            raise ValueError(f"canonicalize={canonicalize!r} turns the input of the model's stem convolution, "
-                             f"but {found} is not converted to a SortConv2d (include it, or leave canonicalize=None)")
+        if verdict == "kept":
+            twin, reason = _centred_twin(module)
+        else:
+            twin, reason = None, "excluded" if verdict == "excluded" else "not converted"
+        if twin is None:
+            report.uncentred.append((label, reason))
+        else:
+            new_modules[id(module)] = twin
+            report.centred.append(label)
 
     # Every reference is swapped, so a module registered under two names stays one shared module.
     for parent in list(model.modules()):
@@ -246,8 +304,8 @@ def sortify(
             if child is not None and id(child) in new_modules:
                 setattr(parent, child_name, new_modules[id(child)])
     model = new_modules.get(id(model), model)
-    if stem is not None:
-        stem.set_canonicalize(canonicalize)
+    if canonicalize is not None:
+        _add_canonicalizer(model, canonicalize)
 
     reasons = Counter(reason for _, reason in report.skipped)
     log = _logger.warning if report.skipped else _logger.info
@@ -256,6 +314,22 @@ def sortify(
     return (model, report) if return_report else model
 
 
-# Names that lived here before: they still import, with a warning naming their home.
-__getattr__ = moved_names(__name__, {"get_conv_layer": "timm_sortconv.models",
-                                     "fixed_variant_args": "timm_sortconv.models"})
+def _verdict(module: nn.Module, name: str, include, exclude, min_kernel_size: int, even_kernels: bool):
+    """The verdict of the module docstring for one convolution: a name, or ``("skipped", reason)``."""
+    if not _selected(name, include, exclude):
+        return "excluded"
+    if isinstance(module, SortConv2d):
+        return "already"
+    if not isinstance(module, nn.Conv2d):
+        return "skipped", _not_conv2d_reason(module)
+    kh, kw = module.kernel_size
+    if kh != kw:
+        return "skipped", f"non-square kernel {kh}x{kw}"
+    if kh % 2 == 0 and not even_kernels:
+        return "skipped", f"even kernel {kh}x{kw} (even_kernels=False)"
+    if kh % 2 == 0 and module.padding == "same":
+        return "skipped", f"even kernel {kh}x{kw} with padding='same', which pads one side more"
+    if kh < min_kernel_size:
+        return "kept"
+    new_cls, reason = _replacement_class(module)
+    return "replaced" if new_cls is not None else ("skipped", reason)

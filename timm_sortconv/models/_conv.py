@@ -1,8 +1,8 @@
 """How the model files build their convolutions: the conv factory, the named-variant check, the conv block.
 
-Every model takes ``sampling``, ``sorting`` and ``backend`` and builds its ``k > 1`` convolutions with
-:func:`get_conv_layer`: ``SortConv2d`` with that variant, or ``nn.Conv2d`` for the plain twin (both
-``None``). Entrypoints whose name fixes the variant check the user's keywords with
+Every model takes ``sampling``, ``sorting``, ``backend`` and ``stride_align`` and builds its ``k > 1``
+convolutions with :func:`get_conv_layer`: ``SortConv2d`` with that variant, or a plain convolution for the
+plain twin (both ``None``). Entrypoints whose name fixes the variant check the user's keywords with
 :func:`fixed_variant_args`.
 """
 from collections import OrderedDict
@@ -11,6 +11,7 @@ from typing import Callable, Optional
 
 import torch.nn as nn
 
+from ..grid import check_stride_align, conv_class
 from ..layers import SortConv2d
 from ..ops.backends import check_backend_name
 from ..ops.geometry import check_variant
@@ -19,26 +20,28 @@ __all__ = ['ConvNormAct', 'fixed_variant_args', 'get_conv_layer']
 
 
 def get_conv_layer(sampling: Optional[str] = None, sorting: Optional[str] = None,
-                   backend: str = 'auto') -> Callable[..., nn.Conv2d]:
+                   backend: str = 'auto', stride_align: str = 'centre') -> Callable[..., nn.Conv2d]:
     """The convolution class a model builds its ``k > 1`` layers with.
 
-    ``nn.Conv2d`` when both ``sampling`` and ``sorting`` are ``None`` (the plain-conv baseline; ``backend`` is
-    then unused), else ``SortConv2d`` with that variant and ``backend``. Giving only one of them is an error.
+    A plain convolution when both ``sampling`` and ``sorting`` are ``None`` (the plain-conv baseline;
+    ``backend`` is then unused): :func:`timm_sortconv.grid.conv_class` of ``stride_align``. Else
+    ``SortConv2d`` with that variant, ``backend`` and ``stride_align``. Giving only one of them is an error.
 
     Example:
         >>> get_conv_layer("square", "global")(4, 8, 3).sorting
         'global'
-        >>> get_conv_layer() is nn.Conv2d
+        >>> get_conv_layer(stride_align="corner") is nn.Conv2d
         True
     """
     check_backend_name(backend)
+    check_stride_align(stride_align)
     if sampling is None and sorting is None:
-        return nn.Conv2d
+        return conv_class(stride_align)
     if sampling is None or sorting is None:
         raise ValueError("give sampling and sorting together (a Sorting Convolution) or neither (plain nn.Conv2d), "
                          f"got sampling={sampling!r}, sorting={sorting!r}")
     check_variant(sampling, sorting)
-    return partial(SortConv2d, sampling=sampling, sorting=sorting, backend=backend)
+    return partial(SortConv2d, sampling=sampling, sorting=sorting, backend=backend, stride_align=stride_align)
 
 
 def fixed_variant_args(model_name: str, kwargs: dict, sampling: Optional[str], sorting: Optional[str]) -> dict:

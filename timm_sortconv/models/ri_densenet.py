@@ -6,8 +6,10 @@ transitions BN-ReLU-conv1x1-avgpool2x2 between them, and a BN-ReLU, global pooli
 ``ri_densenet40`` uses ``SortConv2d`` in the stem and in every ``3 x 3`` layer; the ``1 x 1``
 transition convolutions stay ``nn.Conv2d``. ``ri_densenet40_baseline`` uses ``nn.Conv2d`` everywhere.
 
-With the stride-2 stem, exact 90-degree invariance needs input sides ``16 m - 1`` (15, 31, ..., 127);
-other sizes (128 included) are close to invariant.
+With ``stride_align='centre'`` (default) the strided stem, the max pooling and the transitions' average
+pooling centre their grid on the image (:mod:`timm_sortconv.grid`), so ``ri_densenet40`` is exactly invariant
+to quarter turns at every input size; with ``stride_align='corner'`` (the paper's network) only at sides
+``16 m - 1`` (15, 31, ..., 127).
 
 Papers:
 * `Sorted Convolutional Network for Achieving Continuous Rotational Invariance` - https://arxiv.org/abs/2305.14462
@@ -26,6 +28,7 @@ from timm.models import build_model_with_cfg, checkpoint, generate_default_cfgs,
 from timm.models._manipulate import MATCH_PREV_GROUP
 
 from ..canonical import create_canonicalizer
+from ..grid import pool_class
 from ._common import SequentialFeaturesMixin, ri_cfg
 from ._conv import fixed_variant_args, get_conv_layer
 
@@ -110,6 +113,7 @@ class DenseTransition(nn.Sequential):
             num_input_features: int,
             num_output_features: int,
             norm_layer: Callable[..., nn.Module] = BatchNormAct2d,
+            pool_layer: Callable[..., nn.Module] = nn.AvgPool2d,
             device=None,
             dtype=None,
     ) -> None:
@@ -117,7 +121,7 @@ class DenseTransition(nn.Sequential):
         super().__init__(OrderedDict([
             ('norm', norm_layer(num_input_features, **dd)),
             ('conv', nn.Conv2d(num_input_features, num_output_features, 1, bias=False, **dd)),
-            ('pool', nn.AvgPool2d(kernel_size=2, stride=2)),
+            ('pool', pool_layer(kernel_size=2, stride=2)),
         ]))
 
 
@@ -130,6 +134,9 @@ class SortDenseNet(SequentialFeaturesMixin, nn.Module):
         sampling: ``'polar'`` or ``'square'``, or ``None`` with ``sorting=None`` for ``nn.Conv2d``.
         sorting: ``'ring'``, ``'global'``, ``'c4'`` or ``'c2'`` (:func:`~timm_sortconv.sort_conv2d`), or ``None``.
         backend: the ``SortConv2d`` backend (``'auto'``, ``'reference'`` or a fast backend's name).
+        stride_align: ``'centre'`` (default: every strided layer's grid centred on the image, so that the network
+            is exactly invariant to quarter turns at every input size, :mod:`timm_sortconv.grid`) or ``'corner'``
+            (PyTorch's grid, the paper's network: exact only at some sizes).
         num_classes: classifier outputs (0: no classifier).
         in_chans: input channels.
         stem_width: channels of the stem convolution (``2 * growth_rate`` in DenseNet-40).
@@ -151,6 +158,7 @@ class SortDenseNet(SequentialFeaturesMixin, nn.Module):
             sampling: Optional[str] = 'polar',
             sorting: Optional[str] = 'ring',
             backend: str = 'auto',
+            stride_align: str = 'centre',
             num_classes: int = 45,
             in_chans: int = 3,
             stem_width: int = 24,
@@ -165,7 +173,7 @@ class SortDenseNet(SequentialFeaturesMixin, nn.Module):
     ) -> None:
         super().__init__()
         dd = {'device': device, 'dtype': dtype}
-        conv_layer = get_conv_layer(sampling, sorting, backend)
+        conv_layer = get_conv_layer(sampling, sorting, backend, stride_align)
         self.canonicalize = create_canonicalizer(canonicalize)
         norm_layer = partial(BatchNormAct2d, eps=bn_eps, momentum=bn_momentum)
         self.num_classes = num_classes
@@ -174,7 +182,7 @@ class SortDenseNet(SequentialFeaturesMixin, nn.Module):
 
         self.features = nn.Sequential(OrderedDict([
             ('conv0', conv_layer(in_chans, stem_width, 3, stride=2, padding=1, bias=False, **dd)),
-            ('pool0', nn.MaxPool2d(kernel_size=2, stride=2)),
+            ('pool0', pool_class('max', stride_align)(kernel_size=2, stride=2)),
         ]))
         self.feature_info = [dict(num_chs=stem_width, reduction=2, module='features.conv0')]
         reduction = 4
@@ -193,7 +201,8 @@ class SortDenseNet(SequentialFeaturesMixin, nn.Module):
             num_features += num_layers * growth_rate
             if i != len(block_config) - 1:
                 self.feature_info.append(dict(num_chs=num_features, reduction=reduction, module=f'features.{name}'))
-                self.features.add_module(f'transition{i + 1}', DenseTransition(num_features, num_features, norm_layer, **dd))
+                self.features.add_module(f'transition{i + 1}', DenseTransition(
+                    num_features, num_features, norm_layer, pool_class('avg', stride_align), **dd))
                 reduction *= 2
         self.features.add_module('norm', norm_layer(num_features, **dd))
         self.feature_info.append(dict(num_chs=num_features, reduction=reduction, module='features.norm'))

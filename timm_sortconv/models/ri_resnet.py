@@ -8,9 +8,11 @@ projections stay ``nn.Conv2d`` (a ``1 x 1`` convolution already commutes with ro
 ``ri_resnet18_baseline`` is the same network with ``nn.Conv2d`` everywhere.
 
 A stride-2 layer samples every other pixel, which maps onto itself under a 90-degree rotation only
-when the padded input size minus the kernel is even (odd input sides here); that is why
-``ri_resnet18`` is exactly 90-degree invariant for input sides 2 * m with m, (m + 1) / 2 and
-(m + 3) / 4 odd (18, 50, 114, ...), and close to invariant otherwise.
+for some input sizes. With ``stride_align='centre'`` (default) the max pooling, the strided ``3 x 3``
+convolutions and the strided ``1 x 1`` shortcuts all centre their grid on the image
+(:mod:`timm_sortconv.grid`), so ``ri_resnet18`` is exactly invariant to quarter turns at every input
+size; ``stride_align='corner'`` is the paper's network, exact only for sides 2 * m with m, (m + 1) / 2 and
+(m + 3) / 4 odd (18, 50, 114, ...).
 
 Papers:
 * `Sorted Convolutional Network for Achieving Continuous Rotational Invariance` - https://arxiv.org/abs/2305.14462
@@ -28,6 +30,7 @@ from timm.models import build_model_with_cfg, checkpoint_seq, generate_default_c
 from timm.models._features import feature_take_indices
 
 from ..canonical import create_canonicalizer
+from ..grid import conv_class, pool_class
 from ._conv import fixed_variant_args, get_conv_layer
 from ._common import ri_cfg
 
@@ -100,6 +103,9 @@ class SortResNet(nn.Module):
         sampling: ``'polar'`` or ``'square'``, or ``None`` with ``sorting=None`` for ``nn.Conv2d``.
         sorting: ``'ring'``, ``'global'``, ``'c4'`` or ``'c2'`` (:func:`~timm_sortconv.sort_conv2d`), or ``None``.
         backend: the ``SortConv2d`` backend (``'auto'``, ``'reference'`` or a fast backend's name).
+        stride_align: ``'centre'`` (default: every strided layer's grid centred on the image, so that the network
+            is exactly invariant to quarter turns at every input size, :mod:`timm_sortconv.grid`) or ``'corner'``
+            (PyTorch's grid, the paper's network: exact only at some sizes).
         num_classes: classifier outputs (0: no classifier).
         in_chans: input channels.
         stem_width: channels of the stem convolution.
@@ -121,6 +127,7 @@ class SortResNet(nn.Module):
             sampling: Optional[str] = 'polar',
             sorting: Optional[str] = 'ring',
             backend: str = 'auto',
+            stride_align: str = 'centre',
             num_classes: int = 45,
             in_chans: int = 3,
             stem_width: int = 64,
@@ -141,7 +148,8 @@ class SortResNet(nn.Module):
         if len(layers) != 4 or len(channels) != 4:
             raise ValueError(f"ResNet has four stages: give four block counts and four widths, got "
                              f"layers={tuple(layers)}, channels={tuple(channels)}")
-        conv_layer = get_conv_layer(sampling, sorting, backend)
+        conv_layer = get_conv_layer(sampling, sorting, backend, stride_align)
+        shortcut_layer = conv_class(stride_align)
         norm_layer = partial(nn.BatchNorm2d, eps=bn_eps, momentum=bn_momentum)
         self.num_classes = num_classes
         self.in_chans = in_chans
@@ -151,7 +159,7 @@ class SortResNet(nn.Module):
         self.conv1 = conv_layer(in_chans, stem_width, 3, padding=1, bias=False, **dd)
         self.bn1 = norm_layer(stem_width, **dd)
         self.act1 = nn.ReLU(inplace=True)
-        self.maxpool = nn.MaxPool2d(kernel_size=2, stride=2)
+        self.maxpool = pool_class('max', stride_align)(kernel_size=2, stride=2)
         self.feature_info = [dict(num_chs=stem_width, reduction=1, module='act1')]
 
         inplanes = stem_width
@@ -166,7 +174,7 @@ class SortResNet(nn.Module):
                 downsample = None
                 if block_idx == 0 and (stride != 1 or inplanes != planes):
                     downsample = nn.Sequential(
-                        nn.Conv2d(inplanes, planes, 1, stride=stride, bias=False, **dd),
+                        shortcut_layer(inplanes, planes, 1, stride=stride, bias=False, **dd),
                         norm_layer(planes, **dd),
                     )
                 block_dpr = drop_path_rate * net_block_idx / max(net_num_blocks - 1, 1)

@@ -5,8 +5,10 @@ The paper's texture / remote-sensing VGG16 for 128x128 inputs: 13 ``3 x 3`` conv
 (``vgg16_bn``'s layout; the paper trains from scratch), then global average pooling and one linear
 classifier. There is no flatten of a spatial map and no 7x7 ``ConvMlp``: everything after the last
 convolution is a global pooling, so nothing in the head breaks rotation invariance. All convolutions
-have stride 1 and every max pooling tiles even-sized maps, so ``ri_vgg16`` is exactly invariant to
-90-degree rotations of any input whose side is a multiple of 32.
+have stride 1; with ``stride_align='centre'`` (default) every max pooling centres its grid on the image
+(:mod:`timm_sortconv.grid`), so ``ri_vgg16`` is exactly invariant to quarter turns at every input size; with
+``stride_align='corner'`` (the paper's network) only where every pooling tiles an even-sized map (multiples
+of 32).
 
 ``ri_vgg16`` uses ``SortConv2d`` (default polar sampling, ring sorting; ``sampling``/``sorting``
 choose another variant), ``ri_vgg16_baseline`` uses ``nn.Conv2d`` with identical parameters.
@@ -17,13 +19,13 @@ Papers:
 """
 from typing import Any, Dict, List, Optional, Sequence, Union
 
-import torch
 import torch.nn as nn
 
 from timm.layers import ClassifierHead
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 
 from ..canonical import create_canonicalizer
+from ..grid import pool_class
 from ._common import SequentialClassifierMixin, ri_cfg
 from ._conv import ConvNormAct, fixed_variant_args, get_conv_layer
 
@@ -43,6 +45,9 @@ class SortVGG(SequentialClassifierMixin, nn.Module):
         sampling: ``'polar'`` or ``'square'``, or ``None`` with ``sorting=None`` for ``nn.Conv2d``.
         sorting: ``'ring'``, ``'global'``, ``'c4'`` or ``'c2'`` (:func:`~timm_sortconv.sort_conv2d`), or ``None``.
         backend: the ``SortConv2d`` backend (``'auto'``, ``'reference'`` or a fast backend's name).
+        stride_align: ``'centre'`` (default: every strided layer's grid centred on the image, so that the network
+            is exactly invariant to quarter turns at every input size, :mod:`timm_sortconv.grid`) or ``'corner'``
+            (PyTorch's grid, the paper's network: exact only at some sizes).
         num_classes: classifier outputs (0: no classifier).
         in_chans: input channels.
         global_pool: timm pooling type (``'avg'``, ``'max'``, ``'avgmax'``, ``'catavgmax'``).
@@ -61,6 +66,7 @@ class SortVGG(SequentialClassifierMixin, nn.Module):
             sampling: Optional[str] = 'polar',
             sorting: Optional[str] = 'ring',
             backend: str = 'auto',
+            stride_align: str = 'centre',
             num_classes: int = 45,
             in_chans: int = 3,
             global_pool: str = 'avg',
@@ -73,7 +79,8 @@ class SortVGG(SequentialClassifierMixin, nn.Module):
     ) -> None:
         super().__init__()
         dd = {'device': device, 'dtype': dtype}
-        conv_layer = get_conv_layer(sampling, sorting, backend)
+        conv_layer = get_conv_layer(sampling, sorting, backend, stride_align)
+        pool_layer = pool_class('max', stride_align)
         self.canonicalize = create_canonicalizer(canonicalize)
         self.num_classes = num_classes
         self.in_chans = in_chans
@@ -89,7 +96,7 @@ class SortVGG(SequentialClassifierMixin, nn.Module):
             if v == 'M':
                 self.feature_info.append(dict(num_chs=prev_chs, reduction=net_stride, module=f'features.{len(layers) - 1}'))
                 self.feature_ends.append(len(layers) - 1)
-                layers.append(nn.MaxPool2d(kernel_size=2, stride=2))
+                layers.append(pool_layer(kernel_size=2, stride=2))
                 net_stride *= 2
             else:
                 layers.append(ConvNormAct(prev_chs, v, 3, conv_layer, bn_momentum, bn_eps, **dd))

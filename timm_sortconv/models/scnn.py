@@ -18,7 +18,6 @@ Paper: `Sorted Convolutional Network for Achieving Continuous Rotational Invaria
 from functools import partial
 from typing import Any, Dict, List, Optional, Sequence, Union
 
-import torch
 import torch.nn as nn
 
 from timm.layers import ClassifierHead
@@ -42,6 +41,9 @@ class SCNN(SequentialClassifierMixin, nn.Module):
         sampling: ``'polar'``, ``'polar-offset'`` or ``'square'``, or ``None`` with ``sorting=None`` for ``nn.Conv2d``.
         sorting: ``'ring'``, ``'global'``, ``'c4'`` or ``'c2'`` (:func:`~timm_sortconv.sort_conv2d`), or ``None``.
         backend: the ``SortConv2d`` backend (``'auto'``, ``'reference'`` or a fast backend's name).
+        stride_align: ``'centre'`` (default: every strided layer's grid centred on the image, so that the network
+            is exactly invariant to quarter turns at every input size, :mod:`timm_sortconv.grid`) or ``'corner'``
+            (PyTorch's grid, the paper's network: exact at multiples of 4, 28 included, where both are the same).
         num_classes: classifier outputs (0: no classifier).
         in_chans: input channels.
         channels: widths of the six convolutions.
@@ -76,6 +78,7 @@ class SCNN(SequentialClassifierMixin, nn.Module):
             sampling: Optional[str] = 'polar',
             sorting: Optional[str] = 'ring',
             backend: str = 'auto',
+            stride_align: str = 'centre',
             num_classes: int = 10,
             in_chans: int = 1,
             channels: Sequence[int] = (32, 32, 64, 64, 128, 128),
@@ -98,9 +101,9 @@ class SCNN(SequentialClassifierMixin, nn.Module):
         if len(blur_sigmas) != 6 or any(not isinstance(s, (int, float)) or s < 0 for s in blur_sigmas):
             raise ValueError(f"blur_sigma must be a number >= 0 or six of them (one per convolution), "
                              f"got {blur_sigma!r}")
-        create_downsample(downsample)  # checks the name before anything is built
+        create_downsample(downsample, stride_align)  # checks the names before anything is built
         self.canonicalize = create_canonicalizer(canonicalize)
-        conv_layer = get_conv_layer(sampling, sorting, backend)
+        conv_layer = get_conv_layer(sampling, sorting, backend, stride_align)
         if padding_mode != 'zeros':
             conv_layer = partial(conv_layer, padding_mode=padding_mode)
         self.num_classes = num_classes
@@ -118,7 +121,7 @@ class SCNN(SequentialClassifierMixin, nn.Module):
             if idx in (2, 4):
                 self.feature_info.append(dict(num_chs=prev_chs, reduction=net_stride, module=f'features.{len(layers) - 1}'))
                 self.feature_ends.append(len(layers) - 1)
-                layers.append(create_downsample(downsample))
+                layers.append(create_downsample(downsample, stride_align))
                 net_stride *= 2
             blur = GaussianBlur2d(blur_sigmas[idx]) if blur_sigmas[idx] > 0 else None
             layers.append(ConvNormAct(prev_chs, chs, k, conv_layer, bn_momentum, bn_eps, pre=blur, **dd))

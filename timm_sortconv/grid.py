@@ -1,0 +1,209 @@
+"""Strided layers whose grid of windows is centred on the image, so that a quarter turn maps it onto itself.
+
+A layer with kernel ``k`` (dilated extent ``K = d (k - 1) + 1``), stride ``s`` and padding ``p`` on a side of
+``N`` pixels puts its first window's centre at ``(K - 1) / 2 - p`` and steps by ``s``; with
+``D = N + 2p - K``, its last window's centre is ``D - D mod s`` further on. The grid is symmetric about
+the image's centre ``(N - 1) / 2``, which a quarter turn (``torch.rot90``) keeps in place, only when
+``r = D mod s`` is 0. Otherwise the turned image is sampled ``r / 2`` pixels off, and no network built on
+such a layer is exactly invariant to quarter turns at that size: ``nn.Conv2d(k=3, stride=2, padding=1)``
+on any even size, for example, or 2x2 max pooling on any odd one.
+
+:func:`centre_grid` prepares a layer's input so that its grid is centred, with the layer's own output
+size: where ``r`` is odd it reads the input half a pixel on (the mean of each two neighbouring pixels, a
+``2``-tap filter that is its own mirror image), which makes ``r`` even, and then it crops ``r / 2`` pixels
+off each side. Each axis is treated alone, by the same rule, so the result is equivariant to quarter
+turns of any square or oblong input. Where ``r`` is 0 the input is returned unchanged, so a network whose
+sizes were already exact computes exactly what it did without it.
+
+``stride_align`` names the choice everywhere it is offered (``SortConv2d``, the models, ``sortify``):
+``"centre"`` (this module) or ``"corner"`` (PyTorch's grid, first window at the top-left corner; the
+paper's networks).
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from timm.layers import register_notrace_module
+from torch.nn.modules.utils import _pair
+
+__all__ = ["CENTRED_LAYERS", "STRIDE_ALIGNS", "CentredAvgPool2d", "CentredConv2d", "CentredMaxPool2d", "centre_grid",
+           "centre_grid_same", "check_stride_align", "conv_class", "pool_class"]
+
+STRIDE_ALIGNS = ("centre", "corner")
+
+
+def check_stride_align(stride_align: str) -> str:
+    """Returns ``stride_align`` if it is one of :data:`STRIDE_ALIGNS`, else raises ``ValueError`` naming them."""
+    if stride_align not in STRIDE_ALIGNS:
+        raise ValueError(f"stride_align={stride_align!r} is not accepted; use 'centre' (the strided grid centred on "
+                         "the image: exact quarter-turn invariance at every size) or 'corner' (nn.Conv2d's grid)")
+    return stride_align
+
+
+def _half_pixel(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x`` read half a pixel on along ``dim``: the mean of each two neighbours (one pixel fewer)."""
+    size = x.shape[dim] - 1
+    return (x.narrow(dim, 0, size) + x.narrow(dim, 1, size)) * 0.5
+
+
+def centre_grid(x: torch.Tensor, kernel_size: List[int], stride: List[int], padding: List[int],
+                dilation: List[int]) -> torch.Tensor:
+    """``x`` (``(..., H, W)``) prepared for a layer with these arguments (``padding`` per side, as
+    ``nn.Conv2d`` and the pooling layers take it) so that the layer's grid of windows is centred and its
+    output size unchanged (the module docstring says how). Unchanged where the grid is centred already,
+    for unit strides, and where the padded input is smaller than the window (the layer then raises its own
+    error).
+
+    Example:
+        >>> x = torch.arange(16.0).view(1, 1, 4, 4)
+        >>> centre_grid(x, [1, 1], [2, 2], [0, 0], [1, 1])[0, 0]  # windows at 0.5 and 2.5, not 0 and 2
+        tensor([[ 2.5000,  3.5000,  4.5000],
+                [ 6.5000,  7.5000,  8.5000],
+                [10.5000, 11.5000, 12.5000]])
+    """
+    for axis in range(2):
+        if stride[axis] == 1:
+            continue
+        dim = x.dim() - 2 + axis
+        span = x.shape[dim] + 2 * padding[axis] - dilation[axis] * (kernel_size[axis] - 1) - 1
+        if span < 0:
+            continue
+        excess = span % stride[axis]
+        if excess % 2 == 1:
+            x = _half_pixel(x, dim)
+            excess -= 1
+        if excess > 0:
+            x = x.narrow(dim, excess // 2, x.shape[dim] - excess)
+    return x
+
+
+def centre_grid_same(x: torch.Tensor, kernel_size: List[int], stride: List[int], dilation: List[int]) -> torch.Tensor:
+    """``x`` padded (or cropped) symmetrically for TensorFlow's "SAME" output size ``ceil(N / s)``, with a
+    centred grid: the counterpart of ``timm.layers.pad_same``, which puts an odd pixel of padding on the
+    bottom/right. Where the padding is odd, the input is read half a pixel on first."""
+    for axis in range(2):
+        dim = x.dim() - 2 + axis
+        size = x.shape[dim]
+        out = (size + stride[axis] - 1) // stride[axis]
+        total = (out - 1) * stride[axis] + dilation[axis] * (kernel_size[axis] - 1) + 1 - size
+        if total % 2 == 1:
+            x = _half_pixel(x, dim)
+            total += 1
+        side = total // 2
+        if side < 0:
+            x = x.narrow(dim, -side, x.shape[dim] + 2 * side)
+        elif side > 0:
+            pad = [0, 0, 0, 0]
+            pad[2 * (1 - axis)] = side
+            pad[2 * (1 - axis) + 1] = side
+            x = F.pad(x, pad)
+    return x
+
+
+# timm's FX feature extraction (features_only=True, feature_cls="fx") keeps these as leaves: their centring
+# branches on the input's size, which symbolic tracing cannot follow.
+@register_notrace_module
+class CentredConv2d(nn.Conv2d):
+    """``nn.Conv2d`` whose strided grid is centred (:func:`centre_grid`): same constructor, parameters and
+    ``state_dict`` keys. For the plain strided convolutions of an SC network (``1 x 1`` shortcut projections,
+    a plain twin), whose grid must be the same as the sorting layers' beside them."""
+
+    def _conv_forward(self, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        # nn.Conv2d's own _conv_forward, after centring (TorchScript compiles no super() call)
+        pad = self._reversed_padding_repeated_twice
+        input = centre_grid(input, [self.kernel_size[0], self.kernel_size[1]], [self.stride[0], self.stride[1]],
+                            [pad[2], pad[0]], [self.dilation[0], self.dilation[1]])
+        if self.padding_mode != "zeros":
+            return F.conv2d(F.pad(input, pad, mode=self.padding_mode), weight, bias, self.stride, _pair(0),
+                            self.dilation, self.groups)
+        return F.conv2d(input, weight, bias, self.stride, self.padding, self.dilation, self.groups)
+
+    @classmethod
+    def from_conv(cls, conv: nn.Conv2d) -> "CentredConv2d":
+        """A ``CentredConv2d`` with ``conv``'s configuration, device, dtype, training mode and a copy of its
+        weights."""
+        new = cls(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding, conv.dilation,
+                  conv.groups, conv.bias is not None, conv.padding_mode, device=conv.weight.device,
+                  dtype=conv.weight.dtype)
+        new.load_state_dict(conv.state_dict())
+        new.weight.requires_grad_(conv.weight.requires_grad)
+        if conv.bias is not None:
+            new.bias.requires_grad_(conv.bias.requires_grad)
+        return new.train(conv.training)
+
+
+def _check_floor_mode(ceil_mode: bool) -> None:
+    if ceil_mode:
+        raise ValueError("a centred pooling grid needs ceil_mode=False: ceil mode adds a window that reaches past "
+                         "the bottom/right edge only, which a quarter turn does not keep")
+
+
+@register_notrace_module
+class CentredMaxPool2d(nn.MaxPool2d):
+    """``nn.MaxPool2d`` whose strided grid is centred (:func:`centre_grid`); ``ceil_mode`` must be False."""
+
+    def __init__(self, kernel_size, stride=None, padding=0, dilation=1, return_indices: bool = False,
+                 ceil_mode: bool = False) -> None:
+        super().__init__(kernel_size, stride, padding, dilation, return_indices, ceil_mode)
+        _check_floor_mode(self.ceil_mode)
+        self.grid = _grid_args(self.kernel_size, self.stride, self.padding, self.dilation)
+
+    def forward(self, input: torch.Tensor):
+        input = centre_grid(input, self.grid[0], self.grid[1], self.grid[2], self.grid[3])
+        return F.max_pool2d(input, self.kernel_size, self.stride, self.padding, self.dilation,
+                            ceil_mode=self.ceil_mode, return_indices=self.return_indices)
+
+    @classmethod
+    def from_pool(cls, pool: nn.MaxPool2d) -> "CentredMaxPool2d":
+        """The same pooling with a centred grid."""
+        return cls(pool.kernel_size, pool.stride, pool.padding, pool.dilation, pool.return_indices, pool.ceil_mode)
+
+
+@register_notrace_module
+class CentredAvgPool2d(nn.AvgPool2d):
+    """``nn.AvgPool2d`` whose strided grid is centred (:func:`centre_grid`); ``ceil_mode`` must be False."""
+
+    def __init__(self, kernel_size, stride=None, padding=0, ceil_mode: bool = False, count_include_pad: bool = True,
+                 divisor_override: Optional[int] = None) -> None:
+        super().__init__(kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+        _check_floor_mode(self.ceil_mode)
+        self.grid = _grid_args(self.kernel_size, self.stride, self.padding, 1)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        input = centre_grid(input, self.grid[0], self.grid[1], self.grid[2], self.grid[3])
+        return F.avg_pool2d(input, self.kernel_size, self.stride, self.padding, self.ceil_mode,
+                            self.count_include_pad, self.divisor_override)
+
+    @classmethod
+    def from_pool(cls, pool: nn.AvgPool2d) -> "CentredAvgPool2d":
+        """The same pooling with a centred grid."""
+        return cls(pool.kernel_size, pool.stride, pool.padding, pool.ceil_mode, pool.count_include_pad,
+                   pool.divisor_override)
+
+
+def _grid_args(kernel_size, stride, padding, dilation) -> List[List[int]]:
+    """A pooling layer's arguments (ints or pairs) as the four lists :func:`centre_grid` takes."""
+    return [list(_pair(value)) for value in (kernel_size, stride, padding, dilation)]
+
+
+#: The plain layers of this module: their grid is centred whatever their stride.
+CENTRED_LAYERS = (CentredConv2d, CentredMaxPool2d, CentredAvgPool2d)
+
+
+def conv_class(stride_align: str) -> type:
+    """The plain convolution class of a network built with ``stride_align``: :class:`CentredConv2d` for
+    ``"centre"`` (the same as ``nn.Conv2d`` at unit stride), ``nn.Conv2d`` for ``"corner"``."""
+    return CentredConv2d if check_stride_align(stride_align) == "centre" else nn.Conv2d
+
+
+def pool_class(kind: str, stride_align: str) -> type:
+    """The pooling class (``kind`` ``"max"`` or ``"avg"``) of a network built with ``stride_align``."""
+    centred = check_stride_align(stride_align) == "centre"
+    if kind == "max":
+        return CentredMaxPool2d if centred else nn.MaxPool2d
+    if kind == "avg":
+        return CentredAvgPool2d if centred else nn.AvgPool2d
+    raise ValueError(f"pooling kind={kind!r} is not accepted; use 'max' or 'avg'")
