@@ -167,7 +167,7 @@ else
         | tar --no-same-owner -xf - -C "$rootfs$CHECKOUT_IN_ROOT"
     source_id="not a git checkout"
 fi
-# The tests that read this repository's history (scripts/bench_kernel_ab.py) get one commit: the copy.
+# The tests that read this repository's history (scripts/research/bench_kernel_ab.py) get one commit: the copy.
 in_root git -C "$CHECKOUT_IN_ROOT" init -q
 in_root git -C "$CHECKOUT_IN_ROOT" add -A
 in_root git -C "$CHECKOUT_IN_ROOT" -c user.name=aarch64_check -c user.email=aarch64_check@localhost \

@@ -6,8 +6,6 @@
 * :mod:`.mnist_results`: one row of RESULTS.md (train, MNIST test, MNIST-rot) as JSON, CSV and plot;
 * :mod:`.model_cards`: the model cards of published weights, from those rows;
 * :mod:`.invariance`: the feature-change sweep of models at random initialisation;
-* :mod:`.ablation`: one row of RESULTS.md's ablation (train on an MNIST slice for some seeds, sweep, error bars);
-* :mod:`.dip_probe`: where a trained SCNN loses accuracy between the quarter turns (per-stage probes).
 * :mod:`.push_to_hub`: publish trained weights (and their card) to the Hugging Face Hub, or bundle them.
 
 :func:`run` is how each tool starts: a problem with the user's input (a missing data folder, a bad

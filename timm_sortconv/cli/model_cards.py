@@ -142,11 +142,11 @@ def card(row, params: int) -> str:
              f"({row['mnist_rot_images'] * len(row['angles']):,} images; seed {row['seed']})")
     paper = lambda v: f"{v:.2f}%" if v is not None else "not reported"  # noqa: E731
     invariant = "" if "baseline" in model else (
-        " Its logits are invariant to rotations by multiples of 90 degrees (28x28 input; exactly, up to float "
-        "rounding of the canonical turn), and to every other angle up to the interpolation of the turns and the "
-        "error of the angle's estimate."
+        " Its logits are invariant to rotations by multiples of 90 degrees at every input size (exactly, up to "
+        "float rounding of the canonical turn), and to every other angle up to the interpolation of the turns and "
+        "the error of the angle's estimate."
         if model.endswith("_canon") else
-        " Its logits are exactly invariant to rotations by multiples of 90 degrees (28x28 input), and close "
+        " Its logits are exactly invariant to rotations by multiples of 90 degrees at every input size, and close "
         "for any other angle.")
     return f"""---
 library_name: timm

@@ -306,7 +306,7 @@ def load_kernel(folder: Optional[os.PathLike] = None, isa: Optional[str] = None,
     """The kernel compiled from ``folder`` (a folder holding ``sort_conv_cpu.cpp`` and its headers; default:
     the package's own) for the instruction-set level ``isa`` (default: :func:`cpu_isa`), built on first use
     and cached on disk and in this process. Raises where the CPU cannot run the level or the build fails.
-    ``scripts/bench_kernel_ab.py`` uses it to run versions of the kernel side by side."""
+    ``scripts/research/bench_kernel_ab.py`` uses it to run versions of the kernel side by side."""
     isa = cpu_isa() if isa is None else isa
     if isa not in ISA_LEVELS:
         raise ValueError(f"isa={isa!r} is not an instruction-set level; accepted: {', '.join(ISA_LEVELS)}")
@@ -423,7 +423,7 @@ def _weight_slots(weight: torch.Tensor, tables: _Tables) -> torch.Tensor:
 
 def _padding_kwargs(pad: Tuple[int, int, int, int]) -> Dict[str, int]:
     """The extension's zero-padding arguments (``F.pad``'s order); none for an input already padded, so
-    that ``scripts/bench_kernel_ab.py`` can run kernel versions from before they existed."""
+    that ``scripts/research/bench_kernel_ab.py`` can run kernel versions from before they existed."""
     return dict(zip(("pad_left", "pad_right", "pad_top", "pad_bottom"), pad)) if any(pad) else {}
 
 
