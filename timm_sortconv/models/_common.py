@@ -135,7 +135,7 @@ class SequentialClassifierMixin(SequentialFeaturesMixin):
 PAPER_CFG = dict(
     license='apache-2.0',
     paper_ids='arXiv:2305.14462',
-    paper_name='Sorted Convolutional Network for Achieving Continuous Rotational Invariance',
+    paper_name='Sorting Convolution Operation for Achieving Rotational Invariance',
 )
 
 _DATASET_CFGS = {

@@ -12,7 +12,7 @@ to quarter turns at every input size; with ``stride_align='corner'`` (the paper'
 ``16 m - 1`` (15, 31, ..., 127).
 
 Papers:
-* `Sorted Convolutional Network for Achieving Continuous Rotational Invariance` - https://arxiv.org/abs/2305.14462
+* `Sorting Convolution Operation for Achieving Rotational Invariance` - https://arxiv.org/abs/2305.14462
 * `Densely Connected Convolutional Networks` - https://arxiv.org/abs/1608.06993
 """
 from collections import OrderedDict

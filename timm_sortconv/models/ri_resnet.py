@@ -15,7 +15,7 @@ size; ``stride_align='corner'`` is the paper's network, exact only for sides 2 *
 (m + 3) / 4 odd (18, 50, 114, ...).
 
 Papers:
-* `Sorted Convolutional Network for Achieving Continuous Rotational Invariance` - https://arxiv.org/abs/2305.14462
+* `Sorting Convolution Operation for Achieving Rotational Invariance` - https://arxiv.org/abs/2305.14462
 * `Deep Residual Learning for Image Recognition` - https://arxiv.org/abs/1512.03385
 """
 from functools import partial

@@ -14,7 +14,7 @@ of 32).
 choose another variant), ``ri_vgg16_baseline`` uses ``nn.Conv2d`` with identical parameters.
 
 Papers:
-* `Sorted Convolutional Network for Achieving Continuous Rotational Invariance` - https://arxiv.org/abs/2305.14462
+* `Sorting Convolution Operation for Achieving Rotational Invariance` - https://arxiv.org/abs/2305.14462
 * `Very Deep Convolutional Networks for Large-Scale Image Recognition` - https://arxiv.org/abs/1409.1556
 """
 from typing import Any, Dict, List, Optional, Sequence, Union

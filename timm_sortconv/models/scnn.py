@@ -12,7 +12,7 @@ last two ``3 x 3``; padding ``k // 2``; global average pooling (the paper's 7x7 
 parameters. On a 28x28 input every pooling window tiles the map, so an SCNN's logits are exactly
 invariant to rotations by multiples of 90 degrees, and polar sampling keeps them close for any angle.
 
-Paper: `Sorted Convolutional Network for Achieving Continuous Rotational Invariance` (Mo & Zhao, IEEE SPL 2024)
+Paper: `Sorting Convolution Operation for Achieving Rotational Invariance` (Mo & Zhao, IEEE SPL 2024)
 - https://arxiv.org/abs/2305.14462
 """
 from functools import partial
