@@ -283,7 +283,7 @@ def _build(sources: Dict[str, bytes], isa: str, verbose: bool) -> ModuleType:
     if compiles:
         _say(f"compiling the fused CPU kernel ({isa} level, {len(units)} C++ files) into {build_directory}, "
              f"because this Python environment (torch {torch.__version__} in {build_environment()[0]}) has no "
-             f"build of these sources yet; this takes about a minute on 2 cores, once per environment")
+             f"build of these sources yet; this takes about a minute on 2 idle cores, once per environment")
     start = time.perf_counter()
     saved_path = os.environ.get("PATH")
     os.environ["PATH"] = path
