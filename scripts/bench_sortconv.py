@@ -17,7 +17,7 @@ What is measured:
   (``torch.autograd.graph.saved_tensors_hooks``): the memory a training step holds per layer between
   forward and backward. Parameters count too (the weight is saved by every path).
 
-On a CUDA GPU (``--device cuda``) it prints the GPU issue's table instead: per layer, variant, kernel size
+On a CUDA GPU (``--device cuda``) it prints a GPU table instead: per layer, variant, kernel size
 and precision, ``F.conv2d`` in float32 without TF32 and with PyTorch's defaults (or under autocast for
 ``bf16``/``fp16``), ``sort_conv2d(backend="triton")`` (one column per ``--triton-paths`` entry) and the
 reference path, forward and forward+backward, timed with CUDA events; and with ``--throughput``, training
@@ -25,7 +25,7 @@ steps of scnn_p_rs_7, ri_resnet18 and ri_densenet40 against their ``*_baseline``
 that code on tiny CPU tensors (the Triton kernels in Triton's interpreter: set ``TRITON_INTERPRET=1``).
 
 Examples:
-    python scripts/bench_sortconv.py                           # the issue's four shapes, all variants
+    python scripts/bench_sortconv.py                           # the four ResNet/SCNN layer shapes, all variants
     python scripts/bench_sortconv.py --shapes k5 --skip-reference   # the same layers with 5x5 kernels
     python scripts/bench_sortconv.py --shapes scnn_p_rs_7 --variants polar-ring --skip-reference
     python scripts/bench_sortconv.py --shapes none --throughput --e2cnn
@@ -85,20 +85,22 @@ class LayerShape:
                 f"{self.height}x{self.width}, k={self.kernel_size}{extra}{times}")
 
 
-ISSUE_SHAPES = [
+# Layers of the paper's networks: the SCNN's 7x7 convolutions at 28x28 and 14x14 (batch 100, the paper's), a
+# ResNet stage at 64x64 with 3x3 and 7x7 kernels (batch 10).
+RESNET_SHAPES = [
     LayerShape(100, 32, 32, 28, 28, 7),
     LayerShape(100, 32, 64, 14, 14, 7),
     LayerShape(10, 64, 64, 64, 64, 3),
     LayerShape(10, 64, 64, 64, 64, 7),
 ]
-# The goal covers k = 5 too, which the issue's shapes leave out: the same layers with 5x5 kernels.
+# The same layers with 5x5 kernels.
 K5_SHAPES = [
     LayerShape(100, 32, 32, 28, 28, 5),
     LayerShape(100, 32, 64, 14, 14, 5),
     LayerShape(10, 64, 64, 64, 64, 5),
 ]
-# The CUDA issue's shapes (measured there on an H100 before its work), and two of ConvNeXt-T's 7x7
-# depthwise layers at 224x224 input (stages 1 and 3), which the issue names as a target.
+# GPU shapes: the SCNN's 7x7 layers, ResNet stages at 32x32 to 8x8 (batch 32), and two of ConvNeXt-T's 7x7
+# depthwise layers at 224x224 input (stages 1 and 3).
 GPU_SHAPES = [
     LayerShape(100, 32, 32, 28, 28, 7),
     LayerShape(100, 32, 64, 14, 14, 7),
@@ -108,9 +110,9 @@ GPU_SHAPES = [
     LayerShape(32, 96, 96, 56, 56, 7, groups=96),
     LayerShape(32, 384, 384, 14, 14, 7, groups=384),
 ]
-SHAPE_SETS = {"issue": ("The performance issue's shapes", ISSUE_SHAPES),
-              "k5": ("The issue's shapes with k = 5", K5_SHAPES),
-              "gpu": ("The CUDA issue's shapes and two depthwise layers", GPU_SHAPES)}
+SHAPE_SETS = {"resnet": ("The SCNN and ResNet layer shapes", RESNET_SHAPES),
+              "k5": ("The same layers with k = 5", K5_SHAPES),
+              "gpu": ("GPU shapes: SCNN and ResNet layers, two ConvNeXt depthwise layers", GPU_SHAPES)}
 
 
 def model_layer_shapes(name: str, batch: int) -> Tuple[List[LayerShape], str]:
@@ -249,7 +251,7 @@ def table_row(row: dict, reference: bool, first: List[str]) -> None:
 
 
 def print_layer_table(shape: LayerShape, rows: List[dict], reference: bool) -> None:
-    """One table per shape, one row per variant (the issue's shapes)."""
+    """One table per shape, one row per variant."""
     print(f"\n#### {shape.label()}\n")
     table_header(reference, ["variant"])
     for row in rows:
@@ -370,8 +372,8 @@ def print_throughput(steps: int, batch: int, e2cnn: bool, reference: bool) -> No
 PRECISIONS = ("fp32", "bf16", "fp16")
 TRITON_PATHS = ("auto", "direct", "fused", "columns")
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-# Models and their nn.Conv2d twins, with the batch of the CUDA issue's throughput goal (inputs at the
-# model's own size: 28x28 for the SCNN, 128x128 for the others).
+# Models and their nn.Conv2d twins, with the paper's batch sizes (inputs at the model's own size: 28x28 for the
+# SCNN, 128x128 for the others).
 CUDA_MODELS = {"scnn_p_rs_7": ("scnn_baseline_7", 100), "ri_resnet18": ("ri_resnet18_baseline", 32),
                "ri_densenet40": ("ri_densenet40_baseline", 32)}
 # --dry-run: one tiny layer, and small model inputs, so that the interpreter finishes in seconds.
@@ -532,7 +534,7 @@ def print_cuda_profile(shape: LayerShape, variant: str, precision: str, path: st
 
 
 def print_cuda_table(title: str, rows: List[dict], precision: str, paths: Sequence[str], reference: bool) -> None:
-    """The issue's table: conv, SC Triton (per path), SC reference, and SC Triton over conv."""
+    """The GPU table: conv, SC Triton (per path), SC reference, and SC Triton over conv."""
     conv = ["conv fp32 fwd", "conv fp32 f+b", "conv default fwd", "conv default f+b"] if precision == "fp32" \
         else [f"conv {precision} fwd", f"conv {precision} f+b"]
     header = ["shape", "variant", "k"] + conv
@@ -655,8 +657,8 @@ def main_cuda(args, variants: List[str], variant_given: bool) -> None:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--shapes", default="issue",
-                        help="comma-separated: 'issue' (the four shapes of the performance issue), 'k5' (three of "
+    parser.add_argument("--shapes", default="resnet",
+                        help="comma-separated: 'resnet' (four SCNN and ResNet layer shapes), 'k5' (three of "
                              "them with k = 5), model names "
                              f"({', '.join(MODELS)}: their SortConv2d layers at the model's input size), or 'none'")
     parser.add_argument("--variants", default=",".join(VARIANTS),

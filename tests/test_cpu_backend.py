@@ -449,13 +449,13 @@ def test_two_checkouts_share_or_keep_their_cache_entries(tmp_path, monkeypatch):
 
 
 def test_benchmark_script_shape_sets(capsys):
-    """`bench_sortconv.py --shapes` takes the named shape sets (the issue's, and the same layers with k = 5,
-    which the goal covers and the issue's table leaves out), model names and 'none', and names them on error."""
+    """`bench_sortconv.py --shapes` takes the named shape sets (the ResNet/SCNN layers, the same layers with
+    k = 5), model names and 'none', and names them on error."""
     bench = load_script(Path(__file__).resolve().parent.parent / "scripts" / "bench_sortconv.py", "bench_sortconv")
-    assert bench.parse_args(["--shapes", "issue,k5,scnn_p_rs_7,none"]).shapes == "issue,k5,scnn_p_rs_7,none"
+    assert bench.parse_args(["--shapes", "resnet,k5,scnn_p_rs_7,none"]).shapes == "resnet,k5,scnn_p_rs_7,none"
     assert {shape.kernel_size for shape in bench.SHAPE_SETS["k5"][1]} == {5}
-    assert {shape.kernel_size for shape in bench.SHAPE_SETS["issue"][1]} == {3, 7}
+    assert {shape.kernel_size for shape in bench.SHAPE_SETS["resnet"][1]} == {3, 7}
     with pytest.raises(SystemExit) as error:
         bench.parse_args(["--shapes", "k9"])
     assert error.value.code == 2
-    assert "unknown shape set 'k9'; accepted: issue, k5, gpu, none" in capsys.readouterr().err
+    assert "unknown shape set 'k9'; accepted: resnet, k5, gpu, none" in capsys.readouterr().err
