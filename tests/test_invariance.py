@@ -176,6 +176,21 @@ def test_command_line(capsys):
     assert "| 90 | 0.00% | 100.0% |" in out and "scnn_baseline_3: feature change" in out
 
 
+def test_command_line_quarter_turn_table(capsys):
+    """``--quarter-turn``: the paper's grid is exact at 28 and not at 29, the centred one at both; the nearest
+    exact size found for 29 is 28; --sortify converts a plain model first."""
+    main(["--models", "scnn_p_rs_3", "--quarter-turn", "28", "29", "--stride-align", "corner", "--search", "1"])
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [(r[2], float(r[3]) < 1e-10, r[4].rstrip(" |")) for r in rows] == [("28", True, "28"), ("29", False, "28")]
+    main(["--models", "scnn_p_rs_3", "--quarter-turn", "29"])
+    assert float(capsys.readouterr().out.splitlines()[2].split(" | ")[3]) < 1e-10
+    main(["--models", "scnn_baseline_3", "--sortify", "--quarter-turn", "29"])
+    row = capsys.readouterr().out.splitlines()[2]
+    assert row.startswith("| sortify(scnn_baseline_3) | centre | 29 |") and float(row.split(" | ")[3]) < 1e-10
+    with pytest.raises(SystemExit):
+        main(["--quarter-turn", "0"])
+
+
 def test_sweep_plot_labels_both_panels_and_its_legends_cover_no_curve():
     """Each panel has a title and a legend naming every curve, drawn outside the panel: no legend can hide
     a point of a curve, however low."""

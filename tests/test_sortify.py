@@ -255,3 +255,11 @@ def test_replacements_keep_device_dtype_mode_and_frozen_parameters():
 def test_bad_arguments_are_rejected(kwargs, error):
     with pytest.raises(error):
         sortify(nn.Sequential(nn.Conv2d(1, 1, 3)), **kwargs)
+
+
+def test_the_plain_twins_of_this_package_sortify_into_exact_networks():
+    """Their convolutions are CentredConv2d (plain, with a centred grid): sortify converts them like nn.Conv2d,
+    and the result is exactly invariant at an odd size."""
+    model, report = sortify(timm.create_model("scnn_baseline_3", channels=(2,) * 6), return_report=True)
+    assert len(report.replaced) == 6 and not report.skipped
+    assert quarter_turn_check(model, 29, batch=1).exact

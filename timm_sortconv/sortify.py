@@ -14,8 +14,8 @@ Each convolution of the model gets exactly one verdict, checked in this order:
 4. "kept": its kernel is smaller than ``min_kernel_size`` (a ``1 x 1`` convolution already commutes
    with rotations, so it stays plain);
 5. "replaced": ``nn.Conv2d`` and subclasses that keep its ``forward`` (torchvision's and timm's plain
-   convolutions, ``timm.layers.create_conv2d`` with static padding, each branch of a ``MixedConv2d``)
-   become :class:`~timm_sortconv.SortConv2d`; timm's ``Conv2dSame`` / ``Conv2dSameExport`` (dynamic
+   convolutions, ``timm.layers.create_conv2d`` with static padding, each branch of a ``MixedConv2d``), and
+   :class:`~timm_sortconv.grid.CentredConv2d`, become :class:`~timm_sortconv.SortConv2d`; timm's ``Conv2dSame`` / ``Conv2dSameExport`` (dynamic
    TensorFlow "SAME" padding) become :class:`SortConv2dSame`, with the same output size; even kernels
    (ConvNeXt's ``4 x 4`` stem and ``2 x 2`` downsampling, patch embeddings) included;
 6. "skipped": any other ``nn.Conv2d`` subclass, because it overrides ``forward`` with arithmetic
@@ -126,6 +126,8 @@ def _replacement_class(module: nn.Conv2d) -> Tuple[Optional[type], str]:
     """``(class to convert to, "")`` or ``(None, why it cannot be converted)`` for an ``nn.Conv2d``."""
     if isinstance(module, (Conv2dSame, Conv2dSameExport)):
         return SortConv2dSame, ""
+    if isinstance(module, CentredConv2d):  # a plain convolution with a centred grid (this package's plain twins)
+        return SortConv2d, ""
     cls = type(module)
     if cls.forward is not nn.Conv2d.forward or cls._conv_forward is not nn.Conv2d._conv_forward:
         # e.g. timm's StdConv2d family standardises the weight on every call.

@@ -4,9 +4,15 @@ No data set and no weights are needed: the images are digit-like strokes drawn f
 (:func:`timm_sortconv.data.synthetic_digits`), or the first images of an MNIST IDX file. The table is
 :func:`timm_sortconv.invariance.sweep_table`.
 
-Example::
+``--quarter-turn SIZE ...`` instead measures, for each model and input size, how far its logits are from exact
+invariance to a quarter turn (:func:`timm_sortconv.quarter_turn_check`: random images, float64), with the
+strided grids of ``--stride-align``; ``--sortify`` converts each (timm or torchvision-style) model first.
+
+Examples::
 
     python scripts/invariance.py --models scnn_p_rs_7 scnn_baseline_7 --angles 0:360:45
+    python scripts/invariance.py --models ri_resnet18 ri_densenet40 --quarter-turn 127 128 --stride-align corner
+    python scripts/invariance.py --models resnet18 --sortify --quarter-turn 224 225
 """
 from __future__ import annotations
 
@@ -18,7 +24,8 @@ import torch
 from .. import models  # noqa: F401  (registers the SC models with timm)
 from ..data.mnist import read_idx
 from ..data.synthetic import synthetic_digits
-from ..invariance import rotation_sweep, sweep_table
+from ..grid import STRIDE_ALIGNS
+from ..invariance import quarter_turn_check, rotation_sweep, sweep_table
 from ..rotation import parse_rotations
 from . import run
 
@@ -30,6 +37,34 @@ parser.add_argument("--num-images", type=int, default=16, help="images in the ba
 parser.add_argument("--seed", type=int, default=0, help="seeds the model initialisation and the images")
 parser.add_argument("--mnist-images", default=None, metavar="IDX_FILE",
                     help="an MNIST IDX image file (gzipped or not) instead of synthetic digits")
+parser.add_argument("--quarter-turn", nargs="+", type=int, default=None, metavar="SIZE",
+                    help="instead of the sweep: each model's quarter-turn error at these input sizes (float64)")
+parser.add_argument("--stride-align", choices=STRIDE_ALIGNS, default="centre",
+                    help="with --quarter-turn: the models' (or sortify's) strided grids (default: centre)")
+parser.add_argument("--sortify", action="store_true", help="with --quarter-turn: convert each model with sortify")
+parser.add_argument("--search", type=int, default=0, metavar="N",
+                    help="with --quarter-turn: look up to N pixels away for the nearest exact sizes (default 0)")
+
+
+def quarter_turn_table(args) -> str:
+    """The Markdown table of ``--quarter-turn``."""
+    import timm
+
+    from ..sortify import sortify
+
+    lines = ["| model | stride_align | size | quarter-turn error | nearest exact sizes |", "|---|---|---|---|---|"]
+    for name in args.models:
+        torch.manual_seed(args.seed)
+        if args.sortify:
+            model, label = sortify(timm.create_model(name), stride_align=args.stride_align), f"sortify({name})"
+        else:
+            model, label = timm.create_model(name, stride_align=args.stride_align), name
+        for size in args.quarter_turn:
+            check = quarter_turn_check(model, size, search=args.search, batch=1, seed=args.seed)
+            nearest = "-" if not args.search else ", ".join(
+                str(s) for s in dict.fromkeys((check.below, check.above)) if s is not None) or "none nearby"
+            lines.append(f"| {label} | {args.stride_align} | {size} | {check.error:.1e} | {nearest} |")
+    return "\n".join(lines)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -37,6 +72,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     import timm
 
     args = parser.parse_args(argv)
+    if args.quarter_turn:
+        if min(args.quarter_turn) < 1 or args.search < 0:
+            parser.error("--quarter-turn sizes must be >= 1 and --search >= 0")
+        print(quarter_turn_table(args))
+        return
     try:
         angles = parse_rotations(args.angles)
     except ValueError as error:
