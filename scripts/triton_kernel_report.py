@@ -9,8 +9,14 @@ global loads/stores, atomics) and the compile time (CPU seconds of this process 
 which other processes on a busy machine disturb far less than the elapsed time). A kernel that fails to compile is reported with the
 first line of its error and makes the script exit with status 1.
 
+``--candidates`` compiles every block-size candidate that ``backend="auto"`` times (``config.blocks_of``)
+instead of the first one alone; the column ``auto`` says whether ``auto`` runs the kernel for the geometry
+at all (``config.AUTO_MAX_KERNEL_SIZE``; the fused kernel only for windows of ``config.FUSED_MAX_SLOTS``
+samples at most, the direct backward of ``config.DIRECT_BACKWARD_MAX_SLOTS``).
+
 Examples:
     python scripts/triton_kernel_report.py                                  # every kernel, k = 3, 5, 7
+    python scripts/triton_kernel_report.py --k 7 --candidates               # every auto candidate at k = 7
     python scripts/triton_kernel_report.py --k 7 --variants polar-ring --kernels fused_forward_kernel \\
         --dtypes float32,bfloat16 --out-per-group 32,64,128
 """
@@ -36,6 +42,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float64: "*fp64"}
 # Buffers the backend allocates in the accumulation dtype (float32, float64 for float64) whatever the input's.
 ACCUMULATED = {"windows_ptr", "grad_x_ptr", "grad_w_ptr"}
+# Buffers of int32 words (the recorded swaps).
+WORDS = {"swaps_ptr"}
 SASS_GROUPS = {"min/max": ("FMNMX", "DMNMX", "HMNMX2"), "mma": ("HGMMA", "HMMA", "DMMA"), "ld.global": ("LDG",),
                "st.global": ("STG",), "atomics": ("RED", "ATOM", "ATOMG")}
 
@@ -51,6 +59,8 @@ def parse_args(argv=None):
     parser.add_argument("--in-per-group", type=int, default=32, help="input channels per group (fused kernel)")
     parser.add_argument("--out-per-group", default="32", help="comma-separated outputs per group (block sizes)")
     parser.add_argument("--groups", type=int, default=1, help="groups (direct kernels' block sizes)")
+    parser.add_argument("--candidates", action="store_true",
+                        help="every block-size candidate backend='auto' times, not only the first")
     args = parser.parse_args(argv)
     from timm_sortconv.ops.triton_backend import KERNELS
 
@@ -72,12 +82,14 @@ def parse_args(argv=None):
 
 def signature(fn, dtype: torch.dtype) -> Dict[str, str]:
     """Argument types as the backend passes them: pointers of the input's dtype (accumulation buffers of
-    float32, or float64), 32-bit integers, and the constexprs."""
+    float32, or float64; swap words of int32), 32-bit integers, and the constexprs."""
     accumulate = POINTER_TYPES[torch.float64 if dtype == torch.float64 else torch.float32]
     types = {}
     for param in fn.params:
         if param.is_constexpr:
             types[param.name] = "constexpr"
+        elif param.name in WORDS:
+            types[param.name] = "*i32"
         elif param.name.endswith("_ptr"):
             types[param.name] = accumulate if param.name in ACCUMULATED else POINTER_TYPES[dtype]
         else:
@@ -137,11 +149,11 @@ def main(argv=None) -> int:
     import triton
 
     from timm_sortconv.ops.geometry import get_geometry
-    from timm_sortconv.ops.triton_backend import launch_settings
+    from timm_sortconv.ops.triton_backend import KERNEL_PATHS, config, launch_settings
     from timm_sortconv.ops.triton_backend.source import load_kernels
 
     print(f"Triton {triton.__version__}, torch {torch.__version__}, target sm_{args.arch}\n")
-    columns = ["kernel", "k", "variant", "dtype", "blocks", "regs", "spill B", "shared B", "SASS",
+    columns = ["kernel", "k", "variant", "dtype", "blocks", "auto", "regs", "spill B", "shared B", "SASS",
                *SASS_GROUPS, "compile CPU s"]
     print("| " + " | ".join(columns) + " |")
     print("|" + "---|" * len(columns))
@@ -154,20 +166,27 @@ def main(argv=None) -> int:
                 for variant in args.variants:
                     geometry = get_geometry(k, *variant.rsplit("-", 1))
                     fn = load_kernels(geometry)[kernel]
+                    path = KERNEL_PATHS[kernel]
+                    in_auto = k <= config.AUTO_MAX_KERNEL_SIZE and {
+                        "fused_forward_kernel": k * k <= config.FUSED_MAX_SLOTS,
+                        "direct_backward_kernel": k * k <= config.DIRECT_BACKWARD_MAX_SLOTS}.get(kernel, True)
                     for dtype_name in args.dtypes:
                         dtype = DTYPES[dtype_name]
                         for out_per_group in outputs:
-                            meta = launch_settings(kernel, geometry, dtype, args.groups, args.in_per_group,
-                                                   out_per_group)
-                            row: List[str] = [kernel, str(k), variant, dtype_name, blocks(meta)]
-                            try:
-                                cells = compile_kernel(fn, dtype, meta, args.arch, Path(folder))
-                                row += [str(cells[name]) for name in columns[5:]]
-                            except Exception as error:  # report every kernel, then fail
-                                failed = True
-                                message = str(error).strip().splitlines()
-                                row.append(f"FAILED: {type(error).__name__}: {message[0] if message else ''}"[:200])
-                            print("| " + " | ".join(row) + " |", flush=True)
+                            every = config.blocks_of(path, k * k, args.groups, out_per_group)
+                            for candidate in (every if args.candidates else every[:1]):
+                                meta = launch_settings(kernel, geometry, dtype, args.groups, args.in_per_group,
+                                                       out_per_group, blocks=candidate)
+                                row: List[str] = [kernel, str(k), variant, dtype_name, blocks(meta),
+                                                  "yes" if in_auto else "no"]
+                                try:
+                                    cells = compile_kernel(fn, dtype, meta, args.arch, Path(folder))
+                                    row += [str(cells[name]) for name in columns[6:]]
+                                except Exception as error:  # report every kernel, then fail
+                                    failed = True
+                                    message = str(error).strip().splitlines()
+                                    row.append(f"FAILED: {type(error).__name__}: {message[0] if message else ''}"[:200])
+                                print("| " + " | ".join(row) + " |", flush=True)
     return 1 if failed else 0
 
 

@@ -61,10 +61,3 @@ def test_unknown_backend_names_the_accepted_ones():
     x, w = _args()
     with pytest.raises(ValueError, match="accepted: 'auto', 'reference'"):
         sort_conv2d(x, w, backend="fastest")
-
-
-def test_triton_is_opt_in_for_auto(monkeypatch):
-    monkeypatch.delenv("TIMM_SORTCONV_TRITON_AUTO", raising=False)
-    if "triton" not in backends._BACKENDS:
-        pytest.skip("the Triton backend is not registered (no triton package)")
-    assert backends._BACKENDS["triton"].auto is False

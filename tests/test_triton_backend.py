@@ -117,8 +117,9 @@ def check_against_reference(index, geometry, grads=True, rtol=1e-10, atol=1e-10,
                                     f"stride {stride}, dilation {dilation}, groups {groups}")
 
 
-# Every geometry's forward and backward through the columns path (its columns kernel and the unsort kernel
-# of the backward of every non-direct call) or, for the larger global networks, through the direct path.
+# Every geometry's forward and backward through the columns path (its columns kernel, and the record and
+# replay kernels of the backward of every non-direct call) or, for the larger global networks, through the
+# direct path.
 FORWARD_AND_BACKWARD = {"columns": [(k, v) for k in (1, 3, 5) for v in VARIANTS] + [(k, v) for k in (7, 9) for v in
                                                                                   VARIANTS if v[1] == "ring"],
                         "direct": [(k, v) for k in (7, 9) for v in VARIANTS if v[1] == "global"]
@@ -287,6 +288,126 @@ def test_nan_stays_in_its_windows(path):
         assert set(zip(nan_rows.tolist(), nan_cols.tolist())) == {(i, j) for i in (2, 3, 4) for j in (3, 4, 5)}
 
 
+class LaterIsFaster:
+    """An injected clock: the reference path takes 10 s, and each new candidate less than the one before."""
+
+    def __init__(self):
+        self.order = []
+
+    def __call__(self, candidate, args, device):
+        if candidate.name == "reference path":
+            return 10.0
+        if candidate.name not in self.order:
+            self.order.append(candidate.name)
+        return 1.0 / (1 + self.order.index(candidate.name))
+
+
+@pytest.fixture
+def fresh_tuner(monkeypatch):
+    """A tuner with no decisions and the LaterIsFaster clock, as auto's."""
+    from timm_sortconv.ops.triton_backend import tuning
+
+    monkeypatch.delenv(config.PATH_ENV, raising=False)
+    tuner = tuning.Tuner()
+    tuner.timer = LaterIsFaster()
+    monkeypatch.setattr(tuning, "TUNER", tuner)
+    return tuner
+
+
+def tuned(x, weight, bias, geometry, stride, dilation, groups, pad):
+    """backend="auto"'s output and (input, weight, bias) gradients through the operator."""
+    leaves = [t.detach().clone().requires_grad_() for t in (x, weight, bias)]
+    out = torch.ops.timm_sortconv.sort_conv2d(leaves[0], leaves[1], leaves[2], list(stride), list(pad),
+                                              list(dilation), groups, geometry.sampling, geometry.sorting, "auto")
+    return (out, *torch.autograd.grad(out, leaves, randn(*out.shape, seed=9).to(out.dtype)))
+
+
+def half_case(index, k, channels):
+    """A case's tensors in float16: under the interpreter no other fast backend takes float16 CPU tensors,
+    so backend="auto" is the Triton backend's checked and timed choice."""
+    x, weight, bias, *args = case(index, k, channels=channels)
+    return (x.half(), weight.half(), bias.half(), *args)
+
+
+def assert_close_to_float64(result, x, weight, bias, *args):
+    expected = run(reference, x.double(), weight.double(), bias.double(), *args)
+    for name, a, b in zip(("output", "grad input", "grad weight", "grad bias"), result, expected):
+        error = (a.double() - b).abs().max() / b.abs().max()
+        assert error < 8 * torch.finfo(torch.float16).eps, f"{name}: relative error {error:.2e}"
+
+
+@kernel_test
+@pytest.mark.parametrize("index", [0, 2])  # groups 1 (fused/columns) and depthwise (direct/columns)
+def test_auto_checks_every_candidate_and_keeps_the_fastest(fresh_tuner, index):
+    geometry = get_geometry(3, "polar", "ring")
+    x, weight, bias, stride, dilation, groups, pad = half_case(index, 3, 16 if index == 0 else 4)
+    args = (geometry, stride, dilation, groups, pad)
+    first = tuned(x, weight, bias, *args)
+    forward, backward = fresh_tuner.decisions()
+    call = triton_backend._Call.of(x, weight, *args)
+    for kind, decision in (("forward", forward), ("backward", backward)):
+        assert decision.rejected == {}, decision.rejected  # every kernel agreed with the reference path
+        assert len(decision.seconds) == 1 + len(triton_backend.candidates(kind, call, x))  # all timed
+        assert decision.chosen.name == list(decision.seconds)[-1] != "reference path"  # the clock's fastest
+    assert torch.equal(first[0], reference(x, weight, bias, *args))  # the deciding call: the reference's result
+    second = tuned(x, weight, bias, *args)  # the kept kernels
+    assert len(fresh_tuner.decisions()) == 2
+    for result in (first, second):
+        assert_close_to_float64(result, x, weight, bias, *args)
+
+
+@kernel_test
+@pytest.mark.parametrize("index", [0, 2])
+def test_auto_keeps_the_kernels_on_tied_inputs(fresh_tuner, index):
+    # After a ReLU half the values are zeros: ties in every window, where a sort's gradient may go to any
+    # of the tied values (torch.sort and a network pick differently). The backward is checked on an input
+    # without ties, so no kernel is left out.
+    geometry = get_geometry(3, "square", "global")
+    x, weight, bias, stride, dilation, groups, pad = half_case(index, 3, 16 if index == 0 else 4)
+    tuned(x.relu(), weight, bias, geometry, stride, dilation, groups, pad)
+    assert [d.rejected for d in fresh_tuner.decisions()] == [{}, {}]
+
+
+@kernel_test
+def test_auto_leaves_out_a_failing_or_wrong_kernel(fresh_tuner, monkeypatch):
+    geometry = get_geometry(3, "square", "global")
+    x, weight, bias, stride, dilation, groups, pad = half_case(0, 3, 16)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("launch failed")
+
+    def wrong(x, weight, bias, call, blocks=None):
+        return triton_backend._columns_forward(x, weight.flip(-1), bias, call, blocks)
+
+    monkeypatch.setitem(triton_backend._FORWARD_PATHS, "fused", broken)
+    monkeypatch.setitem(triton_backend._FORWARD_PATHS, "columns", wrong)
+    with pytest.warns(RuntimeWarning) as caught:
+        out = tuned(x, weight, bias, geometry, stride, dilation, groups, pad)[0]
+    messages = [str(w.message) for w in caught]
+    assert sum("triton fused forward" in m and "launch failed" in m for m in messages) == 2  # both block sizes
+    assert sum("triton columns forward" in m and "differs" in m for m in messages) == 2
+    forward = fresh_tuner.decisions()[0]
+    assert forward.chosen.name == "reference path" and len(forward.rejected) == 4
+    assert torch.equal(out, reference(x, weight, bias, geometry, stride, dilation, groups, pad))
+
+
+@kernel_test
+def test_auto_in_deterministic_mode_takes_no_atomics(fresh_tuner):
+    geometry = get_geometry(3, "polar", "global")
+    x, weight, bias, stride, dilation, groups, pad = half_case(2, 3, 4)  # depthwise
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        results = [tuned(x, weight, bias, geometry, stride, dilation, groups, pad) for _ in range(3)]
+    finally:
+        torch.use_deterministic_algorithms(before)
+    forward, backward = fresh_tuner.decisions()
+    assert forward.chosen.name.startswith("triton direct forward") and forward.seconds == {}  # first, untimed
+    assert backward.chosen.name.startswith("triton columns backward")  # the direct backward adds with atomics
+    assert all(torch.equal(a, b) for a, b in zip(results[2], results[1]))  # the kept kernels: the same bits
+    assert_close_to_float64(results[2], x, weight, bias, geometry, stride, dilation, groups, pad)
+
+
 def test_depth_first_order_sorts_as_the_network_does():
     # Same comparators, each wire meeting its own in the original order: the same result on any input.
     generator = torch.Generator().manual_seed(0)
@@ -314,8 +435,8 @@ def test_generated_source_holds_the_geometry():
     source = kernel_source(geometry)
     comparators = len(geometry.comparators())
     assert source.count("lo = tl.minimum(") == 3 * comparators  # columns, fused and direct forward kernels
-    assert source.count("swap = s") == 2 * comparators  # unsort and direct backward kernels
-    assert source.count("swap = (swaps") == 2 * comparators
+    assert source.count("swap = s") == 2 * comparators  # record and direct backward kernels
+    assert source.count("swap = (swaps") == 2 * comparators  # replay and direct backward kernels
     for weight in geometry.tap_weights.flatten().tolist():
         assert weight in (0.0, 1.0) or f"{weight!r}, COMPUTE)" in source
 
@@ -332,8 +453,20 @@ def test_path_rule(monkeypatch):
     assert config.choose_path(64, 64, 2, slots=49) == "columns"  # 7x7 orbit sorting: fused unmeasured there
     assert config.choose_path(64, 64, 9, 1000, 132) == config.FORWARD_PATH
     assert config.choose_path(64, 64, 9, 64, 132) == "columns"  # too few programs to fill the GPU
+    # backward: direct for windows of up to 25 samples (beyond, its kernel spills), else through the columns
+    assert config.backward_paths(1, 1, 9, 9) == ("direct", "columns")
+    assert config.backward_paths(4, 32, 9, 9) == ("columns", "direct")
+    assert config.backward_paths(1, 1, 24, 49) == ("columns",)
+    assert config.backward_paths(64, 64, 9, 9) == ("columns",)
+    assert config.forward_paths(1, 1, 49, slots=49) == ("direct", "columns")
+    assert config.forward_paths(64, 64, 9, 1000, 132, slots=9) == ("fused", "columns")
+    assert config.forward_paths(64, 64, 9, 64, 132, slots=9) == ("columns", "fused")
+    assert config.forward_paths(64, 64, 24, slots=49) == ("columns",)
     monkeypatch.setenv(config.PATH_ENV, "columns")
     assert config.choose_path(1, 1, 9) == "columns"
+    assert config.forward_paths(1, 1, 9) == ("columns",) and config.backward_paths(1, 1, 9, 9) == ("columns",)
+    monkeypatch.setenv(config.PATH_ENV, "direct")
+    assert config.backward_paths(1, 1, 24, 49) == ("direct",)  # forced: any window
     monkeypatch.setenv(config.PATH_ENV, "fast")
     with pytest.raises(ValueError, match="direct, fused, columns"):
         config.choose_path(1, 1, 9)

@@ -13,7 +13,9 @@ call exactly as the reference path would (the predicates look at devices, dtypes
 never at the input's height or width), ``available()`` whether it can run in this process (a compiler,
 a package). The operator :func:`timm_sortconv.ops.operator.sort_conv2d_op` looks the backend up here
 for every call; ``backend="auto"`` takes the first registered fast backend that supports the call and
-is allowed for ``auto``, and the reference path otherwise.
+is allowed for ``auto``, in the form it gives for ``auto`` (``auto_forward``/``auto_backward``: the Triton
+backend's choice among its kernels and the reference path, checked and timed per configuration), and the
+reference path otherwise.
 
 ``TIMM_SORTCONV_DISABLE_FAST=1`` switches every fast backend off (read by :func:`fast_disabled`, the one
 place that reads it): ``auto`` then always takes the reference path and naming a fast backend is an error.
@@ -21,7 +23,7 @@ place that reads it): ``auto`` then always takes the reference path and naming a
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -45,20 +47,31 @@ class Backend:
     backward: BackwardKernel
     supports: Callable[..., bool]
     available: Callable[[], bool]
-    # Whether backend="auto" may pick it; a backend not yet measured on its hardware is opt-in.
+    # Whether backend="auto" may pick it.
     auto: bool = True
     # Whether its kernels take the unpadded input and pad=(left, right, top, bottom) zeros.
     zero_padding: bool = False
     # Whether its kernels read an input contiguous in torch.channels_last order as it is (else: made contiguous).
     channels_last: bool = False
+    # What backend="auto" runs instead of forward and backward, if given (same signatures): e.g. the Triton
+    # backend's choice among its kernels and the reference path, checked and timed per configuration.
+    auto_forward: Optional[ForwardKernel] = None
+    auto_backward: Optional[BackwardKernel] = None
+
+    def for_auto(self) -> "Backend":
+        """The backend as ``auto`` runs it."""
+        return _AUTO_FORMS[self.name]
 
 
 _BACKENDS: Dict[str, Backend] = {}
+_AUTO_FORMS: Dict[str, Backend] = {}
 
 
 def register_backend(backend: Backend) -> None:
     """Adds a backend; ``auto`` tries fast backends in registration order."""
     _BACKENDS[backend.name] = backend
+    _AUTO_FORMS[backend.name] = replace(backend, forward=backend.auto_forward or backend.forward,
+                                        backward=backend.auto_backward or backend.backward)
 
 
 def fast_disabled() -> bool:
@@ -97,7 +110,7 @@ def resolve_backend(name: str, *args) -> Backend:
         if not fast_disabled():
             for backend in _BACKENDS.values():
                 if backend.name != "reference" and backend.auto and backend.supports(*args) and backend.available():
-                    return backend
+                    return backend.for_auto()
         return _BACKENDS["reference"]
     backend = _BACKENDS[check_backend_name(name)]
     if name != "reference" and fast_disabled():

@@ -1,18 +1,26 @@
-"""The Triton backend for CUDA tensors (``backend="triton"``).
+"""The Triton backend for CUDA tensors: what ``backend="auto"`` runs on a GPU, and ``backend="triton"``.
 
 Kernels are generated per geometry (:mod:`.source`): each lane of a program sorts one (output position,
 input channel) window with the geometry's comparator network, in registers, reading the input in place
 (zero padding is a masked read, so autograd keeps only the input and the weight, as for ``nn.Conv2d``).
-Three paths use them (:mod:`.config` chooses per call and holds every block size):
+Three paths use them (:mod:`.config`: which paths a call may take, and their block sizes):
 
-* ``direct``: groups with few input and output channels (depthwise convolutions): FMAs into an
-  [outputs, groups, positions] tile; the backward sorts again, records the swaps, and adds the input and
-  weight gradients with atomics.
-* ``fused`` (forward, windows of at most 9 samples: k = 3): an implicit GEMM; each sorted slot tile goes straight into ``tl.dot``.
+* ``direct``: groups with few input channels (depthwise convolutions): FMAs into an [outputs, groups,
+  positions] tile; the backward sorts again, records the swaps, and adds the input and weight gradients
+  with atomics (windows of at most 25 samples).
+* ``fused`` (forward, windows of at most 9 samples: k = 3): an implicit GEMM; each sorted slot tile goes
+  straight into ``tl.dot``.
 * ``columns``: sorted columns written for a bounded chunk of images and multiplied by cuBLAS. Also the
   backward of every call that is not direct: the weight and column gradients are cuBLAS products, a kernel
-  sorts again and replays the recorded swaps in reverse to send the column gradient back through the taps,
-  and ``F.fold`` gathers it per input pixel.
+  sorts again recording the swaps (and writing the columns), another replays them in reverse to send the
+  column gradient back through the taps, and ``F.fold`` gathers it per input pixel.
+
+``backend="auto"`` (:func:`tuned_forward`, :func:`tuned_backward`) does not trust the kernels: nobody
+has measured them on the user's GPU. Per configuration of a call, its first call checks every candidate
+(each path the call may take, with each of its block sizes: :func:`candidates`) against the reference
+path, leaves out with a warning any that fails or disagrees, and keeps the fastest of the reference and
+the rest, timed on the GPU (:mod:`.tuning`, which also says how deterministic mode, CUDA graph capture
+and ``TIMM_SORTCONV_TUNE=0`` change that). ``backend="triton"`` runs the first candidate directly.
 
 Precision: sorting and interpolation are exact in the input's precision (float16/bfloat16 inputs are
 interpolated and sorted in float32 and rounded once; rounding is monotonic, so that is the rounding of the
@@ -24,36 +32,39 @@ exactly where ``torch.backends.cudnn.allow_tf32`` (read per call) lets a convolu
 Supported (:func:`supports_triton`): CUDA tensors of one device and of one dtype among float16, bfloat16,
 float32 and float64, odd ``k <= 9``, any stride, dilation, groups, number of
 channels, padding (zeros inside the kernels; other modes through ``F.pad`` first), ``torch.channels_last``
-inputs and any batch size. Larger kernels take the reference path: their networks (up to 121 values per
-segment) would not fit a lane's registers. A gradient whose own graph is being built (double backward) is
-computed by the operator through the reference path.
+inputs and any batch size. Larger and even kernels take the reference path (networks of up to 121 values
+per segment would not fit a lane's registers; the kernels' windows have a centre), and so does ``auto`` for
+k = 9 (:data:`config.AUTO_MAX_KERNEL_SIZE`). A gradient whose own graph is being built (double backward)
+is computed by the operator through the reference path.
 
 Compilation: Triton compiles a kernel the first time a geometry, dtype and block configuration meets it,
 and keeps it in its cache (``TRITON_CACHE_DIR``, by default ``~/.triton/cache``) for later processes. The
 sorting networks are long straight-line programs, and Triton's coalescing pass takes time that grows with
-the number of memory accesses times the program's length: seconds for 3x3 windows, minutes for the 7x7
-and 9x9 backward kernels (``scripts/triton_kernel_report.py`` compiles them all ahead, for any GPU
-architecture, without one). Integer arguments are not specialized, so other batch sizes or image sizes
-reuse the compiled kernels.
+the number of memory operations times the square of the program's length, so the kernels read and write
+whole windows as wide tiles (:mod:`.source`) and the columns path's backward is two kernels: every kernel
+``auto`` can take for k <= 7 compiles for sm_90 in seconds (``scripts/triton_kernel_report.py`` compiles
+them for any GPU architecture, without one). Integer arguments are not specialized, so other batch sizes
+or image sizes reuse the compiled kernels.
 
-``backend="auto"`` leaves this backend out unless ``TIMM_SORTCONV_TRITON_AUTO=1`` is set: it has not yet been
-measured faster than the reference path on a GPU. Under Triton's interpreter (``TRITON_INTERPRET=1``, set
-before Triton is imported) the backend takes CPU tensors, which is how its correctness is tested without a
-GPU; natively it takes CUDA tensors only.
+Under Triton's interpreter (``TRITON_INTERPRET=1``, set before Triton is imported) the backend takes CPU
+tensors, which is how its correctness is tested without a GPU; natively it takes CUDA tensors only.
 """
 from __future__ import annotations
 
+import functools
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from ..backends import NO_PADDING, Backend, register_backend
 from ..geometry import SortGeometry
-from . import config
+from ..reference import sort_conv2d_reference, sort_conv2d_reference_backward
+from . import config, tuning
+from .source import load_kernels, swap_words
 
 try:
     import triton
@@ -61,10 +72,9 @@ try:
 except ImportError:  # CPU-only installs
     triton = None
 
-__all__ = ["KERNELS", "MAX_KERNEL_SIZE", "SUPPORTED_DTYPES", "backward", "forward", "launch_settings",
-           "supports_triton"]
+__all__ = ["KERNELS", "KERNEL_PATHS", "MAX_KERNEL_SIZE", "SUPPORTED_DTYPES", "backward", "candidates", "forward",
+           "launch_settings", "supports_triton", "tuned_backward", "tuned_forward"]
 
-AUTO_ENV = "TIMM_SORTCONV_TRITON_AUTO"
 # Triton's interpreter runs the kernels with NumPy, on CPU tensors.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_KERNEL_SIZE = 9
@@ -100,6 +110,12 @@ class _Call:
     @property
     def slots(self) -> int:
         return self.geometry.kernel_size ** 2
+
+    @property
+    def window_span(self) -> Tuple[int, int]:
+        """The rows and columns of the input one window spans."""
+        k = self.geometry.kernel_size
+        return (k - 1) * self.dilation[0] + 1, (k - 1) * self.dilation[1] + 1
 
     @property
     def largest_segment(self) -> int:
@@ -186,38 +202,45 @@ def _from_slot_major(grad: torch.Tensor, call: _Call) -> torch.Tensor:
     return _weight_from_slots(grad.permute(0, 3, 2, 1), call)
 
 
-KERNELS = ("columns_kernel", "unsort_kernel", "fused_forward_kernel", "direct_forward_kernel",
-           "direct_backward_kernel")
+# Each kernel and the path whose block sizes it takes.
+KERNEL_PATHS = {"columns_kernel": "columns", "record_kernel": "columns", "replay_kernel": "columns",
+                "fused_forward_kernel": "fused",
+                "direct_forward_kernel": "direct", "direct_backward_kernel": "direct"}
+KERNELS = tuple(KERNEL_PATHS)
 
 
 def launch_settings(kernel: str, geometry: SortGeometry, dtype: torch.dtype, groups: int, in_per_group: int,
-                    out_per_group: int, has_bias: bool = True, need_input: bool = True,
-                    need_weight: bool = True) -> dict:
+                    out_per_group: int, has_bias: bool = True, need_input: bool = True, need_weight: bool = True,
+                    blocks: Optional[tuple] = None) -> dict:
     """The compile-time arguments (block sizes, dtypes, flags, ``num_warps``, ``num_stages``) with which
-    the backend launches ``kernel`` (one of :data:`KERNELS`) for such a call; ``scripts/triton_kernel_report.py``
+    the backend launches ``kernel`` (one of :data:`KERNELS`) for such a call: with ``blocks``, one of its
+    path's candidates (:func:`config.blocks_of`), else the first; ``scripts/triton_kernel_report.py``
     compiles the kernels with them."""
-    segment = max(end - start for start, end in geometry.segments)
     compute = _compute_dtype(dtype)
-    if kernel in ("columns_kernel", "unsort_kernel"):
-        block_p, block_c, warps = config.column_blocks(segment)
-        return dict(COMPUTE=compute, BLOCK_P=block_p, BLOCK_C=block_c, num_warps=warps, num_stages=1)
-    if kernel == "fused_forward_kernel":
-        block_p, block_c, block_o, warps = config.fused_blocks(segment, out_per_group)
+    path = KERNEL_PATHS.get(kernel)
+    if path is None:
+        raise ValueError(f"unknown kernel {kernel!r}; accepted: {', '.join(KERNELS)}")
+    blocks = blocks or config.blocks_of(path, geometry.kernel_size ** 2, groups, out_per_group)[0]
+    if path == "columns":
+        block_p, block_c, warps = blocks
+        meta = dict(COMPUTE=compute, BLOCK_P=block_p, BLOCK_C=block_c, num_warps=warps, num_stages=1)
+        return dict(meta, STORE_COLUMNS=bool(need_weight)) if kernel == "record_kernel" else meta
+    if path == "fused":
+        block_p, block_c, block_o, warps = blocks
         # One stage: software pipelining would keep a buffer per sorted slot's weight tile and stage (Triton
         # took 442 s to compile such a 7x7 kernel, which then spilled), for tiles that hit the cache anyway.
         return dict(COMPUTE=compute, ACCUMULATE=compute, PRECISION=_dot_precision(dtype), HAS_BIAS=has_bias,
                     BLOCK_P=block_p, BLOCK_C=block_c, BLOCK_O=block_o, num_warps=warps, num_stages=1)
-    block_p, block_g, block_j, warps = config.direct_blocks(segment, groups, out_per_group)
+    block_p, block_g, block_j, warps = blocks
     meta = dict(COMPUTE=compute, BLOCK_P=block_p, BLOCK_G=block_g, BLOCK_J=block_j, num_warps=warps, num_stages=1)
     if kernel == "direct_forward_kernel":
         return dict(meta, HAS_BIAS=has_bias)
-    if kernel == "direct_backward_kernel":
-        return dict(meta, NEED_X=bool(need_input), NEED_W=bool(need_weight))
-    raise ValueError(f"unknown kernel {kernel!r}; accepted: {', '.join(KERNELS)}")
+    return dict(meta, NEED_X=bool(need_input), NEED_W=bool(need_weight))
 
 
-def _settings(kernel: str, call: _Call, dtype: torch.dtype, **flags) -> dict:
-    return launch_settings(kernel, call.geometry, dtype, call.groups, call.in_per_group, call.out_per_group, **flags)
+def _settings(kernel: str, call: _Call, dtype: torch.dtype, blocks: Optional[tuple], **flags) -> dict:
+    return launch_settings(kernel, call.geometry, dtype, call.groups, call.in_per_group, call.out_per_group,
+                           blocks=blocks, **flags)
 
 
 def _direct_grid(call: _Call, meta: dict) -> tuple:
@@ -225,9 +248,9 @@ def _direct_grid(call: _Call, meta: dict) -> tuple:
             triton.cdiv(call.groups, meta["BLOCK_G"]), triton.cdiv(call.out_per_group, meta["BLOCK_J"]))
 
 
-def _direct_forward(x, weight, bias, call: _Call):
+def _direct_forward(x, weight, bias, call: _Call, blocks: Optional[tuple] = None):
     out = _empty_output(x, call)
-    meta = _settings("direct_forward_kernel", call, x.dtype, has_bias=bias is not None)
+    meta = _settings("direct_forward_kernel", call, x.dtype, blocks, has_bias=bias is not None)
     load_kernels(call.geometry)["direct_forward_kernel"][_direct_grid(call, meta)](
         x, _slot_major(weight, call), bias if bias is not None else x, out, call.groups, call.in_per_group,
         call.out_per_group, *call.position_args(x, call.batch), *out.stride(), **meta)
@@ -239,30 +262,35 @@ def _fused_grid(call: _Call, meta: dict) -> tuple:
             triton.cdiv(call.out_per_group, meta["BLOCK_O"]), call.groups)
 
 
-def _fused_occupancy(x, weight, call: _Call) -> Tuple[int, int]:
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _fused_occupancy(x, call: _Call) -> Tuple[int, int]:
     """(programs of the fused kernel, multiprocessors of x's GPU; 0 off CUDA) for :func:`config.choose_path`."""
     if not x.is_cuda:
         return 0, 0
-    meta = _settings("fused_forward_kernel", call, x.dtype)
+    meta = _settings("fused_forward_kernel", call, x.dtype, None)
     programs = 1
     for size in _fused_grid(call, meta):
         programs *= size
-    return programs, torch.cuda.get_device_properties(x.device).multi_processor_count
+    return programs, _multiprocessors(x.device)
 
 
-def _fused_forward(x, weight, bias, call: _Call):
+def _fused_forward(x, weight, bias, call: _Call, blocks: Optional[tuple] = None):
     out = _empty_output(x, call)
-    meta = _settings("fused_forward_kernel", call, x.dtype, has_bias=bias is not None)
+    meta = _settings("fused_forward_kernel", call, x.dtype, blocks, has_bias=bias is not None)
     load_kernels(call.geometry)["fused_forward_kernel"][_fused_grid(call, meta)](
         x, _slot_major(weight, call), bias if bias is not None else x, out, call.in_per_group, call.out_per_group,
         *call.position_args(x, call.batch), *out.stride(), **meta)
     return out
 
 
-def _chunks(call: _Call, element_size: int):
-    """``(first, end)`` image ranges of the columns path, for buffers of ``element_size`` bytes per column
-    entry together."""
-    images = config.column_images(call.channels * call.slots * call.out_h * call.out_w * element_size, call.batch)
+def _chunks(call: _Call, lane_bytes: int):
+    """``(first, end)`` image ranges of the columns path, for buffers of ``lane_bytes`` bytes per (channel,
+    output position) window together."""
+    images = config.column_images(call.channels * call.out_h * call.out_w * lane_bytes, call.batch)
     for first in range(0, call.batch, images):
         yield first, min(call.batch, first + images)
 
@@ -271,25 +299,25 @@ def _column_grid(call: _Call, meta: dict, images: int) -> tuple:
     return (triton.cdiv(images * call.out_h * call.out_w, meta["BLOCK_P"]), triton.cdiv(call.channels, meta["BLOCK_C"]))
 
 
-def _launch_columns(x, columns, column_strides, call: _Call, first: int, end: int):
+def _launch_columns(x, columns, column_strides, call: _Call, first: int, end: int, blocks: Optional[tuple]):
     """Sorted columns of images [first, end) into ``columns`` (strides: image, channel, slot)."""
-    meta = _settings("columns_kernel", call, x.dtype)
+    meta = _settings("columns_kernel", call, x.dtype, blocks)
     part = x[first:end]
     load_kernels(call.geometry)["columns_kernel"][_column_grid(call, meta, end - first)](
         part, columns, call.channels, *call.position_args(part, end - first), *column_strides, **meta)
 
 
-def _columns_forward(x, weight, bias, call: _Call):
+def _columns_forward(x, weight, bias, call: _Call, blocks: Optional[tuple] = None):
     positions = call.out_h * call.out_w
     depth = call.in_per_group * call.slots
     weight_rows = _weight_in_slots(weight, call).reshape(call.groups, call.out_per_group, depth)
     out = torch.empty(call.batch, call.out_channels, call.out_h, call.out_w, dtype=x.dtype, device=x.device)
     with _cublas_like_conv(x.dtype):
-        for first, end in _chunks(call, x.element_size()):
+        for first, end in _chunks(call, call.slots * x.element_size()):
             images = end - first
             # [image, channel, slot, position]: the product writes the output's own layout.
             columns = torch.empty(images, call.channels, call.slots, positions, dtype=x.dtype, device=x.device)
-            _launch_columns(x, columns, columns.stride()[:3], call, first, end)
+            _launch_columns(x, columns, columns.stride()[:3], call, first, end, blocks)
             torch.matmul(weight_rows, columns.view(images, call.groups, depth, positions),
                          out=out[first:end].view(images, call.groups, call.out_per_group, positions))
     if bias is not None:
@@ -309,27 +337,46 @@ def _fold(windows: torch.Tensor, call: _Call) -> torch.Tensor:
     return padded[:, :, top:top + call.height, left:left + call.width]
 
 
-def _columns_backward(grad_out, x, weight, call: _Call, need_input: bool, need_weight: bool):
+def _columns_backward(grad_out, x, weight, call: _Call, need_input: bool, need_weight: bool,
+                      blocks: Optional[tuple] = None):
+    """The columns path's backward, per chunk of images: the weight gradient as the product of the output
+    gradient with the sorted columns; the input gradient as the column gradient (the weight times the output
+    gradient) sent back through each window's recorded swaps and taps (the record and replay kernels) and
+    gathered per input pixel by ``F.fold``. The record kernel writes the columns too where both are asked
+    for, so each window is sorted once."""
     positions = call.out_h * call.out_w
     depth = call.in_per_group * call.slots
+    words = swap_words(call.geometry)
     weight_rows = _weight_in_slots(weight, call).reshape(call.groups, call.out_per_group, depth)
     accumulate = torch.float64 if x.dtype == torch.float64 else torch.float32
     grad_rows = torch.zeros(call.groups, call.out_per_group, depth, dtype=accumulate, device=x.device) \
         if need_weight else None
     grad_input = torch.empty_like(x, memory_format=torch.contiguous_format) if need_input else None
-    meta = _settings("unsort_kernel", call, x.dtype)
+    record = _settings("record_kernel", call, x.dtype, blocks, need_weight=need_weight)
+    replay = _settings("replay_kernel", call, x.dtype, blocks)
+    kernels = load_kernels(call.geometry)
+    # Per window: the columns and their gradient (x's dtype), the window gradients (accumulate's), the swaps.
+    lane_bytes = call.slots * (2 * x.element_size() + torch.finfo(accumulate).bits // 8) + 4 * words
     with _cublas_like_conv(x.dtype):
-        # Per chunk: the columns and their gradient (x's dtype), and the window gradients (accumulate's).
-        for first, end in _chunks(call, 2 * x.element_size() + torch.finfo(accumulate).bits // 8):
+        for first, end in _chunks(call, lane_bytes):
             images = end - first
+            part = x[first:end]
             # [group, out, image * position]: each product below is one GEMM per group over the chunk.
             grad_part = (grad_out[first:end].view(images, call.groups, call.out_per_group, positions)
                          .permute(1, 2, 0, 3).reshape(call.groups, call.out_per_group, images * positions))
+            # [channel, slot, image, position]: a group's rows are (channel, slot), its columns (image, l).
+            columns = torch.empty(call.channels, call.slots, images, positions, dtype=x.dtype, device=x.device) \
+                if need_weight else part
+            column_strides = (columns.stride(2), columns.stride(0), columns.stride(1)) if need_weight else (0, 0, 0)
+            if need_input:
+                swaps = torch.empty(call.channels, words, images, positions, dtype=torch.int32, device=x.device)
+                swap_strides = (swaps.stride(2), swaps.stride(0), swaps.stride(1))
+                kernels["record_kernel"][_column_grid(call, record, images)](
+                    part, columns, swaps, call.channels, *call.position_args(part, images), *column_strides,
+                    *swap_strides, **record)
+            else:
+                _launch_columns(x, columns, column_strides, call, first, end, blocks)
             if need_weight:
-                # [channel, slot, image, position]: a group's rows are (channel, slot), its columns (image, l).
-                columns = torch.empty(call.channels, call.slots, images, positions, dtype=x.dtype, device=x.device)
-                _launch_columns(x, columns, (columns.stride(2), columns.stride(0), columns.stride(1)), call, first,
-                                end)
                 grad_rows += torch.matmul(grad_part, columns.view(call.groups, depth, images * positions)
                                           .transpose(1, 2)).to(accumulate)
                 del columns
@@ -337,11 +384,10 @@ def _columns_backward(grad_out, x, weight, call: _Call, need_input: bool, need_w
                 grad_columns = torch.matmul(weight_rows.transpose(1, 2), grad_part)  # [channel, slot, image, l]
                 windows = torch.empty(images, call.channels, call.slots, positions, dtype=accumulate,
                                       device=x.device)
-                part = x[first:end]
-                load_kernels(call.geometry)["unsort_kernel"][_column_grid(call, meta, images)](
-                    part, grad_columns, windows, call.channels, *call.position_args(part, images), positions,
-                    call.slots * images * positions, images * positions, *windows.stride()[:3], **meta)
-                del grad_columns
+                kernels["replay_kernel"][_column_grid(call, replay, images)](
+                    swaps, grad_columns, windows, call.channels, images * positions, positions, *swap_strides,
+                    positions, call.slots * images * positions, images * positions, *windows.stride()[:3], **replay)
+                del grad_columns, swaps
                 grad_input[first:end] = _fold(windows.view(images, call.channels * call.slots, positions), call)
     grad_weight = None
     if need_weight:
@@ -350,14 +396,15 @@ def _columns_backward(grad_out, x, weight, call: _Call, need_input: bool, need_w
     return grad_input, grad_weight
 
 
-def _direct_backward(grad_out, x, weight, call: _Call, need_input: bool, need_weight: bool):
+def _direct_backward(grad_out, x, weight, call: _Call, need_input: bool, need_weight: bool,
+                     blocks: Optional[tuple] = None):
     accumulate = torch.float64 if x.dtype == torch.float64 else torch.float32
     weight_slots = _slot_major(weight, call)
     # Same strides as x (contiguous or channels_last), which the kernel addresses both by.
     grad_x = torch.zeros_like(x, dtype=accumulate) if need_input else x
     grad_w = torch.zeros(weight_slots.shape, dtype=accumulate, device=x.device) if need_weight else weight_slots
     assert grad_x.stride() == x.stride()
-    meta = _settings("direct_backward_kernel", call, x.dtype, need_input=need_input, need_weight=need_weight)
+    meta = _settings("direct_backward_kernel", call, x.dtype, blocks, need_input=need_input, need_weight=need_weight)
     load_kernels(call.geometry)["direct_backward_kernel"][_direct_grid(call, meta)](
         x, weight_slots, grad_out, grad_x, grad_w, call.groups, call.in_per_group, call.out_per_group,
         *call.position_args(x, call.batch), *grad_out.stride(), **meta)
@@ -370,37 +417,148 @@ def forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
             stride: Tuple[int, int], dilation: Tuple[int, int], groups: int,
             pad: Tuple[int, int, int, int] = NO_PADDING) -> torch.Tensor:
     """SC of ``x`` (contiguous or channels_last, unpadded: ``pad`` zeros in ``F.pad``'s order are read as
-    zeros) with ``weight`` and ``bias`` of x's dtype, on the path :func:`config.choose_path` picks."""
+    zeros) with ``weight`` and ``bias`` of x's dtype, on the path :func:`config.choose_path` picks, with its
+    first block sizes (``backend="triton"``)."""
     call = _Call.of(x, weight, geometry, stride, dilation, groups, pad)
     path = config.choose_path(call.in_per_group, call.out_per_group, call.largest_segment,
-                              *_fused_occupancy(x, weight, call), slots=call.slots)
-    if path == "direct":
-        return _direct_forward(x, weight, bias, call)
-    if path == "fused":
-        return _fused_forward(x, weight, bias, call)
-    return _columns_forward(x, weight, bias, call)
+                              *_fused_occupancy(x, call), slots=call.slots)
+    return _FORWARD_PATHS[path](x, weight, bias, call)
 
 
 def backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, geometry: SortGeometry,
              stride: Tuple[int, int], dilation: Tuple[int, int], groups: int, need_input: bool, need_weight: bool,
              pad: Tuple[int, int, int, int] = NO_PADDING) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """``(grad_input, grad_weight)`` of :func:`forward` for a contiguous ``grad_out`` (None where not needed)."""
+    """``(grad_input, grad_weight)`` of :func:`forward` for a contiguous ``grad_out`` (None where not needed):
+    direct for direct calls, except under ``torch.use_deterministic_algorithms(True)`` (its atomic additions
+    make the sums' order vary), else through the columns."""
     call = _Call.of(x, weight, geometry, stride, dilation, groups, pad)
-    if config.choose_path(call.in_per_group, call.out_per_group, call.largest_segment) == "direct":
-        return _direct_backward(grad_out, x, weight, call, need_input, need_weight)
-    return _columns_backward(grad_out, x, weight, call, need_input, need_weight)
+    path = config.backward_paths(call.in_per_group, call.out_per_group, call.largest_segment, call.slots)[0]
+    if torch.are_deterministic_algorithms_enabled():
+        path = "columns"
+    return _BACKWARD_PATHS[path](grad_out, x, weight, call, need_input, need_weight)
+
+
+_FORWARD_PATHS = {"direct": _direct_forward, "fused": _fused_forward, "columns": _columns_forward}
+_BACKWARD_PATHS = {"direct": _direct_backward, "columns": _columns_backward}
+_BLOCK_NAMES = {"columns": ("P", "C", "w"), "fused": ("P", "C", "O", "w"), "direct": ("P", "G", "J", "w")}
+
+
+def _reference_forward(x, weight, bias, call: _Call):
+    return sort_conv2d_reference(F.pad(x, call.pad), weight, bias, call.geometry, call.stride, call.dilation,
+                                 call.groups)
+
+
+def _reference_backward(grad_out, x, weight, call: _Call, need_input: bool, need_weight: bool):
+    grad_x, grad_weight = sort_conv2d_reference_backward(grad_out, F.pad(x, call.pad), weight, call.geometry,
+                                                         call.stride, call.dilation, call.groups, need_input,
+                                                         need_weight)
+    if grad_x is not None:  # the gradient of the unpadded input
+        left, _, top, _ = call.pad
+        grad_x = grad_x[:, :, top:top + call.height, left:left + call.width]
+    return grad_x, grad_weight
+
+
+_REFERENCE = {"forward": tuning.Candidate("reference path", _reference_forward),
+              "backward": tuning.Candidate("reference path", _reference_backward)}
+
+
+def _check_forward(args: tuple, result) -> tuple:
+    """What the forward candidates are checked on: the call itself (zeroed where the reference's result is
+    not finite), against the reference in float32 for half types (the kernels' own precision)."""
+    if tuning.all_finite(result) and args[0].dtype not in tuning.HALF_TYPES:
+        return args, result
+    args = args if tuning.all_finite(result) else tuning.zeroed(args)
+    return args, tuning.upcast(_reference_forward)(*args)
+
+
+def _check_backward(args: tuple, result) -> tuple:
+    """What the backward candidates are checked on: the call's output gradient and weight (zeroed where not
+    finite) with an input of its shape, dtype and layout whose windows hold distinct values
+    (:func:`tuning.tie_free_like`), against the reference in float32 for half types."""
+    grad_out, x, weight, call, need_input, need_weight = tuning.zeroed(args)
+    x = tuning.tie_free_like(x, call.window_span)
+    args = (grad_out, x, weight, call, need_input, need_weight)
+    return args, tuning.upcast(_reference_backward)(*args)
+
+
+def candidates(kind: str, call: _Call, x: torch.Tensor) -> List[tuning.Candidate]:
+    """The kernels backend="auto" checks and times for a ``"forward"`` or ``"backward"`` call, in the
+    backend's order of preference: each path of :func:`config.forward_paths` (or ``backward_paths``) with
+    each of its block sizes. None for ``k >`` :data:`config.AUTO_MAX_KERNEL_SIZE`."""
+    if call.geometry.kernel_size > config.AUTO_MAX_KERNEL_SIZE:
+        return []
+    if kind == "forward":
+        paths = config.forward_paths(call.in_per_group, call.out_per_group, call.largest_segment,
+                                     *_fused_occupancy(x, call), slots=call.slots)
+        table = _FORWARD_PATHS
+    else:
+        paths = config.backward_paths(call.in_per_group, call.out_per_group, call.largest_segment, call.slots)
+        table = _BACKWARD_PATHS
+    found = []
+    for path in paths:
+        for blocks in config.blocks_of(path, call.slots, call.groups, call.out_per_group):
+            sizes = " ".join(f"{name}={size}" for name, size in zip(_BLOCK_NAMES[path], blocks))
+            # The direct backward adds its gradients with atomics: sums in a varying order.
+            found.append(tuning.Candidate(f"triton {path} {kind} ({sizes})", functools.partial(table[path], blocks=blocks),
+                                          deterministic=not (kind == "backward" and path == "direct")))
+    return found
+
+
+def _channels_last(x: torch.Tensor) -> bool:
+    return x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+
+
+def _configuration(kind: str, call: _Call, x: torch.Tensor, flags: tuple) -> tuple:
+    """The key of a call's decision: what its kernels' results and speed depend on."""
+    geometry = call.geometry
+    return (kind, geometry.kernel_size, geometry.sampling, geometry.sorting, x.dtype, tuple(x.shape),
+            _channels_last(x), call.out_channels, flags, call.stride, call.dilation, call.groups, call.pad, x.device,
+            torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32,
+            torch.are_deterministic_algorithms_enabled())
+
+
+def _describe(kind: str, call: _Call, x: torch.Tensor) -> str:
+    geometry = call.geometry
+    return (f"SC {kind} k={geometry.kernel_size} {geometry.sampling}-{geometry.sorting}, {x.dtype}, input "
+            f"{tuple(x.shape)}{' channels_last' if _channels_last(x) else ''}, {call.out_channels} outputs, stride "
+            f"{call.stride}, dilation {call.dilation}, groups {call.groups}, padding {call.pad}, on {x.device}")
+
+
+def tuned_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], geometry: SortGeometry,
+                  stride: Tuple[int, int], dilation: Tuple[int, int], groups: int,
+                  pad: Tuple[int, int, int, int] = NO_PADDING) -> torch.Tensor:
+    """What ``backend="auto"`` runs: :func:`forward`'s arguments, computed by the kernel (or the reference
+    path) that :data:`tuning.TUNER` decided for the call's configuration, deciding on its first call."""
+    call = _Call.of(x, weight, geometry, stride, dilation, groups, pad)
+    return tuning.TUNER.run(_configuration("forward", call, x, (bias is not None,)),
+                            lambda: _describe("forward", call, x), _REFERENCE["forward"],
+                            lambda: candidates("forward", call, x), (x, weight, bias, call), x.device, _check_forward)
+
+
+def tuned_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, geometry: SortGeometry,
+                   stride: Tuple[int, int], dilation: Tuple[int, int], groups: int, need_input: bool,
+                   need_weight: bool, pad: Tuple[int, int, int, int] = NO_PADDING
+                   ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """:func:`backward` as ``backend="auto"`` runs it (see :func:`tuned_forward`)."""
+    call = _Call.of(x, weight, geometry, stride, dilation, groups, pad)
+    return tuning.TUNER.run(_configuration("backward", call, x, (need_input, need_weight)),
+                            lambda: _describe("backward", call, x), _REFERENCE["backward"],
+                            lambda: candidates("backward", call, x),
+                            (grad_out, x, weight, call, need_input, need_weight), x.device, _check_backward)
 
 
 def supports_triton(x, weight, bias, geometry: SortGeometry, stride, dilation, groups) -> bool:
     """Whether the kernels compute this call as the reference path does: Triton installed, CUDA tensors (CPU
-    tensors under the interpreter) of one device with one dtype among :data:`SUPPORTED_DTYPES`, and ``k <=``
-    :data:`MAX_KERNEL_SIZE` (beyond, the sorting networks would not fit a lane's registers)."""
+    tensors under the interpreter) of one device with one dtype among :data:`SUPPORTED_DTYPES`, and an odd
+    ``k <=`` :data:`MAX_KERNEL_SIZE` (beyond, the sorting networks would not fit a lane's registers; even
+    kernels have no centre, which the kernels' windows assume)."""
     tensors = [t for t in (x, weight, bias) if t is not None]
     return (
         triton is not None
         and (x.is_cuda or (INTERPRETED and x.device.type == "cpu"))
         and all(t.device == x.device and t.dtype == x.dtype for t in tensors)
         and x.dtype in SUPPORTED_DTYPES
+        and geometry.kernel_size % 2 == 1
         and geometry.kernel_size <= MAX_KERNEL_SIZE
     )
 
@@ -409,8 +567,6 @@ def _available() -> bool:
     return triton is not None and (torch.cuda.is_available() or INTERPRETED)
 
 
-if triton is not None:
-    from .source import load_kernels
 
-register_backend(Backend("triton", forward, backward, supports_triton, _available,
-                         auto=os.environ.get(AUTO_ENV, "") == "1", zero_padding=True, channels_last=True))
+register_backend(Backend("triton", forward, backward, supports_triton, _available, zero_padding=True,
+                         channels_last=True, auto_forward=tuned_forward, auto_backward=tuned_backward))

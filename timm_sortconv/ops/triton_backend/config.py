@@ -1,52 +1,53 @@
-"""Launch settings of the Triton backend, in one place: the choices a GPU measurement decides.
+"""Launch settings of the Triton backend, in one place: which paths and block sizes a call may take.
 
-Which kernels compute a call (:func:`choose_path`):
+Which kernels compute a call:
 
-* ``"direct"``: groups with fewer input channels than a matrix instruction's depth and at most
-  ``DIRECT_MAX_OUT_PER_GROUP`` outputs (depthwise convolutions). Lanes are (group, position) windows, one
-  group per program; the products are FMAs into an [outputs, groups, positions] tile; the backward adds
-  the input and weight gradients with atomics.
-* ``"fused"`` (forward only, windows of at most ``FUSED_MAX_SEGMENT`` sorted values, enough programs to
-  fill the GPU): an implicit GEMM, each program sorting a tile of (input channel, position) windows and
-  multiplying every sorted slot into its output tile with ``tl.dot``; the windows are sorted once per
-  block of ``BLOCK_O`` outputs (once in all where the group has at most ``FUSED_MAX_BLOCK_O``).
+* ``"direct"``: groups with fewer input channels than a matrix instruction's depth (depthwise
+  convolutions, first layers). Lanes are (group, position) windows, one group per program; the products
+  are FMAs into an [outputs, groups, positions] tile; the backward adds the input and weight gradients
+  with atomics.
+* ``"fused"`` (forward only, windows of at most ``FUSED_MAX_SLOTS`` samples): an implicit GEMM, each
+  program sorting a tile of (input channel, position) windows and multiplying every sorted slot into its
+  output tile with ``tl.dot``; the windows are sorted once per block of ``BLOCK_O`` outputs (once in all
+  where the group has at most ``FUSED_MAX_BLOCK_O``).
 * ``"columns"``: the sorted columns are written once, a bounded number of images at a time
-  (``COLUMN_CHUNK_BYTES``), and multiplied by cuBLAS (``torch.matmul``). The backward of every call that
-  is not direct takes this path: the column and weight gradients are two cuBLAS products, a kernel sorts
-  again and sends the column gradient back to the window values, and ``F.fold`` gathers them per input
-  pixel (no atomics).
+  (``COLUMN_CHUNK_BYTES``), and multiplied by cuBLAS (``torch.matmul``). Its backward: a kernel sorts the
+  windows again, recording each comparator's swap (and writing the columns for the weight gradient's
+  cuBLAS product), a second replays the swaps in reverse to send the column gradient (another cuBLAS
+  product) back to the window values, and ``F.fold`` gathers them per input pixel (no atomics).
 
-``TIMM_SORTCONV_TRITON_PATH=direct|fused|columns`` forces one path for every call (benchmarks compare them
-that way); each is exact for any call.
+``backend="auto"`` checks and times, per configuration, every path of :func:`forward_paths` or
+:func:`backward_paths` with each of its block sizes (:func:`blocks_of`), and the reference path
+(:mod:`.tuning`); ``backend="triton"`` takes the first path with its first block sizes.
+``TIMM_SORTCONV_TRITON_PATH=direct|fused|columns`` forces one path for every call of either (benchmarks
+compare them that way); each is exact for any call.
 
-A lane holds the values of its largest sorted segment (9, 16, 25, 24, 49, 32, 81 for the ring and global
-variants up to k = 9; 4 or 2 for the orbit sortings), so the block sizes below give each thread one or two lanes (in the sm_90 compile report of
-BENCHMARKS.md the columns kernels and the direct forward do not spill up to k = 7; the direct backward
-spills 296 bytes at 7x7 polar rings, its 49 window gradients being live at once). ``scripts/triton_kernel_report.py``
-compiles every kernel for an H100 (sm_90) on any machine and prints registers and spills per setting;
-the timings that should decide these constants need a GPU (``scripts/gpu_check.sh``).
+Every kernel reads a lane's whole window (``k * k`` values) at once, and a lane sorts its segments in
+registers, so the block sizes give each thread one lane, or two for windows of at most
+``TWO_LANES_MAX_SLOTS`` samples. ``scripts/triton_kernel_report.py --candidates`` compiles every candidate
+for an H100 (sm_90) on any machine and prints registers, spills and compile time; the sm_90 report in
+BENCHMARKS.md is what the limits below come from. Which candidate is fastest is left to the timing on the
+user's GPU.
 """
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Tuple
+from typing import Iterator, Optional, Tuple
 
-__all__ = ["PATH_ENV", "PATHS", "FORWARD_PATH", "choose_path", "column_blocks", "fused_blocks", "direct_blocks",
-           "column_images"]
+__all__ = ["PATH_ENV", "PATHS", "FORWARD_PATH", "backward_paths", "blocks_of", "choose_path", "column_candidates",
+           "column_images", "direct_candidates", "forcing", "forward_paths", "fused_candidates"]
 
 PATH_ENV = "TIMM_SORTCONV_TRITON_PATH"
 PATHS = ("direct", "fused", "columns")
 
-# The path of calls with enough channels per group for tl.dot: "fused" where the geometry's largest sorted
-# segment has at most FUSED_MAX_SEGMENT values, else "columns". Unmeasured on a GPU (scripts/bench_sortconv.py
-# --device cuda --triton-paths fused,columns times both); chosen from the sm_90 compile report: the fused
-# kernel compiles without spills for 3x3 windows (9 values, 183-186 registers) and spills from 16 values on
-# (k = 5 ring: 344 spilled bytes in float32; k = 7 ring: 1456), where the columns kernel does not spill.
+# The path backend="triton" takes for calls with enough channels per group for tl.dot, where the fused
+# kernel can take them (FUSED_MAX_SEGMENT, FUSED_MAX_SLOTS, enough programs).
 FORWARD_PATH = "fused"
 FUSED_MAX_SEGMENT = 9
-# ... and where the window has at most FUSED_MAX_SLOTS samples: the orbit sortings ("c4"/"c2") have segments
-# of 4 or 2 values at any k, but the fused kernel at k >= 5 (25 or more slots per window, each a tl.dot) has
-# not been compiled or measured.
+# The fused kernel keeps every sorted slot in tl.dot's operand layout: in the sm_90 report it compiles
+# without spills for 3x3 windows, and spills from 25 samples on (k = 5: 272-344 bytes; k = 7: 1456-2280).
+# backend="auto" does not take it beyond FUSED_MAX_SLOTS samples, orbit sortings included.
 FUSED_MAX_SLOTS = 9
 # The fused kernel has one program per block of positions and of outputs, each looping over all input
 # channels: with fewer than this many programs per multiprocessor (e.g. 32 images of 8x8 with 256 channels:
@@ -55,14 +56,24 @@ FUSED_MIN_PROGRAMS_PER_SM = 2
 # tl.dot needs K >= 16: groups with fewer input channels run direct when they have at most
 # DIRECT_MAX_OUT_PER_GROUP outputs (depthwise convolutions), else through the columns (cuBLAS has no such
 # bound, and few input channels make few columns). A direct program keeps every output's weight of every
-# slot live (the compiler hoists their loads): 4 outputs x 49 slots is about what fits.
+# slot live: 4 outputs x 49 slots is about what fits.
 DOT_MIN_CHANNELS = 16
 DIRECT_MAX_OUT_PER_GROUP = 4
+# The direct backward keeps a lane's sample gradients, window gradients and recorded swaps live at once:
+# for 49 samples (k = 7) it spills (96-312 bytes in the sm_90 report) and compiles for 19-56 s, so auto
+# and backend="triton" take the columns path's backward beyond DIRECT_BACKWARD_MAX_SLOTS samples.
+DIRECT_BACKWARD_MAX_SLOTS = 25
+# Kernel sizes whose kernels backend="auto" checks and times: every candidate up to k = 7 compiles for
+# sm_90 in under 15 s of CPU time without spills; larger kernels are left to the reference path by auto
+# (backend="triton" still runs them).
+AUTO_MAX_KERNEL_SIZE = 7
+# Windows of at most this many samples get block sizes with two lanes per thread among the candidates.
+TWO_LANES_MAX_SLOTS = 25
 
 FUSED_BLOCK_C = 16
 FUSED_MAX_BLOCK_O = 128
 # Bytes of a chunk's buffers of the columns path (forward: the sorted columns; backward: the columns, their
-# gradient and the window gradients together), which bound the images per chunk.
+# gradient, the window gradients and the recorded swaps together), which bound the images per chunk.
 COLUMN_CHUNK_BYTES = 256 << 20
 
 
@@ -70,16 +81,39 @@ def _next_power_of_two(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def _forced_path() -> str:
+    """The path PATH_ENV forces ("" if none)."""
+    forced = os.environ.get(PATH_ENV, "").strip().lower()
+    if forced and forced not in PATHS:
+        raise ValueError(f"{PATH_ENV}={forced!r} is not a path; accepted: {', '.join(PATHS)}")
+    return forced
+
+
+@contextlib.contextmanager
+def forcing(path: Optional[str]) -> Iterator[None]:
+    """PATH_ENV set to ``path`` (None: unset, the backend's own rule) while the block runs."""
+    saved = os.environ.get(PATH_ENV)
+    if path is None:
+        os.environ.pop(PATH_ENV, None)
+    else:
+        os.environ[PATH_ENV] = path
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(PATH_ENV, None)
+        else:
+            os.environ[PATH_ENV] = saved
+
+
 def choose_path(in_per_group: int, out_per_group: int, largest_segment: int, fused_programs: int = 0,
                 multiprocessors: int = 0, slots: int = 0) -> str:
-    """The forward path of a call; the backward is ``"direct"`` for direct calls, else ``"columns"``.
-    ``fused_programs``: how many programs the fused kernel would launch, on a GPU of ``multiprocessors``
-    (0: unknown, e.g. in Triton's interpreter, which then does not count); ``slots``: the window's samples
-    (``k * k``; 0: the largest segment's)."""
-    forced = os.environ.get(PATH_ENV, "").strip().lower()
+    """The forward path ``backend="triton"`` takes (and ``auto`` prefers). ``fused_programs``: how many
+    programs the fused kernel would launch, on a GPU of ``multiprocessors`` (0: unknown, e.g. in Triton's
+    interpreter, which then does not count); ``slots``: the window's samples (``k * k``; 0: the largest
+    segment's)."""
+    forced = _forced_path()
     if forced:
-        if forced not in PATHS:
-            raise ValueError(f"{PATH_ENV}={forced!r} is not a path; accepted: {', '.join(PATHS)}")
         return forced
     if in_per_group < DOT_MIN_CHANNELS:
         return "direct" if out_per_group <= DIRECT_MAX_OUT_PER_GROUP else "columns"
@@ -89,32 +123,69 @@ def choose_path(in_per_group: int, out_per_group: int, largest_segment: int, fus
     return FORWARD_PATH
 
 
-def column_blocks(largest_segment: int) -> Tuple[int, int, int]:
-    """(BLOCK_P, BLOCK_C, num_warps) of the columns and unsort kernels: positions along the block (the
+def forward_paths(in_per_group: int, out_per_group: int, largest_segment: int, fused_programs: int = 0,
+                  multiprocessors: int = 0, slots: int = 0) -> Tuple[str, ...]:
+    """The forward paths backend="auto" tries, :func:`choose_path`'s first: ``"direct"`` for groups with
+    fewer than DOT_MIN_CHANNELS input channels, ``"fused"`` for groups with at least that many and
+    windows of at most FUSED_MAX_SLOTS samples, ``"columns"`` for any call; only the path PATH_ENV forces,
+    if set."""
+    first = choose_path(in_per_group, out_per_group, largest_segment, fused_programs, multiprocessors, slots)
+    if _forced_path():
+        return (first,)
+    few_channels = in_per_group < DOT_MIN_CHANNELS
+    eligible = {"direct": few_channels, "fused": not few_channels and max(slots, largest_segment) <= FUSED_MAX_SLOTS,
+                "columns": True}
+    return (first,) + tuple(path for path in PATHS if path != first and eligible[path])
+
+
+def backward_paths(in_per_group: int, out_per_group: int, largest_segment: int, slots: int) -> Tuple[str, ...]:
+    """The backward paths, the first being ``backend="triton"``'s (the fused path's backward is the
+    columns path's): ``"direct"`` for groups with fewer than DOT_MIN_CHANNELS input channels and windows
+    of at most DIRECT_BACKWARD_MAX_SLOTS samples, first where :func:`choose_path` takes it; ``"columns"``
+    for any call. With PATH_ENV set, only the forced path's."""
+    direct = in_per_group < DOT_MIN_CHANNELS and slots <= DIRECT_BACKWARD_MAX_SLOTS
+    if _forced_path():
+        return ("direct",) if _forced_path() == "direct" else ("columns",)
+    first = "direct" if direct and choose_path(in_per_group, out_per_group, largest_segment) == "direct" \
+        else "columns"
+    return (first,) + tuple(path for path in ("direct", "columns") if path != first and (path == "columns" or direct))
+
+
+def column_candidates(slots: int) -> Tuple[Tuple[int, int, int], ...]:
+    """(BLOCK_P, BLOCK_C, num_warps) of the columns path's kernels: positions along the block (the
     contiguous axis of NCHW inputs), one or two lanes per thread."""
-    if largest_segment <= 16:
-        return 64, 4, 4
-    return 64, 2, 4
+    if slots <= TWO_LANES_MAX_SLOTS:
+        return (64, 4, 4), (64, 2, 4)
+    return (64, 2, 4), (128, 1, 4)
 
 
-def fused_blocks(largest_segment: int, out_per_group: int) -> Tuple[int, int, int, int]:
-    """(BLOCK_P, BLOCK_C, BLOCK_O, num_warps) of the fused forward kernel."""
+def fused_candidates(slots: int, out_per_group: int) -> Tuple[Tuple[int, int, int, int], ...]:
+    """(BLOCK_P, BLOCK_C, BLOCK_O, num_warps) of the fused forward kernel (windows of at most
+    FUSED_MAX_SLOTS samples): 8 or 4 lanes per thread, sorted once per block of outputs."""
     block_o = max(16, min(FUSED_MAX_BLOCK_O, _next_power_of_two(out_per_group)))
-    if largest_segment <= 16:
-        return 64, FUSED_BLOCK_C, block_o, 4
-    if largest_segment <= 32:
-        return 64, FUSED_BLOCK_C, block_o, 8
-    if largest_segment <= 49:
-        return 32, FUSED_BLOCK_C, block_o, 8
-    return 16, FUSED_BLOCK_C, block_o, 8
+    return (64, FUSED_BLOCK_C, block_o, 4), (32, FUSED_BLOCK_C, block_o, 4)
 
 
-def direct_blocks(largest_segment: int, groups: int, out_per_group: int) -> Tuple[int, int, int, int]:
+def direct_candidates(slots: int, groups: int, out_per_group: int) -> Tuple[Tuple[int, int, int, int], ...]:
     """(BLOCK_P, BLOCK_G, BLOCK_J, num_warps) of the direct kernels: one group per program (its weights are
-    then one value per slot and output for all threads) and 256 positions (128 for segments of more than
-    16 values), and up to DIRECT_MAX_OUT_PER_GROUP outputs (more, forced by PATH_ENV: several programs)."""
+    then one value per slot and output for all threads), up to DIRECT_MAX_OUT_PER_GROUP outputs (more:
+    several programs), and one or two lanes per thread."""
     block_j = min(DIRECT_MAX_OUT_PER_GROUP, _next_power_of_two(out_per_group))
-    return (256 if largest_segment <= 16 else 128), 1, block_j, 4
+    if slots <= TWO_LANES_MAX_SLOTS:
+        return (256, 1, block_j, 4), (128, 1, block_j, 4)
+    return (128, 1, block_j, 4), (64, 1, block_j, 2)
+
+
+def blocks_of(path: str, slots: int, groups: int, out_per_group: int) -> Tuple[tuple, ...]:
+    """The block-size candidates of a path's kernels, for windows of ``slots`` samples (the columns path's
+    for its backward too), the first being ``backend="triton"``'s."""
+    if path == "columns":
+        return column_candidates(slots)
+    if path == "fused":
+        return fused_candidates(slots, out_per_group)
+    if path == "direct":
+        return direct_candidates(slots, groups, out_per_group)
+    raise ValueError(f"unknown path {path!r}; accepted: {', '.join(PATHS)}")
 
 
 def column_images(bytes_per_image: int, batch: int) -> int:

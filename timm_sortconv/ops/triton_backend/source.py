@@ -1,22 +1,23 @@
 """Triton source for one SC geometry, generated from :mod:`timm_sortconv.ops.geometry`'s tables.
 
 Every kernel of the backend does the same first steps for a tile of *lanes*, each lane one (output
-position, input channel) window: read the window values it needs (zeros outside the input, so the caller
-never pads), form the samples (square: the values; polar: the bilinear taps, as weighted sums with the tap
+position, input channel) window: read the window values (zeros outside the input, so the caller never
+pads), form the samples (square: the values; polar: the bilinear taps, as weighted sums with the tap
 weights written into the source as constants of the compute dtype), and sort each segment (a ring, or the
 whole window) with the comparator network of :meth:`SortGeometry.comparators`. The network is emitted as
 straight-line code over per-slot tensors (``s0``, ``s1``, ...: one value per lane each), so a lane sorts
 its own window in registers, with no ranks, one-hot matrices or data-dependent indexing.
 
-Order of the emitted code, chosen to keep few values live (registers) per lane:
+Memory accesses are *wide*: a lane's whole window is one masked load of a ``[lanes, W]`` tile (``W`` the
+next power of two of ``k * k``), split into its per-position values by a tree of ``tl.split``; the sorted
+columns, the window gradients and each segment's slot gradients or weights are one load or store of such
+a tile, built by a tree of ``tl.join``. A kernel then has a handful of memory operations instead of one
+per slot and window position, which is what bounds its compile time: Triton's coalescing pass walks the
+whole connected program once per memory operation (``scripts/triton_kernel_report.py`` measures it).
 
-* Segment by segment: a segment's window values are read, its samples formed, sorted and consumed (stored
-  as columns, multiplied into the output tile, or sent back as gradients) before the next segment starts.
-  Polar rings share window values; each segment reads the ones it needs again (cache hits) rather than
-  keeping them live.
-* Within a segment the comparators run depth first (:func:`depth_first`): the first half of a segment is
-  sorted before the second half is read. Each wire still meets its comparators in the same order, so the
-  sorted values are bit for bit those of the network's own order.
+Within a segment the comparators run depth first (:func:`depth_first`): the first half of a segment is
+sorted before the second half's samples are formed. Each wire still meets its comparators in the same
+order, so the sorted values are bit for bit those of the network's own order.
 
 Comparators: the forward kernels take ``lo, hi = min, max`` with NaN propagation (``min.NaN``/``max.NaN``
 on the GPU, two instructions): a NaN in a window makes both values of each comparator it meets NaN, so it
@@ -30,11 +31,11 @@ from __future__ import annotations
 
 import heapq
 import linecache
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..geometry import SortGeometry
 
-__all__ = ["depth_first", "kernel_source", "load_kernels", "sample_taps"]
+__all__ = ["depth_first", "kernel_source", "load_kernels", "sample_taps", "swap_words", "tile_width"]
 
 
 def sample_taps(geometry: SortGeometry) -> List[List[Tuple[int, float]]]:
@@ -73,6 +74,12 @@ def depth_first(pairs: Sequence[Tuple[int, int]]) -> List[Tuple[int, int]]:
     return order
 
 
+def tile_width(count: int) -> int:
+    """The last axis of a wide tile holding ``count`` values: the next power of two (``tl.split`` and
+    ``tl.join`` halve and double it)."""
+    return 1 << max(0, count - 1).bit_length()
+
+
 class _Writer:
     """Lines of Python source at an indentation level."""
 
@@ -97,101 +104,177 @@ _POSITION_ARGS = ("n_pos, L, out_w, H, W, sxb, sxc, sxh, sxw, stride_h, stride_w
 
 
 class _Kernel:
-    """Emits one kernel: its window reads, samples, sorting networks and their reverse."""
+    """Emits one kernel: its wide loads and stores, samples, sorting networks and their reverse.
 
-    def __init__(self, geometry: SortGeometry, name: str, args: str) -> None:
+    ``lanes``: the shape of the lane tile, as the kernel's constexpr names (``"BLOCK_C, BLOCK_P"``: channels
+    by positions), positions last."""
+
+    def __init__(self, geometry: SortGeometry, name: str, args: str, lanes: str) -> None:
         self.geometry = geometry
         self.k = geometry.kernel_size
         self.slots = self.k ** 2
+        self.width = tile_width(self.slots)
+        self.lanes = lanes
         self.taps = sample_taps(geometry)
         self.write = _Writer()
         self.comparators = {segment: depth_first([(a, b) for a, b in geometry.comparators()
                                                   if segment[0] <= a < segment[1]])
                             for segment in geometry.segments}
+        # Comparators are numbered across the segments, in order: comparator t of a segment records its swap
+        # as bit (first + t) % 32 of word (first + t) // 32 (first: the comparators of earlier segments).
+        self.first_comparator = {}
+        counted = 0
+        for segment in geometry.segments:
+            self.first_comparator[segment] = counted
+            counted += len(self.comparators[segment])
+        self.words = (counted + 31) // 32
         self.used = sorted({q for sample in self.taps for q, _ in sample})
         self.weights = {w: n for n, w in enumerate(sorted({w for sample in self.taps for _, w in sample} - {1.0}))}
-        # Per-lane row masks (ok_row{r}) already formed in the current channel block.
-        self.row_masks: set = set()
+        self.temporaries = 0
         self.header(name, args)
 
     def header(self, name: str, args: str) -> None:
         """The kernel's signature. Its integer arguments are not specialized (Triton would otherwise compile
-        again for each value that is 1 or a multiple of 16, e.g. for the last, smaller batch of an epoch:
-        these kernels take tens of seconds to compile)."""
+        again for each value that is 1 or a multiple of 16, e.g. for the last, smaller batch of an epoch)."""
         integers = [a.strip() for a in args.split(",") if not a.strip().endswith("_ptr") and ":" not in a]
         self.write("", "", f"@triton.jit(do_not_specialize={integers!r})", f"def {name}({args}):")
         self.write.depth = 1
 
-    def positions(self) -> None:
-        """Lane positions of the program's block: ``pos`` [1, BLOCK_P], the offset of each window's
-        top-left corner in x; per window row and column used, whether it lies inside the input
-        (``row_ok{r}``, which also holds ``p_ok``, and ``col_ok{c}``: zero padding is a masked read);
-        per window position ``off{q}``, its offset from the corner; the tap weights ``tw{n}``."""
+    def temporary(self) -> str:
+        self.temporaries += 1
+        return f"t{self.temporaries}_"
+
+    def positions(self, window: bool = True) -> None:
+        """Lane positions of the program's block: ``p`` (flat over the launch's images), ``p_ok``, ``image``
+        and ``l`` (the position in its image); with ``window``, ``pos`` [1, BLOCK_P] (the offset of each
+        window's top-left corner in x) and for the window tile ``wq`` (its first axis: window position or
+        slot), ``win_off`` [W, 1, 1] (each window position's offset from the corner) and ``win_in``
+        [W, 1, BLOCK_P] (whether it lies inside the input: zero padding is a masked read); the tap weights
+        ``tw{n}``."""
         w = self.write
+        k = self.k
         # Index arithmetic in int64: no offset overflows on large tensors (and Triton's interpreter checks
         # every int32 operation for overflow, several times slower than the operation itself).
         w("p = tl.program_id(0).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)",
           "p_ok = p < n_pos",
           "image = p // L",
           "l = p % L",
-          "ih0 = (l // out_w) * stride_h - pad_t",
-          "iw0 = (l % out_w) * stride_w - pad_l",
-          "pos = (image * sxb + ih0 * sxh + iw0 * sxw)[None, :]",
-          "row_step = dil_h.to(tl.int64)",
-          "col_step = dil_w.to(tl.int64)")
-        for r in sorted({q // self.k for q in self.used}):
-            w(f"row_ok{r} = (p_ok & (ih0 + {r} * row_step >= 0) & (ih0 + {r} * row_step < H))[None, :]")
-        for c in sorted({q % self.k for q in self.used}):
-            w(f"col_ok{c} = ((iw0 + {c} * col_step >= 0) & (iw0 + {c} * col_step < W))[None, :]")
-        for q in self.used:
-            r, c = divmod(q, self.k)
-            w(f"off{q} = {r} * row_step * sxh + {c} * col_step * sxw")
+          f"wq = tl.arange(0, {self.width})")
+        if window:
+            w("ih0 = (l // out_w) * stride_h - pad_t",
+              "iw0 = (l % out_w) * stride_w - pad_l",
+              "pos = (image * sxb + ih0 * sxh + iw0 * sxw)[None, :]",
+              f"win_row = (wq // {k}).to(tl.int64) * dil_h",
+              f"win_col = (wq % {k}).to(tl.int64) * dil_w",
+              "win_off = (win_row * sxh + win_col * sxw)[:, None, None]",
+              "win_h = win_row[:, None] + ih0[None, :]",
+              "win_w = win_col[:, None] + iw0[None, :]",
+              f"win_in = ((wq < {self.slots})[:, None] & p_ok[None, :] & (win_h >= 0) & (win_h < H) & (win_w >= 0) "
+              "& (win_w < W))[:, None, :]")
         for weight, n in self.weights.items():
             w(f"tw{n} = tl.full([], {weight!r}, COMPUTE)")
 
-    def new_channel_block(self) -> None:
-        """Forget the row masks of the previous block of channels (``lane_ok`` changed)."""
-        self.row_masks = set()
+    def split(self, tile: str, width: int, names: Sequence[Optional[str]], shape: str) -> None:
+        """``names[i] = tile[..., i]`` for a ``[shape, width]`` tile; None: not needed. Each level of
+        ``tl.split`` separates the even entries from the odd ones, so entry ``i`` is reached by the bits
+        of ``i`` from the lowest."""
+        names = list(names) + [None] * (width - len(names))
+        if all(name is None for name in names):
+            return
+        w = self.write
+        if width == 1:
+            w(f"{names[0]} = tl.reshape({tile}, [{shape}])")
+            return
+        if width == 2:
+            w(f"{names[0] or self.temporary()}, {names[1] or self.temporary()} = tl.split({tile})")
+            return
+        even, odd = self.temporary(), self.temporary()
+        w(f"{even}, {odd} = tl.split(tl.reshape({tile}, [{shape}, {width // 2}, 2]))")
+        self.split(even, width // 2, names[0::2], shape)
+        self.split(odd, width // 2, names[1::2], shape)
 
-    def window_mask(self, q: int) -> str:
-        """The mask of window position q's reads for every lane, forming its row's mask first if needed."""
-        r, c = divmod(q, self.k)
-        if r not in self.row_masks:
-            self.row_masks.add(r)
-            self.write(f"ok_row{r} = lane_ok & row_ok{r}")
-        return f"ok_row{r} & col_ok{c}"
+    def join(self, values: Sequence[str], width: int, shape: str) -> str:
+        """The name of a ``[shape, width]`` tile whose entry ``i`` is ``values[i]`` (all of that shape),
+        built by the reverse of :meth:`split`'s tree."""
+        w = self.write
+        name = self.temporary()
+        if width == 1:
+            w(f"{name} = tl.reshape({values[0]}, [{shape}, 1])")
+        elif width == 2:
+            w(f"{name} = tl.join({values[0]}, {values[1]})")
+        else:
+            even, odd = self.join(values[0::2], width // 2, shape), self.join(values[1::2], width // 2, shape)
+            w(f"{name} = tl.reshape(tl.join({even}, {odd}), [{shape}, {width}])")
+        return name
+
+    def padded(self, values: Sequence[Optional[str]], width: int, shape: str, dtype: str) -> List[str]:
+        """``values`` with None and the entries up to ``width`` replaced by a zero tile."""
+        zero = self.temporary()
+        self.write(f"{zero} = tl.zeros([{shape}], {dtype})")
+        return [value or zero for value in values] + [zero] * (width - len(values))
+
+    def load_window(self) -> None:
+        """``v{q}`` for every window position q a sample reads, of every lane: one masked load of the
+        ``[lanes, W]`` tile at ``x_lane`` (each lane's window corner; ``lane_ok``: which lanes exist)."""
+        self.write("win = tl.permute(tl.load(x_lane[None, :, :] + win_off, mask=lane_ok[None, :, :] & win_in, "
+                   "other=0.0), (1, 2, 0)).to(COMPUTE)")
+        self.split("win", self.width, [f"v{q}" if q in self.used else None for q in range(self.width)], self.lanes)
+
+    def slot_tile(self, base: str, stride: str, segment: Tuple[int, int], mask: str) -> Tuple[str, str]:
+        """(pointers, mask) of the ``[shape, Ws]`` tile of a segment's slots (``Ws``: the tile width of its
+        length) at ``base + slot * stride``, for a ``base`` and ``mask`` of the lane tile's shape."""
+        start, end = segment
+        index = self.temporary()
+        self.write(f"{index} = tl.arange(0, {tile_width(end - start)})")
+        return (f"({base})[None, :, :] + (({start} + {index}) * {stride})[:, None, None]",
+                f"{mask}[None, :, :] & ({index} < {end - start})[:, None, None]")
+
+    def load_slots(self, prefix: str, base: str, stride: str, segment: Tuple[int, int], mask: str,
+                   shape: str, dtype: str = "COMPUTE") -> None:
+        """``{prefix}{i}`` for the slots i of ``segment`` (a range of slots, or of any entries): one load of
+        their tile, converted to ``dtype``."""
+        start, end = segment
+        pointers, tile_mask = self.slot_tile(base, stride, segment, mask)
+        tile = self.temporary()
+        self.write(f"{tile} = tl.permute(tl.load({pointers}, mask={tile_mask}, other=0), (1, 2, 0)).to({dtype})")
+        self.split(tile, tile_width(end - start), [f"{prefix}{i}" for i in range(start, end)], shape)
+
+    def store_slots(self, values: Sequence[str], base: str, stride: str, mask: str, dtype: str,
+                    shape: Optional[str] = None, operation: str = "tl.store") -> None:
+        """``values`` (of the tile ``shape``, by default the lanes') written to ``base + i * stride`` where
+        ``mask`` holds, by one ``operation`` (``tl.store`` or ``tl.atomic_add``) of their tile, converted to
+        ``dtype``."""
+        shape = shape or self.lanes
+        width = tile_width(len(values))
+        tile = self.join(list(values) + [values[0]] * (width - len(values)), width, shape)  # padding: masked
+        pointers, tile_mask = self.slot_tile(base, stride, (0, len(values)), mask)
+        self.write(f"{operation}({pointers}, tl.permute({tile}, (2, 0, 1)).to({dtype}), mask={tile_mask})")
+
+    def sample(self, i: int) -> None:
+        """``s{i}`` = sample i of every lane, from the window values."""
+        self.write(f"s{i} = " + " + ".join(self.scaled(f"v{q}", weight) for q, weight in self.taps[i]))
 
     def scaled(self, name: str, weight: float) -> str:
         return name if weight == 1.0 else f"{name} * tw{self.weights[weight]}"
 
-    def sample(self, i: int, loaded: set) -> None:
-        """``s{i}`` = sample i of every lane, reading the window values it needs that this segment has not."""
-        w = self.write
-        for q, _ in self.taps[i]:
-            if q not in loaded:
-                loaded.add(q)
-                mask = self.window_mask(q)
-                w(f"v{q} = tl.load(x_lane + off{q}, mask={mask}, other=0.0).to(COMPUTE)")
-        w(f"s{i} = " + " + ".join(self.scaled(f"v{q}", weight) for q, weight in self.taps[i]))
-
     def sort_segment(self, segment: Tuple[int, int], record: bool) -> None:
-        """Samples of ``segment`` formed and sorted into ``s{start}..s{end-1}``; with ``record`` the swap
-        decisions are kept in ``swaps{word}`` (bit ``t % 32`` of word ``t // 32`` for comparator t: an or
-        and a select per comparator, and an and and a compare to read it back)."""
+        """Samples of ``segment`` formed and sorted into ``s{start}..s{end-1}`` (each sample formed when
+        the network first needs it); with ``record`` the swap decisions are kept in ``swaps{word}`` (one
+        bit per comparator, numbered across segments: an or and a select per comparator, and an and and a
+        compare to read it back)."""
         w = self.write
         start, end = segment
         defined: set = set()
-        loaded: set = set()
         if end - start == 1:
-            self.sample(start, loaded)
+            self.sample(start)
             return
         for t, (a, b) in enumerate(self.comparators[segment]):
             for i in (a, b):
                 if i not in defined:
                     defined.add(i)
-                    self.sample(i, loaded)
+                    self.sample(i)
             if record:
-                word, bit = divmod(t, 32)
+                word, bit = divmod(self.first_comparator[segment] + t, 32)
                 w(f"swap = s{b} < s{a}",
                   f"lo = tl.where(swap, s{b}, s{a})",
                   f"s{b} = tl.where(swap, s{a}, s{b})",
@@ -209,20 +292,11 @@ class _Kernel:
         pairs = self.comparators[segment]
         for t in reversed(range(len(pairs))):
             a, b = pairs[t]
-            word, bit = divmod(t, 32)
+            word, bit = divmod(self.first_comparator[segment] + t, 32)
             w(f"swap = (swaps{word} & {_bit(bit)}) != 0",
               f"lo = tl.where(swap, g{b}, g{a})",
               f"g{b} = tl.where(swap, g{a}, g{b})",
               f"g{a} = lo")
-
-    def last_segment_of_positions(self) -> Dict[int, int]:
-        """Per window position, the index of the last segment whose samples read it."""
-        last = {}
-        for index, (start, end) in enumerate(self.geometry.segments):
-            for i in range(start, end):
-                for q, _ in self.taps[i]:
-                    last[q] = index
-        return last
 
     def window_gradients(self, segment: Tuple[int, int], started: set) -> None:
         """``gv{q}`` += the transposed taps applied to the segment's sample gradients ``g{i}``."""
@@ -233,63 +307,96 @@ class _Kernel:
                 w(f"gv{q} = gv{q} + {term}" if q in started else f"gv{q} = {term}")
                 started.add(q)
 
+    def window_gradient_values(self, started: set) -> List[str]:
+        """The window gradients ``gv{q}`` for every window position q, zeros where no sample reads q."""
+        return self.padded([f"gv{q}" if q in started else None for q in range(self.slots)], self.slots,
+                           self.lanes, "COMPUTE")
+
     def source(self) -> str:
         return "\n".join(self.write.lines)
 
 
-def _channel_lanes(kernel: _Kernel, buffers: List[Tuple[str, str, str, str]]) -> None:
-    """Lanes of the columns kernels: a block of channels ``c`` (rows) by the block of positions, ``x_lane``
-    pointing at each lane's window corner, and per ``(name, pointer, image stride, channel stride)`` a
-    pointer to each lane's entry of a [image, channel, ..., position] buffer (positions contiguous)."""
-    kernel.positions()
+def _channel_lanes(kernel: _Kernel, buffers: List[Tuple[str, str, str, str]], window: bool = True) -> None:
+    """Lanes of the columns path's kernels: a block of channels ``c`` (rows) by the block of positions,
+    with ``window``: ``x_lane`` pointing at each lane's window corner; per ``(name, pointer, image stride,
+    channel stride)`` a pointer to each lane's entry of a [image, channel, ..., position] buffer (positions
+    contiguous)."""
+    kernel.positions(window)
     kernel.write("c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)",
-                 "lane_ok = (c < C)[:, None] & p_ok[None, :]",
-                 "x_lane = x_ptr + pos + (c.to(tl.int64) * sxc)[:, None]")
+                 "lane_ok = (c < C)[:, None] & p_ok[None, :]")
+    if window:
+        kernel.write("x_lane = x_ptr + pos + (c.to(tl.int64) * sxc)[:, None]")
     for name, pointer, image_stride, channel_stride in buffers:
         kernel.write(f"{name} = {pointer} + (image * {image_stride} + l)[None, :] "
                      f"+ (c.to(tl.int64) * {channel_stride})[:, None]")
+
+
+_BLOCKS = "BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr"
 
 
 def _columns_kernel(geometry: SortGeometry) -> str:
     """``columns[image, c, slot, l]`` (strides scb, scc, scs; l contiguous) = sorted samples of channel c's
     window at output position l. Grid: (position blocks, channel blocks)."""
     kernel = _Kernel(geometry, "columns_kernel",
-                     f"x_ptr, cols_ptr, C, {_POSITION_ARGS}, scb, scc, scs, COMPUTE: tl.constexpr, "
-                     "BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr")
-    w = kernel.write
+                     f"x_ptr, cols_ptr, C, {_POSITION_ARGS}, scb, scc, scs, COMPUTE: tl.constexpr, {_BLOCKS}",
+                     "BLOCK_C, BLOCK_P")
     _channel_lanes(kernel, [("cols_lane", "cols_ptr", "scb", "scc")])
+    kernel.load_window()
     for segment in geometry.segments:
         kernel.sort_segment(segment, record=False)
-        for i in range(*segment):
-            w(f"tl.store(cols_lane + {i} * scs, s{i}.to(cols_ptr.dtype.element_ty), mask=lane_ok)")
+    kernel.store_slots([f"s{i}" for i in range(kernel.slots)], "cols_lane", "scs", "lane_ok",
+                       "cols_ptr.dtype.element_ty")
     return kernel.source()
 
 
-def _unsort_kernel(geometry: SortGeometry) -> str:
-    """``windows[image, c, q, l]`` (strides swb, swc, swq) = the gradient of window value q of channel c's
-    window at position l, from the sorted columns' gradient ``grad_cols`` (strides sgb, sgc, sgs): the
-    windows are sorted again recording the swaps, the gradient replayed through them and the taps."""
-    kernel = _Kernel(geometry, "unsort_kernel",
-                     f"x_ptr, grad_cols_ptr, windows_ptr, C, {_POSITION_ARGS}, sgb, sgc, sgs, swb, "
-                     "swc, swq, COMPUTE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr")
+def _record_kernel(geometry: SortGeometry) -> str:
+    """The first kernel of the columns path's backward: ``swaps[image, c, word, l]`` (strides ssb, ssc, ssw)
+    = the swap decisions of the network sorting channel c's window at position l (:func:`swap_words`
+    int32 words), and with STORE_COLUMNS the sorted columns as :func:`_columns_kernel` writes them.
+    Grid: (position blocks, channel blocks)."""
+    kernel = _Kernel(geometry, "record_kernel",
+                     f"x_ptr, cols_ptr, swaps_ptr, C, {_POSITION_ARGS}, scb, scc, scs, ssb, ssc, ssw, "
+                     f"COMPUTE: tl.constexpr, STORE_COLUMNS: tl.constexpr, {_BLOCKS}", "BLOCK_C, BLOCK_P")
     w = kernel.write
-    _channel_lanes(kernel, [("grad_lane", "grad_cols_ptr", "sgb", "sgc"),
-                            ("windows_lane", "windows_ptr", "swb", "swc")])
-    started: set = set()
-    last = kernel.last_segment_of_positions()
-    out_type = "windows_ptr.dtype.element_ty"
-    for index, segment in enumerate(geometry.segments):
+    _channel_lanes(kernel, [("cols_lane", "cols_ptr", "scb", "scc"), ("swaps_lane", "swaps_ptr", "ssb", "ssc")])
+    kernel.load_window()
+    for segment in geometry.segments:
         kernel.sort_segment(segment, record=True)
-        for i in range(*segment):
-            w(f"g{i} = tl.load(grad_lane + {i} * sgs, mask=lane_ok, other=0.0).to(COMPUTE)")
+    if kernel.words:
+        kernel.store_slots([f"swaps{word}" for word in range(kernel.words)], "swaps_lane", "ssw", "lane_ok",
+                           "tl.int32")
+    w("if STORE_COLUMNS:")
+    w.depth += 1
+    kernel.store_slots([f"s{i}" for i in range(kernel.slots)], "cols_lane", "scs", "lane_ok",
+                       "cols_ptr.dtype.element_ty")
+    return kernel.source()
+
+
+def _replay_kernel(geometry: SortGeometry) -> str:
+    """The second kernel of the columns path's backward: ``windows[image, c, q, l]`` (strides swb, swc, swq)
+    = the gradient of window value q of channel c's window at position l, from the sorted columns' gradient
+    ``grad_cols`` (strides sgb, sgc, sgs) replayed through the recorded swaps (``swaps``, as
+    :func:`_record_kernel` writes them) and the transposed taps. Grid: (position blocks, channel blocks)."""
+    kernel = _Kernel(geometry, "replay_kernel",
+                     "swaps_ptr, grad_cols_ptr, windows_ptr, C, n_pos, L, ssb, ssc, ssw, sgb, sgc, sgs, swb, swc, swq, "
+                     f"COMPUTE: tl.constexpr, {_BLOCKS}", "BLOCK_C, BLOCK_P")
+    _channel_lanes(kernel, [("swaps_lane", "swaps_ptr", "ssb", "ssc"), ("grad_lane", "grad_cols_ptr", "sgb", "sgc"),
+                            ("windows_lane", "windows_ptr", "swb", "swc")], window=False)
+    if kernel.words:
+        kernel.load_slots("swaps", "swaps_lane", "ssw", (0, kernel.words), "lane_ok", kernel.lanes, "tl.int32")
+    started: set = set()
+    for segment in geometry.segments:
+        kernel.load_slots("g", "grad_lane", "sgs", segment, "lane_ok", kernel.lanes)
         kernel.unsort_segment(segment)
         kernel.window_gradients(segment, started)
-        for q in sorted(q for q, seg in last.items() if seg == index):
-            w(f"tl.store(windows_lane + {q} * swq, gv{q}.to({out_type}), mask=lane_ok)")
-    for q in range(kernel.slots):
-        if q not in last:  # a window position no sample reads: its gradient is zero
-            w(f"tl.store(windows_lane + {q} * swq, tl.zeros([BLOCK_C, BLOCK_P], {out_type}), mask=lane_ok)")
+    kernel.store_slots(kernel.window_gradient_values(started), "windows_lane", "swq", "lane_ok",
+                       "windows_ptr.dtype.element_ty")
     return kernel.source()
+
+
+def swap_words(geometry: SortGeometry) -> int:
+    """The int32 words of one window's recorded swaps: one bit per comparator of the geometry's network."""
+    return (len(geometry.comparators()) + 31) // 32
 
 
 def _fused_forward_kernel(geometry: SortGeometry) -> str:
@@ -301,7 +408,8 @@ def _fused_forward_kernel(geometry: SortGeometry) -> str:
     kernel = _Kernel(geometry, "fused_forward_kernel",
                      f"x_ptr, w_ptr, bias_ptr, out_ptr, in_per_group, out_per_group, {_POSITION_ARGS}, sob, soc, soh, "
                      "sow, COMPUTE: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr, "
-                     "HAS_BIAS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_O: tl.constexpr")
+                     "HAS_BIAS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_O: tl.constexpr",
+                     "BLOCK_C, BLOCK_P")
     w = kernel.write
     kernel.positions()
     w("group = tl.program_id(2)",
@@ -311,13 +419,13 @@ def _fused_forward_kernel(geometry: SortGeometry) -> str:
       "slot_stride = in_per_group * out_per_group",
       "for c0 in range(0, in_per_group, BLOCK_C):")
     w.depth += 1
-    kernel.new_channel_block()
     w("c = c0 + tl.arange(0, BLOCK_C)",
       "c_ok = c < in_per_group",
       "lane_ok = c_ok[:, None] & p_ok[None, :]",
       "x_lane = x_ptr + pos + ((group * in_per_group + c).to(tl.int64) * sxc)[:, None]",
       f"w_lane = w_ptr + (group * {kernel.slots} * in_per_group + c)[:, None] * out_per_group + o[None, :]",
       "w_ok = c_ok[:, None] & o_ok[None, :]")
+    kernel.load_window()
     for segment in geometry.segments:
         kernel.sort_segment(segment, record=False)
         for i in range(*segment):
@@ -339,6 +447,8 @@ def _fused_forward_kernel(geometry: SortGeometry) -> str:
 # are the last axis, which Triton spreads over the threads: a lane's sorted values broadcast over the
 # outputs in its own thread, and reads and writes of NCHW tensors are coalesced.
 _DIRECT_ARGS = (f"groups, in_per_group, out_per_group, {_POSITION_ARGS}, sob, soc, soh, sow")
+_DIRECT_LANES = "BLOCK_G, BLOCK_P"
+_WEIGHT_TILE = "BLOCK_J, BLOCK_G"
 
 
 def _direct_prologue(kernel: _Kernel) -> None:
@@ -356,10 +466,11 @@ def _direct_prologue(kernel: _Kernel) -> None:
 
 
 def _direct_channel_loop(kernel: _Kernel) -> None:
+    """The loop over each group's input channels, with the lanes' window corners (``x_offset``) and the
+    [BLOCK_J, BLOCK_G] tile of the channel's weight offsets (``w_offset``, slot 0)."""
     w = kernel.write
     w("for c in range(0, in_per_group):")
     w.depth += 1
-    kernel.new_channel_block()
     w("x_offset = pos + ((g * in_per_group + c).to(tl.int64) * sxc)[:, None]",
       f"w_offset = (g[None, :] * ({kernel.slots} * in_per_group) + c) * out_per_group + j[:, None]",
       "x_lane = x_ptr + x_offset",
@@ -371,16 +482,17 @@ def _direct_forward_kernel(geometry: SortGeometry) -> str:
     [group, slot, in_per_group, out_per_group]. Grid: (position blocks, group blocks, output blocks)."""
     kernel = _Kernel(geometry, "direct_forward_kernel",
                      f"x_ptr, w_ptr, bias_ptr, out_ptr, {_DIRECT_ARGS}, COMPUTE: tl.constexpr, HAS_BIAS: tl.constexpr, "
-                     "BLOCK_P: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_J: tl.constexpr")
+                     "BLOCK_P: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_J: tl.constexpr", _DIRECT_LANES)
     w = kernel.write
     _direct_prologue(kernel)
     w("acc = tl.zeros([BLOCK_J, BLOCK_G, BLOCK_P], COMPUTE)")
     _direct_channel_loop(kernel)
+    kernel.load_window()
     for segment in geometry.segments:
         kernel.sort_segment(segment, record=False)
+        kernel.load_slots("w", "w_lane", "slot_stride", segment, "jg_ok", _WEIGHT_TILE)
         for i in range(*segment):
-            w(f"acc += tl.load(w_lane + {i} * slot_stride, mask=jg_ok, other=0.0).to(COMPUTE)[:, :, None] "
-              f"* s{i}[None, :, :]")
+            w(f"acc += w{i}[:, :, None] * s{i}[None, :, :]")
     w.depth -= 1
     w("if HAS_BIAS:",
       "    acc += tl.load(bias_ptr + g[None, :] * out_per_group + j[:, None], mask=jg_ok, other=0.0)"
@@ -392,44 +504,52 @@ def _direct_forward_kernel(geometry: SortGeometry) -> str:
 def _direct_backward_kernel(geometry: SortGeometry) -> str:
     """The direct kernels' backward: per channel the windows are sorted again recording the swaps; the
     weight gradient (layout of ``w``) and the input gradient (``grad_x``, the input's strides) are added
-    with atomics: per program a [BLOCK_J, BLOCK_G] tile per slot, and every lane's window gradients."""
+    with atomics: per program and segment one tile of the segment's slots, and every lane's window
+    gradients as one tile."""
     kernel = _Kernel(geometry, "direct_backward_kernel",
                      f"x_ptr, w_ptr, grad_out_ptr, grad_x_ptr, grad_w_ptr, {_DIRECT_ARGS}, COMPUTE: tl.constexpr, "
                      "NEED_X: tl.constexpr, NEED_W: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_G: tl.constexpr, "
-                     "BLOCK_J: tl.constexpr")
+                     "BLOCK_J: tl.constexpr", _DIRECT_LANES)
     w = kernel.write
     _direct_prologue(kernel)
     w("grad_out = tl.load(grad_out_ptr + out_offset, mask=out_ok, other=0.0).to(COMPUTE)")
     _direct_channel_loop(kernel)
-    w("grad_x_lane = grad_x_ptr + x_offset",
-      "grad_w_lane = grad_w_ptr + w_offset")
+    w("grad_w_lane = grad_w_ptr + w_offset")
+    kernel.load_window()
     started: set = set()
-    last = kernel.last_segment_of_positions()
-    for index, segment in enumerate(geometry.segments):
+    for segment in geometry.segments:
+        start, end = segment
         kernel.sort_segment(segment, record=True)
         w("if NEED_W:")
-        for i in range(*segment):
-            w(f"    tl.atomic_add(grad_w_lane + {i} * slot_stride, tl.sum(s{i}[None, :, :] * grad_out, axis=2), "
-              "mask=jg_ok)")
+        w.depth += 1
+        for i in range(start, end):
+            w(f"gw{i} = tl.sum(s{i}[None, :, :] * grad_out, axis=2)")
+        kernel.store_slots([f"gw{i}" for i in range(start, end)], f"grad_w_lane + {start} * slot_stride",
+                           "slot_stride", "jg_ok", "grad_w_ptr.dtype.element_ty", _WEIGHT_TILE, "tl.atomic_add")
+        w.depth -= 1
         w("if NEED_X:")
         w.depth += 1
-        for i in range(*segment):
-            w(f"g{i} = tl.sum(tl.load(w_lane + {i} * slot_stride, mask=jg_ok, other=0.0).to(COMPUTE)[:, :, None] "
-              "* grad_out, axis=0)")
+        kernel.load_slots("w", "w_lane", "slot_stride", segment, "jg_ok", _WEIGHT_TILE)
+        for i in range(start, end):
+            w(f"g{i} = tl.sum(w{i}[:, :, None] * grad_out, axis=0)")
         kernel.unsort_segment(segment)
         kernel.window_gradients(segment, started)
-        for q in sorted(q for q, seg in last.items() if seg == index):
-            mask = kernel.window_mask(q)
-            w(f"tl.atomic_add(grad_x_lane + off{q}, gv{q}.to(grad_x_ptr.dtype.element_ty), mask={mask})")
         w.depth -= 1
+    w("if NEED_X:")
+    w.depth += 1
+    values = kernel.window_gradient_values(started)
+    tile = kernel.join(values + values[:1] * (kernel.width - kernel.slots), kernel.width, kernel.lanes)
+    w(f"tl.atomic_add(grad_x_ptr + x_offset[None, :, :] + win_off, "
+      f"tl.permute({tile}, (2, 0, 1)).to(grad_x_ptr.dtype.element_ty), mask=lane_ok[None, :, :] & win_in)")
     return kernel.source()
 
 
-_KERNELS = (_columns_kernel, _unsort_kernel, _fused_forward_kernel, _direct_forward_kernel, _direct_backward_kernel)
+_KERNELS = (_columns_kernel, _record_kernel, _replay_kernel, _fused_forward_kernel, _direct_forward_kernel,
+            _direct_backward_kernel)
 
 
 def kernel_source(geometry: SortGeometry) -> str:
-    """The Python source of a module holding the backend's five kernels for ``geometry``."""
+    """The Python source of a module holding the backend's six kernels for ``geometry``."""
     head = [f'"""Triton kernels for k={geometry.kernel_size}, sampling={geometry.sampling!r}, '
             f'sorting={geometry.sorting!r}; generated by timm_sortconv.ops.triton_backend.source."""',
             "import triton", "import triton.language as tl"]
