@@ -1,0 +1,385 @@
+"""Check and measure Sorting Convolution on this machine, in one command, for a bug report.
+
+    python -m timm_sortconv.check [--device cuda] [--quick] [--output sortconv_check.md]
+
+It prints, and writes as markdown to ``--output``:
+
+1. **Environment**: Python, PyTorch, Triton, timm and timm-sortconv versions; the GPU (name, compute
+   capability, memory, CUDA) or the CPU (model, PyTorch's instruction-set level, the CPU kernel's); the
+   backends available.
+2. **Agreement** of every available backend, and of ``backend="auto"``, with the reference path (the
+   specification) on the device: forward and the input, weight and bias gradients, for the paper's four
+   variants (polar/square sampling, ring/global sorting) and the orbit sortings (c4, c2), k = 3, 5, 7, a
+   dense layer and a depthwise one, in float32 and under each autocast dtype of the device. The reference is
+   computed in float64 on the same values (rounded to the autocast dtype under autocast); a case passes when
+   the largest difference, relative to the reference's largest value, is within the tolerance ``auto`` checks
+   its kernels with (:func:`timm_sortconv.ops.triton_backend.tuning.tolerance`). The Triton backend is checked
+   on each of its paths, as well as through its own rule.
+3. **What auto decided** for those calls on CUDA: per configuration, the kernel kept, the times of those
+   that agreed and the ones left out with the reason.
+4. **Speed** of SC (``backend="auto"``) against ``F.conv2d`` on the ``SortConv2d`` layers of the package's
+   models at their input size (forward, and forward+backward), and training steps of the models against
+   their ``nn.Conv2d`` twins (``*_baseline``). Times are medians, CUDA events on a GPU.
+
+``--quick`` checks the same cases, and times one small model at batch 2 with two repeats: the CPU run CI
+makes. The exit status is 1 when a case disagrees.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .ops import available_backends, get_geometry, sort_conv2d
+from .ops.backends import fast_disabled
+from .ops.reference import sort_conv2d_reference
+
+__all__ = ["Case", "agreement_cases", "main", "relative_error"]
+
+VARIANTS = (("polar", "ring"), ("polar", "global"), ("square", "ring"), ("square", "global"), ("polar", "c4"),
+            ("polar", "c2"))
+KERNEL_SIZES = (3, 5, 7)
+# (batch, channels, outputs, size, groups): a dense layer (the fused or columns path on a GPU) and a
+# depthwise one (the direct path).
+LAYERS = ((2, 16, 16, 9, 1), (2, 8, 8, 9, 8))
+# Models timed, with their nn.Conv2d twins and batch sizes (the paper's; --quick: the first, batch 2).
+MODELS = {"scnn_p_rs_7": ("scnn_baseline_7", 100), "ri_resnet18": ("ri_resnet18_baseline", 32),
+          "ri_densenet40": ("ri_densenet40_baseline", 32)}
+
+
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """The largest difference of ``got`` from ``expected`` over the latter's largest magnitude (float64)."""
+    got, expected = got.double(), expected.double()
+    scale = expected.abs().max().item()
+    return (got - expected).abs().max().item() / max(scale, 1e-300)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One agreement check: a backend (``path``: the Triton path forced, or None) on one call."""
+
+    backend: str
+    path: Optional[str]
+    sampling: str
+    sorting: str
+    k: int
+    layer: Tuple[int, int, int, int, int]
+    dtype: str  # "float32" or the autocast dtype's name
+
+    @property
+    def label(self) -> str:
+        return self.backend + (f"[{self.path}]" if self.path else "")
+
+
+def _environment(device: torch.device) -> List[Tuple[str, str]]:
+    from . import __version__
+    from .ops import cpu_backend
+
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "not installed"
+    import timm
+
+    rows = [("Python", platform.python_version()), ("PyTorch", torch.__version__), ("Triton", triton_version),
+            ("timm", timm.__version__), ("timm-sortconv", __version__), ("OS", platform.platform())]
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        rows += [("GPU", f"{props.name}, compute capability {props.major}.{props.minor}, "
+                         f"{props.total_memory / 2**30:.1f} GiB, {props.multi_processor_count} multiprocessors"),
+                 ("CUDA (PyTorch's)", str(torch.version.cuda))]
+    model = platform.processor() or platform.machine()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as info:
+            names = [line.split(":", 1)[1].strip() for line in info if line.startswith("model name")]
+        model = names[0] if names else model
+    rows += [("CPU", f"{model}, {os.cpu_count()} logical cores, {torch.get_num_threads()} PyTorch threads"),
+             ("CPU instruction set (PyTorch's level)", torch.backends.cpu.get_cpu_capability()),
+             ("SC CPU kernel level", cpu_backend.cpu_isa()),
+             ("Backends available", ", ".join(available_backends()))]
+    return rows
+
+
+def _autocast_dtypes(device: torch.device) -> List[torch.dtype]:
+    if device.type == "cuda":
+        return ([torch.bfloat16] if torch.cuda.is_bf16_supported() else []) + [torch.float16]
+    return [torch.bfloat16]
+
+
+def _backend_cases(device: torch.device) -> List[Tuple[str, Optional[str]]]:
+    """(backend, forced Triton path) pairs to check: auto, each available fast backend by its own rule,
+    and on the Triton backend each path."""
+    cases = [("auto", None)]
+    for name in available_backends():
+        if name == "reference":
+            continue
+        cases.append((name, None))
+        if name == "triton" and device.type == "cuda":
+            cases += [("triton", path) for path in ("direct", "fused", "columns")]
+    return cases
+
+
+def agreement_cases(device: torch.device) -> List[Case]:
+    """Every agreement check the command runs on ``device``."""
+    dtypes = ["float32"] + [str(dtype).replace("torch.", "") for dtype in _autocast_dtypes(device)]
+    return [Case(backend, path, sampling, sorting, k, layer, dtype)
+            for backend, path in _backend_cases(device) for sampling, sorting in VARIANTS for k in KERNEL_SIZES
+            for layer in LAYERS for dtype in dtypes
+            # the fused kernel takes windows of up to 9 samples (at k >= 5 it spills and auto leaves it out)
+            if not (path == "fused" and k > 3)]
+
+
+def _inputs(case: Case, device: torch.device) -> List[torch.Tensor]:
+    """Input, weight and bias in float64: an input whose windows hold distinct values, exact in the half
+    types (where values tie, a sort's gradient may go to either, and two right implementations differ),
+    and random weights."""
+    from .ops.triton_backend.tuning import tie_free_like
+
+    batch, channels, outputs, size, groups = case.layer
+    seed = case.k * 100 + groups
+    generator = torch.Generator().manual_seed(seed)
+    x = tie_free_like(torch.empty(batch, channels, size, size, dtype=torch.float64), (case.k, case.k), seed)
+    weight = torch.randn(outputs, channels // groups, case.k, case.k, generator=generator, dtype=torch.float64)
+    bias = torch.randn(outputs, generator=generator, dtype=torch.float64)
+    return [t.to(device) for t in (x, weight, bias)]
+
+
+def _run(fn: Callable, tensors: Sequence[torch.Tensor], grad_seed: int) -> List[torch.Tensor]:
+    """Output and (input, weight, bias) gradients of ``fn`` for a fixed output gradient."""
+    leaves = [t.detach().clone().requires_grad_() for t in tensors]
+    out = fn(*leaves)
+    generator = torch.Generator().manual_seed(grad_seed)
+    grad = torch.randn(out.shape, generator=generator, dtype=torch.float64).to(out.device, out.dtype)
+    return [out, *torch.autograd.grad(out, leaves, grad)]
+
+
+def _values(case: Case, device: torch.device) -> List[torch.Tensor]:
+    """The case's input, weight and bias: float64 values, rounded to the autocast dtype under autocast."""
+    tensors = _inputs(case, device)
+    if case.dtype != "float32":  # the values autocast's cast makes, in float64 for the reference
+        tensors = [t.to(getattr(torch, case.dtype)).double() for t in tensors]
+    return tensors
+
+
+@functools.lru_cache(maxsize=None)
+def _expected(sampling: str, sorting: str, k: int, layer: Tuple[int, ...], dtype: str, device: torch.device):
+    """The float64 reference's output and gradients for a case (the same for every backend)."""
+    case = Case("reference", None, sampling, sorting, k, layer, dtype)
+    groups = layer[-1]
+
+    def reference(x, weight, bias):
+        return sort_conv2d_reference(F.pad(x, (k // 2,) * 4), weight, bias, get_geometry(k, sampling, sorting),
+                                     (1, 1), (1, 1), groups)
+
+    return _run(reference, _values(case, device), grad_seed=k)
+
+
+def check_case(case: Case, device: torch.device) -> Tuple[float, float, str]:
+    """(largest relative error over output and gradients, tolerance, note) of one case."""
+    from .ops.triton_backend import config
+    from .ops.triton_backend.tuning import tolerance
+
+    groups = case.layer[-1]
+    autocast = case.dtype != "float32"
+    dtype = getattr(torch, case.dtype)
+
+    def under_test(x, weight, bias):
+        cast = torch.autocast(device.type, dtype=dtype) if autocast else contextlib.nullcontext()
+        with config.forcing(case.path), cast:
+            return sort_conv2d(x, weight, bias, padding=case.k // 2, groups=groups, sampling=case.sampling,
+                               sorting=case.sorting, backend=case.backend)
+
+    expected = _expected(case.sampling, case.sorting, case.k, case.layer, case.dtype, device)
+    try:
+        got = _run(under_test, [t.float() for t in _values(case, device)], grad_seed=case.k)
+    except RuntimeError as error:
+        if "does not support this call" in str(error):
+            return 0.0, 0.0, "not supported"
+        raise
+    error = max(relative_error(a, b) for a, b in zip(got, expected))
+    # Under autocast the output has the autocast dtype and the computation that precision.
+    return error, tolerance(got[0].dtype if autocast else torch.float32), ""
+
+
+def _seconds(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+    from .ops.triton_backend.tuning import median_seconds
+
+    fn()  # warm-up: compiles kernels, and auto decides
+    return median_seconds(fn, repeats, device)
+
+
+def _model_layers(model: nn.Module, batch: int, device: torch.device) -> List[Tuple[nn.Module, torch.Size]]:
+    """The model's distinct SortConv2d layers, each with its input shape at the model's input size."""
+    from .layers import SortConv2d
+
+    found: Dict[tuple, Tuple[nn.Module, torch.Size]] = {}
+
+    def hook(module, inputs, output):
+        shape = torch.Size((batch, *inputs[0].shape[1:]))
+        key = (repr(module), tuple(shape))
+        found.setdefault(key, (module, shape))
+
+    handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, SortConv2d)]
+    with torch.no_grad():
+        model.eval()(torch.zeros(1, *model.pretrained_cfg["input_size"], device=device))
+    for handle in handles:
+        handle.remove()
+    return list(found.values())
+
+
+def _layer_rows(name: str, batch: int, repeats: int, device: torch.device) -> List[List[str]]:
+    import timm
+
+    model = timm.create_model(name).to(device)
+    rows = []
+    for module, shape in _model_layers(model, batch, device):
+        x = torch.randn(shape, device=device, requires_grad=True)
+
+        def sc():
+            return module(x)
+
+        def conv():
+            return nn.Conv2d._conv_forward(module, x, module.weight, module.bias)
+
+        times = {}
+        for label, fn in (("conv", conv), ("sc", sc)):
+            def forward(fn=fn):
+                with torch.no_grad():
+                    fn()
+
+            def forward_backward(fn=fn):
+                out = fn()
+                out.backward(torch.ones_like(out))
+
+            times[label] = (_seconds(forward, repeats, device), _seconds(forward_backward, repeats, device))
+        layer = (f"{tuple(shape)} -> {module.out_channels}, k={module.kernel_size[0]}, stride {module.stride[0]}, "
+                 f"groups {module.groups}, {module.sampling}-{module.sorting}")
+        rows.append([name, layer, *(f"{t * 1e3:.3f}" for t in (*times["conv"], *times["sc"])),
+                     f"{times['sc'][0] / times['conv'][0]:.2f}x", f"{times['sc'][1] / times['conv'][1]:.2f}x"])
+    return rows
+
+
+def _training_seconds(name: str, batch: int, steps: int, device: torch.device) -> float:
+    import timm
+
+    model = timm.create_model(name).to(device).train()
+    generator = torch.Generator().manual_seed(0)
+    images = torch.randn(batch, *model.pretrained_cfg["input_size"], generator=generator).to(device)
+    labels = torch.randint(0, model.num_classes, (batch,), generator=generator).to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(model(images), labels).backward()
+        optimizer.step()
+
+    return _seconds(step, steps, device)
+
+
+class _Report:
+    """Markdown printed as it is written, and kept for the file."""
+
+    def __init__(self) -> None:
+        self.lines: List[str] = []
+
+    def __call__(self, *lines: str) -> None:
+        for line in lines:
+            print(line, flush=True)
+            self.lines.append(line)
+
+    def table(self, header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+        self("| " + " | ".join(header) + " |", "|" + "---|" * len(header))
+        for row in rows:
+            self("| " + " | ".join(row) + " |")
+        self("")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m timm_sortconv.check", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="where to check and measure (default: cuda when there is a GPU)")
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer repeats, one small model at batch 2 (the CPU run CI makes)")
+    parser.add_argument("--output", default="sortconv_check.md", help="the markdown report's path")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: PyTorch sees no CUDA device here (torch.cuda.is_available() is False)")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    start = time.perf_counter()
+    report = _Report()
+    report("# Sorting Convolution check", "", f"`python -m timm_sortconv.check --device {args.device}"
+           f"{' --quick' if args.quick else ''}`", "", "## Environment", "")
+    report.table(["", ""], _environment(device))
+    if fast_disabled():
+        report("TIMM_SORTCONV_DISABLE_FAST is set: every call runs the reference path.", "")
+
+    report("## Agreement with the reference path", "",
+           "Largest difference of output and gradients from the float64 reference, relative to its largest value "
+           "(under autocast: on the values rounded to the autocast dtype).", "")
+    rows, failed = [], 0
+    for case in agreement_cases(device):
+        error, accepted, note = check_case(case, device)
+        if note:
+            status = note
+        else:
+            status = "pass" if error <= accepted else "FAIL"
+            failed += status == "FAIL"
+        batch, channels, outputs, size, groups = case.layer
+        rows.append([case.label, f"{case.sampling}-{case.sorting}", str(case.k),
+                     "depthwise" if groups > 1 else f"{channels} -> {outputs}", case.dtype,
+                     f"{error:.2e}" if not note else "-", f"{accepted:.0e}" if not note else "-", status])
+    report.table(["backend", "variant", "k", "layer", "dtype", "relative error", "accepted", "result"], rows)
+    report(f"{len(rows) - failed} of {len(rows)} cases agree." if not failed else
+           f"**{failed} of {len(rows)} cases disagree with the reference path.**", "")
+
+    if device.type == "cuda":
+        from .ops.triton_backend.tuning import TUNER
+
+        report("## What auto decided", "")
+        decided = [[d.configuration, d.chosen.name,
+                    "; ".join(f"{name} {seconds * 1e3:.3f} ms" for name, seconds in d.seconds.items()) or "-",
+                    "; ".join(f"{name}: {why}" for name, why in d.rejected.items()) or "-"]
+                   for d in TUNER.decisions()]
+        report.table(["configuration", "chosen", "timed", "left out"], decided)
+
+    repeats = 2 if args.quick else 20
+    models = dict(list(MODELS.items())[:1]) if args.quick else MODELS
+    quick_batch = 2
+    report("## Speed", "", f"Milliseconds, median of {repeats} after a warm-up call; SC with backend='auto'.", "")
+    layer_rows = []
+    for name, (_, batch) in models.items():
+        layer_rows += _layer_rows(name, quick_batch if args.quick else batch, repeats, device)
+    report.table(["model", "layer (input -> outputs)", "conv fwd", "conv f+b", "SC fwd", "SC f+b", "SC/conv fwd",
+                  "SC/conv f+b"], layer_rows)
+    step_rows = []
+    for name, (twin, batch) in models.items():
+        batch = quick_batch if args.quick else batch
+        sc, plain = (_training_seconds(model, batch, repeats, device) for model in (name, twin))
+        step_rows.append([name, twin, str(batch), f"{sc * 1e3:.1f}", f"{plain * 1e3:.1f}", f"{sc / plain:.2f}x"])
+    report.table(["model", "nn.Conv2d twin", "batch", "SC step ms", "twin step ms", "SC / twin"], step_rows)
+    report(f"Done in {time.perf_counter() - start:.0f} s.")
+    with open(args.output, "w") as out:
+        out.write("\n".join(report.lines) + "\n")
+    print(f"\nReport written to {args.output}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
