@@ -19,8 +19,9 @@ What is measured:
 
 On a CUDA GPU (``--device cuda``) it prints a GPU table instead: per layer, variant, kernel size
 and precision, ``F.conv2d`` in float32 without TF32 and with PyTorch's defaults (or under autocast for
-``bf16``/``fp16``), ``sort_conv2d(backend="triton")`` (one column per ``--triton-paths`` entry) and the
-reference path, forward and forward+backward, timed with CUDA events; and with ``--throughput``, training
+``bf16``/``fp16``), ``sort_conv2d(backend="triton")`` (one column per ``--triton-paths`` entry: its own
+rule, a forced path, or ``tuned``: ``backend="auto"``, which checks and times its kernels on the warm-up call)
+and the reference path, forward and forward+backward, timed with CUDA events; and with ``--throughput``, training
 steps of scnn_p_rs_7, ri_resnet18 and ri_densenet40 against their ``*_baseline`` twins. ``--dry-run`` runs
 that code on tiny CPU tensors (the Triton kernels in Triton's interpreter: set ``TRITON_INTERPRET=1``).
 
@@ -37,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import statistics
 import sys
 import time
@@ -52,6 +52,7 @@ import timm
 import timm_sortconv
 from timm_sortconv import SortConv2d, sort_conv2d
 from timm_sortconv.ops import SAMPLINGS, SORTINGS, cpu_backend
+from timm_sortconv.ops.triton_backend import tuning
 
 VARIANTS = ("polar-ring", "polar-global", "square-ring", "square-global")  # the default: the paper's four
 # every sampling-sorting pair the operator takes (e.g. polar-c2, polar-offset-ring)
@@ -370,7 +371,9 @@ def print_throughput(steps: int, batch: int, e2cnn: bool, reference: bool) -> No
 # --device cuda: the GPU table (F.conv2d against the Triton backend) and model throughput.
 
 PRECISIONS = ("fp32", "bf16", "fp16")
-TRITON_PATHS = ("auto", "direct", "fused", "columns")
+# "auto": backend="triton" on its own rule; "tuned": backend="auto" (its kernel checked and timed on the warm-up
+# call, or the reference path); the others: backend="triton" forced onto that path.
+TRITON_PATHS = ("auto", "tuned", "direct", "fused", "columns")
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # Models and their nn.Conv2d twins, with the paper's batch sizes (inputs at the model's own size: 28x28 for the
 # SCNN, 128x128 for the others).
@@ -382,24 +385,14 @@ DRY_RUN_SHAPES = [LayerShape(2, 4, 4, 6, 6, 3)]
 
 def cuda_median_times(fns: Dict[str, Callable[[], object]], repeats: int, device: torch.device) -> Dict[str, float]:
     """Median seconds of each function (one warm-up call each, then taking turns), timed with CUDA events
-    on a GPU and the wall clock elsewhere; NaN with ``repeats`` 0 (the warm-up alone: compiles kernels)."""
+    on a GPU and the wall clock elsewhere; NaN with ``repeats`` 0 (the warm-up alone: compiles kernels and
+    makes backend="auto"'s decisions)."""
     for fn in fns.values():
         fn()
     samples: Dict[str, List[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            if device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                torch.cuda.synchronize(device)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                samples[name].append(start.elapsed_time(end) / 1e3)
-            else:
-                begin = time.perf_counter()
-                fn()
-                samples[name].append(time.perf_counter() - begin)
+            samples[name].append(tuning.seconds(fn, device))
     return {name: statistics.median(values) if values else float("nan") for name, values in samples.items()}
 
 
@@ -420,23 +413,11 @@ def conv_precision(precision: str, device: torch.device):
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
 
 
-@contextlib.contextmanager
 def triton_path(path: str):
-    """The Triton backend's path forced (``auto``: its own rule) while the block runs."""
+    """The Triton backend's path forced (``auto``, ``tuned``: none) while the block runs."""
     from timm_sortconv.ops.triton_backend import config
 
-    saved = os.environ.get(config.PATH_ENV)
-    if path == "auto":
-        os.environ.pop(config.PATH_ENV, None)
-    else:
-        os.environ[config.PATH_ENV] = path
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(config.PATH_ENV, None)
-        else:
-            os.environ[config.PATH_ENV] = saved
+    return config.forcing(None if path in ("auto", "tuned") else path)
 
 
 def cuda_layer_calls(shape: LayerShape, variant: Optional[str], backend: str, device: torch.device,
@@ -501,7 +482,8 @@ def cuda_bench_layer(shape: LayerShape, variants: Sequence[str], precision: str,
         row = dict(variant=variant, k=shape.kernel_size, **conv_times, conv_mb=saved_bytes(conv_saved) / 2**20)
         triton_fns = {}
         for path in paths:
-            f, fb, saved = cuda_layer_calls(shape, variant, "triton", device, sc_precision, path)
+            backend = "auto" if path == "tuned" else "triton"
+            f, fb, saved = cuda_layer_calls(shape, variant, backend, device, sc_precision, path)
             triton_fns.update({f"triton[{path}]_f": f, f"triton[{path}]_fb": fb})
             row[f"triton[{path}]_mb"] = saved_bytes(saved) / 2**20
         row.update(cuda_median_times(triton_fns, repeats, device))
@@ -604,8 +586,9 @@ def cuda_training_throughput(name: str, backend: Optional[str], batch: int, step
 
 
 def print_cuda_throughput(args, precisions: Sequence[str], device: torch.device) -> None:
-    backend = "auto" if args.dry_run else "triton"  # a dry run's models are too large for the interpreter
-    print(f"\n### Training throughput (Adam, median of {args.steps} steps; SortConv2d on backend {backend!r})\n")
+    backend = "auto"  # what users get; on a dry run's CPU tensors, the CPU backend or the reference path
+    print(f"\n### Training throughput (Adam, median of {args.steps} steps after a warm-up step; SortConv2d on "
+          f"backend {backend!r})\n")
     print("| model | precision | batch | images/s | baseline twin | its images/s | SC / twin |")
     print("|---|---|---|---|---|---|---|")
     for name, (twin, batch) in CUDA_MODELS.items():
@@ -683,8 +666,9 @@ def parse_args(argv=None):
     parser.add_argument("--precisions", default="fp32",
                         help=f"cuda: comma-separated, of {', '.join(PRECISIONS)} (bf16/fp16: under torch.autocast)")
     parser.add_argument("--triton-paths", default="auto",
-                        help="cuda: comma-separated Triton backend paths to time: auto (the backend's own choice), "
-                             "direct, fused, columns")
+                        help="cuda: comma-separated Triton backend paths to time: auto (backend='triton', its own "
+                             "rule), tuned (backend='auto': checked and timed on the warm-up call), direct, fused, "
+                             "columns")
     parser.add_argument("--profile", action="store_true",
                         help="cuda: after each table, torch.profiler's kernel times of SC forward+backward per row")
     parser.add_argument("--dry-run", action="store_true",

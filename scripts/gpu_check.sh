@@ -7,25 +7,29 @@
 # out of git (.git/info/exclude): .carry/wheels and .carry/mnist. Then, on the device, one call (10 minutes
 # at most per call, so the stages run in order of priority and each is cut off at the time left):
 #     run(command="bash scripts/gpu_check.sh", carry=[".carry"])
-# or name the stages: tests warmup table profile models throughput mnist (default: all but mnist). Results are
+# or name the stages: check tests warmup table profile models throughput mnist (default: all but mnist). Results are
 # written to $OUT (the device returns at most 8 files): <stage>.log (the benchmark stages' logs are their
 # markdown tables), summary.txt with the versions and each stage's status and time, and triton_cache.tgz:
 # the compiled kernels (minutes of compiling for the 7x7 backward kernels). Copy it to .carry/ before the
 # next call, which then starts from it (a machine given back loses its files).
 #
 # Stages:
+#   check       python -m timm_sortconv.check --device cuda: every backend and auto against the reference path
+#               (variants, orbit sortings, k 3, 5, 7, float32 and autocast), what auto decided, and SC against
+#               F.conv2d and the models' twins (its log is the markdown report)
 #   tests       the Triton backend's tests natively on the GPU (tests/test_triton_backend.py, in 8 pytest-xdist
 #               workers so that kernels compile in parallel; the 9x9 cases, whose kernels take minutes to
-#               compile, are left to the interpreter run on the CPU), and the CUDA test of test_sort_conv.py
-#               with backend="auto" taking the Triton backend
+#               compile, are left to the interpreter run on the CPU), the tuner's tests, and the CUDA test of
+#               test_sort_conv.py (backend="auto" takes the Triton backend)
 #   warmup      compiles every kernel the table needs, in parallel processes (Triton's compile takes tens
 #               of seconds per 7x7 kernel; its cache then serves the timed runs)
 #   table       the issue's table: its five shapes x 4 variants x k 3, 5, 7, float32 and bf16/fp16 autocast,
-#               the Triton paths auto/fused/columns and the reference path
+#               the Triton backend's rule (auto), backend="auto" (tuned), the fused and columns paths, and
+#               the reference path
 #   profile     torch.profiler's kernel times of forward+backward at the issue's first shape (k = 7) and a
 #               3x3 shape, float32 and bf16: where the time goes (sorting kernels, cuBLAS, F.fold)
 #   models      the SortConv2d layers of scnn_p_rs_7, ri_resnet18 and ri_densenet40
-#   throughput  training steps of the three models against their *_baseline twins
+#   throughput  training steps of the three models (backend="auto") against their *_baseline twins
 #   mnist       the paper's MNIST protocol (scripts/configs/mnist_scnn.yaml, 100 epochs) on the Triton
 #               backend, for $MNIST_MODEL (default scnn_p_rs_7; e.g. scnn_p_rs_7_canon); $OUT/mnist_run gets its last checkpoint, summary.csv and args.yaml. It takes more
 #               than one call: copy $OUT/mnist_run to .carry/mnist_run and call again to resume from it
@@ -49,7 +53,7 @@ fi
 
 OUT=${OUT:-$PWD/gpu_check_out}
 mkdir -p "$OUT"
-STAGES=${*:-tests warmup table profile models throughput}
+STAGES=${*:-check tests warmup table profile models throughput}
 
 if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \
@@ -88,22 +92,24 @@ stage() {  # stage NAME COMMAND...: runs it with the time left, output to $OUT/N
 
 for name in $STAGES; do
     case $name in
+    check)
+        stage check "$PYTHON -m timm_sortconv.check --device cuda --output /tmp/check.md" ;;
     tests)
         workers=$($PYTHON -c "import xdist" 2>/dev/null && echo "-n 8")
-        stage tests "$PYTHON -m pytest -q -p no:cacheprovider $workers tests/test_triton_backend.py -k 'not 9-' && TIMM_SORTCONV_TRITON_AUTO=1 $PYTHON -m pytest -q -p no:cacheprovider tests/test_sort_conv.py -k cuda" ;;
+        stage tests "$PYTHON -m pytest -q -p no:cacheprovider $workers tests/test_triton_backend.py tests/test_autotune.py -k 'not 9-' && $PYTHON -m pytest -q -p no:cacheprovider tests/test_sort_conv.py -k cuda" ;;
     warmup)
         # One process per variant and kernel size, each running every call of the table once, untimed.
         jobs=()
         for variant in "${VARIANTS[@]}"; do
             for k in 3 5 7; do
-                jobs+=("$BENCH --shapes gpu --variants $variant --kernel-sizes $k --precisions fp32,bf16,fp16 --triton-paths auto,fused,columns --repeats 0 --skip-reference > /dev/null")
+                jobs+=("$BENCH --shapes gpu --variants $variant --kernel-sizes $k --precisions fp32,bf16,fp16 --triton-paths auto,tuned,fused,columns --repeats 0 --skip-reference > /dev/null")
             done
             jobs+=("$BENCH --shapes scnn_p_rs_7,ri_resnet18,ri_densenet40 --variants $variant --precisions fp32,bf16 --repeats 0 --skip-reference > /dev/null")
         done
         printf '%s\n' "${jobs[@]}" > /tmp/warmup_jobs.txt
         stage warmup "xargs -P 12 -I{} bash -c '{}' < /tmp/warmup_jobs.txt" ;;
     table)
-        stage table "$BENCH --shapes gpu --kernel-sizes 3,5,7 --precisions fp32,bf16,fp16 --triton-paths auto,fused,columns --repeats 20" ;;
+        stage table "$BENCH --shapes gpu --kernel-sizes 3,5,7 --precisions fp32,bf16,fp16 --triton-paths auto,tuned,fused,columns --repeats 20" ;;
     profile)
         stage profile "$BENCH --shapes gpu --variants polar-ring,square-global --precisions fp32,bf16 --repeats 3 --skip-reference --profile" ;;
     models)
@@ -113,11 +119,11 @@ for name in $STAGES; do
     mnist)
         resume=""
         [ -f .carry/mnist_run/last.pth.tar ] && resume="--resume .carry/mnist_run/last.pth.tar"
-        stage mnist "TIMM_SORTCONV_TRITON_AUTO=1 $PYTHON scripts/train.py -c scripts/configs/mnist_scnn.yaml --model ${MNIST_MODEL:-scnn_p_rs_7} --data-dir .carry/mnist --output /tmp/train --experiment mnist_run $resume"
+        stage mnist "$PYTHON scripts/train.py -c scripts/configs/mnist_scnn.yaml --model ${MNIST_MODEL:-scnn_p_rs_7} --data-dir .carry/mnist --output /tmp/train --experiment mnist_run $resume"
         mkdir -p "$OUT/mnist_run"
         cp /tmp/train/mnist_run/{last.pth.tar,summary.csv,args.yaml} "$OUT/mnist_run/" 2>/dev/null ;;
     *)
-        echo "unknown stage $name; accepted: prepare tests warmup table profile models throughput mnist" | tee -a "$OUT/summary.txt" ;;
+        echo "unknown stage $name; accepted: prepare check tests warmup table profile models throughput mnist" | tee -a "$OUT/summary.txt" ;;
     esac
 done
 if [ -d /tmp/triton_cache ]; then
