@@ -15,8 +15,8 @@ step 1 "virtual environment $VENV"
 if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
 fi
-# The newest torch/torchvision/timm, which CI tests; pyproject.toml's floors are the oldest versions
-# scripts/check_floor.sh has passed the whole suite with. The CUDA builds of this torch/torchvision pair also
+# The newest torch/torchvision/timm, which CI tests; pyproject.toml's floors, the oldest versions, are what
+# scripts/check_floor.sh tests. The CUDA builds of this torch/torchvision pair also
 # run on CPU-only machines; torch 2.13's CPU wheel has no matching torchvision on PyPI (see README,
 # "Installation").
 TORCH=${TORCH:-2.14.1} TORCHVISION=${TORCHVISION:-0.29.1} TIMM=${TIMM:-1.0.31}
