@@ -414,12 +414,17 @@ def test_triton_candidates_follow_the_rule(monkeypatch):
     backward = triton_backend.candidates("backward", call, x)
     assert all(c.name.startswith("triton columns backward") and c.deterministic for c in backward)
     depthwise, call, x = triton_call(8, 8, 8, k=7)
-    forward = [c.name.split(" (")[0] for c in depthwise.candidates("forward", call, x)]
-    assert forward[0] == "triton direct forward" and "triton fused forward" not in forward  # 49 slots: no fused
-    # 49 slots: the direct backward spills and compiles slowly; only the columns path's backward
-    assert {c.name.split(" (")[0] for c in depthwise.candidates("backward", call, x)} == {"triton columns backward"}
+    # 49 slots: the direct kernels spill, and the fused kernel takes 9 at most: only the columns path
+    for kind in ("forward", "backward"):
+        assert {c.name.split(" (")[0] for c in depthwise.candidates(kind, call, x)} == {f"triton columns {kind}"}
     depthwise, call, x = triton_call(8, 8, 8, k=5)
+    forward = [c.name.split(" (")[0] for c in depthwise.candidates("forward", call, x)]
+    assert forward[0] == "triton direct forward" and "triton fused forward" not in forward
+    # 25 slots: the direct backward compiles slowly; at 9, one block size (the one without spills)
+    assert {c.name.split(" (")[0] for c in depthwise.candidates("backward", call, x)} == {"triton columns backward"}
+    depthwise, call, x = triton_call(8, 8, 8, k=3)
     backward = depthwise.candidates("backward", call, x)
+    assert [c.name.split(" (")[0] for c in backward].count("triton direct backward") == 1
     assert backward[0].name.startswith("triton direct backward") and not backward[0].deterministic
     assert backward[-1].name.startswith("triton columns backward") and backward[-1].deterministic
     monkeypatch.setenv(config.PATH_ENV, "columns")

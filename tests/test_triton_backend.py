@@ -443,7 +443,8 @@ def test_generated_source_holds_the_geometry():
 
 def test_path_rule(monkeypatch):
     monkeypatch.delenv(config.PATH_ENV, raising=False)
-    assert config.choose_path(1, 1, 49) == "direct"  # depthwise
+    assert config.choose_path(1, 1, 25) == "direct"  # depthwise
+    assert config.choose_path(1, 1, 49) == "columns"  # depthwise 7x7: the direct kernels would spill
     assert config.choose_path(4, 4, 9) == "direct"  # grouped, few channels per group
     assert config.choose_path(1, 32, 9) == "columns"  # a first layer: too few channels for tl.dot, too many
     assert config.choose_path(3, 128, 24) == "columns"  # outputs for the direct kernels' FMAs
@@ -453,12 +454,14 @@ def test_path_rule(monkeypatch):
     assert config.choose_path(64, 64, 2, slots=49) == "columns"  # 7x7 orbit sorting: fused unmeasured there
     assert config.choose_path(64, 64, 9, 1000, 132) == config.FORWARD_PATH
     assert config.choose_path(64, 64, 9, 64, 132) == "columns"  # too few programs to fill the GPU
-    # backward: direct for windows of up to 25 samples (beyond, its kernel spills), else through the columns
+    # backward: direct for windows of up to 9 samples (beyond, its kernel compiles slowly), else the columns
     assert config.backward_paths(1, 1, 9, 9) == ("direct", "columns")
+    assert config.backward_paths(1, 1, 16, 25) == ("columns",)
     assert config.backward_paths(4, 32, 9, 9) == ("columns", "direct")
     assert config.backward_paths(1, 1, 24, 49) == ("columns",)
     assert config.backward_paths(64, 64, 9, 9) == ("columns",)
-    assert config.forward_paths(1, 1, 49, slots=49) == ("direct", "columns")
+    assert config.forward_paths(1, 1, 25, slots=25) == ("direct", "columns")
+    assert config.forward_paths(1, 1, 49, slots=49) == ("columns",)
     assert config.forward_paths(64, 64, 9, 1000, 132, slots=9) == ("fused", "columns")
     assert config.forward_paths(64, 64, 9, 64, 132, slots=9) == ("columns", "fused")
     assert config.forward_paths(64, 64, 24, slots=49) == ("columns",)

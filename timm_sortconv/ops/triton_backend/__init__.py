@@ -5,9 +5,10 @@ input channel) window with the geometry's comparator network, in registers, read
 (zero padding is a masked read, so autograd keeps only the input and the weight, as for ``nn.Conv2d``).
 Three paths use them (:mod:`.config`: which paths a call may take, and their block sizes):
 
-* ``direct``: groups with few input channels (depthwise convolutions): FMAs into an [outputs, groups,
-  positions] tile; the backward sorts again, records the swaps, and adds the input and weight gradients
-  with atomics (windows of at most 25 samples).
+* ``direct`` (windows of at most 25 samples, k <= 5; its backward 9, k = 3): groups with few input
+  channels (depthwise convolutions), one group per program: FMAs of scalar weights into an accumulator per
+  output; the backward sorts again, records the swaps, and adds the input and weight gradients with
+  atomics.
 * ``fused`` (forward, windows of at most 9 samples: k = 3): an implicit GEMM; each sorted slot tile goes
   straight into ``tl.dot``.
 * ``columns``: sorted columns written for a bounded chunk of images and multiplied by cuBLAS. Also the
@@ -220,7 +221,8 @@ def launch_settings(kernel: str, geometry: SortGeometry, dtype: torch.dtype, gro
     path = KERNEL_PATHS.get(kernel)
     if path is None:
         raise ValueError(f"unknown kernel {kernel!r}; accepted: {', '.join(KERNELS)}")
-    blocks = blocks or config.blocks_of(path, geometry.kernel_size ** 2, groups, out_per_group)[0]
+    blocks = blocks or config.blocks_of(path, geometry.kernel_size ** 2, groups, out_per_group,
+                                        backward=kernel == "direct_backward_kernel")[0]
     if path == "columns":
         block_p, block_c, warps = blocks
         meta = dict(COMPUTE=compute, BLOCK_P=block_p, BLOCK_C=block_c, num_warps=warps, num_stages=1)
@@ -231,8 +233,8 @@ def launch_settings(kernel: str, geometry: SortGeometry, dtype: torch.dtype, gro
         # took 442 s to compile such a 7x7 kernel, which then spilled), for tiles that hit the cache anyway.
         return dict(COMPUTE=compute, ACCUMULATE=compute, PRECISION=_dot_precision(dtype), HAS_BIAS=has_bias,
                     BLOCK_P=block_p, BLOCK_C=block_c, BLOCK_O=block_o, num_warps=warps, num_stages=1)
-    block_p, block_g, block_j, warps = blocks
-    meta = dict(COMPUTE=compute, BLOCK_P=block_p, BLOCK_G=block_g, BLOCK_J=block_j, num_warps=warps, num_stages=1)
+    block_p, block_j, warps = blocks
+    meta = dict(COMPUTE=compute, BLOCK_P=block_p, BLOCK_J=block_j, num_warps=warps, num_stages=1)
     if kernel == "direct_forward_kernel":
         return dict(meta, HAS_BIAS=has_bias)
     return dict(meta, NEED_X=bool(need_input), NEED_W=bool(need_weight))
@@ -244,16 +246,16 @@ def _settings(kernel: str, call: _Call, dtype: torch.dtype, blocks: Optional[tup
 
 
 def _direct_grid(call: _Call, meta: dict) -> tuple:
-    return (triton.cdiv(call.batch * call.out_h * call.out_w, meta["BLOCK_P"]),
-            triton.cdiv(call.groups, meta["BLOCK_G"]), triton.cdiv(call.out_per_group, meta["BLOCK_J"]))
+    return (triton.cdiv(call.batch * call.out_h * call.out_w, meta["BLOCK_P"]), call.groups,
+            triton.cdiv(call.out_per_group, meta["BLOCK_J"]))
 
 
 def _direct_forward(x, weight, bias, call: _Call, blocks: Optional[tuple] = None):
     out = _empty_output(x, call)
     meta = _settings("direct_forward_kernel", call, x.dtype, blocks, has_bias=bias is not None)
     load_kernels(call.geometry)["direct_forward_kernel"][_direct_grid(call, meta)](
-        x, _slot_major(weight, call), bias if bias is not None else x, out, call.groups, call.in_per_group,
-        call.out_per_group, *call.position_args(x, call.batch), *out.stride(), **meta)
+        x, _slot_major(weight, call), bias if bias is not None else x, out, call.in_per_group, call.out_per_group,
+        *call.position_args(x, call.batch), *out.stride(), **meta)
     return out
 
 
@@ -406,7 +408,7 @@ def _direct_backward(grad_out, x, weight, call: _Call, need_input: bool, need_we
     assert grad_x.stride() == x.stride()
     meta = _settings("direct_backward_kernel", call, x.dtype, blocks, need_input=need_input, need_weight=need_weight)
     load_kernels(call.geometry)["direct_backward_kernel"][_direct_grid(call, meta)](
-        x, weight_slots, grad_out, grad_x, grad_w, call.groups, call.in_per_group, call.out_per_group,
+        x, weight_slots, grad_out, grad_x, grad_w, call.in_per_group, call.out_per_group,
         *call.position_args(x, call.batch), *grad_out.stride(), **meta)
     grad_input = grad_x.to(x.dtype) if need_input else None
     grad_weight = _from_slot_major(grad_w, call).to(weight.dtype) if need_weight else None
@@ -440,7 +442,7 @@ def backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, geom
 
 _FORWARD_PATHS = {"direct": _direct_forward, "fused": _fused_forward, "columns": _columns_forward}
 _BACKWARD_PATHS = {"direct": _direct_backward, "columns": _columns_backward}
-_BLOCK_NAMES = {"columns": ("P", "C", "w"), "fused": ("P", "C", "O", "w"), "direct": ("P", "G", "J", "w")}
+_BLOCK_NAMES = {"columns": ("P", "C", "w"), "fused": ("P", "C", "O", "w"), "direct": ("P", "J", "w")}
 
 
 def _reference_forward(x, weight, bias, call: _Call):
@@ -496,7 +498,7 @@ def candidates(kind: str, call: _Call, x: torch.Tensor) -> List[tuning.Candidate
         table = _BACKWARD_PATHS
     found = []
     for path in paths:
-        for blocks in config.blocks_of(path, call.slots, call.groups, call.out_per_group):
+        for blocks in config.blocks_of(path, call.slots, call.groups, call.out_per_group, kind == "backward"):
             sizes = " ".join(f"{name}={size}" for name, size in zip(_BLOCK_NAMES[path], blocks))
             # The direct backward adds its gradients with atomics: sums in a varying order.
             found.append(tuning.Candidate(f"triton {path} {kind} ({sizes})", functools.partial(table[path], blocks=blocks),

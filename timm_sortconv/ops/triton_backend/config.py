@@ -3,9 +3,9 @@
 Which kernels compute a call:
 
 * ``"direct"``: groups with fewer input channels than a matrix instruction's depth (depthwise
-  convolutions, first layers). Lanes are (group, position) windows, one group per program; the products
-  are FMAs into an [outputs, groups, positions] tile; the backward adds the input and weight gradients
-  with atomics.
+  convolutions, first layers). One group per program, its lanes (position) windows; the products are FMAs
+  of scalar weights into an accumulator per output; the backward adds the input and weight gradients with
+  atomics.
 * ``"fused"`` (forward only, windows of at most ``FUSED_MAX_SLOTS`` samples): an implicit GEMM, each
   program sorting a tile of (input channel, position) windows and multiplying every sorted slot into its
   output tile with ``tl.dot``; the windows are sorted once per block of ``BLOCK_O`` outputs (once in all
@@ -55,14 +55,20 @@ FUSED_MAX_SLOTS = 9
 FUSED_MIN_PROGRAMS_PER_SM = 2
 # tl.dot needs K >= 16: groups with fewer input channels run direct when they have at most
 # DIRECT_MAX_OUT_PER_GROUP outputs (depthwise convolutions), else through the columns (cuBLAS has no such
-# bound, and few input channels make few columns). A direct program keeps every output's weight of every
-# slot live: 4 outputs x 49 slots is about what fits.
+# bound, and few input channels make few columns). A direct program computes DIRECT_BLOCK_J of them (more:
+# several programs, each sorting the windows again): in the sm_90 report the backward spills with 4 per
+# program at k = 5 (24 bytes) and compiles for 17-38 s, with 2 it does not spill and compiles in 10-14 s.
 DOT_MIN_CHANNELS = 16
 DIRECT_MAX_OUT_PER_GROUP = 4
-# The direct backward keeps a lane's sample gradients, window gradients and recorded swaps live at once:
-# for 49 samples (k = 7) it spills (96-312 bytes in the sm_90 report) and compiles for 19-56 s, so auto
-# and backend="triton" take the columns path's backward beyond DIRECT_BACKWARD_MAX_SLOTS samples.
-DIRECT_BACKWARD_MAX_SLOTS = 25
+DIRECT_BLOCK_J = 2
+# A direct lane keeps its window, sorted samples and the program's weights in registers. In the sm_90
+# report the forward spills 8-296 bytes for 49 samples (k = 7), and compiles in 2 s without spills up to
+# 25; the backward, which also keeps the swaps and gradients, compiles for 5-45 s at 25 samples and spills
+# 4-16 bytes in some block sizes up to 9, none with 256 positions per program at 9 (2 s). Windows beyond
+# these sizes take the columns path (auto and backend="triton"; TIMM_SORTCONV_TRITON_PATH=direct still
+# forces the direct kernels).
+DIRECT_MAX_SLOTS = 25
+DIRECT_BACKWARD_MAX_SLOTS = 9
 # Kernel sizes whose kernels backend="auto" checks and times: every candidate up to k = 7 compiles for
 # sm_90 in under 15 s of CPU time without spills; larger kernels are left to the reference path by auto
 # (backend="triton" still runs them).
@@ -116,7 +122,8 @@ def choose_path(in_per_group: int, out_per_group: int, largest_segment: int, fus
     if forced:
         return forced
     if in_per_group < DOT_MIN_CHANNELS:
-        return "direct" if out_per_group <= DIRECT_MAX_OUT_PER_GROUP else "columns"
+        direct = out_per_group <= DIRECT_MAX_OUT_PER_GROUP and max(slots, largest_segment) <= DIRECT_MAX_SLOTS
+        return "direct" if direct else "columns"
     if (largest_segment > FUSED_MAX_SEGMENT or max(slots, largest_segment) > FUSED_MAX_SLOTS
             or fused_programs < FUSED_MIN_PROGRAMS_PER_SM * multiprocessors):
         return "columns"
@@ -126,15 +133,16 @@ def choose_path(in_per_group: int, out_per_group: int, largest_segment: int, fus
 def forward_paths(in_per_group: int, out_per_group: int, largest_segment: int, fused_programs: int = 0,
                   multiprocessors: int = 0, slots: int = 0) -> Tuple[str, ...]:
     """The forward paths backend="auto" tries, :func:`choose_path`'s first: ``"direct"`` for groups with
-    fewer than DOT_MIN_CHANNELS input channels, ``"fused"`` for groups with at least that many and
-    windows of at most FUSED_MAX_SLOTS samples, ``"columns"`` for any call; only the path PATH_ENV forces,
-    if set."""
+    fewer than DOT_MIN_CHANNELS input channels and windows of at most DIRECT_MAX_SLOTS samples, ``"fused"``
+    for groups with at least that many channels and windows of at most FUSED_MAX_SLOTS samples,
+    ``"columns"`` for any call; only the path PATH_ENV forces, if set."""
     first = choose_path(in_per_group, out_per_group, largest_segment, fused_programs, multiprocessors, slots)
     if _forced_path():
         return (first,)
     few_channels = in_per_group < DOT_MIN_CHANNELS
-    eligible = {"direct": few_channels, "fused": not few_channels and max(slots, largest_segment) <= FUSED_MAX_SLOTS,
-                "columns": True}
+    window = max(slots, largest_segment)
+    eligible = {"direct": few_channels and window <= DIRECT_MAX_SLOTS,
+                "fused": not few_channels and window <= FUSED_MAX_SLOTS, "columns": True}
     return (first,) + tuple(path for path in PATHS if path != first and eligible[path])
 
 
@@ -143,10 +151,10 @@ def backward_paths(in_per_group: int, out_per_group: int, largest_segment: int, 
     columns path's): ``"direct"`` for groups with fewer than DOT_MIN_CHANNELS input channels and windows
     of at most DIRECT_BACKWARD_MAX_SLOTS samples, first where :func:`choose_path` takes it; ``"columns"``
     for any call. With PATH_ENV set, only the forced path's."""
-    direct = in_per_group < DOT_MIN_CHANNELS and slots <= DIRECT_BACKWARD_MAX_SLOTS
+    direct = in_per_group < DOT_MIN_CHANNELS and max(slots, largest_segment) <= DIRECT_BACKWARD_MAX_SLOTS
     if _forced_path():
         return ("direct",) if _forced_path() == "direct" else ("columns",)
-    first = "direct" if direct and choose_path(in_per_group, out_per_group, largest_segment) == "direct" \
+    first = "direct" if direct and choose_path(in_per_group, out_per_group, largest_segment, slots=slots) == "direct" \
         else "columns"
     return (first,) + tuple(path for path in ("direct", "columns") if path != first and (path == "columns" or direct))
 
@@ -166,25 +174,28 @@ def fused_candidates(slots: int, out_per_group: int) -> Tuple[Tuple[int, int, in
     return (64, FUSED_BLOCK_C, block_o, 4), (32, FUSED_BLOCK_C, block_o, 4)
 
 
-def direct_candidates(slots: int, groups: int, out_per_group: int) -> Tuple[Tuple[int, int, int, int], ...]:
-    """(BLOCK_P, BLOCK_G, BLOCK_J, num_warps) of the direct kernels: one group per program (its weights are
-    then one value per slot and output for all threads), up to DIRECT_MAX_OUT_PER_GROUP outputs (more:
-    several programs), and one or two lanes per thread."""
-    block_j = min(DIRECT_MAX_OUT_PER_GROUP, _next_power_of_two(out_per_group))
+def direct_candidates(slots: int, groups: int, out_per_group: int,
+                      backward: bool = False) -> Tuple[Tuple[int, int, int], ...]:
+    """(BLOCK_P, BLOCK_J, num_warps) of the direct kernels: one group per program (a weight is then one
+    scalar per slot and output), up to DIRECT_BLOCK_J outputs (more: several programs), and one or two
+    lanes per thread (the backward: two, the block size without spills)."""
+    block_j = min(DIRECT_BLOCK_J, _next_power_of_two(out_per_group))
+    if backward:
+        return ((256, block_j, 4),)
     if slots <= TWO_LANES_MAX_SLOTS:
-        return (256, 1, block_j, 4), (128, 1, block_j, 4)
-    return (128, 1, block_j, 4), (64, 1, block_j, 2)
+        return (256, block_j, 4), (128, block_j, 4)
+    return (128, block_j, 4), (64, block_j, 2)
 
 
-def blocks_of(path: str, slots: int, groups: int, out_per_group: int) -> Tuple[tuple, ...]:
-    """The block-size candidates of a path's kernels, for windows of ``slots`` samples (the columns path's
-    for its backward too), the first being ``backend="triton"``'s."""
+def blocks_of(path: str, slots: int, groups: int, out_per_group: int, backward: bool = False) -> Tuple[tuple, ...]:
+    """The block-size candidates of a path's kernels (``backward``: of its backward), for windows of
+    ``slots`` samples, the first being ``backend="triton"``'s."""
     if path == "columns":
         return column_candidates(slots)
     if path == "fused":
         return fused_candidates(slots, out_per_group)
     if path == "direct":
-        return direct_candidates(slots, groups, out_per_group)
+        return direct_candidates(slots, groups, out_per_group, backward)
     raise ValueError(f"unknown path {path!r}; accepted: {', '.join(PATHS)}")
 
 

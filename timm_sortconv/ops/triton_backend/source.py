@@ -34,6 +34,7 @@ import linecache
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..geometry import SortGeometry
+from .config import DIRECT_BLOCK_J
 
 __all__ = ["depth_first", "kernel_source", "load_kernels", "sample_taps", "swap_words", "tile_width"]
 
@@ -260,8 +261,9 @@ class _Kernel:
     def sort_segment(self, segment: Tuple[int, int], record: bool) -> None:
         """Samples of ``segment`` formed and sorted into ``s{start}..s{end-1}`` (each sample formed when
         the network first needs it); with ``record`` the swap decisions are kept in ``swaps{word}`` (one
-        bit per comparator, numbered across segments: an or and a select per comparator, and an and and a
-        compare to read it back)."""
+        bit per comparator, numbered across segments: a shift and an or per comparator, and an and and a
+        compare to read it back; a select in place of the shift made LLVM take 25-35 s on the 7x7 square
+        global network in the sm_90 compile)."""
         w = self.write
         start, end = segment
         defined: set = set()
@@ -280,7 +282,7 @@ class _Kernel:
                   f"s{b} = tl.where(swap, s{a}, s{b})",
                   f"s{a} = lo")
                 w(f"swaps{word} = swap.to(tl.int32)" if bit == 0 else
-                  f"swaps{word} = tl.where(swap, swaps{word} | {_bit(bit)}, swaps{word})")
+                  f"swaps{word} = swaps{word} | (swap.to(tl.int32) << {bit})")
             else:
                 w(f"lo = tl.minimum(s{a}, s{b}, {_NAN})",
                   f"s{b} = tl.maximum(s{a}, s{b}, {_NAN})",
@@ -441,80 +443,92 @@ def _fused_forward_kernel(geometry: SortGeometry) -> str:
     return kernel.source()
 
 
-# The direct kernels' lanes are (group, position) windows and each program keeps an accumulator tile
-# [BLOCK_J, BLOCK_G, BLOCK_P] for BLOCK_J of each group's outputs; products are plain FMAs, for groups
-# with too few input channels for a matrix instruction (depthwise convolutions, first layers). Positions
-# are the last axis, which Triton spreads over the threads: a lane's sorted values broadcast over the
-# outputs in its own thread, and reads and writes of NCHW tensors are coalesced.
-_DIRECT_ARGS = (f"groups, in_per_group, out_per_group, {_POSITION_ARGS}, sob, soc, soh, sow")
-_DIRECT_LANES = "BLOCK_G, BLOCK_P"
-_WEIGHT_TILE = "BLOCK_J, BLOCK_G"
+# The direct kernels: one group per program, its lanes (position) windows [1, BLOCK_P], and BLOCK_J of the
+# group's outputs, each with its own accumulator (acc0, acc1, ...: the source holds DIRECT_OUTPUTS of them,
+# those beyond BLOCK_J compiled out). Products are plain FMAs, for groups with too few input channels for a
+# matrix instruction (depthwise convolutions, first layers); a weight is one scalar per slot and output for
+# the whole program (scalar loads, which need no layout: the program's tensors are all [1, BLOCK_P]).
+# Positions spread over the threads, so reads and writes of NCHW tensors are coalesced.
+DIRECT_OUTPUTS = DIRECT_BLOCK_J
+_DIRECT_ARGS = (f"in_per_group, out_per_group, {_POSITION_ARGS}, sob, soc, soh, sow")
+_DIRECT_LANES = "1, BLOCK_P"
+
+
+def _each_output(kernel: _Kernel, *lines: str) -> None:
+    """``lines`` for each output ``{j}`` of the program's block (``j < BLOCK_J``, decided at compile time)."""
+    for j in range(DIRECT_OUTPUTS):
+        kernel.write(f"if BLOCK_J > {j}:", *("    " + line.format(j=j) for line in lines))
 
 
 def _direct_prologue(kernel: _Kernel) -> None:
+    """The program's group ``g``, its first output ``j0`` and whether output j exists (``out_ok{j}``), the
+    lanes and each output's offset ``out_offset`` [1, BLOCK_P] (output channel 0 of the group)."""
     w = kernel.write
     kernel.positions()
-    w("g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)",
-      "j = tl.program_id(2) * BLOCK_J + tl.arange(0, BLOCK_J)",
-      "g_ok = g < groups",
-      "lane_ok = g_ok[:, None] & p_ok[None, :]",
-      "jg_ok = (j < out_per_group)[:, None] & g_ok[None, :]",
-      "out_ok = jg_ok[:, :, None] & lane_ok[None, :, :]",
-      "out_offset = (image * sob + (l // out_w) * soh + (l % out_w) * sow)[None, None, :] "
-      "+ ((g[None, :] * out_per_group + j[:, None]).to(tl.int64) * soc)[:, :, None]",
+    w("g = tl.program_id(1)",
+      "j0 = tl.program_id(2) * BLOCK_J",
+      "lane_ok = p_ok[None, :]",
+      "out_offset = (image * sob + (l // out_w) * soh + (l % out_w) * sow)[None, :] "
+      "+ (g * out_per_group + j0).to(tl.int64) * soc",
       "slot_stride = in_per_group * out_per_group")
+    _each_output(kernel, "out_ok{j} = j0 + {j} < out_per_group")
 
 
 def _direct_channel_loop(kernel: _Kernel) -> None:
-    """The loop over each group's input channels, with the lanes' window corners (``x_offset``) and the
-    [BLOCK_J, BLOCK_G] tile of the channel's weight offsets (``w_offset``, slot 0)."""
+    """The loop over the group's input channels, with the lanes' window corners (``x_offset``) and the
+    offset of the channel's weight at slot 0 and the program's first output (``w_offset``, a scalar)."""
     w = kernel.write
     w("for c in range(0, in_per_group):")
     w.depth += 1
-    w("x_offset = pos + ((g * in_per_group + c).to(tl.int64) * sxc)[:, None]",
-      f"w_offset = (g[None, :] * ({kernel.slots} * in_per_group) + c) * out_per_group + j[:, None]",
-      "x_lane = x_ptr + x_offset",
-      "w_lane = w_ptr + w_offset")
+    w("x_offset = pos + (g * in_per_group + c).to(tl.int64) * sxc",
+      f"w_offset = ((g * {kernel.slots}) * in_per_group + c) * out_per_group + j0",
+      "x_lane = x_ptr + x_offset")
+
+
+def _load_weights(kernel: _Kernel, segment: Tuple[int, int]) -> None:
+    """``w{i}_{j}``: the weight of slot i and output j, for the segment's slots (scalar loads)."""
+    for i in range(*segment):
+        _each_output(kernel, f"w{i}_{{j}} = tl.load(w_ptr + w_offset + {i} * slot_stride + {{j}}, mask=out_ok{{j}}, "
+                     "other=0.0).to(COMPUTE)")
 
 
 def _direct_forward_kernel(geometry: SortGeometry) -> str:
-    """out[g * out_per_group + j, position] for a tile of outputs j, groups and positions; weight laid out
-    [group, slot, in_per_group, out_per_group]. Grid: (position blocks, group blocks, output blocks)."""
+    """out[g * out_per_group + j, position] for the program's outputs j and positions; weight laid out
+    [group, slot, in_per_group, out_per_group]. Grid: (position blocks, groups, output blocks)."""
     kernel = _Kernel(geometry, "direct_forward_kernel",
                      f"x_ptr, w_ptr, bias_ptr, out_ptr, {_DIRECT_ARGS}, COMPUTE: tl.constexpr, HAS_BIAS: tl.constexpr, "
-                     "BLOCK_P: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_J: tl.constexpr", _DIRECT_LANES)
+                     "BLOCK_P: tl.constexpr, BLOCK_J: tl.constexpr", _DIRECT_LANES)
     w = kernel.write
     _direct_prologue(kernel)
-    w("acc = tl.zeros([BLOCK_J, BLOCK_G, BLOCK_P], COMPUTE)")
+    _each_output(kernel, "acc{j} = tl.zeros([1, BLOCK_P], COMPUTE)")
     _direct_channel_loop(kernel)
     kernel.load_window()
     for segment in geometry.segments:
         kernel.sort_segment(segment, record=False)
-        kernel.load_slots("w", "w_lane", "slot_stride", segment, "jg_ok", _WEIGHT_TILE)
+        _load_weights(kernel, segment)
         for i in range(*segment):
-            w(f"acc += w{i}[:, :, None] * s{i}[None, :, :]")
+            _each_output(kernel, f"acc{{j}} += w{i}_{{j}} * s{i}")
     w.depth -= 1
-    w("if HAS_BIAS:",
-      "    acc += tl.load(bias_ptr + g[None, :] * out_per_group + j[:, None], mask=jg_ok, other=0.0)"
-      ".to(COMPUTE)[:, :, None]",
-      "tl.store(out_ptr + out_offset, acc.to(out_ptr.dtype.element_ty), mask=out_ok)")
+    _each_output(kernel, "if HAS_BIAS:",
+                 "    acc{j} += tl.load(bias_ptr + g * out_per_group + j0 + {j}, mask=out_ok{j}, other=0.0).to(COMPUTE)",
+                 "tl.store(out_ptr + out_offset + {j} * soc, acc{j}.to(out_ptr.dtype.element_ty), "
+                 "mask=lane_ok & out_ok{j})")
     return kernel.source()
 
 
 def _direct_backward_kernel(geometry: SortGeometry) -> str:
     """The direct kernels' backward: per channel the windows are sorted again recording the swaps; the
     weight gradient (layout of ``w``) and the input gradient (``grad_x``, the input's strides) are added
-    with atomics: per program and segment one tile of the segment's slots, and every lane's window
-    gradients as one tile."""
+    with atomics: per program a scalar per slot and output, and every lane's window gradients as one tile."""
     kernel = _Kernel(geometry, "direct_backward_kernel",
                      f"x_ptr, w_ptr, grad_out_ptr, grad_x_ptr, grad_w_ptr, {_DIRECT_ARGS}, COMPUTE: tl.constexpr, "
-                     "NEED_X: tl.constexpr, NEED_W: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_G: tl.constexpr, "
-                     "BLOCK_J: tl.constexpr", _DIRECT_LANES)
+                     "NEED_X: tl.constexpr, NEED_W: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_J: tl.constexpr",
+                     _DIRECT_LANES)
     w = kernel.write
     _direct_prologue(kernel)
-    w("grad_out = tl.load(grad_out_ptr + out_offset, mask=out_ok, other=0.0).to(COMPUTE)")
+    _each_output(kernel, "grad_out{j} = tl.load(grad_out_ptr + out_offset + {j} * soc, mask=lane_ok & out_ok{j}, "
+                 "other=0.0).to(COMPUTE)")
     _direct_channel_loop(kernel)
-    w("grad_w_lane = grad_w_ptr + w_offset")
     kernel.load_window()
     started: set = set()
     for segment in geometry.segments:
@@ -523,15 +537,16 @@ def _direct_backward_kernel(geometry: SortGeometry) -> str:
         w("if NEED_W:")
         w.depth += 1
         for i in range(start, end):
-            w(f"gw{i} = tl.sum(s{i}[None, :, :] * grad_out, axis=2)")
-        kernel.store_slots([f"gw{i}" for i in range(start, end)], f"grad_w_lane + {start} * slot_stride",
-                           "slot_stride", "jg_ok", "grad_w_ptr.dtype.element_ty", _WEIGHT_TILE, "tl.atomic_add")
+            _each_output(kernel, f"tl.atomic_add(grad_w_ptr + w_offset + {i} * slot_stride + {{j}}, "
+                         f"tl.sum(s{i} * grad_out{{j}}).to(grad_w_ptr.dtype.element_ty), mask=out_ok{{j}})")
         w.depth -= 1
         w("if NEED_X:")
         w.depth += 1
-        kernel.load_slots("w", "w_lane", "slot_stride", segment, "jg_ok", _WEIGHT_TILE)
+        _load_weights(kernel, segment)
         for i in range(start, end):
-            w(f"g{i} = tl.sum(w{i}[:, :, None] * grad_out, axis=0)")
+            w(f"g{i} = w{i}_0 * grad_out0")  # BLOCK_J >= 1
+            for j in range(1, DIRECT_OUTPUTS):
+                w(f"if BLOCK_J > {j}:", f"    g{i} += w{i}_{j} * grad_out{j}")
         kernel.unsort_segment(segment)
         kernel.window_gradients(segment, started)
         w.depth -= 1
