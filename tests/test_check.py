@@ -81,3 +81,14 @@ def test_quick_check_on_the_cpu(tmp_path):
     assert len(layers) == 6 and all(float(cell.strip()) > 0 for line in layers for cell in line.split("|")[3:7])
     step = [line for line in text.splitlines() if line.startswith("| scnn_p_rs_7 | scnn_baseline_7 | 2 |")]
     assert len(step) == 1 and text.strip().splitlines()[-1].startswith("Done in")
+
+
+def test_on_cuda_each_triton_path_is_checked_where_auto_may_take_it(monkeypatch):
+    # the case list for a GPU, built without one: the Triton backend available, bfloat16 and float16 autocast
+    monkeypatch.setattr(check, "available_backends", lambda: ["reference", "triton"])
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    cases = check.agreement_cases(torch.device("cuda"))
+    sizes = {label: {c.k for c in cases if c.label == label} for label in {c.label for c in cases}}
+    assert sizes == {"auto": {3, 5, 7}, "triton": {3, 5, 7}, "triton[columns]": {3, 5, 7}, "triton[direct]": {3},
+                     "triton[fused]": {3}}
+    assert {c.dtype for c in cases} == {"float32", "bfloat16", "float16"}

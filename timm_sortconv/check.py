@@ -14,7 +14,7 @@ It prints, and writes as markdown to ``--output``:
    computed in float64 on the same values (rounded to the autocast dtype under autocast); a case passes when
    the largest difference, relative to the reference's largest value, is within the tolerance ``auto`` checks
    its kernels with (:func:`timm_sortconv.ops.triton_backend.tuning.tolerance`). The Triton backend is checked
-   on each of its paths, as well as through its own rule.
+   through its own rule and on each of its paths, for the windows ``auto`` may give that path.
 3. **What auto decided** for those calls on CUDA: per configuration, the kernel kept, the times of those
    that agreed and the ones left out with the reason.
 4. **Speed** of SC (``backend="auto"``) against ``F.conv2d`` on the ``SortConv2d`` layers of the package's
@@ -132,12 +132,16 @@ def _backend_cases(device: torch.device) -> List[Tuple[str, Optional[str]]]:
 
 def agreement_cases(device: torch.device) -> List[Case]:
     """Every agreement check the command runs on ``device``."""
+    from .ops.triton_backend import config
+
     dtypes = ["float32"] + [str(dtype).replace("torch.", "") for dtype in _autocast_dtypes(device)]
+    # a forced Triton path only on windows auto may give its forward and backward (beyond, its kernels spill
+    # or compile slowly); the direct forward on larger windows is checked through the backend's own rule
+    largest = {None: 10 ** 9, "columns": 10 ** 9, "direct": config.DIRECT_BACKWARD_MAX_SLOTS,
+               "fused": config.FUSED_MAX_SLOTS}
     return [Case(backend, path, sampling, sorting, k, layer, dtype)
             for backend, path in _backend_cases(device) for sampling, sorting in VARIANTS for k in KERNEL_SIZES
-            for layer in LAYERS for dtype in dtypes
-            # the fused kernel takes windows of up to 9 samples (at k >= 5 it spills and auto leaves it out)
-            if not (path == "fused" and k > 3)]
+            for layer in LAYERS for dtype in dtypes if k * k <= largest[path]]
 
 
 def _inputs(case: Case, device: torch.device) -> List[torch.Tensor]:
