@@ -11,7 +11,11 @@ interpreter the backend takes CPU tensors.
 
 Every path (:mod:`timm_sortconv.ops.triton_backend.config`) is tested: the columns path on all 20 geometries
 (k = 1..9, four variants), the direct and fused kernels on every k, each path on the orbit sortings; strides, dilations and groups (1, 2,
-depthwise) rotate through them so that each value meets each path.
+depthwise) rotate through them so that each value meets each path. ``backend="auto"``'s checked and timed
+choice among the kernels runs here too (float16 CPU tensors, which only the Triton backend takes under the
+interpreter), with an injected clock: every candidate checked and the fastest kept, failing and wrong
+kernels left out, no atomics in deterministic mode, no kernel left out on tied inputs. The tuner's own
+rules are tested without kernels in tests/test_autotune.py.
 """
 import os
 import subprocess
