@@ -116,8 +116,13 @@ def rotate_each(images: torch.Tensor, angles: torch.Tensor, padding_mode: str = 
 def _rotate_each(images: torch.Tensor, angles: torch.Tensor, padding_mode: str) -> torch.Tensor:
     """:func:`rotate_each` without the argument checks (TorchScript compiles this one)."""
     compute_dtype = images.dtype if images.dtype in (torch.float32, torch.float64) else torch.float32
+    # The turn's cosine and sine in float64, except in an ONNX graph: onnxruntime before 1.24 (the newest for
+    # Python 3.10) has no float64 Cos or Sin.
+    angle_dtype = torch.float64
+    if not torch.jit.is_scripting() and torch.onnx.is_in_onnx_export():
+        angle_dtype = compute_dtype
     # on the images' device; plain arithmetic rather than torch.deg2rad, which ONNX export does not know
-    theta = angles.to(device=images.device, dtype=torch.float64) * (math.pi / 180.0)
+    theta = angles.to(device=images.device, dtype=angle_dtype) * (math.pi / 180.0)
     grid = _source_grid(images.shape[-2], images.shape[-1], torch.cos(theta), torch.sin(theta))
     out = F.grid_sample(images.to(compute_dtype), grid.to(compute_dtype), mode="bilinear",
                         padding_mode=padding_mode, align_corners=True)
