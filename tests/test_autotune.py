@@ -280,7 +280,6 @@ def tuned_backend(monkeypatch):
                                                  [Candidate("right backward", right_backward)])))
     yield counts
     backends._BACKENDS.pop("tuned-test", None)
-    backends._AUTO_FORMS.pop("tuned-test", None)
 
 
 def bf16_call(seed=0, **kwargs):
@@ -295,7 +294,7 @@ def test_auto_runs_the_backends_auto_form():
         pytest.skip("no triton package")
     from timm_sortconv.ops import triton_backend
 
-    auto = backends._AUTO_FORMS["triton"]
+    auto = backends._BACKENDS["triton"].for_auto()
     assert backends._BACKENDS["triton"].auto
     assert auto.forward is triton_backend.tuned_forward and auto.backward is triton_backend.tuned_backward
     assert backends._BACKENDS["triton"].forward is triton_backend.forward  # backend="triton": its own rule

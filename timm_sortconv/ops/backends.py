@@ -22,6 +22,7 @@ place that reads it): ``auto`` then always takes the reference path and naming a
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, replace
 from typing import Callable, Dict, List, Optional, Tuple
@@ -59,19 +60,24 @@ class Backend:
     auto_backward: Optional[BackwardKernel] = None
 
     def for_auto(self) -> "Backend":
-        """The backend as ``auto`` runs it."""
-        return _AUTO_FORMS[self.name]
+        """The backend as ``auto`` runs it: itself, or with ``auto_forward``/``auto_backward`` as its kernels."""
+        if self.auto_forward is None and self.auto_backward is None:
+            return self
+        return _auto_form(self)
+
+
+@functools.lru_cache(maxsize=None)
+def _auto_form(backend: Backend) -> Backend:
+    return replace(backend, forward=backend.auto_forward or backend.forward,
+                   backward=backend.auto_backward or backend.backward)
 
 
 _BACKENDS: Dict[str, Backend] = {}
-_AUTO_FORMS: Dict[str, Backend] = {}
 
 
 def register_backend(backend: Backend) -> None:
     """Adds a backend; ``auto`` tries fast backends in registration order."""
     _BACKENDS[backend.name] = backend
-    _AUTO_FORMS[backend.name] = replace(backend, forward=backend.auto_forward or backend.forward,
-                                        backward=backend.auto_backward or backend.backward)
 
 
 def fast_disabled() -> bool:
