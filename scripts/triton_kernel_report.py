@@ -11,9 +11,7 @@ first line of its error and makes the script exit with status 1.
 
 ``--candidates`` compiles every block-size candidate that ``backend="auto"`` times (``config.blocks_of``)
 instead of the first one alone; the column ``auto`` says whether ``auto`` runs the kernel for the geometry
-at all (``config.AUTO_MAX_KERNEL_SIZE``; the fused kernel only for windows of ``config.FUSED_MAX_SLOTS``
-samples at most, the direct kernels for windows of ``config.DIRECT_MAX_SLOTS`` and
-``config.DIRECT_BACKWARD_MAX_SLOTS``).
+and dtype at all (``config.AUTO_MAX_KERNEL_SIZE`` and ``config.window_limit``).
 
 Examples:
     python scripts/triton_kernel_report.py                                  # every kernel, k = 3, 5, 7
@@ -169,11 +167,10 @@ def main(argv=None) -> int:
                     fn = load_kernels(geometry)[kernel]
                     path = KERNEL_PATHS[kernel]
                     backward = kernel == "direct_backward_kernel"
-                    in_auto = k <= config.AUTO_MAX_KERNEL_SIZE and k * k <= {
-                        "fused": config.FUSED_MAX_SLOTS, "columns": k * k,
-                        "direct": config.DIRECT_BACKWARD_MAX_SLOTS if backward else config.DIRECT_MAX_SLOTS}[path]
                     for dtype_name in args.dtypes:
                         dtype = DTYPES[dtype_name]
+                        in_auto = k <= config.AUTO_MAX_KERNEL_SIZE and k * k <= config.window_limit(
+                            path, backward, dtype == torch.float64)
                         for out_per_group in outputs:
                             every = config.blocks_of(path, k * k, args.groups, out_per_group, backward)
                             for candidate in (every if args.candidates else every[:1]):

@@ -50,7 +50,6 @@ def broken_backend():
                              lambda: True, auto=False))
     yield
     backends._BACKENDS.pop("broken")
-    backends._AUTO_FORMS.pop("broken")
 
 
 def test_a_backend_that_disagrees_fails_the_check(broken_backend, monkeypatch, tmp_path, capsys):

@@ -469,6 +469,10 @@ def test_path_rule(monkeypatch):
     assert config.forward_paths(64, 64, 9, 1000, 132, slots=9) == ("fused", "columns")
     assert config.forward_paths(64, 64, 9, 64, 132, slots=9) == ("columns", "fused")
     assert config.forward_paths(64, 64, 24, slots=49) == ("columns",)
+    # float64: the fused kernel spills at 9 samples, the direct forward at 25
+    assert config.forward_paths(64, 64, 9, slots=9, double=True) == ("columns",)
+    assert config.forward_paths(1, 1, 9, slots=9, double=True) == ("direct", "columns")
+    assert config.forward_paths(1, 1, 16, slots=25, double=True) == ("columns",)
     monkeypatch.setenv(config.PATH_ENV, "columns")
     assert config.choose_path(1, 1, 9) == "columns"
     assert config.forward_paths(1, 1, 9) == ("columns",) and config.backward_paths(1, 1, 9, 9) == ("columns",)

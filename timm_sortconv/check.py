@@ -137,8 +137,8 @@ def agreement_cases(device: torch.device) -> List[Case]:
     dtypes = ["float32"] + [str(dtype).replace("torch.", "") for dtype in _autocast_dtypes(device)]
     # a forced Triton path only on windows auto may give its forward and backward (beyond, its kernels spill
     # or compile slowly); the direct forward on larger windows is checked through the backend's own rule
-    largest = {None: 10 ** 9, "columns": 10 ** 9, "direct": config.DIRECT_BACKWARD_MAX_SLOTS,
-               "fused": config.FUSED_MAX_SLOTS}
+    largest = {None: 10 ** 9, "columns": 10 ** 9, "direct": config.window_limit("direct", backward=True),
+               "fused": config.window_limit("fused")}
     return [Case(backend, path, sampling, sorting, k, layer, dtype)
             for backend, path in _backend_cases(device) for sampling, sorting in VARIANTS for k in KERNEL_SIZES
             for layer in LAYERS for dtype in dtypes if k * k <= largest[path]]

@@ -423,7 +423,7 @@ def forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     first block sizes (``backend="triton"``)."""
     call = _Call.of(x, weight, geometry, stride, dilation, groups, pad)
     path = config.choose_path(call.in_per_group, call.out_per_group, call.largest_segment,
-                              *_fused_occupancy(x, call), slots=call.slots)
+                              *_fused_occupancy(x, call), slots=call.slots, double=x.dtype == torch.float64)
     return _FORWARD_PATHS[path](x, weight, bias, call)
 
 
@@ -491,7 +491,7 @@ def candidates(kind: str, call: _Call, x: torch.Tensor) -> List[tuning.Candidate
         return []
     if kind == "forward":
         paths = config.forward_paths(call.in_per_group, call.out_per_group, call.largest_segment,
-                                     *_fused_occupancy(x, call), slots=call.slots)
+                                     *_fused_occupancy(x, call), slots=call.slots, double=x.dtype == torch.float64)
         table = _FORWARD_PATHS
     else:
         paths = config.backward_paths(call.in_per_group, call.out_per_group, call.largest_segment, call.slots)

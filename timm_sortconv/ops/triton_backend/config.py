@@ -36,7 +36,7 @@ import os
 from typing import Iterator, Optional, Tuple
 
 __all__ = ["PATH_ENV", "PATHS", "FORWARD_PATH", "backward_paths", "blocks_of", "choose_path", "column_candidates",
-           "column_images", "direct_candidates", "forcing", "forward_paths", "fused_candidates"]
+           "column_images", "direct_candidates", "forcing", "forward_paths", "fused_candidates", "window_limit"]
 
 PATH_ENV = "TIMM_SORTCONV_TRITON_PATH"
 PATHS = ("direct", "fused", "columns")
@@ -46,8 +46,9 @@ PATHS = ("direct", "fused", "columns")
 FORWARD_PATH = "fused"
 FUSED_MAX_SEGMENT = 9
 # The fused kernel keeps every sorted slot in tl.dot's operand layout: in the sm_90 report it compiles
-# without spills for 3x3 windows, and spills from 25 samples on (k = 5: 272-344 bytes; k = 7: 1456-2280).
-# backend="auto" does not take it beyond FUSED_MAX_SLOTS samples, orbit sortings included.
+# in 1.3-2.8 s without spills for 3x3 windows in float32, float16 and bfloat16, and spills from 25 samples
+# on (k = 5: 448-632 bytes; k = 7: 2264-2496, compiling for 18-36 s). It is not taken beyond FUSED_MAX_SLOTS
+# samples, orbit sortings included.
 FUSED_MAX_SLOTS = 9
 # The fused kernel has one program per block of positions and of outputs, each looping over all input
 # channels: with fewer than this many programs per multiprocessor (e.g. 32 images of 8x8 with 256 channels:
@@ -56,19 +57,23 @@ FUSED_MIN_PROGRAMS_PER_SM = 2
 # tl.dot needs K >= 16: groups with fewer input channels run direct when they have at most
 # DIRECT_MAX_OUT_PER_GROUP outputs (depthwise convolutions), else through the columns (cuBLAS has no such
 # bound, and few input channels make few columns). A direct program computes DIRECT_BLOCK_J of them (more:
-# several programs, each sorting the windows again): in the sm_90 report the backward spills with 4 per
-# program at k = 5 (24 bytes) and compiles for 17-38 s, with 2 it does not spill and compiles in 10-14 s.
+# several programs, each sorting the windows again): with 4 per program the forward spilled 296 bytes at
+# k = 7 and the backward 24 at k = 5 in the sm_90 report.
 DOT_MIN_CHANNELS = 16
 DIRECT_MAX_OUT_PER_GROUP = 4
 DIRECT_BLOCK_J = 2
 # A direct lane keeps its window, sorted samples and the program's weights in registers. In the sm_90
-# report the forward spills 8-296 bytes for 49 samples (k = 7), and compiles in 2 s without spills up to
-# 25; the backward, which also keeps the swaps and gradients, compiles for 5-45 s at 25 samples and spills
-# 4-16 bytes in some block sizes up to 9, none with 256 positions per program at 9 (2 s). Windows beyond
-# these sizes take the columns path (auto and backend="triton"; TIMM_SORTCONV_TRITON_PATH=direct still
-# forces the direct kernels).
+# report (BENCHMARKS.md) the forward compiles in 0.4-2.1 s without spills up to 25 samples and spills 8
+# bytes at 49 (k = 7, polar rings, one output per program); the backward, which also keeps the swaps and
+# gradients, compiles for 10-37 s at 25 samples (and spills 16 bytes with polar rings and two outputs) and
+# spills 800-900 bytes at 49; at 9 samples, with 256 positions per program, it compiles in 1.6-3.8 s
+# without spills (with 128, it spilled 4-8 bytes). Windows beyond these sizes take the columns path (auto
+# and backend="triton"; TIMM_SORTCONV_TRITON_PATH=direct still forces the direct kernels).
 DIRECT_MAX_SLOTS = 25
 DIRECT_BACKWARD_MAX_SLOTS = 9
+# float64 values take two registers each: in the sm_90 report the direct forward spills 72 bytes at 25
+# samples in float64 (none at 9), and the fused kernel 200 at 9, so float64 takes neither there.
+DIRECT_MAX_SLOTS_FLOAT64 = 9
 # Kernel sizes whose kernels backend="auto" checks and times: every candidate up to k = 7 compiles for
 # sm_90 in under 15 s of CPU time without spills; larger kernels are left to the reference path by auto
 # (backend="triton" still runs them).
@@ -112,37 +117,51 @@ def forcing(path: Optional[str]) -> Iterator[None]:
             os.environ[PATH_ENV] = saved
 
 
+def window_limit(path: str, backward: bool = False, double: bool = False) -> int:
+    """The most samples per window for which a path's kernels are taken without being forced (``backward``:
+    its backward; ``double``: float64, whose values take two registers each), 0 for none: FUSED_MAX_SLOTS,
+    DIRECT_MAX_SLOTS and DIRECT_BACKWARD_MAX_SLOTS, in float64 DIRECT_MAX_SLOTS_FLOAT64 for the direct
+    forward and no fused kernel."""
+    if path == "fused":
+        return 0 if double else FUSED_MAX_SLOTS
+    if path == "direct":
+        return DIRECT_BACKWARD_MAX_SLOTS if backward else DIRECT_MAX_SLOTS_FLOAT64 if double else DIRECT_MAX_SLOTS
+    return AUTO_MAX_KERNEL_SIZE ** 2
+
+
 def choose_path(in_per_group: int, out_per_group: int, largest_segment: int, fused_programs: int = 0,
-                multiprocessors: int = 0, slots: int = 0) -> str:
+                multiprocessors: int = 0, slots: int = 0, double: bool = False) -> str:
     """The forward path ``backend="triton"`` takes (and ``auto`` prefers). ``fused_programs``: how many
     programs the fused kernel would launch, on a GPU of ``multiprocessors`` (0: unknown, e.g. in Triton's
     interpreter, which then does not count); ``slots``: the window's samples (``k * k``; 0: the largest
-    segment's)."""
+    segment's); ``double``: float64."""
     forced = _forced_path()
     if forced:
         return forced
+    window = max(slots, largest_segment)
     if in_per_group < DOT_MIN_CHANNELS:
-        direct = out_per_group <= DIRECT_MAX_OUT_PER_GROUP and max(slots, largest_segment) <= DIRECT_MAX_SLOTS
+        direct = out_per_group <= DIRECT_MAX_OUT_PER_GROUP and window <= window_limit("direct", double=double)
         return "direct" if direct else "columns"
-    if (largest_segment > FUSED_MAX_SEGMENT or max(slots, largest_segment) > FUSED_MAX_SLOTS
+    if (largest_segment > FUSED_MAX_SEGMENT or window > window_limit("fused", double=double)
             or fused_programs < FUSED_MIN_PROGRAMS_PER_SM * multiprocessors):
         return "columns"
     return FORWARD_PATH
 
 
 def forward_paths(in_per_group: int, out_per_group: int, largest_segment: int, fused_programs: int = 0,
-                  multiprocessors: int = 0, slots: int = 0) -> Tuple[str, ...]:
+                  multiprocessors: int = 0, slots: int = 0, double: bool = False) -> Tuple[str, ...]:
     """The forward paths backend="auto" tries, :func:`choose_path`'s first: ``"direct"`` for groups with
-    fewer than DOT_MIN_CHANNELS input channels and windows of at most DIRECT_MAX_SLOTS samples, ``"fused"``
-    for groups with at least that many channels and windows of at most FUSED_MAX_SLOTS samples,
-    ``"columns"`` for any call; only the path PATH_ENV forces, if set."""
-    first = choose_path(in_per_group, out_per_group, largest_segment, fused_programs, multiprocessors, slots)
+    fewer than DOT_MIN_CHANNELS input channels, ``"fused"`` for groups with at least that many, each for
+    windows within its :func:`window_limit`; ``"columns"`` for any call; only the path PATH_ENV forces, if
+    set."""
+    first = choose_path(in_per_group, out_per_group, largest_segment, fused_programs, multiprocessors, slots,
+                        double)
     if _forced_path():
         return (first,)
     few_channels = in_per_group < DOT_MIN_CHANNELS
     window = max(slots, largest_segment)
-    eligible = {"direct": few_channels and window <= DIRECT_MAX_SLOTS,
-                "fused": not few_channels and window <= FUSED_MAX_SLOTS, "columns": True}
+    eligible = {"direct": few_channels and window <= window_limit("direct", double=double),
+                "fused": not few_channels and window <= window_limit("fused", double=double), "columns": True}
     return (first,) + tuple(path for path in PATHS if path != first and eligible[path])
 
 
@@ -151,7 +170,7 @@ def backward_paths(in_per_group: int, out_per_group: int, largest_segment: int, 
     columns path's): ``"direct"`` for groups with fewer than DOT_MIN_CHANNELS input channels and windows
     of at most DIRECT_BACKWARD_MAX_SLOTS samples, first where :func:`choose_path` takes it; ``"columns"``
     for any call. With PATH_ENV set, only the forced path's."""
-    direct = in_per_group < DOT_MIN_CHANNELS and max(slots, largest_segment) <= DIRECT_BACKWARD_MAX_SLOTS
+    direct = in_per_group < DOT_MIN_CHANNELS and max(slots, largest_segment) <= window_limit("direct", backward=True)
     if _forced_path():
         return ("direct",) if _forced_path() == "direct" else ("columns",)
     first = "direct" if direct and choose_path(in_per_group, out_per_group, largest_segment, slots=slots) == "direct" \
