@@ -119,8 +119,9 @@ def _rotate_each(images: torch.Tensor, angles: torch.Tensor, padding_mode: str) 
     # The turn's cosine and sine in float64, except in an ONNX graph: onnxruntime before 1.24 (the newest for
     # Python 3.10) has no float64 Cos or Sin.
     angle_dtype = torch.float64
-    if not torch.jit.is_scripting() and torch.onnx.is_in_onnx_export():
-        angle_dtype = compute_dtype
+    if not torch.jit.is_scripting():  # TorchScript compiles no branch under this test
+        if torch.onnx.is_in_onnx_export():
+            angle_dtype = compute_dtype
     # on the images' device; plain arithmetic rather than torch.deg2rad, which ONNX export does not know
     theta = angles.to(device=images.device, dtype=angle_dtype) * (math.pi / 180.0)
     grid = _source_grid(images.shape[-2], images.shape[-1], torch.cos(theta), torch.sin(theta))
