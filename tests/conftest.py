@@ -23,6 +23,14 @@ def load_script(path, name):
     return module
 
 
+def quick_first(values, quick=1):
+    """``parametrize`` values of which the first ``quick`` run in the quick loop (``pytest -m "not slow"``) and the
+    others carry the ``slow`` marker; a tuple value is the arguments of a multi-name ``parametrize``."""
+    return [value if index < quick else
+            pytest.param(*(value if isinstance(value, tuple) else (value,)), marks=pytest.mark.slow)
+            for index, value in enumerate(values)]
+
+
 @pytest.fixture
 def one_thread():
     """Runs a test on one intra-op thread. The operator tests use tiny tensors, for which thread start-up

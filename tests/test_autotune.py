@@ -318,6 +318,7 @@ def test_auto_through_the_operator_is_checked_and_tuned(tuned_backend):
     assert [d.chosen.name for d in tuning.TUNER.decisions()] == ["right forward", "right backward"]
 
 
+@pytest.mark.slow
 def test_auto_under_torch_compile_decides_at_run_time(tuned_backend):
     x, weight = bf16_call()
 

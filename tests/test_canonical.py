@@ -130,6 +130,7 @@ def test_canonical_images_of_all_turns_agree_up_to_the_leftover_quarter_turns(or
         assert rel.median() < 0.25 and (rel < plain).all(), (angle, rel, plain)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CANONICALIZERS))
 def test_scnn_with_canonicalize_keeps_its_parameters_and_exact_quarter_turns(name):
     torch.manual_seed(0)
@@ -162,6 +163,7 @@ def test_canonicalize_makes_the_sweep_flat_between_the_quarter_turns():
             assert errs[1] < 0.7 * errs[0], (angle, errs)
 
 
+@pytest.mark.slow
 def test_canonicalize_passes_gradients_to_the_input_and_to_the_weights():
     model = timm.create_model("scnn_p_rs_3", channels=(4, 4, 4, 4, 4, 4), canonicalize="moment2")
     x = digits(4).float().requires_grad_(True)
@@ -174,6 +176,7 @@ def test_canonicalize_passes_gradients_to_the_input_and_to_the_weights():
     assert torch.autograd.gradcheck(lambda t: rotate_each(t, -angles, "border"), (y,))
 
 
+@pytest.mark.slow
 def test_canonicalize_survives_script_trace_compile_and_export():
     torch.manual_seed(0)
     model = timm.create_model("scnn_p_rs_3", channels=(4, 4, 4, 4, 4, 4), canonicalize="moment2").eval()
@@ -224,6 +227,7 @@ def test_a_convolution_does_not_turn_its_input_and_says_where_the_turn_goes():
         SortConv2d(1, 4, 5, padding=2, canonicalize="moment2")
 
 
+@pytest.mark.slow
 def test_sortify_canonicalize_turns_the_input_in_front_of_the_model():
     """On a timm or torchvision model the turn is a module in front of the model (``model.canonicalize``, no
     parameters, applied before ``forward``), not an attribute of a convolution."""
@@ -259,6 +263,7 @@ def test_sortify_refuses_to_turn_a_model_that_turns_its_input_already():
         sortify(nn.Sequential(nn.Conv2d(1, 4, 3, padding=1)), canonicalize="moment3")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["ri_resnet18", "ri_vgg16", "ri_densenet40"])
 def test_every_model_takes_canonicalize_and_applies_it_in_forward_features_and_intermediates(name):
     torch.manual_seed(0)
@@ -274,6 +279,7 @@ def test_every_model_takes_canonicalize_and_applies_it_in_forward_features_and_i
         assert torch.allclose(last, plain.forward_intermediates(turned_x, intermediates_only=True)[-1], atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, size", [("scnn_p_rs_3", 28), ("ri_resnet18", 32)])
 def test_features_only_models_canonicalize_first(name, size):
     torch.manual_seed(0)

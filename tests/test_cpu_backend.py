@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import load_script
+from conftest import load_script, quick_first
 from timm_sortconv import SortConv2d, sort_conv2d
 from timm_sortconv.ops import cpu_backend
 from timm_sortconv.ops.backends import DISABLE_ENV, fast_disabled, resolve_backend
@@ -54,7 +54,8 @@ def extension():
     return ext
 
 
-@pytest.fixture(params=cpu_backend.runnable_isa_levels())
+# The highest level in the quick loop, every level in the full suite.
+@pytest.fixture(params=quick_first(cpu_backend.runnable_isa_levels()))
 def isa(request, monkeypatch):
     """Runs a test on the kernel built for each instruction-set level this CPU can run (the package's
     choice follows TIMM_SORTCONV_CPU_ISA); a level that fails to build fails the test."""
@@ -127,8 +128,8 @@ def assert_agree(x, weight, bias, min_comparable=0.7, **kwargs):
         torch.testing.assert_close(a, b, **TOLERANCE[x.dtype], msg=lambda m: f"{name} ({kwargs}): {m}")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
-@pytest.mark.parametrize("k", [1, 3, 5, 7])
+@pytest.mark.parametrize("dtype", quick_first([torch.float32, torch.float64]), ids=["float32", "float64"])
+@pytest.mark.parametrize("k", quick_first([3, 1, 5, 7]))
 @pytest.mark.parametrize("sampling,sorting", VARIANTS, ids=VARIANT_IDS)
 def test_agrees_with_reference(sampling, sorting, k, dtype, threads, isa):
     threads(1)
@@ -142,8 +143,8 @@ def test_agrees_with_reference(sampling, sorting, k, dtype, threads, isa):
                      padding_mode=padding_mode, sampling=sampling, sorting=sorting)
 
 
-@pytest.mark.parametrize("width", [3, 5, 8, 14, 16, 17, 28, 33])
-@pytest.mark.parametrize("sampling,sorting", VARIANTS, ids=VARIANT_IDS)
+@pytest.mark.parametrize("width", quick_first([17, 3, 5, 8, 14, 16, 28, 33]))
+@pytest.mark.parametrize("sampling,sorting", quick_first(VARIANTS, 2), ids=VARIANT_IDS)
 def test_agrees_with_reference_for_every_row_width(sampling, sorting, width, threads, isa):
     """The forward pass of square sampling in float32 with unit stride reads each vector of lanes (16 with
     AVX-512, 8 with AVX2) straight from the input when it holds at most two row pieces, and stages it
@@ -163,6 +164,7 @@ def test_compiled_polar_tap_positions_match_the_geometry():
     assert header.read_text() == cpu_backend.polar_tap_header()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [9, 11])
 @pytest.mark.parametrize("sampling,sorting", VARIANTS, ids=VARIANT_IDS)
 def test_agrees_with_reference_large_kernels(sampling, sorting, k, threads, isa):
@@ -176,6 +178,7 @@ def test_agrees_with_reference_large_kernels(sampling, sorting, k, threads, isa)
         assert_agree(x, weight, bias, min_comparable=0.3, padding=k // 2, sampling=sampling, sorting=sorting)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size,k,stride", [(1, 3, 1), (2, 3, 1), (5, 5, 2), (6, 7, 1)])
 @pytest.mark.parametrize("sampling,sorting", VARIANTS, ids=VARIANT_IDS)
 def test_agrees_with_reference_when_blocks_span_images(sampling, sorting, size, k, stride, threads, isa):
@@ -193,6 +196,7 @@ def test_agrees_with_reference_when_blocks_span_images(sampling, sorting, size, 
                      sampling=sampling, sorting=sorting)
 
 
+@pytest.mark.slow
 def test_agrees_with_reference_on_images_read_in_place(threads, isa):
     """Unpadded images over kMaxCopiedImage (4 MiB) are read, and their gradient written, in place rather than
     through a per-thread copy (padded ones are always copied: the copy adds the zeros)."""
@@ -202,6 +206,7 @@ def test_agrees_with_reference_on_images_read_in_place(threads, isa):
     assert_agree(x, weight, bias, padding=0, sampling="square", sorting="global")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch", [1, 2, 3])
 def test_agrees_with_reference_on_two_threads(batch, threads, isa):
     """Two threads: with fewer images than threads they share blocks and keep private input gradients;
@@ -220,6 +225,7 @@ def test_padding_same_and_no_bias(threads, isa):
     torch.testing.assert_close(fast, sort_conv2d(x, weight, None, padding="same", backend="reference"))
 
 
+@pytest.mark.slow
 def test_gradcheck(threads, isa):
     threads(1)
     for sampling, sorting in (("polar", "ring"), ("square", "global")):
@@ -411,6 +417,7 @@ print(kernel.module.answer(), kernel.module.__file__)
 """
 
 
+@pytest.mark.slow
 def test_two_checkouts_share_or_keep_their_cache_entries(tmp_path, monkeypatch):
     """Identical sources in two folders are one cache entry, built once and reused by other processes;
     different sources are another entry, and building one never rebuilds the other (each entry compiles

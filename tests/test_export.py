@@ -35,6 +35,7 @@ def inputs():
     return torch.randn(2, 2, 12, 12, generator=generator), torch.randn(3, 2, 16, 18, generator=generator)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling,sorting", VARIANTS, ids=VARIANT_IDS)
 def test_jit_trace_matches_eager(sampling, sorting):
     model = small_model(sampling, sorting)
@@ -51,6 +52,7 @@ def test_jit_trace_matches_eager(sampling, sorting):
 # backend="aot_eager" (dynamo + AOTAutograd, no code generation): compiling this model with the default
 # "inductor" took 46 s on the 2-core development machine under load, against 4 s for aot_eager, too much
 # for the test budget. Measured with `torch.compile(model)(x)` from a fresh process.
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling,sorting", [("polar", "ring"), ("square", "global")], ids=["polar-ring",
                                                                                              "square-global"])
 def test_torch_compile_matches_eager_forward_and_backward(sampling, sorting):
@@ -68,6 +70,7 @@ def test_torch_compile_matches_eager_forward_and_backward(sampling, sorting):
         torch.testing.assert_close(p.grad, grad, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_compiled_graph_does_not_rebuild_the_sampling_tables(monkeypatch):
     """Compiling a call whose geometry is not cached yet records the tables as a few constants, not the
     loops that build them (one graph op per table entry made inductor take minutes on a tiny model)."""
@@ -89,6 +92,7 @@ def test_compiled_graph_does_not_rebuild_the_sampling_tables(monkeypatch):
     assert not [op for op in ops if "setitem" in op or "iadd" in op or "zeros" in op]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling,sorting", VARIANTS, ids=VARIANT_IDS)
 def test_onnx_export_runs_in_onnxruntime(sampling, sorting):
     onnxruntime = pytest.importorskip("onnxruntime")
@@ -106,6 +110,7 @@ def test_onnx_export_runs_in_onnxruntime(sampling, sorting):
             torch.testing.assert_close(torch.from_numpy(out), model(x), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_onnx_export_of_a_canonicalizing_model_runs_in_onnxruntime():
     """The canonical turn in front of the model (the moment angle and the per-image turn) exports as standard
     ONNX operators."""

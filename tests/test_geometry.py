@@ -167,6 +167,7 @@ def apply_network(values, comparators):
     return values
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size", range(1, 17))
 def test_batcher_network_sorts_every_zero_one_input(size):
     """0-1 principle: a comparator network sorts everything iff it sorts all 2^size 0-1 vectors."""

@@ -29,6 +29,7 @@ def assert_equivariant(layer, x):
 CONV_CASES = list(itertools.product((1, 2, 3, 4), (2, 3, 4), (0, 1, 2), (1, 2)))  # kernel, stride, padding, dilation
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel, stride, padding, dilation", CONV_CASES)
 def test_centred_convolution_keeps_the_size_and_turns_with_the_input(kernel, stride, padding, dilation):
     torch.manual_seed(0)

@@ -60,6 +60,7 @@ def dry_run(trained, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_dry_run_writes_timm_hub_folder(dry_run, trained):
     assert sorted(p.name for p in dry_run.iterdir()) == ["README.md", "config.json", "model.safetensors"]
     config = json.loads((dry_run / "config.json").read_text())
@@ -69,12 +70,14 @@ def test_dry_run_writes_timm_hub_folder(dry_run, trained):
     assert (dry_run / "README.md").read_text() == trained[2].read_text()
 
 
+@pytest.mark.slow
 def test_local_dir_loads_same_logits(dry_run, trained):
     model = timm.create_model(f"local-dir:{dry_run}", pretrained=True)
     torch.testing.assert_close(_logits(model), _logits(trained[0]), rtol=0, atol=0)
     torch.testing.assert_close(_logits(load_pretrained(dry_run)), _logits(trained[0]), rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_hf_hub_loads_offline_from_filled_cache(dry_run, trained, tmp_path):
     cache = tmp_path / "hf_cache"
     fill_hf_cache(dry_run, "timm-sortconv-test/scnn_p_rs_3.mnist", cache)
@@ -157,6 +160,7 @@ def bundle_dir(tmp_path):
     (folder / f"{MODEL}.safetensors").unlink(missing_ok=True)
 
 
+@pytest.mark.slow
 def test_bundled_weights_load_with_pretrained_offline(trained, bundle_dir, tmp_path):
     _, checkpoint, card = trained
     push = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "push_to_hub.py"), "--model", MODEL,
@@ -189,6 +193,7 @@ def test_the_headline_weights_ship_in_the_package():
     assert {"scnn_p_rs_7", "scnn_baseline_7"} <= set(SHIPPED)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_weights_declare_their_hub_repo_and_load_offline(name):
     from safetensors.torch import load_file
@@ -223,6 +228,7 @@ def _row(model, **extra):
     return row
 
 
+@pytest.mark.slow
 def test_model_cards_say_what_was_measured(tmp_path):
     rows = []
     repeating = [90.0 + i / 10 for i in range(9)] * 4
@@ -274,6 +280,7 @@ def _sample_accuracy():
     return accuracy
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["scnn_p_rs_7_canon", "scnn_p_c2_7_canon"])
 def test_shipped_canonical_models_are_flat_between_the_quarter_turns(name):
     """On the sample's 500 test digits, each bundled canonical model is as accurate at 30 and 45 degrees as
@@ -289,6 +296,7 @@ def test_shipped_canonical_models_are_flat_between_the_quarter_turns(name):
     assert accuracy(plain, 0.0) - accuracy(plain, 45.0) > 2 * max(max(drops), 1.0)
 
 
+@pytest.mark.slow
 def test_shipped_c2_model_keeps_more_than_ring_sorting():
     """Half-turn orbit sorting keeps the direction the canonical turn fixes: the bundled ``scnn_p_c2_7_canon``
     is more accurate than ``scnn_p_rs_7_canon`` on the sample's digits, upright and at 45 degrees."""
@@ -299,6 +307,7 @@ def test_shipped_c2_model_keeps_more_than_ring_sorting():
         assert accuracy(c2, angle) > accuracy(ring, angle), angle
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model,sorting", [("scnn_p_rs_7_canon", "ring sorting (each ring's values sorted"),
                                            ("scnn_p_c2_7_canon", "half-turn orbit sorting (`sorting='c2'`")])
 def test_model_cards_of_the_canonical_models_say_so(tmp_path, model, sorting):
@@ -314,6 +323,7 @@ def test_model_cards_of_the_canonical_models_say_so(tmp_path, model, sorting):
     assert "| the paper (scnn_p_rs_7, 100 epochs) |" in card and "| MNIST-rot | 91.23% | 95.05% |" in card
 
 
+@pytest.mark.slow
 def test_card_of_weights_trained_on_from_the_bundled_ones_gives_both_stages(tmp_path):
     """A row trained with ``--pretrained`` started from the model's bundled weights: its card names the row
     that trained those (the JSON named after the model beside it), both schedules and both commands."""

@@ -154,6 +154,7 @@ def _load(repo: str, root: Path, endpoint: str, out: Path):
     return out
 
 
+@pytest.mark.slow
 def test_weights_download_over_http_then_load_from_the_cache_with_the_server_stopped(served):
     mirror, root, commits = served
     snapshots = root / "hf_cache" / ("models--" + GOOD.replace("/", "--")) / "snapshots"
@@ -173,6 +174,7 @@ def test_weights_download_over_http_then_load_from_the_cache_with_the_server_sto
     assert torch.equal(second["downloaded"], first["bundled"])
 
 
+@pytest.mark.slow
 def test_a_corrupted_file_on_the_server_is_refused_as_a_local_one(served, tmp_path):
     mirror, root, commits = served
     mirror.start()  # (again, where the test before stopped it)
@@ -189,6 +191,7 @@ def test_a_corrupted_file_on_the_server_is_refused_as_a_local_one(served, tmp_pa
     assert error.replace(str(snapshot), "FOLDER") == str(caught.value).replace(str(local), "FOLDER")
 
 
+@pytest.mark.slow
 def test_a_repository_the_server_lacks_is_named(served):
     mirror, root, _ = served
     mirror.start()

@@ -191,6 +191,7 @@ def test_command_line_quarter_turn_table(capsys):
         main(["--quarter-turn", "0"])
 
 
+@pytest.mark.slow
 def test_sweep_plot_labels_both_panels_and_its_legends_cover_no_curve():
     """Each panel has a title and a legend naming every curve, drawn outside the panel: no legend can hide
     a point of a curve, however low."""

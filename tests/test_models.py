@@ -13,7 +13,7 @@ from timm_sortconv import SortConv2d, quarter_turn_check
 from timm_sortconv.grid import CentredAvgPool2d, CentredConv2d, CentredMaxPool2d
 from timm_sortconv.hub import bundled_weights_dir
 from timm_sortconv.models.scnn import SCNN
-from conftest import randomise_batchnorm
+from conftest import quick_first, randomise_batchnorm
 
 SCNNS = [f"scnn_{v}_{k}" for v in ("s_gs", "s_rs", "p_gs", "p_rs") for k in (3, 5, 7)]
 SCNN_BASELINES = [f"scnn_baseline_{k}" for k in (3, 5, 7)]
@@ -56,6 +56,7 @@ def test_registry_holds_every_entrypoint():
     assert sorted(timm.list_models("ri_*")) == sorted(RI + RI_BASELINES)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SCNNS + SCNN_BASELINES)
 def test_scnn_trains_at_its_input_size_with_any_classes_and_channels(name):
     model = timm.create_model(name, num_classes=7, in_chans=2)
@@ -69,6 +70,7 @@ def test_scnn_trains_at_its_input_size_with_any_classes_and_channels(name):
 
 # Full 128x128 training steps of RI-VGG16 and RI-ResNet18 take seconds each with the reference
 # operator; they run at 32x32, which goes through every layer the same way.
+@pytest.mark.slow
 @pytest.mark.parametrize("name, size", [("ri_densenet40", 128), ("ri_densenet40_baseline", 128), ("ri_vgg16", 32),
                                         ("ri_vgg16_baseline", 32), ("ri_resnet18", 32), ("ri_resnet18_baseline", 32)])
 def test_ri_models_train_with_any_classes_and_channels(name, size):
@@ -81,6 +83,7 @@ def test_ri_models_train_with_any_classes_and_channels(name, size):
         assert p.grad is not None and torch.isfinite(p.grad).all(), pname
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SCNNS)
 def test_scnn_logits_are_exactly_invariant_to_quarter_turns(name):
     torch.manual_seed(0)
@@ -119,7 +122,8 @@ def _exact_at(name, sizes, **kwargs):
         assert check.error < 1e-10, f"{name} at {size}: {check}"
 
 
-@pytest.mark.parametrize("name", SC_ENTRYPOINTS)
+@pytest.mark.parametrize("name", quick_first(["scnn_p_rs_7", "scnn_p_c2_7_canon"] + [
+    name for name in SC_ENTRYPOINTS if name not in ("scnn_p_rs_7", "scnn_p_c2_7_canon")], 2))
 def test_every_sc_entrypoint_is_exact_at_its_default_size_and_three_others(name):
     """The registered networks as they are (their widths, their default input size from ``pretrained_cfg``);
     the 128x128 ones at their default size only here, their other sizes below (slow)."""
@@ -133,6 +137,7 @@ def test_every_ri_entrypoint_is_exact_at_three_other_sizes(name):
     _exact_at(name, OTHER_SIZES[128])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["ri_resnet18", "ri_densenet40"])
 @pytest.mark.parametrize("size", [33, 40, 47, 64])
 def test_narrow_ri_networks_are_exact_at_sizes_of_both_parities(name, size):
@@ -143,6 +148,7 @@ def test_narrow_ri_networks_are_exact_at_sizes_of_both_parities(name, size):
     _exact_at(name, (size,), num_classes=3, **widths)
 
 
+@pytest.mark.slow
 def test_the_paper_grid_is_an_option_and_differs_only_where_the_size_needs_it():
     """``stride_align="corner"`` builds the paper's network (plain pooling and shortcut classes) with the same
     ``state_dict`` keys; at 28x28, where every grid is centred anyway, the two compute the same logits."""
@@ -163,6 +169,7 @@ def test_the_paper_grid_is_an_option_and_differs_only_where_the_size_needs_it():
         timm.create_model("ri_vgg16", stride_align="middle")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, size", list(FAMILIES.items()))
 def test_sc_models_are_invariant_to_quarter_turns_and_their_baselines_are_not(name, size):
     torch.manual_seed(0)
@@ -176,6 +183,7 @@ def test_sc_models_are_invariant_to_quarter_turns_and_their_baselines_are_not(na
     assert errors[_baseline(name)] > 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SCNNS + RI)
 def test_sc_models_sort_every_spatial_convolution_and_match_their_baseline(name):
     model, baseline = timm.create_model(name), timm.create_model(_baseline(name))
@@ -214,6 +222,7 @@ def test_variant_keywords():
         timm.create_model("ri_densenet40", sampling="hexagonal")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ALL)
 def test_builds_with_timm_train_py_arguments_and_describes_itself(name):
     # timm's train.py calls create_model with these; the None values are dropped by timm.
@@ -241,6 +250,7 @@ def test_builds_with_timm_train_py_arguments_and_describes_itself(name):
     assert classifier is model.get_classifier() and classifier.out_features == cfg["num_classes"] == model.num_classes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", RI + RI_BASELINES)
 def test_outex_tag_sets_channels_and_classes(name):
     outex = timm.create_model(f"{name}.outex")
@@ -254,6 +264,7 @@ def test_stochastic_depth_and_drop_block_in_ri_resnet18():
     assert sum(isinstance(m, DropBlock2d) for m in model.modules()) == 4  # stages 3 and 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(FAMILIES) + [_baseline(n) for n in FAMILIES])
 def test_head_api(name):
     size = _small_size(name)
@@ -277,7 +288,7 @@ def test_head_api(name):
         assert model.pretrained_cfg["classifier"] + ".weight" in groups[-1]
 
 
-@pytest.mark.parametrize("name", list(FAMILIES) + [_baseline(n) for n in FAMILIES])
+@pytest.mark.parametrize("name", quick_first(list(FAMILIES) + [_baseline(n) for n in FAMILIES]))
 def test_features_only_and_forward_intermediates(name):
     size = _small_size(name)
     torch.manual_seed(0)
@@ -304,6 +315,7 @@ def test_features_only_and_forward_intermediates(name):
     assert last_two.feature_info.channels() == [f["num_chs"] for f in info[-2:]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["scnn_p_rs_3", "ri_vgg16_baseline", "ri_resnet18_baseline", "ri_densenet40"])
 def test_gradient_checkpointing_gives_the_same_gradients(name):
     size = _small_size(name)
@@ -318,6 +330,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(name):
     assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(*grads))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["scnn_p_rs_3", "ri_resnet18"])
 def test_traces(name):
     model = timm.create_model(name, in_chans=1).eval()

@@ -49,6 +49,7 @@ def count_calls(monkeypatch):
     return install
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend,dtype", [("reference", torch.float64), ("cpu", torch.float32)])
 def test_opcheck(backend, dtype):
     """torch.library's own checks: schema, fake (meta) kernel against the real one, autograd registration,
@@ -63,6 +64,7 @@ def test_opcheck(backend, dtype):
         torch.library.opcheck(sort_conv2d_op, args)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
 @pytest.mark.parametrize("sampling,sorting", VARIANTS, ids=VARIANT_IDS)
 def test_double_backward(sampling, sorting, backend):
@@ -109,6 +111,7 @@ def small_model(backend="auto"):
     )
 
 
+@pytest.mark.slow
 def test_compile_runs_the_fast_kernel_without_graph_breaks_or_recompiling(count_calls):
     """fullgraph=True (no graph break), dynamic shapes (one graph for every batch size), and the CPU kernel
     called at run time, forward and backward."""
@@ -127,6 +130,7 @@ def test_compile_runs_the_fast_kernel_without_graph_breaks_or_recompiling(count_
     assert counts["forward"] >= 2 * 3 * 2 and counts["backward"] >= 2 * 3
 
 
+@pytest.mark.slow
 def test_inductor_keeps_the_operator(count_calls):
     """Inductor compiles around the operator and calls the kernel; it does not decompose it."""
     backend = fast_backend()
@@ -160,6 +164,7 @@ def test_torchscript_script_and_trace_call_the_operator(layer):
     torch.testing.assert_close(scripted(odd), layer(odd))
 
 
+@pytest.mark.slow
 def test_export_keeps_the_operator():
     model = small_model().eval()
     x = randn(2, 2, 12, 12, dtype=torch.float32)
@@ -186,6 +191,7 @@ def test_autocast_on_the_cpu_computes_in_float32_with_the_kernel(count_calls):
     assert counts["backward"] == 1 and x.grad is not None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["scnn_p_rs_3", "ri_resnet18", "ri_vgg16", "ri_densenet40"])
 def test_create_model_passes_the_backend_to_every_layer(name):
     model = timm.create_model(name, backend="reference")
@@ -195,6 +201,7 @@ def test_create_model_passes_the_backend_to_every_layer(name):
         timm.create_model(name, backend="fastest")
 
 
+@pytest.mark.slow
 def test_sortify_passes_the_backend_to_every_layer():
     model = sortify(timm.create_model("resnet18"), backend="reference")
     layers = [m for m in model.modules() if isinstance(m, SortConv2d)]

@@ -127,6 +127,7 @@ def test_c4_sorts_less_than_ring_sorting():
     assert [per_slot[s] for s in range(9)] == [4, 1, 3, 5, 7, 0, 2, 6, 8]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sorting", ["c4", "c2"])
 def test_gradcheck_reference(sorting):
     x = randn(1, 2, 6, 6).requires_grad_()
@@ -214,6 +215,7 @@ def test_layer_models_and_sortify_take_the_orbit_sortings():
         SortConv2d(3, 5, 5, sorting="c3")
 
 
+@pytest.mark.slow
 def test_onnx_export_runs_the_orbit_sorting():
     ort = pytest.importorskip("onnxruntime")
     pytest.importorskip("onnx")

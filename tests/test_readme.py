@@ -46,6 +46,7 @@ def test_readme_has_the_two_commands_first():
     assert f"bash scripts/bootstrap.sh && {PYTHON} -m pytest -q" in ci  # CI runs the README's test command
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(PYTHON_BLOCKS)))
 def test_python_block_runs(index, tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONWARNINGS="error::DeprecationWarning:timm_sortconv")

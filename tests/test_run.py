@@ -22,6 +22,7 @@ def launch(*args, cwd=None, timeout=600):
                           text=True, timeout=timeout, cwd=cwd)
 
 
+@pytest.mark.slow
 def test_the_script_sees_the_models_its_arguments_and_its_folder(tmp_path):
     (tmp_path / "helper.py").write_text("VALUE = 'from the script folder'\n")
     script = tmp_path / "script.py"
@@ -37,6 +38,7 @@ def test_the_script_sees_the_models_its_arguments_and_its_folder(tmp_path):
     assert launch(script, "3").returncode == 3  # the script's exit status is the launcher's
 
 
+@pytest.mark.slow
 def test_usage_and_a_missing_script():
     assert "usage: python -m timm_sortconv.run SCRIPT" in launch().stdout
     result = launch("no/such/train.py")
@@ -74,3 +76,23 @@ def test_timms_scripts_run_our_models(script, image_folder, tmp_path):
         assert '"infer_samples_per_sec"' in log and '"train_samples_per_sec"' in log and '"error"' not in log
     else:
         assert (tmp_path / "run" / "model_best.pth.tar").is_file()
+
+
+def test_the_launcher_runs_a_script_as_main_in_process(tmp_path, monkeypatch, capsys):
+    """The launcher's own logic, without a subprocess: usage, a missing script, and a script run as ``__main__``
+    with its command line and its folder first on the path."""
+    from timm_sortconv import run
+
+    script = tmp_path / "tool.py"
+    script.write_text("import sys, timm\nprint(__name__, sys.argv[1:], sys.path[0] == sys.argv[0].rsplit('/', 1)[0], "
+                      "'scnn_p_rs_3' in timm.list_models('scnn_*'))\n")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    run.main([str(script), "--x", "1"])
+    assert capsys.readouterr().out.strip() == "__main__ ['--x', '1'] True True"
+    with pytest.raises(SystemExit) as exit_info:
+        run.main([])
+    assert exit_info.value.code == 2 and "usage: python -m timm_sortconv.run" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        run.main([str(tmp_path / "missing.py")])
+    assert exit_info.value.code == 2 and "missing.py is not a file" in capsys.readouterr().err

@@ -78,6 +78,7 @@ def test_offset_operator_is_exactly_equivariant_to_quarter_turns_on_every_backen
 @pytest.mark.skipif(not FAST, reason="no fast backend in this process")
 @pytest.mark.parametrize("k", (3, 5, 7))
 @pytest.mark.parametrize("sorting", SORTINGS)
+@pytest.mark.slow
 @pytest.mark.parametrize("config", [dict(), dict(stride=2), dict(dilation=2), dict(groups=2),
                                     dict(padding_mode="reflect")])
 def test_offset_fast_backends_agree_with_the_reference_in_value_and_gradient(k, sorting, config):
@@ -98,6 +99,7 @@ def test_offset_fast_backends_agree_with_the_reference_in_value_and_gradient(k, 
             assert (a - b).abs().max() < 1e-10
 
 
+@pytest.mark.slow
 def test_offset_gradcheck():
     x = randn(1, 2, 5, 5, seed=1).requires_grad_()
     weight = randn(2, 2, 3, 3, seed=2).requires_grad_()
@@ -148,6 +150,7 @@ def test_bad_downsample_and_blur_pool_mode():
         BlurPool2d("min")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kwargs", [dict(blur_sigma=0.7), dict(downsample="blur-max"), dict(downsample="blur-avg"),
                                     dict(blur_sigma=(0.7, 0, 0, 0, 0, 0)), dict(padding_mode="replicate")])
 def test_scnn_options_keep_parameters_and_exact_quarter_turn_invariance(kwargs):

@@ -24,6 +24,7 @@ def our_models():
     return sorted(name for module in OUR_MODULES for name in timm.list_models(module=module))
 
 
+@pytest.mark.slow
 def test_every_entrypoint_passes_timms_model_tests():
     if not TIMM_TESTS.is_file():
         pytest.skip(f"timm's tests are not at {TIMM_TESTS}: scripts/bootstrap.sh unpacks them from timm's sdist")

@@ -89,6 +89,7 @@ def assert_same_training(run_dir, reference_dir):
             assert torch.equal(torch.as_tensor(ours_state[name]), torch.as_tensor(value)), name
 
 
+@pytest.mark.slow
 def test_train_writes_summary_args_and_checkpoints(straight_run):
     run_dir = straight_run
     with open(run_dir / "summary.csv") as f:
@@ -106,6 +107,7 @@ def test_train_writes_summary_args_and_checkpoints(straight_run):
     model.load_state_dict(last["state_dict"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_resume_after_an_epoch_matches_the_straight_run(train, straight_run, data_dir, output, caplog, schedule):
     reference = straight_run
@@ -125,6 +127,7 @@ def test_resume_after_an_epoch_matches_the_straight_run(train, straight_run, dat
     assert rates[1] < rates[0]
 
 
+@pytest.mark.slow
 def test_killed_mid_epoch_resumes_to_the_same_result(train, straight_run, data_dir, output, caplog):
     command = [sys.executable, str(TRAIN), *train_args(data_dir, output, "killed", 2)]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
@@ -139,6 +142,7 @@ def test_killed_mid_epoch_resumes_to_the_same_result(train, straight_run, data_d
     assert_same_training(output / "killed", straight_run)
 
 
+@pytest.mark.slow
 def test_bfloat16_autocast_and_channels_last_train_like_float32(train, straight_run, data_dir, output):
     train.main(train_args(data_dir, output, "amp", 1) + ["--amp", "--amp-dtype", "bfloat16", "--channels-last"])
 
@@ -161,6 +165,7 @@ def ddp_run(data_dir, output):
     return output / "ddp", log
 
 
+@pytest.mark.slow
 def test_torchrun_two_cpu_processes_with_gloo(ddp_run):
     run_dir, log = ddp_run
     assert "process 0 of 2" in log and "process 1 of 2" in log
@@ -170,6 +175,7 @@ def test_torchrun_two_cpu_processes_with_gloo(ddp_run):
     assert (run_dir / "last.pth.tar").is_file() and (run_dir / "args.yaml").is_file()
 
 
+@pytest.mark.slow
 def test_validate_sweep_writes_csv_and_plot(validate, ddp_run, data_dir, tmp_path, capsys, caplog):
     run_dir, _ = ddp_run
     results_csv, plot = tmp_path / "sweep.csv", tmp_path / "sweep.png"
@@ -223,6 +229,7 @@ def test_validate_sweep_writes_csv_and_plot(validate, ddp_run, data_dir, tmp_pat
                                     channels=1).round_trip
 
 
+@pytest.mark.slow
 def test_validate_loads_a_local_dir_model(validate, ddp_run, data_dir, tmp_path):
     from timm.models import save_for_hf
 
@@ -282,6 +289,7 @@ def test_models_take_the_arguments_timm_train_py_passes(name, in_chans, num_clas
     assert first_conv.in_channels == in_chans and model.num_classes == num_classes
 
 
+@pytest.mark.slow
 def test_mnist_results_rows_train_measure_compare_and_tabulate(data_dir, tmp_path, capsys):
     results = results_tool
     common = [str(a) for a in ("--data-dir", data_dir, "--runs", tmp_path / "runs", "--results", tmp_path / "res",
@@ -334,6 +342,7 @@ def test_mnist_results_rows_train_measure_compare_and_tabulate(data_dir, tmp_pat
     assert f"{base['mnist_rot_top1']:.2f}%" in lines[2]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tool", ["train.py", "validate.py"])
 def test_a_folder_of_mnist_files_without_dataset_names_the_option_in_one_line(tool, tmp_path):
     """The bundled sample (IDX files) given as an image folder: one line naming --dataset sortconv/mnist, no

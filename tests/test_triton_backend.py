@@ -45,6 +45,7 @@ kernel_test = pytest.mark.skipif(not (INTERPRETED or NATIVE),
                                  reason="runs in test_kernels_in_the_interpreter's subprocess (no CUDA device here)")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(INTERPRETED or NATIVE, reason="the kernel tests run in this process")
 def test_kernels_in_the_interpreter():
     # There every test runs but this one and those that need CUDA or Triton's compiler (run here).
@@ -560,6 +561,7 @@ def ptxas_available() -> bool:
         return False
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(INTERPRETED or not ptxas_available(), reason="compiles with Triton's NVIDIA backend (ptxas)")
 def test_kernels_compile_for_sm90(tmp_path):
     # The generated source through Triton's real compiler (the interpreter runs it as Python), for an H100,

@@ -39,6 +39,7 @@ def test_summary_counts_an_images_angles_as_one_sample(ablation):
     assert s["dip_se"] == pytest.approx(100 * torch.tensor([0.0, 1, 1, 1]).std().item() / 2)
 
 
+@pytest.mark.slow
 def test_a_row_trains_sweeps_records_and_is_not_rerun(ablation, tmp_path, capsys):
     data = tmp_path / "mnist"
     make_mnist(data, num_train=10020, num_test=16)  # the train split holds 10,000 images out for validation
@@ -78,6 +79,7 @@ def test_bad_canvas_is_refused(ablation, capsys):
     assert "--canvas must be an even size >= 28" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_train_rotation_rotates_the_batches_and_only_then(ablation):
     """``--train-rotation``: 0 trains on the images as they are; a range of (practically) zero degrees
     gives the same images back (rotation, rounding and clamping keep an 8-bit image), hence the same
@@ -111,6 +113,7 @@ def test_the_tool_starts_through_the_cli_runner(ablation):
     assert ablation.run is cli.run
 
 
+@pytest.mark.slow
 def test_a_table_piped_into_head_stops_without_a_traceback(tmp_path):
     """``scripts/research/ablation.py --table | head -2``: the runner ends quietly when its reader goes away."""
     import subprocess
@@ -128,6 +131,7 @@ def test_a_table_piped_into_head_stops_without_a_traceback(tmp_path):
     assert done.stdout.count("\n") == 2 and "Traceback" not in done.stderr
 
 
+@pytest.mark.slow
 def test_dip_probe_on_a_small_test_split_with_typed_model_kwargs(tmp_path):
     """dip_probe takes the ablation's sweep slice (also when the split holds fewer than 2,000 images) and
     parses ``--model-kwargs`` values as Python literals (``blur_sigma=0.5`` is a float, not a string)."""
@@ -169,6 +173,7 @@ def test_paired_table_columns_are_the_mean_difference_over_common_seeds(ablation
         ablation.main(["--table", "--results", str(tmp_path), "--paired", "missing"])
 
 
+@pytest.mark.slow
 def test_moment_probe_reads_the_turn_of_each_digit(tmp_path):
     """dip_probe --moments on the shipped sample's real test digits: the moment angle of a turned digit
     exceeds the upright one's by the turn, to within a degree for orders 2 and 4."""
@@ -204,6 +209,7 @@ def test_key_values_are_python_literals_where_they_parse():
         a=0.5, b=(1, 2), c="polar", d=None, e="x=y")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pool", ["max", "key"])
 @pytest.mark.parametrize("sampling", ["polar", "square"])
 @pytest.mark.parametrize("sorting,turn", [("c2", 2), ("c4", 1)])
