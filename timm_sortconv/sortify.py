@@ -158,8 +158,7 @@ def _strided(module: nn.Module) -> bool:
 def _centred_twin(module: nn.Module) -> Tuple[Optional[nn.Module], str]:
     """``(module with a centred grid, "")`` for a strided plain convolution or pooling layer, or
     ``(None, why not)``."""
-    if type(module) is nn.Conv2d or (isinstance(module, nn.Conv2d) and _replacement_class(module)[0] is SortConv2d
-                                     and not isinstance(module, (Conv2dSame, Conv2dSameExport))):
+    if isinstance(module, nn.Conv2d) and _replacement_class(module)[0] is SortConv2d:  # plain nn.Conv2d behaviour
         if isinstance(module.padding, str):
             return None, f"padding={module.padding!r}"
         return CentredConv2d.from_conv(module), ""
@@ -173,13 +172,9 @@ def _centred_twin(module: nn.Module) -> Tuple[Optional[nn.Module], str]:
 
 def _add_canonicalizer(model: nn.Module, canonicalize: str) -> None:
     """Puts :func:`~timm_sortconv.canonical.create_canonicalizer` ``(canonicalize)`` in front of ``model``: as
-    ``model.canonicalize`` where the model applies that attribute itself (this package's models), else
-    registered as ``model.canonicalize`` and applied by a forward pre-hook."""
-    existing = getattr(model, "canonicalize", None)
-    if existing is not None and not isinstance(existing, nn.Identity):
-        raise ValueError(f"canonicalize={canonicalize!r}: the model already turns its input (model.canonicalize is "
-                         f"{type(existing).__name__}); turning it twice only blurs it")
-    applied_by_model = isinstance(existing, nn.Identity)
+    ``model.canonicalize`` where the model applies that attribute itself (this package's models, whose slot holds
+    ``nn.Identity``), else registered as ``model.canonicalize`` and applied by a forward pre-hook."""
+    applied_by_model = isinstance(getattr(model, "canonicalize", None), nn.Identity)
     model.canonicalize = create_canonicalizer(canonicalize)
     if not applied_by_model:
         model.register_forward_pre_hook(_canonicalize_input)
