@@ -46,9 +46,10 @@ def test_centred_convolution_keeps_the_size_and_turns_with_the_input(kernel, str
             assert torch.equal(centred(x), plain(x))
 
 
-@pytest.mark.parametrize("pool, kwargs", [(nn.MaxPool2d, dict(kernel_size=2)), (nn.MaxPool2d, dict(kernel_size=3, stride=2, padding=1)),
-                                          (nn.MaxPool2d, dict(kernel_size=3, stride=2, dilation=2)),
-                                          (nn.AvgPool2d, dict(kernel_size=2)), (nn.AvgPool2d, dict(kernel_size=3, stride=3, padding=1))])
+@pytest.mark.parametrize("pool, kwargs", [
+    (nn.MaxPool2d, dict(kernel_size=2)), (nn.MaxPool2d, dict(kernel_size=3, stride=2, padding=1)),
+    (nn.MaxPool2d, dict(kernel_size=3, stride=2, dilation=2)), (nn.AvgPool2d, dict(kernel_size=2)),
+    (nn.AvgPool2d, dict(kernel_size=3, stride=3, padding=1))])
 def test_centred_pooling_keeps_the_size_and_turns_with_the_input(pool, kwargs):
     plain = pool(**kwargs)
     centred = (CentredMaxPool2d if pool is nn.MaxPool2d else CentredAvgPool2d).from_pool(plain)

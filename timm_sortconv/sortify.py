@@ -15,9 +15,10 @@ Each convolution of the model gets exactly one verdict, checked in this order:
    with rotations, so it stays plain);
 5. "replaced": ``nn.Conv2d`` and subclasses that keep its ``forward`` (torchvision's and timm's plain
    convolutions, ``timm.layers.create_conv2d`` with static padding, each branch of a ``MixedConv2d``), and
-   :class:`~timm_sortconv.grid.CentredConv2d`, become :class:`~timm_sortconv.SortConv2d`; timm's ``Conv2dSame`` / ``Conv2dSameExport`` (dynamic
-   TensorFlow "SAME" padding) become :class:`SortConv2dSame`, with the same output size; even kernels
-   (ConvNeXt's ``4 x 4`` stem and ``2 x 2`` downsampling, patch embeddings) included;
+   :class:`~timm_sortconv.grid.CentredConv2d`, become :class:`~timm_sortconv.SortConv2d`; timm's
+   ``Conv2dSame`` / ``Conv2dSameExport`` (dynamic TensorFlow "SAME" padding) become :class:`SortConv2dSame`,
+   with the same output size; even kernels (ConvNeXt's ``4 x 4`` stem and ``2 x 2`` downsampling, patch
+   embeddings) included;
 6. "skipped": any other ``nn.Conv2d`` subclass, because it overrides ``forward`` with arithmetic
    that ``SortConv2d`` would silently drop (timm's ``StdConv2d`` family standardises the weight on
    every call).
@@ -27,8 +28,9 @@ the image (:mod:`timm_sortconv.grid`), so that a quarter turn of the input maps 
 input size: the new SC layers, the strided plain convolutions that are kept (``1 x 1`` shortcut
 projections; they become :class:`~timm_sortconv.grid.CentredConv2d`) and ``nn.MaxPool2d`` /
 ``nn.AvgPool2d`` (:class:`~timm_sortconv.grid.CentredMaxPool2d`, :class:`~timm_sortconv.grid.CentredAvgPool2d`);
-they are listed as "centred" (layers centred already are left as they are). A strided layer it cannot centre (an excluded or skipped convolution, a
-pooling layer of another class, ``ceil_mode=True``) is listed as "uncentred" with the reason: the model is
+they are listed as "centred" (layers centred already are left as they are). A strided layer it cannot
+centre (an excluded or skipped convolution, a pooling layer of another class, ``ceil_mode=True``) is listed
+as "uncentred" with the reason: the model is
 then exactly invariant only at the sizes where that layer's grid happens to be centred, which
 :func:`timm_sortconv.quarter_turn_check` finds for a given model and size. Layers without parameters are
 swapped the same way, so the ``state_dict`` keys stay the same.
@@ -213,7 +215,8 @@ def sortify(
             converted module is returned, so always use the return value.
         sampling: ``"polar"``, ``"polar-offset"`` or ``"square"``.
         sorting: ``"ring"``, ``"global"``, ``"c4"`` or ``"c2"`` (:func:`~timm_sortconv.sort_conv2d`).
-        min_kernel_size: square kernels smaller than this stay plain (default 2: only ``1 x 1`` kept, which commutes with rotations).
+        min_kernel_size: square kernels smaller than this stay plain (default 2: only ``1 x 1`` kept, which
+            commutes with rotations).
         include: glob pattern(s) (:func:`fnmatch.fnmatchcase`) on qualified module names as printed by
             ``model.named_modules()``, e.g. ``"layer1.*"`` or ``["conv1", "layer*.0.conv?"]``; only
             matching convolutions are converted. ``*`` also matches dots. ``None``: all.
