@@ -200,6 +200,28 @@ def test_the_switch_runs_the_preferred_candidate_unchecked(tuner, monkeypatch):
         decide(tuner, [first, second])
 
 
+def test_a_configuration_with_nothing_to_decide_lists_its_candidates_once(tuner, monkeypatch):
+    first, first_fn = make("first", right)
+    listed = []
+
+    def candidates():
+        listed.append(1)
+        return [first]
+
+    reference, reference_fn = make("reference path", right)
+    monkeypatch.setenv(TUNE_ENV, "0")
+    for _ in range(3):
+        tuner.run("key", lambda: "configuration", reference, candidates, (torch.arange(6.0),), CPU)
+    assert len(listed) == 1 and first_fn.calls == 3 and reference_fn.calls == 0
+    for _ in range(2):  # no candidate at all: the reference path, also listed once
+        tuner.run("other", lambda: "configuration", reference, lambda: listed.append(1) or [], (torch.arange(6.0),),
+                  CPU)
+    assert len(listed) == 2 and reference_fn.calls == 2
+    tuner.clear()
+    tuner.run("key", lambda: "configuration", reference, candidates, (torch.arange(6.0),), CPU)
+    assert len(listed) == 3
+
+
 def test_non_finite_inputs_are_checked_on_a_finite_copy(tuner):
     seen = []
     kernel, _ = make("kernel", lambda x: seen.append(x.clone()) or x * 2)

@@ -108,6 +108,26 @@ def test_classes_and_errors():
     assert not copy.weight.requires_grad and list(copy.state_dict()) == list(conv.state_dict())
 
 
+def test_from_conv_reads_a_parametrised_weight():
+    conv = nn.utils.parametrizations.weight_norm(nn.Conv2d(2, 4, 1, stride=2))
+    copy = CentredConv2d.from_conv(conv)
+    assert torch.equal(copy.weight, conv.weight) and torch.equal(copy.bias, conv.bias)
+
+
+def test_a_cropped_channels_last_input_keeps_its_layout():
+    """A 4x4 stride-4 window on a side of 10 crops the input (a strided view); the sorting convolution still
+    returns channels_last, as nn.Conv2d does, and the same values as for the contiguous input."""
+    from timm_sortconv import SortConv2d
+
+    conv = SortConv2d(3, 4, 4, stride=4)
+    x = torch.randn(2, 3, 10, 10).contiguous(memory_format=torch.channels_last).requires_grad_()
+    out = conv(x)
+    assert out.is_contiguous(memory_format=torch.channels_last) and not out.is_contiguous()
+    torch.testing.assert_close(out, conv(x.detach().contiguous()))
+    out.sum().backward()
+    assert x.grad.is_contiguous(memory_format=torch.channels_last)
+
+
 def test_centred_layers_script():
     for layer in (CentredConv2d(2, 2, 3, stride=2, padding=1), CentredMaxPool2d(2), CentredAvgPool2d(3, 2, 1)):
         with warnings.catch_warnings():

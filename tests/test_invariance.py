@@ -189,6 +189,11 @@ def test_command_line_quarter_turn_table(capsys):
     assert row.startswith("| sortify(scnn_baseline_3) | centre | 29 |") and float(row.split(" | ")[3]) < 1e-10
     with pytest.raises(SystemExit):
         main(["--quarter-turn", "0"])
+    for models, message in ((["resnet18"], "resnet18 is not an SC model; add --sortify"),
+                            (["no_such_net"], "unknown to timm: no_such_net")):
+        with pytest.raises(SystemExit):
+            main(["--models", *models, "--quarter-turn", "32"])
+        assert message in capsys.readouterr().err
 
 
 @pytest.mark.slow

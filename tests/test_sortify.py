@@ -122,6 +122,15 @@ def test_quarter_turn_check_finds_the_nearest_exact_sizes():
     assert next(model.parameters()).dtype == torch.float32 and model.training
 
 
+def test_quarter_turn_check_feeds_the_channels_of_the_first_convolution():
+    """timm keeps pretrained_cfg's 3 channels for a model built with in_chans=1; the check reads the stem."""
+    model = sortify(timm.create_model("resnet10t", in_chans=1, num_classes=4))
+    assert model.pretrained_cfg["input_size"][0] == 3
+    assert quarter_turn_check(model, 32, batch=1).exact
+    with pytest.raises(ValueError, match="dtype=torch.float16: use torch.float64"):
+        quarter_turn_check(model, 32, dtype=torch.float16)
+
+
 @pytest.mark.slow
 def test_backward_reaches_the_sortified_parameters():
     model = sortify(NETWORKS["tv_resnet18"]())
@@ -219,6 +228,16 @@ def test_strided_pooling_and_plain_convolutions_get_a_centred_grid():
                              return_report=True)
     assert not report.centred and not report.uncentred and type(corner[1]) is nn.MaxPool2d
     assert corner[0].stride_align == "corner"
+
+
+def test_layers_found_centred_or_not_keep_their_grid_and_are_reported():
+    """A CentredConv2d stays centred when converted with stride_align="corner"; a strided SortConv2d found
+    with PyTorch's grid is left as it is and named as not centred."""
+    model = nn.Sequential(CentredConv2d(3, 4, 3, stride=2), SortConv2d(4, 4, 3, stride=2, stride_align="corner"))
+    model, report = sortify(model, stride_align="corner", return_report=True)
+    assert type(model[0]) is SortConv2d and model[0].stride_align == "centre" and report.already == ["1"]
+    model, report = sortify(model, return_report=True)
+    assert report.uncentred == [("1", "SortConv2d with stride_align='corner'")] and model[1].stride_align == "corner"
 
 
 @pytest.mark.slow

@@ -15,6 +15,12 @@ off each side. Each axis is treated alone, by the same rule, so the result is eq
 turns of any square or oblong input. Where ``r`` is 0 the input is returned unchanged, so a network whose
 sizes were already exact computes exactly what it did without it.
 
+What is done depends on each input side (modulo the stride), in Python control flow. Eager mode,
+``torch.jit.script`` and ``torch.compile`` follow it at every size. ``torch.export`` with a dynamic side
+refuses the sizes whose branch differs from the example's (a guard error suggesting, e.g., ``H = 2 * _H``);
+declare the side that way, or export per size. ``torch.jit.trace`` and tracing-based ONNX export record the
+example's branch silently: such a graph is exact only at sizes with the example's residues.
+
 ``stride_align`` names the choice everywhere it is offered (``SortConv2d``, the models, ``sortify``):
 ``"centre"`` (this module) or ``"corner"`` (PyTorch's grid, first window at the top-left corner; the
 paper's networks).
@@ -128,11 +134,21 @@ class CentredConv2d(nn.Conv2d):
         new = cls(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding, conv.dilation,
                   conv.groups, conv.bias is not None, conv.padding_mode, device=conv.weight.device,
                   dtype=conv.weight.dtype)
-        new.load_state_dict(conv.state_dict())
-        new.weight.requires_grad_(conv.weight.requires_grad)
+        return copy_conv_state(new, conv)
+
+
+def copy_conv_state(new: nn.Conv2d, conv: nn.Conv2d) -> nn.Conv2d:
+    """Gives ``new`` (built with ``conv``'s shapes) ``conv``'s weight and bias values, their ``requires_grad``
+    and its training mode; returns ``new``. The values are read through the attributes, so a parametrised
+    weight (``weight_norm``) arrives as the weight it computes."""
+    with torch.no_grad():
+        new.weight.copy_(conv.weight)
         if conv.bias is not None:
-            new.bias.requires_grad_(conv.bias.requires_grad)
-        return new.train(conv.training)
+            new.bias.copy_(conv.bias)
+    new.weight.requires_grad_(conv.weight.requires_grad)
+    if conv.bias is not None:
+        new.bias.requires_grad_(conv.bias.requires_grad)
+    return new.train(conv.training)
 
 
 def _check_floor_mode(ceil_mode: bool) -> None:

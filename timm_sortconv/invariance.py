@@ -388,8 +388,9 @@ class QuarterTurnCheck:
         error: ``||f(rot90 x) - f(x)|| / ||f(x)||`` for the model's output ``f`` (for feature maps,
             ``rot90`` of the upright maps stands in for ``f(x)``: equivariance), random ``x``.
         tolerance: the largest error counted as exact (round-off of the measuring dtype).
-        below, above: the nearest square sizes below and above ``size`` at which the model measured exact
-            (``size`` itself where it is exact), ``None`` where none was found within the search.
+        below, above: the nearest square sides below and above the shorter side of ``size`` at which the
+            model measured exact, ``None`` where none was found within the search; both the height of
+            ``size`` where ``size`` itself is exact.
     """
 
     size: Tuple[int, int]
@@ -411,11 +412,15 @@ class QuarterTurnCheck:
 
 
 def _model_in_chans(model: nn.Module) -> int:
+    """The channels the model takes: its first convolution's (timm keeps ``pretrained_cfg["input_size"]``
+    unchanged when a model is built with ``in_chans=``), else the config's, else 3."""
+    first = next((m for m in model.modules() if isinstance(m, nn.Conv2d)), None)
+    if first is not None:
+        return first.in_channels
     cfg = getattr(model, "pretrained_cfg", None) or {}
     if isinstance(cfg, dict) and cfg.get("input_size"):
         return int(cfg["input_size"][0])
-    first = next((m for m in model.modules() if isinstance(m, nn.Conv2d)), None)
-    return first.in_channels if first is not None else 3
+    return 3
 
 
 def _turn_error(outputs, turned) -> float:
@@ -434,10 +439,10 @@ def quarter_turn_check(model: nn.Module, size, *, in_chans: Optional[int] = None
     nearest square sizes at which it is exact.
 
     The model is copied (in ``dtype``, evaluation mode; the original is untouched) and fed ``batch`` random
-    images of ``in_chans`` channels (default: the model's ``pretrained_cfg`` or first convolution) and their
-    quarter turns. At other sizes the same is measured, nearest first, up to ``search`` pixels away, until an
-    exact size is found on each side. An error at most ``1e-10`` (float64) or ``1e-5`` (other dtypes) counts
-    as exact.
+    images of ``in_chans`` channels (default: the model's first convolution's, else its ``pretrained_cfg``)
+    and their quarter turns. At other sizes the same is measured, nearest first, up to ``search`` pixels away,
+    until an exact size is found on each side. An error at most ``1e-10`` (``dtype=torch.float64``) or
+    ``1e-5`` (``torch.float32``) counts as exact.
 
     Args:
         model: any image model; its output may be logits, pooled features or feature maps (checked for
@@ -452,11 +457,15 @@ def quarter_turn_check(model: nn.Module, size, *, in_chans: Optional[int] = None
         >>> print(quarter_turn_check(timm.create_model("scnn_p_rs_3"), 30))
         exactly invariant to quarter turns at 30x30 (error ...)
     """
+    tolerances = {torch.float64: 1e-10, torch.float32: 1e-5}
+    if dtype not in tolerances:
+        raise ValueError(f"dtype={dtype}: use torch.float64 (exact to round-off) or torch.float32; the round-off of "
+                         "lower precisions hides the error being measured")
     height, width = (size, size) if isinstance(size, int) else tuple(size)
     model = copy.deepcopy(model).to(dtype).eval()
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     channels = in_chans or _model_in_chans(model)
-    tolerance = 1e-10 if dtype == torch.float64 else 1e-5
+    tolerance = tolerances[dtype]
     generator = torch.Generator().manual_seed(seed)
 
     def error(h: int, w: int) -> float:

@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import pad_same, register_notrace_module
 
-from .grid import centre_grid, centre_grid_same, check_stride_align
+from .grid import centre_grid, centre_grid_same, check_stride_align, copy_conv_state
 from .ops.backends import check_backend_name
 from .ops.functional import check_groups, sort_conv2d_zero_padded
 from .ops.geometry import get_geometry
@@ -142,15 +142,7 @@ class SortConv2d(nn.Conv2d):
                   conv.groups, conv.bias is not None, conv.padding_mode, device=conv.weight.device,
                   dtype=conv.weight.dtype, sampling=sampling, sorting=sorting, backend=backend,
                   stride_align=stride_align)
-        with torch.no_grad():
-            new.weight.copy_(conv.weight)
-            if conv.bias is not None:
-                new.bias.copy_(conv.bias)
-        new.train(conv.training)
-        new.weight.requires_grad_(conv.weight.requires_grad)
-        if conv.bias is not None:
-            new.bias.requires_grad_(conv.bias.requires_grad)
-        return new
+        return copy_conv_state(new, conv)
 
 
 # timm's FX feature extraction (features_only=True, feature_cls="fx") treats these as leaves: the

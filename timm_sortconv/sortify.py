@@ -47,7 +47,7 @@ import torch.nn as nn
 from timm.layers import CondConv2d, Conv2dSame
 from timm.layers.conv2d_same import Conv2dSameExport
 
-from .canonical import CANONICALIZERS, create_canonicalizer
+from .canonical import canonical_order, create_canonicalizer
 from .grid import CENTRED_LAYERS, CentredAvgPool2d, CentredConv2d, CentredMaxPool2d, check_stride_align
 from .layers import SortConv2d, SortConv2dSame
 from .ops.backends import check_backend_name
@@ -252,9 +252,7 @@ def sortify(
         raise ValueError(f"min_kernel_size must be an int >= 1, got {min_kernel_size!r}")
     include_patterns = _as_patterns(include, "include")
     exclude_patterns = _as_patterns(exclude, "exclude")
-    if canonicalize is not None:
-        if canonicalize not in CANONICALIZERS:
-            raise ValueError(f"canonicalize must be None or one of {sorted(CANONICALIZERS)}, got {canonicalize!r}")
+    if canonical_order(canonicalize):
         existing = getattr(model, "canonicalize", None)
         if existing is not None and not isinstance(existing, nn.Identity):
             raise ValueError(f"canonicalize={canonicalize!r}: the model already turns its input (model.canonicalize "
@@ -276,8 +274,10 @@ def sortify(
         verdict = _verdict(module, name, include_patterns, exclude_patterns, min_kernel_size, even_kernels)
         if verdict == "replaced":
             new_cls = _replacement_class(module)[0]
+            # A CentredConv2d's grid is centred already and stays so.
+            align = "centre" if isinstance(module, CentredConv2d) else stride_align
             new_modules[id(module)] = new_cls.from_conv(module, sampling=sampling, sorting=sorting, backend=backend,
-                                                        stride_align=stride_align)
+                                                        stride_align=align)
             report.replaced.append(label)
             if stride_align == "centre" and _strided(module):
                 report.centred.append(label)
@@ -286,7 +286,11 @@ def sortify(
             report.skipped.append((label, verdict[1]))
         else:
             getattr(report, verdict).append(label)
-        if stride_align != "centre" or not _strided(module) or verdict == "already":
+        if stride_align != "centre" or not _strided(module):
+            continue
+        if verdict == "already":
+            if module.stride_align != "centre":  # sortify does not change the layers it finds already sorting
+                report.uncentred.append((label, f"{type(module).__name__} with stride_align={module.stride_align!r}"))
             continue
         if verdict == "kept":
             twin, reason = _centred_twin(module)

@@ -46,6 +46,13 @@ parser.add_argument("--search", type=int, default=0, metavar="N",
                     help="with --quarter-turn: look up to N pixels away for the nearest exact sizes (default 0)")
 
 
+def _own_model(name: str) -> bool:
+    """Whether timm's entrypoint ``name`` is one of this package's models."""
+    import timm
+
+    return timm.models.model_entrypoint(name).__module__.startswith(f"{__package__.split('.')[0]}.")
+
+
 def quarter_turn_table(args) -> str:
     """The Markdown table of ``--quarter-turn``."""
     import timm
@@ -55,10 +62,13 @@ def quarter_turn_table(args) -> str:
     lines = ["| model | stride_align | size | quarter-turn error | nearest exact sizes |", "|---|---|---|---|---|"]
     for name in args.models:
         torch.manual_seed(args.seed)
+        # This package's models take stride_align themselves (their pooling and plain shortcuts included);
+        # other timm models keep PyTorch's grid until sortify converts them.
+        model = timm.create_model(name, **({"stride_align": args.stride_align} if _own_model(name) else {}))
         if args.sortify:
-            model, label = sortify(timm.create_model(name), stride_align=args.stride_align), f"sortify({name})"
+            model, label = sortify(model, stride_align=args.stride_align), f"sortify({name})"
         else:
-            model, label = timm.create_model(name, stride_align=args.stride_align), name
+            label = name
         for size in args.quarter_turn:
             check = quarter_turn_check(model, size, search=args.search, batch=1, seed=args.seed)
             nearest = "-" if not args.search else ", ".join(
@@ -75,6 +85,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.quarter_turn:
         if min(args.quarter_turn) < 1 or args.search < 0:
             parser.error("--quarter-turn sizes must be >= 1 and --search >= 0")
+        unknown = [name for name in args.models if not timm.is_model(name)]
+        if unknown:
+            parser.error(f"--models: unknown to timm: {', '.join(unknown)} (timm.list_models() lists the names)")
+        plain = [name for name in args.models if not args.sortify and not _own_model(name)]
+        if plain:
+            verb = "is not an SC model" if len(plain) == 1 else "are not SC models"
+            parser.error(f"--models: {', '.join(plain)} {verb}; add --sortify to measure a timm model converted by "
+                         "sortify")
         print(quarter_turn_table(args))
         return
     try:

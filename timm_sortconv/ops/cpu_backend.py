@@ -42,7 +42,7 @@ none builds ``backend="auto"`` uses the reference path. ``TIMM_SORTCONV_DISABLE_
 backend off (:func:`timm_sortconv.ops.backends.fast_disabled`).
 
 Supported (``supports_cpu``): CPU tensors of float32 or float64 (input, weight and bias of one
-dtype), odd ``k <= 15``, any stride, dilation and groups. Under ``torch.autocast`` on the CPU the
+dtype), ``k <= 15`` (odd or even), any stride, dilation and groups. Under ``torch.autocast`` on the CPU the
 operator computes SC in float32 (see :mod:`.operator`), so this kernel runs there too. A gradient whose
 own graph is being built (double backward) is computed by the operator through the reference path.
 """

@@ -84,18 +84,23 @@ def _call(input: Tensor, weight: Tensor, bias: Optional[Tensor], stride, padding
 def _padded_for(chosen: Backend, x: Tensor, pad: Tuple[int, int, int, int]) -> Tuple[Tensor, Tuple[int, ...]]:
     """The input as ``chosen`` takes it: in a layout it reads, and unpadded with ``pad`` for a zero-padding
     backend, else padded here."""
-    if not (chosen.channels_last and x.is_contiguous(memory_format=torch.channels_last)):
-        x = x.contiguous()
+    layout = _memory_format(x)
+    x = x.contiguous(memory_format=layout if chosen.channels_last else torch.contiguous_format)
     if chosen.zero_padding or not any(pad):
         return x, pad
     return F.pad(x, pad), NO_PADDING
 
 
 def _memory_format(input: Tensor) -> torch.memory_format:
-    """The output's layout: channels_last for a channels_last input, as ``F.conv2d`` returns it."""
-    if input.is_contiguous(memory_format=torch.channels_last) and not input.is_contiguous():
+    """The output's layout: channels_last for a channels_last input, as ``F.conv2d`` returns it; also for a
+    view into one (a crop, as ``timm_sortconv.grid.centre_grid`` makes), whose channels are still its
+    fastest-varying dimension."""
+    if input.is_contiguous():
+        return torch.contiguous_format
+    if input.is_contiguous(memory_format=torch.channels_last):
         return torch.channels_last
-    return torch.contiguous_format
+    channels_fastest = input.stride(1) == 1 and input.stride(3) >= input.shape[1] and input.stride(2) >= input.stride(3)
+    return torch.channels_last if channels_fastest else torch.contiguous_format
 
 
 @torch.library.custom_op("timm_sortconv::sort_conv2d", mutates_args=())

@@ -49,7 +49,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -229,6 +229,8 @@ class Tuner:
 
     def __init__(self) -> None:
         self._decisions: Dict[Hashable, Decision] = {}
+        # (key, tuning enabled) -> the candidate of a configuration with nothing to decide
+        self._fixed: Dict[Tuple[Hashable, bool], Candidate] = {}
         self._lock = threading.Lock()
         # Seconds one candidate takes on given arguments; tests replace it.
         self.timer: Callable[[Candidate, tuple, torch.device], float] = _time
@@ -242,6 +244,7 @@ class Tuner:
         """Forgets every decision (the next call of each configuration decides again)."""
         with self._lock:
             self._decisions.clear()
+            self._fixed.clear()
 
     def run(self, key: Hashable, describe: Callable[[], str], reference: Candidate,
             candidates: Callable[[], Sequence[Candidate]], args: tuple, device: torch.device,
@@ -254,12 +257,15 @@ class Tuner:
         decision = self._decisions.get(key)
         if decision is not None:
             return decision.chosen.run(*args)
+        tune = tuning_enabled()
+        fixed = self._fixed.get((key, tune))
+        if fixed is not None:
+            return fixed.run(*args)
         deterministic = torch.are_deterministic_algorithms_enabled()
         found = [c for c in candidates() if c.deterministic or not deterministic]
-        if not found:
-            return reference.run(*args)
-        if not tuning_enabled():
-            return found[0].run(*args)
+        if not found or not tune:  # nothing to decide: remembered, so later calls skip listing the candidates
+            fixed = self._fixed[(key, tune)] = found[0] if found else reference
+            return fixed.run(*args)
         if capturing(device):
             return reference.run(*args)
         with self._lock:
