@@ -229,7 +229,9 @@ def sortify(
             pixels, and the result is exactly invariant to quarter turns like an odd kernel's.
         canonicalize: ``None``, or ``"moment2"``/``"moment4"``/``"moment1"``: each input image is first turned
             to the orientation of its angular moment (:mod:`timm_sortconv.canonical`), by a module put in
-            front of the model (``model.canonicalize``, applied by the model's ``forward``), so that the
+            front of the model (``model.canonicalize``: this package's models apply it in ``forward``, any
+            other model through a forward pre-hook, which only a call of the model itself runs, not
+            ``forward_features`` or FX tracing), so that the
             model's invariance covers the angles between the quarter turns (with ``sorting="c2"``:
             ``"moment2"`` or ``"moment1"``). It has no parameters, so the ``state_dict`` keys do not change.
             A model that turns its input already is refused before anything changes.
