@@ -575,3 +575,15 @@ def test_kernels_compile_for_sm90(tmp_path):
         meta = triton_backend.launch_settings(kernel, geometry, dtype, 1, 32, 32)
         cells = report.compile_kernel(load_kernels(geometry)[kernel], dtype, meta, 90, tmp_path)
         assert cells["SASS"] > 0 and (cells["mma"] > 0) == (kernel == "fused_forward_kernel"), (kernel, cells)
+
+
+def test_a_forced_path_keys_its_own_decisions():
+    """TIMM_SORTCONV_TRITON_PATH narrows auto's candidates, so a decision made under it is not the one taken
+    once it is unset."""
+    x, weight = torch.randn(1, 4, 8, 8), torch.randn(4, 4, 3, 3)
+    call = triton_backend._Call.of(x, weight, get_geometry(3, "polar", "ring"), (1, 1), (1, 1), 1, (1, 1, 1, 1))
+    with config.forcing(None):
+        plain = triton_backend._configuration("forward", call, x, (False,))
+    with config.forcing("columns"):
+        forced = triton_backend._configuration("forward", call, x, (False,))
+    assert plain != forced and plain[:-1] == forced[:-1]

@@ -516,7 +516,7 @@ def _configuration(kind: str, call: _Call, x: torch.Tensor, flags: tuple) -> tup
     return (kind, geometry.kernel_size, geometry.sampling, geometry.sorting, x.dtype, tuple(x.shape),
             _channels_last(x), call.out_channels, flags, call.stride, call.dilation, call.groups, call.pad, x.device,
             torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32,
-            torch.are_deterministic_algorithms_enabled())
+            torch.are_deterministic_algorithms_enabled(), config._forced_path())  # PATH_ENV narrows the candidates
 
 
 def _describe(kind: str, call: _Call, x: torch.Tensor) -> str:
