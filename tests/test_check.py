@@ -65,6 +65,17 @@ def test_a_backend_that_disagrees_fails_the_check(broken_backend, monkeypatch, t
     assert "**1 of 2 cases disagree with the reference path.**" in text
 
 
+def test_a_call_the_backend_does_not_support_is_noted_not_failed():
+    reference = backends._BACKENDS["reference"]
+    register_backend(Backend("never", reference.forward, reference.backward, lambda *args: False, lambda: True,
+                             auto=False))
+    try:
+        case = check.Case("never", None, "polar", "ring", 3, check.LAYERS[0], "float32")
+        assert check.check_case(case, CPU) == (0.0, 0.0, "not supported")
+    finally:
+        backends._BACKENDS.pop("never")
+
+
 @pytest.mark.slow
 def test_quick_check_on_the_cpu(tmp_path):
     report = tmp_path / "check.md"

@@ -31,11 +31,15 @@ import torch
 
 from .reference import sort_conv2d_reference, sort_conv2d_reference_backward
 
-__all__ = ["DISABLE_ENV", "NO_PADDING", "Backend", "available_backends", "check_backend_name", "fast_disabled",
-           "register_backend", "resolve_backend"]
+__all__ = ["DISABLE_ENV", "NO_PADDING", "Backend", "UnsupportedCall", "available_backends", "check_backend_name",
+           "fast_disabled", "register_backend", "resolve_backend"]
 
 DISABLE_ENV = "TIMM_SORTCONV_DISABLE_FAST"
 NO_PADDING = (0, 0, 0, 0)
+
+class UnsupportedCall(RuntimeError):
+    """A backend named explicitly cannot run the call (its device, dtype or kernel size)."""
+
 
 ForwardKernel = Callable[..., torch.Tensor]
 BackwardKernel = Callable[..., Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]
@@ -124,6 +128,6 @@ def resolve_backend(name: str, *args) -> Backend:
     if not backend.available():
         raise RuntimeError(f"backend {name!r} is not available in this process; available: {available_backends()}")
     if not backend.supports(*args):
-        raise RuntimeError(f"backend {name!r} does not support this call (device, dtype or kernel size); "
+        raise UnsupportedCall(f"backend {name!r} does not support this call (device, dtype or kernel size); "
                            "use backend='auto' to fall back to the reference path")
     return backend
