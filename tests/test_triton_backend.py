@@ -556,7 +556,11 @@ def ptxas_available() -> bool:
     try:
         from triton.backends.nvidia.compiler import get_ptxas
 
-        return os.path.exists(get_ptxas(90).path)
+        try:
+            ptxas = get_ptxas(90)
+        except TypeError:  # older Tritons (3.5 with torch 2.9) take no architecture
+            ptxas = get_ptxas()
+        return os.path.exists(ptxas.path)
     except Exception:  # no NVIDIA backend in this Triton build
         return False
 
