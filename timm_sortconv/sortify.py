@@ -29,8 +29,8 @@ input size: the new SC layers, the strided plain convolutions that are kept (``1
 projections; they become :class:`~timm_sortconv.grid.CentredConv2d`) and ``nn.MaxPool2d`` /
 ``nn.AvgPool2d`` (:class:`~timm_sortconv.grid.CentredMaxPool2d`, :class:`~timm_sortconv.grid.CentredAvgPool2d`);
 they are listed as "centred" (layers centred already are left as they are). A strided layer it cannot
-centre (an excluded or skipped convolution, a pooling layer of another class, ``ceil_mode=True``) is listed
-as "uncentred" with the reason: the model is
+centre (an excluded or skipped convolution, a pooling layer of another class, ``ceil_mode=True``, a
+``SortConv2d`` found with ``stride_align="corner"``) is listed as "uncentred" with the reason: the model is
 then exactly invariant only at the sizes where that layer's grid happens to be centred, which
 :func:`timm_sortconv.quarter_turn_check` finds for a given model and size. Layers without parameters are
 swapped the same way, so the ``state_dict`` keys stay the same.

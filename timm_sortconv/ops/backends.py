@@ -37,6 +37,7 @@ __all__ = ["DISABLE_ENV", "NO_PADDING", "Backend", "UnsupportedCall", "available
 DISABLE_ENV = "TIMM_SORTCONV_DISABLE_FAST"
 NO_PADDING = (0, 0, 0, 0)
 
+
 class UnsupportedCall(RuntimeError):
     """A backend named explicitly cannot run the call (its device, dtype or kernel size)."""
 
@@ -129,5 +130,5 @@ def resolve_backend(name: str, *args) -> Backend:
         raise RuntimeError(f"backend {name!r} is not available in this process; available: {available_backends()}")
     if not backend.supports(*args):
         raise UnsupportedCall(f"backend {name!r} does not support this call (device, dtype or kernel size); "
-                           "use backend='auto' to fall back to the reference path")
+                              "use backend='auto' to fall back to the reference path")
     return backend
