@@ -375,3 +375,54 @@ def test_data_folders_that_are_no_mnist_folder_pass_the_check(tmp_path):
 def test_help_shows_input_size_as_c_h_w(parser):
     assert "--input-size C H W" in parser.format_help()
     assert parser.parse_args(["--model", "scnn_p_rs_3", "--input-size", "1", "28", "28"]).input_size == [1, 28, 28]
+
+
+@pytest.mark.slow
+def test_paper_protocol_runs_in_the_background_is_stopped_resumed_and_measured(data_dir, tmp_path):
+    """scripts/paper_protocol.sh on a tiny configuration: started in the background, stopped mid-epoch, started
+    again, it ends with the weights, summary and learning curve of the same run left uninterrupted."""
+    tiny = ["--epochs", "2", "--curve", "1", "2", "--curve-samples", "8", "--rot-samples", "8", "--model-kwargs",
+            "channels=(4,4,4,4,4,4)", "--train-split", "trainval", "--val-split", "test", "-b", "8", "-j", "0",
+            "--recovery-interval", "3", "--log-interval", "4"]
+    straight = tmp_path / "straight"
+    results_tool.main(["--model", "scnn_p_rs_3", "--name", "scnn_p_rs_3-paper", "--config",
+                       str(REPO / "scripts" / "configs" / "mnist_scnn.yaml"), "--data-dir", str(data_dir),
+                       "--runs", str(straight), "--results", str(straight / "results"),
+                       "--curve", "1", "2", "5", "10", "20", "40", "70", "100", *tiny])
+    runs = tmp_path / "runs"
+    env = dict(os.environ, PYTHON=sys.executable)
+
+    def protocol(*args):
+        return subprocess.run(["bash", str(REPO / "scripts" / "paper_protocol.sh"), args[0], str(runs), *args[1:]],
+                              env=env, capture_output=True, text=True, timeout=60)
+
+    run_dir = runs / "scnn_p_rs_3-paper"
+    assert "started" in protocol("start", str(data_dir), "scnn_p_rs_3", *tiny).stdout
+    deadline = time.time() + 240
+    while not list(run_dir.glob("recovery-*.pth.tar")) and time.time() < deadline:
+        time.sleep(0.01)
+    assert "stopped" in protocol("stop", "scnn_p_rs_3").stdout
+    deadline = time.time() + 60
+    while "not running" not in protocol("status", "scnn_p_rs_3").stdout and time.time() < deadline:
+        time.sleep(0.1)
+    assert not (runs / "results" / "scnn_p_rs_3-paper.json").exists(), "the run ended before it was stopped"
+    protocol("start", str(data_dir), "scnn_p_rs_3", *tiny)
+    result = runs / "results" / "scnn_p_rs_3-paper.json"
+    deadline = time.time() + 300
+    while not result.exists() and time.time() < deadline:
+        time.sleep(0.2)
+    while "not running" not in protocol("status", "scnn_p_rs_3").stdout and time.time() < deadline:
+        time.sleep(0.1)
+    assert_same_training(run_dir, straight / "scnn_p_rs_3-paper")
+    for epoch in (1, 2):
+        assert (run_dir / f"epoch-{epoch}.pth.tar").is_file()
+    ours, theirs = (json.loads(p.read_text()) for p in (result, straight / "results" / "scnn_p_rs_3-paper.json"))
+    assert ours["curve"] == theirs["curve"] and [p["epoch"] for p in ours["curve"]] == [1, 2]
+    assert ours["per_angle_top1"] == theirs["per_angle_top1"]
+    assert ours["commands"][0].startswith("python scripts/train.py -c scripts/configs/mnist_scnn.yaml")
+    log = (runs / "scnn_p_rs_3-paper.log").read_text()
+    assert log.count(" start: scnn_p_rs_3, 1 thread(s)") == 2 and "resuming at batch" in log
+    assert "curve: epoch 2:" in log and "ETA: epoch" in log
+    # Refused in one line: a data folder that is not there.
+    refused = protocol("start", str(tmp_path / "nowhere"))
+    assert refused.returncode == 2 and refused.stderr.startswith("error: no data folder")

@@ -70,6 +70,11 @@ parser.add_argument("--rot-samples", type=int, default=None, metavar="N",
                     help="sweep N random test images instead of all 10,000")
 parser.add_argument("--compare", nargs="+", default=[], metavar="NAME",
                     help="rows already in --results to draw beside this one (same --rot-samples and --seed)")
+parser.add_argument("--curve", type=int, nargs="+", default=[], metavar="EPOCH",
+                    help="also measure the weights after these epochs (kept by train.py --keep-epochs), as a learning "
+                         "curve in <runs>/<name>/curve.json and the row's JSON; the last epoch on all of MNIST-rot")
+parser.add_argument("--curve-samples", type=int, default=2000, metavar="N",
+                    help="MNIST-rot images of the curve's points before the last epoch (default: 2000)")
 parser.add_argument("-j", "--workers", type=int, default=1, metavar="N", help="data loading processes")
 parser.add_argument("--table", action="store_true", help="print the Markdown table of --results and exit")
 
@@ -98,7 +103,7 @@ def summary_rows(run_dir):
 OWN_TRAIN_OPTIONS = ("-c", "--config", "--output", "--experiment", "--resume", "--model", "--data-dir")
 # Settings that may differ between a finished run and a request to measure it again.
 INCIDENTAL = {"resume", "workers", "log_interval", "recovery_interval", "output", "experiment", "data_dir",
-              "config", "checkpoint_hist"}
+              "config", "checkpoint_hist", "keep_epochs"}
 
 
 def train_settings(command):
@@ -123,6 +128,8 @@ def train(args, train_extra, name, run_dir, epochs):
         command += ["--epochs", str(args.epochs)]
     if args.model_kwargs:
         command += ["--model-kwargs", *args.model_kwargs]
+    if args.curve:
+        command += ["--keep-epochs", *map(str, args.curve)]
     command += train_extra
     wanted = train_settings(command)
     stored_path = os.path.join(run_dir, "args.yaml")
@@ -155,8 +162,9 @@ def preset_epochs(args):
         return int(yaml.safe_load(f)["epochs"])
 
 
-def evaluate(args, name, checkpoint):
-    """MNIST test accuracy and the MNIST-rot sweep; returns (mnist %, per-angle %, commands)."""
+def evaluate(args, name, checkpoint, out_dir, rot_samples, compare=()):
+    """MNIST test accuracy and the MNIST-rot sweep of ``rot_samples`` images (None: all), per-angle CSV and plot
+    as ``<out_dir>/<name>.csv|png``; returns (mnist %, per-angle %, commands)."""
     common = ["--model", args.model, "--checkpoint", checkpoint, "--data-dir", args.data_dir, "--split", "test",
               "-b", "500", "-j", str(args.workers), "--label", name]
     if args.model_kwargs:
@@ -166,12 +174,12 @@ def evaluate(args, name, checkpoint):
     mnist = [sys.executable, validate_script, "--dataset", "sortconv/mnist", *common,
              "--results-csv", mnist_csv]
     rot = [sys.executable, validate_script, "--dataset", "sortconv/mnist_rot", *common,
-           "--results-csv", os.path.join(args.results, f"{name}.csv"),
-           "--plot", os.path.join(args.results, f"{name}.png")]
-    if args.rot_samples:
-        rot += ["--samples", str(args.rot_samples), "--seed", str(args.seed)]
-    if args.compare:
-        rot += ["--compare-csv", *(os.path.join(args.results, f"{other}.csv") for other in args.compare)]
+           "--results-csv", os.path.join(out_dir, f"{name}.csv"),
+           "--plot", os.path.join(out_dir, f"{name}.png")]
+    if rot_samples:
+        rot += ["--samples", str(rot_samples), "--seed", str(args.seed)]
+    if compare:
+        rot += ["--compare-csv", *(os.path.join(args.results, f"{other}.csv") for other in compare)]
     try:
         run_tool(validate_tool, mnist)
         mnist_accuracy = read_csv(mnist_csv)[0.0]
@@ -179,7 +187,34 @@ def evaluate(args, name, checkpoint):
         shutil.rmtree(os.path.dirname(mnist_csv), ignore_errors=True)
     run_tool(validate_tool, rot)
     # the MNIST command as recorded prints its table instead of writing the temporary CSV
-    return mnist_accuracy, read_csv(os.path.join(args.results, f"{name}.csv")), [mnist[:-2], rot]
+    return mnist_accuracy, read_csv(os.path.join(out_dir, f"{name}.csv")), [mnist[:-2], rot]
+
+
+def update_curve(args, name, run_dir, epochs):
+    """Measures each ``epoch-<N>.pth.tar`` of ``--curve`` not measured yet, adding it to ``<run_dir>/curve.json``
+    (written after each point, so a stopped run keeps what it measured); returns the points, by epoch."""
+    path = os.path.join(run_dir, "curve.json")
+    points = {}
+    if os.path.isfile(path):
+        with open(path) as f:
+            points = {int(k): v for k, v in json.load(f).items()}
+    for epoch in sorted(args.curve):
+        checkpoint = os.path.join(run_dir, f"epoch-{epoch}.pth.tar")
+        if epoch in points or not os.path.isfile(checkpoint):
+            continue
+        rot_samples = args.rot_samples if epoch == epochs else args.curve_samples
+        curve_dir = os.path.join(run_dir, "curve")
+        os.makedirs(curve_dir, exist_ok=True)
+        mnist, per_angle, _ = evaluate(args, f"{name}-epoch{epoch}", checkpoint, curve_dir, rot_samples)
+        points[epoch] = dict(epoch=epoch, mnist_test_top1=mnist, mnist_rot_top1=sum(per_angle.values()) / len(per_angle),
+                             mnist_rot_worst_top1=min(per_angle.values()), mnist_rot_upright_top1=per_angle[0.0],
+                             mnist_rot_images=rot_samples or 10000)
+        with open(path + ".tmp", "w") as f:
+            json.dump({str(k): points[k] for k in sorted(points)}, f, indent=1)
+        os.replace(path + ".tmp", path)
+        print(f"curve: epoch {epoch}: MNIST {mnist:.2f}%  MNIST-rot {points[epoch]['mnist_rot_top1']:.2f}% "
+              f"(worst angle {points[epoch]['mnist_rot_worst_top1']:.2f}%)", flush=True)
+    return points
 
 
 def check_compared(args):
@@ -253,14 +288,19 @@ def main(argv: Optional[Sequence[str]] = None):
     os.makedirs(args.results, exist_ok=True)
     run_dir = os.path.join(args.runs, name)
     epochs = preset_epochs(args)
+    if args.curve and not all(0 < epoch <= epochs for epoch in args.curve):
+        parser.error(f"--curve {' '.join(map(str, args.curve))}: epochs run from 1 to {epochs}")
+    update_curve(args, name, run_dir, epochs)  # points kept by an earlier, stopped session of the run
     train_command = train(args, train_extra, name, run_dir, epochs)
+    curve = update_curve(args, name, run_dir, epochs)
     summary = summary_rows(run_dir)
     best = max(summary, key=lambda row: float(row["eval_top1"]))
     # Wall time of the training: from the run's first file to its last summary line.
     train_seconds = os.path.getmtime(os.path.join(run_dir, "summary.csv")) - os.path.getmtime(
         os.path.join(run_dir, "args.yaml"))
     start = time.time()
-    mnist, per_angle, eval_commands = evaluate(args, name, os.path.join(run_dir, "model_best.pth.tar"))
+    mnist, per_angle, eval_commands = evaluate(args, name, os.path.join(run_dir, "model_best.pth.tar"), args.results,
+                                               args.rot_samples, args.compare)
     record = dict(
         name=name, model=args.model, model_kwargs=args.model_kwargs, train_args=train_extra,
         config=os.path.relpath(args.config, REPO),
@@ -268,6 +308,7 @@ def main(argv: Optional[Sequence[str]] = None):
         best_val_top1=float(best["eval_top1"]), mnist_test_top1=mnist,
         mnist_rot_top1=sum(per_angle.values()) / len(per_angle), mnist_rot_images=args.rot_samples or 10000,
         angles=list(per_angle), per_angle_top1=list(per_angle.values()), eval_minutes=(time.time() - start) / 60,
+        curve=[curve[epoch] for epoch in sorted(curve)],
         commands=[relative(train_command)] + [relative(c) for c in eval_commands],
         reproduce=relative([sys.executable, os.path.join(REPO, "scripts", "mnist_results.py"), *argv]),
     )

@@ -6,7 +6,8 @@ Built from timm's own parts: ``timm.data`` transforms and prefetcher, ``create_o
 ``-c CONFIG.yaml`` sets defaults from a preset (``scripts/configs/``).
 
 Outputs under ``<output>/<experiment>/``: ``args.yaml``, ``summary.csv`` (one row per epoch),
-``last.pth.tar``, ``model_best.pth.tar``, ``checkpoint-<epoch>.pth.tar`` and, during an epoch,
+``last.pth.tar``, ``model_best.pth.tar``, ``checkpoint-<epoch>.pth.tar``, ``epoch-<N>.pth.tar`` after each
+``--keep-epochs N`` and, during an epoch,
 ``recovery-<epoch>-<batch>.pth.tar`` every ``--recovery-interval`` batches.
 
 Resuming: ``--resume <output>/<experiment>`` (the folder) continues from the most advanced checkpoint
@@ -27,6 +28,7 @@ import argparse
 import glob
 import logging
 import os
+import shutil
 import time
 from collections import OrderedDict
 from contextlib import nullcontext
@@ -147,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--recovery-interval", type=int, default=100, metavar="N",
                        help="batches between mid-epoch recovery checkpoints (0: epoch ends only)")
     group.add_argument("--checkpoint-hist", type=int, default=1, metavar="N", help="ranked checkpoints kept (default: 1)")
+    group.add_argument("--keep-epochs", type=int, nargs="+", default=[], metavar="N",
+                       help="also keep the checkpoint after N epochs as epoch-N.pth.tar (a learning curve's points)")
     group.add_argument("-j", "--workers", type=int, default=2, metavar="N", help="data loading processes per process")
     group.add_argument("--pin-mem", action="store_true", default=False, help="pin loader memory")
     group.add_argument("--no-prefetcher", action="store_true", default=False, help="do not use timm's prefetcher")
@@ -342,6 +346,17 @@ def validate(task, loader, args, amp_autocast, log_suffix=""):
     return evaluator.compute(distributed=args.distributed)
 
 
+def keep_epoch_checkpoint(output_dir: str, epochs_done: int, keep_epochs) -> None:
+    """Copies ``last.pth.tar`` to ``epoch-<epochs_done>.pth.tar`` if ``epochs_done`` is one of ``keep_epochs``
+    and the copy is not there yet (a run killed between the two writes makes it on resuming)."""
+    if epochs_done not in keep_epochs:
+        return
+    path = os.path.join(output_dir, f"epoch-{epochs_done}.pth.tar")
+    if not os.path.isfile(path):
+        shutil.copyfile(os.path.join(output_dir, "last.pth.tar"), path + ".tmp")
+        os.replace(path + ".tmp", path)
+
+
 def remove_recovery_files(saver) -> None:
     """Drops the recovery checkpoints (this run's and a resumed run's) once an epoch's checkpoint is on disk."""
     for path in glob.glob(os.path.join(saver.recovery_dir, f"{_RECOVERY_PREFIX}-*.pth.tar")):
@@ -352,6 +367,8 @@ def remove_recovery_files(saver) -> None:
 def main(argv=None):
     args, args_text = parse_args(argv)
     check_image_folder(args.dataset, args.data_dir)
+    if any(n < 1 for n in args.keep_epochs):
+        raise CommandError(f"--keep-epochs {' '.join(map(str, args.keep_epochs))}: epochs are counted from 1")
     if torch.cuda.is_available():
         torch.backends.cudnn.benchmark = False  # the same kernels every run, for resumable runs
 
@@ -477,6 +494,8 @@ def main(argv=None):
                                       max_history=args.checkpoint_hist, task=task)
         if resume_path:
             saver.load_state_dict_from_checkpoint(resume_path)
+            if task.progress["batch"] == 0:
+                keep_epoch_checkpoint(output_dir, start_epoch, args.keep_epochs)
         with open(os.path.join(output_dir, "args.yaml"), "w") as f:
             f.write(args_text)
         summary_path = os.path.join(output_dir, "summary.csv")
@@ -507,6 +526,7 @@ def main(argv=None):
             utils.update_summary(epoch, train_metrics, eval_metrics, filename=summary_path, lr=lr)
             metric = eval_metrics[args.eval_metric] if eval_metrics else None
             best_metric, best_epoch = saver.save_checkpoint(epoch, metric=metric)
+            keep_epoch_checkpoint(output_dir, epoch + 1, args.keep_epochs)
             remove_recovery_files(saver)
     if best_metric is not None:
         _logger.info(f"*** Best metric: {best_metric} (epoch {best_epoch})")
