@@ -50,7 +50,7 @@ start)
     # setsid: the run and its data-loading workers form one process group, which stop/pause/resume signal.
     OMP_NUM_THREADS=$threads MKL_NUM_THREADS=$threads setsid nohup "$python" scripts/mnist_results.py \
         --model "$model" --name "$name" --config scripts/configs/mnist_scnn.yaml --data-dir "$data" \
-        --runs "$runs" --results "$runs/results" --curve 1 2 5 10 20 40 70 100 --curve-samples 2000 \
+        --runs "$runs" --results "$runs/results" --curve 1 2 5 10 20 40 70 100 --curve-samples 2000 --log-interval 50 \
         "$@" >> "$log" 2>&1 < /dev/null &
     echo $! > "$pidfile"
     echo "$name: started (process group $!); progress: tail -f $log"
