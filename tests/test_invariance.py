@@ -7,6 +7,7 @@ import torch
 import torchvision
 
 import timm_sortconv  # noqa: F401  (registers the models)
+from timm_sortconv.cli import run
 from timm_sortconv.cli.invariance import main
 from timm_sortconv.data import synthetic_digits
 from timm_sortconv.invariance import RotationSweep, rotation_sweep, sweep_table
@@ -190,9 +191,9 @@ def test_command_line_quarter_turn_table(capsys):
     with pytest.raises(SystemExit):
         main(["--quarter-turn", "0"])
     for models, message in ((["resnet18"], "resnet18 is not an SC model; add --sortify"),
-                            (["no_such_net"], "unknown to timm: no_such_net")):
+                            (["no_such_net"], "error: unknown model 'no_such_net'")):
         with pytest.raises(SystemExit):
-            main(["--models", *models, "--quarter-turn", "32"])
+            run(main, ["--models", *models, "--quarter-turn", "32"])
         assert message in capsys.readouterr().err
 
 

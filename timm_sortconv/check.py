@@ -2,7 +2,7 @@
 
     python -m timm_sortconv.check [--device cuda] [--quick] [--output sortconv_check.md]
 
-It prints, and writes as markdown to ``--output``:
+It prints a markdown report (and writes it to the file ``--output`` names, if any):
 
 1. **Environment**: Python, PyTorch, Triton, timm and timm-sortconv versions; the GPU (name, compute
    capability, memory, CUDA) or the CPU (model, PyTorch's instruction-set level, the CPU kernel's); the
@@ -314,7 +314,8 @@ def parse_args(argv=None):
                         help="where to check and measure (default: cuda when there is a GPU)")
     parser.add_argument("--quick", action="store_true",
                         help="fewer repeats, one small model at batch 2 (the CPU run CI makes)")
-    parser.add_argument("--output", default="sortconv_check.md", help="the markdown report's path")
+    parser.add_argument("--output", default=None, metavar="FILE",
+                        help="also write the markdown report to FILE (default: print it only)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: PyTorch sees no CUDA device here (torch.cuda.is_available() is False)")
@@ -377,9 +378,10 @@ def main(argv=None) -> int:
         step_rows.append([name, twin, str(batch), f"{sc * 1e3:.1f}", f"{plain * 1e3:.1f}", f"{sc / plain:.2f}x"])
     report.table(["model", "nn.Conv2d twin", "batch", "SC step ms", "twin step ms", "SC / twin"], step_rows)
     report(f"Done in {time.perf_counter() - start:.0f} s.")
-    with open(args.output, "w") as out:
-        out.write("\n".join(report.lines) + "\n")
-    print(f"\nReport written to {args.output}")
+    if args.output:
+        with open(args.output, "w") as out:
+            out.write("\n".join(report.lines) + "\n")
+        print(f"\nReport written to {args.output}")
     return 1 if failed else 0
 
 

@@ -9,24 +9,74 @@
 * :mod:`.push_to_hub`: publish trained weights (and their card) to the Hugging Face Hub, or bundle them.
 
 :func:`run` is how each tool starts: a problem with the user's input (a missing data folder, a bad
-option value) ends the process with one ``error:`` line, without a traceback.
+option value, a model name timm does not know) ends the process with one ``error:`` line, without a traceback.
 """
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
+import re
 import sys
 from typing import Callable, Optional, Sequence
 
-__all__ = ["CommandError", "KeyValueArgs", "add_data_args", "add_input_args", "key_value", "parse_key_values", "run"]
+__all__ = ["CommandError", "KeyValueArgs", "add_data_args", "add_input_args", "check_model_name", "key_value",
+           "parse_key_values", "run", "unknown_model_message"]
 
 
 class CommandError(Exception):
     """A problem with a tool's input that the user can fix; :func:`run` prints it as one line."""
 
 
+def unknown_model_message(name: str) -> str:
+    """What to tell a user who asked for ``name``, a model timm does not know: the registered names closest to
+    it (``difflib`` over ``timm.list_models()``, this package's models included)."""
+    import timm
+
+    from .. import models  # noqa: F401  (registers the SC models with timm)
+
+    closest = difflib.get_close_matches(name, timm.list_models(), n=3, cutoff=0.6)
+    return (f"unknown model {name!r}; closest: {', '.join(closest)}" if closest else
+            f"unknown model {name!r}; no registered name is close (timm.list_models() lists them)")
+
+
+def check_model_name(name: str) -> None:
+    """Raises :class:`CommandError` with :func:`unknown_model_message` unless timm knows the architecture of
+    ``name`` (a pretrained tag after a dot is allowed; ``hf-hub:`` and ``local-dir:`` names are not checked)."""
+    import timm
+
+    from .. import models  # noqa: F401  (registers the SC models with timm)
+
+    if ":" not in name and not timm.is_model(name):
+        raise CommandError(unknown_model_message(name.split(".")[0]))
+
+
+# timm.create_model's errors for a name it does not know (timm/models/_factory.py, _registry.py)
+_UNKNOWN_MODEL = re.compile(r"Unknown model \((?P<name>[^()]+)\)")
+_UNKNOWN_TAG = re.compile(r"Invalid pretrained tag \((?P<tag>[^()]+)\) for (?P<name>\S+?)\.?")
+
+
+def _model_name_error(error: RuntimeError) -> Optional[str]:
+    """The one-line message for timm's error about an unknown model name or pretrained tag, else None."""
+    text = str(error)
+    match = _UNKNOWN_MODEL.fullmatch(text)
+    if match:
+        return unknown_model_message(match["name"])
+    match = _UNKNOWN_TAG.fullmatch(text)
+    if match:
+        import timm
+
+        tags = [n.partition(".")[2] for n in timm.list_pretrained(match["name"] + ".*")]
+        return (f"unknown pretrained tag {match['tag']!r} of {match['name']}; its tags: "
+                + (", ".join(tags) if tags else "none"))
+    return None
+
+
 def run(main: Callable[[Optional[Sequence[str]]], object], argv: Optional[Sequence[str]] = None) -> None:
-    """Runs ``main(argv)`` with timm's logging, turning input errors into ``error: ...`` and exit status 2."""
+    """Runs ``main(argv)`` with timm's logging, turning input errors into ``error: ...`` and exit status 2.
+
+    Input errors are :class:`CommandError`, a data folder in the wrong layout, and ``timm.create_model``'s
+    error for a model name (or pretrained tag) it does not know, which every tool's model options reach."""
     from timm import utils
 
     from ..data import DatasetLayoutError
@@ -36,6 +86,12 @@ def run(main: Callable[[Optional[Sequence[str]]], object], argv: Optional[Sequen
         main(argv)
     except (CommandError, DatasetLayoutError) as error:
         print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except RuntimeError as error:
+        message = _model_name_error(error)
+        if message is None:
+            raise
+        print(f"error: {message}", file=sys.stderr)
         raise SystemExit(2) from None
     except BrokenPipeError:
         # the reader of the output went away (``| head``): stop quietly, as command-line tools do

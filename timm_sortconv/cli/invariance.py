@@ -27,7 +27,7 @@ from ..data.synthetic import synthetic_digits
 from ..grid import STRIDE_ALIGNS
 from ..invariance import quarter_turn_check, rotation_sweep, sweep_table
 from ..rotation import parse_rotations
-from . import run
+from . import check_model_name, run
 
 parser = argparse.ArgumentParser(prog="scripts/invariance.py",
                                  description="Rotation sweep of timm models at random initialisation.")
@@ -82,12 +82,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     import timm
 
     args = parser.parse_args(argv)
+    for name in args.models:
+        check_model_name(name)
     if args.quarter_turn:
         if min(args.quarter_turn) < 1 or args.search < 0:
             parser.error("--quarter-turn sizes must be >= 1 and --search >= 0")
-        unknown = [name for name in args.models if not timm.is_model(name)]
-        if unknown:
-            parser.error(f"--models: unknown to timm: {', '.join(unknown)} (timm.list_models() lists the names)")
         plain = [name for name in args.models if not args.sortify and not _own_model(name)]
         if plain:
             verb = "is not an SC model" if len(plain) == 1 else "are not SC models"

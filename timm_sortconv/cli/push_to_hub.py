@@ -24,7 +24,7 @@ from timm.models import load_checkpoint
 
 from .. import models  # noqa: F401  (registers the models with timm)
 from ..hub import WEIGHTS_NAME, bundled_weights_dir, push_folder, save_pretrained
-from . import CommandError, run
+from . import CommandError, check_model_name, run
 
 # The clone's model_cards/ folder holds the cards (written by scripts/model_cards.py).
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -58,6 +58,7 @@ def parse_args(argv=None):
 def main(argv=None) -> None:
     """Writes, bundles or uploads one model's folder (see ``--help``)."""
     args = parse_args(argv)
+    check_model_name(args.model)  # a typo is named as such, not as a missing card
     card = Path(args.model_card) if args.model_card else REPO_ROOT / "model_cards" / f"{args.model}.md"
     if not card.is_file():
         raise CommandError(f"no model card at {card}; write one (see model_cards/) or pass --model-card")
