@@ -4,11 +4,13 @@ A model name timm does not know ends a tool in one ``error:`` line naming timm's
 :func:`timm_sortconv.cli.run`), without a traceback, whichever of the tool's model options carries it.
 """
 import json
+import logging
 import subprocess
 import sys
 
 import pytest
 import timm
+import torch
 
 from timm_sortconv import check
 from timm_sortconv.cli import invariance, mnist_results, model_cards, push_to_hub, run, train, validate
@@ -97,3 +99,15 @@ def test_check_prints_its_report_and_writes_a_file_only_where_output_says(one_ca
     printed = capsys.readouterr().out
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["report.md", "sub"]
     assert printed.startswith(report.read_text().rstrip("\n")) and f"Report written to {report}" in printed
+
+
+def test_loading_weights_logs_what_it_loaded(tmp_path, caplog):
+    """timm's log line names the key a checkpoint keeps its weights under, and ``weights`` for a file that is the
+    weights themselves (the bundled safetensors), where timm alone leaves a blank."""
+    with caplog.at_level(logging.INFO, logger="timm"):
+        model = timm.create_model("scnn_p_rs_3", pretrained=True)
+        torch.save({"state_dict": model.state_dict()}, tmp_path / "run.pth.tar")
+        timm.models.load_checkpoint(model, str(tmp_path / "run.pth.tar"))
+    loaded = [r.getMessage() for r in caplog.records if "from checkpoint" in r.getMessage()]
+    assert [m.split(" from checkpoint")[0] for m in loaded] == ["Loaded weights", "Loaded state_dict"], loaded
+    assert loaded[0].endswith("scnn_p_rs_3.safetensors'")

@@ -9,6 +9,7 @@ folder or a Hub repository, with errors that say what is wrong with the folder.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -28,6 +29,21 @@ PACKAGE_WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 WEIGHTS_DIR_ENV = "TIMM_SORTCONV_WEIGHTS_DIR"
 # Hugging Face organisation of the published weights: <model>.<tag> repositories (timm's naming).
 HUB_ORG = "timm-sortconv"
+
+
+class _NameTheWeights(logging.Filter):
+    """timm's ``load_state_dict`` logs ``Loaded {key} from checkpoint '{path}'`` with the key the file keeps its
+    weights under (``state_dict``, ``state_dict_ema``); a file that is the weights themselves, as every
+    safetensors file (the bundled weights, a published folder's) is, has no key, and the line read
+    ``Loaded  from checkpoint``. This filter on timm's logger says ``weights`` there."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and record.msg.startswith("Loaded  from checkpoint "):
+            record.msg = "Loaded weights from checkpoint " + record.msg[len("Loaded  from checkpoint "):]
+        return True
+
+
+logging.getLogger("timm.models._helpers").addFilter(_NameTheWeights())
 
 
 class PretrainedLoadError(RuntimeError):
