@@ -53,6 +53,8 @@ start)
         --runs "$runs" --results "$runs/results" --curve 1 2 5 10 20 40 70 100 --curve-samples 2000 --log-interval 50 \
         "$@" >> "$log" 2>&1 < /dev/null &
     echo $! > "$pidfile"
+    sleep 2
+    if ! running; then echo "error: $name ended at once; the log's end:" >&2; tail -n 5 "$log" >&2; exit 1; fi
     echo "$name: started (process group $!); progress: tail -f $log"
     ;;
 status)
