@@ -244,8 +244,10 @@ def sortify(
     Example:
         >>> import timm
         >>> net, report = sortify(timm.create_model("resnet18"), return_report=True)
-        >>> len(report.replaced), len(report.kept), len(report.centred)
-        (17, 3, 8)
+        >>> all(isinstance(net.get_submodule(name), SortConv2d) for name in report.replaced)
+        True
+        >>> {net.get_submodule(name).kernel_size for name in report.kept}  # the 1x1 shortcut convolutions
+        {(1, 1)}
     """
     check_variant(sampling, sorting)
     check_backend_name(backend)

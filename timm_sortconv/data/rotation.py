@@ -50,10 +50,13 @@ class RotatedDataset(Dataset):
             rotated ones loses it to the resampling (blur, the 8-bit grid), not to the orientation.
 
     Example:
-        >>> mnist_rot = RotatedDataset(MNIST(root, split="test"))  # doctest: +SKIP
-        >>> len(mnist_rot), mnist_rot.angle_of(10000)               # doctest: +SKIP
-        (360000, 10.0)
-        >>> at_90 = mnist_rot.with_angles([90])                     # doctest: +SKIP
+        >>> from timm_sortconv.data import MNIST, mnist_sample_dir
+        >>> test = MNIST(mnist_sample_dir(), split="test")  # the package's sample: 500 test images
+        >>> mnist_rot = RotatedDataset(test)
+        >>> len(mnist_rot) == 36 * len(test), mnist_rot.angle_of(len(test))
+        (True, 10.0)
+        >>> len(mnist_rot.with_angles([90])) == len(test)
+        True
     """
 
     def __init__(self, base: Dataset, angles: Iterable[float] = MNIST_ROT_ANGLES, transform=None,
