@@ -13,7 +13,7 @@ import torch.nn as nn
 import timm_sortconv  # noqa: F401  (registers the models)
 from timm_sortconv import SortConv2d, sortify
 from timm_sortconv.canonical import CANONICALIZERS, MomentCanonicalize2d, create_canonicalizer, moment_angle, \
-    moment_strength
+    moment_terms
 from timm_sortconv.data import create_dataset, mnist_sample_dir
 from timm_sortconv.rotation import rotate, rotate_each
 
@@ -86,24 +86,16 @@ def test_moment_angle_of_a_bar_and_of_a_blank_image():
 
 
 @pytest.mark.parametrize("order", [1, 2, 4])
-def test_moment_strength_ignores_turns_and_lies_in_the_unit_interval(order):
-    x = digits()
-    base = moment_strength(x, order)
-    assert ((base >= 0) & (base <= 1)).all() and base.max() > 0
-    torch.testing.assert_close(moment_strength(torch.rot90(x, 1, (2, 3)), order), base)  # exact turn
-    # a turn between the quarter turns resamples the image: the strength moves by interpolation only
-    assert (moment_strength(turned(x, 30.0), order) - base).abs().median() < 0.1 * base.median()
-
-
-def test_moment_strength_of_a_bar_a_square_and_a_blank_image():
-    x = torch.zeros(3, 1, 15, 15)
-    x[0, 0, 7, 2:13] = 1.0  # a bar has a principal axis
-    x[1, 0, 4:11, 4:11] = 1.0  # a square has none (order 2), but has an order-4 direction
-    s2, s4 = moment_strength(x, 2), moment_strength(x, 4)
-    assert s2[0] > 0.2 and s2[1] < 1e-6 and s4[1] > 0.05
-    assert s2[2] == 0.0 and s4[2] == 0.0
+def test_moment_terms_sum_to_the_moment_whose_argument_is_the_angle(order):
+    """The per-pixel terms of c_k: zero outside the disc, and their sum's argument over k is the moment angle."""
+    x = digits(4)
+    real, imag = moment_terms(x, order)
+    assert real.shape == imag.shape == (4, 28, 28) and real.dtype == torch.float64
+    assert (real[:, 0, 0] == 0).all() and (imag[:, 0, 0] == 0).all()  # a corner lies outside the inscribed disc
+    angle = torch.rad2deg(torch.atan2(imag.sum((1, 2)), real.sum((1, 2)))) / order
+    torch.testing.assert_close(angle, moment_angle(x, order))
     with pytest.raises(ValueError, match="N, C, H, W"):
-        moment_strength(x[0])
+        moment_terms(x[0])
 
 
 def test_canonicalizer_takes_one_unbatched_image_and_angles_on_another_device():

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from conftest import REPO, load_script
 from timm_sortconv.grid import (CentredAvgPool2d, CentredConv2d, CentredMaxPool2d, centre_grid, centre_grid_same,
-                                check_stride_align, conv_class, pool_class)
+                                check_stride_align, plain_conv_layer, pool_class)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -93,7 +93,13 @@ def test_same_padding_gives_tensorflow_sizes_and_turns_with_the_input(kernel, st
 
 
 def test_classes_and_errors():
-    assert conv_class("centre") is CentredConv2d and conv_class("corner") is nn.Conv2d
+    assert plain_conv_layer("corner") is nn.Conv2d
+    make = plain_conv_layer("centre")
+    for args, kwargs, expected in [((2, 4, 3), {}, nn.Conv2d), ((2, 4, 3, 1, 1), {}, nn.Conv2d),
+                                   ((2, 4, 3), dict(stride=(1, 1)), nn.Conv2d), ((2, 4, 3, 2), {}, CentredConv2d),
+                                   ((2, 4, 1), dict(stride=(1, 2)), CentredConv2d)]:
+        conv = make(*args, **kwargs)
+        assert type(conv) is expected and (conv.in_channels, conv.out_channels) == (2, 4), (args, kwargs)
     assert pool_class("max", "centre") is CentredMaxPool2d and pool_class("avg", "corner") is nn.AvgPool2d
     assert check_stride_align("corner") == "corner"
     with pytest.raises(ValueError, match="stride_align='left' is not accepted; use 'centre'"):

@@ -10,7 +10,7 @@ from timm.models import FeatureListNet, group_parameters
 
 import timm_sortconv  # noqa: F401  (registers the models)
 from timm_sortconv import SortConv2d, quarter_turn_check
-from timm_sortconv.grid import CentredAvgPool2d, CentredConv2d, CentredMaxPool2d
+from timm_sortconv.grid import CentredConv2d, CentredMaxPool2d
 from timm_sortconv.hub import bundled_weights_dir
 from timm_sortconv.models.scnn import SCNN
 from conftest import quick_first, randomise_batchnorm
@@ -92,23 +92,18 @@ def test_scnn_logits_are_exactly_invariant_to_quarter_turns(name):
     assert _quarter_turn_error(model, torch.randn(1, 1, 28, 28, dtype=torch.float64)) < 1e-12
 
 
-def test_scnn_average_downsampling_keeps_parameters_and_quarter_turn_invariance():
-    torch.manual_seed(0)
-    paper = timm.create_model("scnn_p_rs_7")
-    model = timm.create_model("scnn_p_rs_7", downsample="avg").double().eval()
-    pools = [m for m in model.modules() if isinstance(m, (nn.MaxPool2d, nn.AvgPool2d))]
-    assert [type(m) for m in pools] == [CentredAvgPool2d, CentredAvgPool2d]
-    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in paper.parameters())
-    randomise_batchnorm(model)
-    x = torch.randn(2, 1, 28, 28, dtype=torch.float64)
-    assert _quarter_turn_error(model, x) < 1e-12
-    # and it is a different network from the paper's on the same weights
-    paper = paper.double().eval()
-    paper.load_state_dict(model.state_dict())
-    with torch.no_grad():
-        assert not torch.allclose(paper(x), model(x))
-    with pytest.raises(ValueError, match="downsample='blur'.*'max', 'avg'"):
-        timm.create_model("scnn_p_rs_7", downsample="blur")
+@pytest.mark.parametrize("name", SCNN_BASELINES + RI_BASELINES)
+def test_the_plain_twins_are_plain_convolutions_wherever_the_stride_is_one(name):
+    """Tools that match the exact type (a converter such as GMR-Conv's, quantization, FLOP counters) see the
+    twins as the plain networks they are: every unit-stride convolution is exactly ``nn.Conv2d``; only a strided
+    one, whose grid the default ``stride_align="centre"`` centres, is a ``CentredConv2d`` (``nn.Conv2d`` with
+    PyTorch's grid)."""
+    for align, strided_class in (("centre", CentredConv2d), ("corner", nn.Conv2d)):
+        convs = [m for m in timm.create_model(name, stride_align=align).modules() if isinstance(m, nn.Conv2d)]
+        assert convs and all(type(m) is (nn.Conv2d if m.stride == (1, 1) else strided_class) for m in convs)
+        assert any(m.stride == (1, 1) for m in convs)
+    strided = {"ri_resnet18_baseline": 6, "ri_densenet40_baseline": 1}.get(name, 0)  # 3x3 and 1x1 shortcut
+    assert sum(type(m) is CentredConv2d for m in timm.create_model(name).modules()) == strided
 
 
 def _exact_at(name, sizes, **kwargs):

@@ -1,21 +1,15 @@
-"""``sampling="polar-offset"``, the fixed low-pass layers of :mod:`timm_sortconv.lowpass` and the SCNN
-options built on them (blur, blurred downsampling, padding mode).
+"""``sampling="polar-offset"`` (the research options of the SCNN are tested in ``tests/research/``).
 
 The properties asserted: the offset points lie where the docstring says and ring 1 reads all of them
 through one blend, the operator is exactly equivariant to quarter turns on every backend and the
-fast backends agree with the reference path in value and gradient, the low-pass layers commute with
-quarter turns and attenuate what downsampling aliases, and the SCNN options keep the parameters and
-the exact quarter-turn invariance.
+fast backends agree with the reference path in value and gradient.
 """
 import math
 
 import pytest
-import timm
 import torch
-import torch.nn as nn
 
 from timm_sortconv import sort_conv2d
-from timm_sortconv.lowpass import BlurPool2d, GaussianBlur2d, create_downsample, gaussian_kernel1d
 from timm_sortconv.ops import available_backends
 from timm_sortconv.ops.geometry import get_geometry
 
@@ -106,70 +100,3 @@ def test_offset_gradcheck():
     for backend in ["reference"] + FAST:
         assert torch.autograd.gradcheck(
             lambda x, w: sort_conv2d(x, w, padding=1, sampling="polar-offset", backend=backend), (x, weight))
-
-
-# -------------------------------------------------------------------------------------------------------
-# Low-pass layers and the SCNN options
-# -------------------------------------------------------------------------------------------------------
-
-def test_gaussian_kernel_is_normalised_and_symmetric():
-    for sigma in (0.5, 0.7, 1.0, 2.0):
-        g = gaussian_kernel1d(sigma, torch.float64)
-        assert len(g) == 2 * math.ceil(2 * sigma) + 1
-        assert g.sum().item() == pytest.approx(1.0, abs=1e-12)
-        assert torch.equal(g, g.flip(0))
-    with pytest.raises(ValueError, match="positive"):
-        gaussian_kernel1d(0)
-
-
-@pytest.mark.parametrize("layer", [GaussianBlur2d(0.7), BlurPool2d("avg"), BlurPool2d("max")])
-@pytest.mark.parametrize("size", (28, 14))
-def test_lowpass_layers_commute_with_quarter_turns(layer, size):
-    x = randn(2, 3, size, size)
-    out = layer(x)
-    assert out.shape[-1] == (size if isinstance(layer, GaussianBlur2d) else size // 2)
-    for turns in (1, 2, 3):
-        assert (layer(torch.rot90(x, turns, (2, 3))) - torch.rot90(out, turns, (2, 3))).abs().max() < 1e-12
-
-
-def test_blur_pool_attenuates_what_downsampling_aliases():
-    """Stripes of period 4 pixels become the highest frequency of the downsampled map (aliasing); the
-    binomial filter passes cos(pi/4)^3 of them, half of what 2x2 average pooling passes (cos(pi/4))."""
-    cols = torch.arange(16, dtype=torch.float64)
-    stripes = torch.cos(math.pi * cols / 2).expand(1, 1, 16, 16).contiguous()
-    box = nn.AvgPool2d(2)(stripes)[..., 2:-2, 2:-2].abs().max().item()
-    blurred = BlurPool2d("avg")(stripes)[..., 2:-2, 2:-2].abs().max().item()
-    assert box == pytest.approx(math.cos(math.pi / 4) / math.sqrt(2), abs=1e-12)
-    assert blurred == pytest.approx(box / 2, abs=1e-12)
-
-
-def test_bad_downsample_and_blur_pool_mode():
-    with pytest.raises(ValueError, match="'max', 'avg', 'blur-avg', 'blur-max'"):
-        create_downsample("blur")
-    with pytest.raises(ValueError, match="'avg' or 'max'"):
-        BlurPool2d("min")
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("kwargs", [dict(blur_sigma=0.7), dict(downsample="blur-max"), dict(downsample="blur-avg"),
-                                    dict(blur_sigma=(0.7, 0, 0, 0, 0, 0)), dict(padding_mode="replicate")])
-def test_scnn_options_keep_parameters_and_exact_quarter_turn_invariance(kwargs):
-    torch.manual_seed(0)
-    paper = timm.create_model("scnn_p_rs_5")
-    model = timm.create_model("scnn_p_rs_5", **kwargs).double().eval()
-    assert [n for n, _ in model.named_parameters()] == [n for n, _ in paper.named_parameters()]
-    model.load_state_dict(paper.state_dict())  # no new state: the filters are fixed, not saved
-    x = torch.randn(2, 1, 28, 28, dtype=torch.float64)
-    with torch.no_grad():
-        out = model(torch.cat([torch.rot90(x, t, (2, 3)) for t in range(4)])).view(4, 2, -1)
-        assert (out[1:] - out[0]).abs().max() < 1e-12 * out.abs().max()
-        assert not torch.allclose(out[0], paper.double().eval()(x))
-
-
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(blur_sigma=-1), "blur_sigma"), (dict(blur_sigma=(1, 2)), "six"),
-    (dict(downsample="median"), "downsample='median'"),
-])
-def test_scnn_bad_options(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        timm.create_model("scnn_p_rs_3", **kwargs)

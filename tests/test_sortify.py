@@ -281,8 +281,15 @@ def test_bad_arguments_are_rejected(kwargs, error):
 
 
 def test_the_plain_twins_of_this_package_sortify_into_exact_networks():
-    """Their convolutions are CentredConv2d (plain, with a centred grid): sortify converts them like nn.Conv2d,
-    and the result is exactly invariant at an odd size."""
+    """Their convolutions are plain (``nn.Conv2d``, a strided one a ``CentredConv2d``): sortify converts them, and
+    the result is exactly invariant at an odd size."""
     model, report = sortify(timm.create_model("scnn_baseline_3", channels=(2,) * 6), return_report=True)
     assert len(report.replaced) == 6 and not report.skipped
     assert quarter_turn_check(model, 29, batch=1).exact
+    # a strided stem (CentredConv2d) becomes a centred SortConv2d; the 1x1 transitions stay exactly nn.Conv2d
+    model, report = sortify(timm.create_model("ri_densenet40_baseline", growth_rate=2, block_config=(2, 2, 2),
+                                              stem_width=4, num_classes=3), return_report=True)
+    assert model.features.conv0.stride_align == "centre" and "features.conv0" in report.replaced
+    kept = [model.get_submodule(name) for name in report.kept]
+    assert len(kept) == 2 and all(type(m) is nn.Conv2d for m in kept)
+    assert quarter_turn_check(model, 33, batch=1).exact

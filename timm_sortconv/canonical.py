@@ -28,7 +28,7 @@ because ``arg`` has no useful gradient where the moment is small.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -36,8 +36,8 @@ from timm.layers import register_notrace_module
 
 from .rotation import _rotate_each
 
-__all__ = ["CANONICALIZERS", "MomentCanonicalize2d", "canonical_order", "create_canonicalizer", "moment_angle",
-           "moment_strength"]
+__all__ = ["CANONICALIZERS", "CanonicalInputMixin", "MomentCanonicalize2d", "canonical_order", "create_canonicalizer",
+           "moment_angle", "moment_terms"]
 
 #: Names accepted by :func:`create_canonicalizer` (and the models' ``canonicalize=``), by moment order.
 CANONICALIZERS = {"moment1": 1, "moment2": 2, "moment4": 4}
@@ -74,31 +74,32 @@ def moment_angle(images: torch.Tensor, order: int = 2) -> torch.Tensor:
     return _moment_angle(images, order)
 
 
-def moment_strength(images: torch.Tensor, order: int = 2) -> torch.Tensor:
-    """How strongly each image is oriented at order ``k``: ``|c_k| / sum_p w(r_p) |I(p) - m| r_p^k``.
+def moment_terms(images: torch.Tensor, order: int = 2) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Each pixel's term ``w(r_p) (I(p) - m) r_p^k exp(i k theta_p)`` of the order-``k`` angular moment ``c_k``
+    (the module docstring defines them): their sum is ``c_k``, whose argument :func:`moment_angle` reads.
 
-    The ratio lies in ``[0, 1]``; it does not change when the image is turned (both sums turn with it), and
-    it is small where :func:`moment_angle` is set by details of the shape rather than by one dominant
-    direction (a round digit for ``k = 2``), so that such images are turned to orientations that differ
-    from one writer to the next. Same arguments as :func:`moment_angle`; returns ``(N,)`` (0 for a blank
-    image).
+    Args:
+        images: ``(N, C, H, W)``; the channels are averaged first.
+        order: ``k >= 1``.
+
+    Returns:
+        ``(real, imag)``, each ``(N, H, W)``, float32 (float64 for float64 input); zero outside the disc.
 
     Example:
-        >>> x = torch.zeros(2, 1, 15, 15)
-        >>> x[0, 0, 7, 2:13] = 1.0  # a bar: oriented (the background counts in the denominator)
-        >>> x[1, 0, 4:11, 4:11] = 1.0  # a square: no order-2 direction
-        >>> [round(v, 2) for v in moment_strength(x).tolist()]
-        [0.33, 0.0]
+        >>> x = torch.zeros(1, 1, 15, 15)
+        >>> x[0, 0, 7, 2:13] = 1.0  # a horizontal bar: c_2 is real and positive
+        >>> real, imag = moment_terms(x)
+        >>> real.shape, round(real.sum().item()), round(imag.sum().item())
+        (torch.Size([1, 15, 15]), 110, 0)
     """
     if images.dim() != 4:
-        raise ValueError(f"moment_strength expects images of shape (N, C, H, W), got {list(images.shape)}")
+        raise ValueError(f"moment_terms expects images of shape (N, C, H, W), got {list(images.shape)}")
     _check_order(order)
-    real, imag, total = _moment(images, order)
-    return torch.sqrt(real * real + imag * imag) / total.clamp_min(1e-12)
+    return _moment_terms(images, order)
 
 
-def _moment(images: torch.Tensor, order: int):
-    """``(Re c_k, Im c_k, sum w |I - m| r^k)`` per image (the module docstring defines ``c_k``)."""
+def _moment_terms(images: torch.Tensor, order: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`moment_terms` without the argument checks."""
     dtype = torch.float64 if images.dtype == torch.float64 else torch.float32
     x = images.detach().to(dtype).mean(dim=1)
     h, w = x.shape[-2], x.shape[-1]
@@ -111,26 +112,15 @@ def _moment(images: torch.Tensor, order: int):
     theta = torch.atan2(-yy, xx)
     weight = disc * radius.pow(order)
     centred = x - (x * disc).sum(dim=(-2, -1), keepdim=True) / disc.sum().clamp_min(1e-12)
-    real = (centred * weight * torch.cos(order * theta)).sum(dim=(-2, -1))
-    imag = (centred * weight * torch.sin(order * theta)).sum(dim=(-2, -1))
-    return real, imag, (centred.abs() * weight).sum(dim=(-2, -1))
+    return centred * weight * torch.cos(order * theta), centred * weight * torch.sin(order * theta)
 
 
 def _moment_angle(images: torch.Tensor, order: int) -> torch.Tensor:
     """:func:`moment_angle` without the argument checks (TorchScript compiles this one)."""
-    real, imag, _ = _moment(images, order)
+    real, imag = _moment_terms(images, order)
+    real, imag = real.sum(dim=(-2, -1)), imag.sum(dim=(-2, -1))
     # plain arithmetic rather than torch.rad2deg, which ONNX export does not know
     return torch.atan2(imag, real) * (180.0 / math.pi / order)
-
-
-def _canonicalize(images: torch.Tensor, order: int, padding_mode: str) -> torch.Tensor:
-    """``images`` (``(N, C, H, W)`` or one ``(C, H, W)``) turned to their order-``order`` moment orientation;
-    unchanged for order 0. Shared by :class:`MomentCanonicalize2d` and ``SortConv2d(canonicalize=)``."""
-    if order == 0:
-        return images
-    batch = images if images.dim() == 4 else images.unsqueeze(0)
-    out = _rotate_each(batch, -_moment_angle(batch, order), padding_mode)
-    return out if images.dim() == 4 else out.squeeze(0)
 
 
 # timm's FX feature extraction treats it as a leaf: its sizes come from the input's shape in Python.
@@ -167,7 +157,9 @@ class MomentCanonicalize2d(nn.Module):
         self.padding_mode = padding_mode
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _canonicalize(x, self.order, self.padding_mode)
+        batch = x if x.dim() == 4 else x.unsqueeze(0)
+        out = _rotate_each(batch, -_moment_angle(batch, self.order), self.padding_mode)
+        return out if x.dim() == 4 else out.squeeze(0)
 
     def extra_repr(self) -> str:
         return f"order={self.order}, padding_mode={self.padding_mode!r}"
@@ -187,3 +179,42 @@ def create_canonicalizer(name: Optional[str]) -> nn.Module:
     :class:`MomentCanonicalize2d` of order ``K`` (``CANONICALIZERS`` lists them)."""
     order = canonical_order(name)
     return nn.Identity() if order == 0 else MomentCanonicalize2d(order)
+
+
+class CanonicalInputMixin:
+    """The one place where a model of this package turns its input: timm's two entry points from an image,
+    ``forward_features`` and ``forward_intermediates``, apply ``self.canonicalize`` and hand the turned image to
+    the model's ``_forward_features`` / ``_forward_intermediates`` (``forward`` goes through ``forward_features``).
+
+    Contract: the model's ``__init__`` sets ``self.canonicalize`` (:func:`create_canonicalizer`: ``nn.Identity``
+    or a :class:`MomentCanonicalize2d`) before its other modules, so that timm's ``features_only`` wrappers, which
+    run the model's children in order, run it first too; :func:`~timm_sortconv.sortify` fills the same slot. The
+    model defines ``_forward_features(x)`` and ``_forward_intermediates(x, indices, norm, stop_early, output_fmt,
+    intermediates_only)`` for the turned image.
+    """
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        return self._forward_features(self.canonicalize(x))
+
+    def forward_intermediates(
+            self,
+            x: torch.Tensor,
+            indices: Optional[Union[int, List[int]]] = None,
+            norm: bool = False,
+            stop_early: bool = False,
+            output_fmt: str = "NCHW",
+            intermediates_only: bool = False,
+    ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
+        """Features and the intermediates at the model's taps (``feature_info``; the model's
+        ``_forward_intermediates`` says which they are).
+
+        Args:
+            x: input images.
+            indices: last n taps if int, all if None, these ones if a sequence.
+            norm: unused (no norm after the last tap).
+            stop_early: stop after the last requested tap.
+            output_fmt: ``"NCHW"`` only.
+            intermediates_only: return only the intermediates.
+        """
+        return self._forward_intermediates(self.canonicalize(x), indices, norm, stop_early, output_fmt,
+                                           intermediates_only)

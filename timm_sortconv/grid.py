@@ -27,7 +27,8 @@ paper's networks).
 """
 from __future__ import annotations
 
-from typing import List, Optional
+import inspect
+from typing import Callable, List, Optional
 
 import torch
 import torch.nn as nn
@@ -36,7 +37,7 @@ from timm.layers import register_notrace_module
 from torch.nn.modules.utils import _pair
 
 __all__ = ["CENTRED_LAYERS", "STRIDE_ALIGNS", "CentredAvgPool2d", "CentredConv2d", "CentredMaxPool2d", "centre_grid",
-           "centre_grid_same", "check_stride_align", "conv_class", "pool_class"]
+           "centre_grid_same", "check_stride_align", "plain_conv_layer", "pool_class"]
 
 STRIDE_ALIGNS = ("centre", "corner")
 
@@ -115,7 +116,8 @@ def centre_grid_same(x: torch.Tensor, kernel_size: List[int], stride: List[int],
 class CentredConv2d(nn.Conv2d):
     """``nn.Conv2d`` whose strided grid is centred (:func:`centre_grid`): same constructor, parameters and
     ``state_dict`` keys. For the plain strided convolutions of an SC network (``1 x 1`` shortcut projections,
-    a plain twin), whose grid must be the same as the sorting layers' beside them."""
+    a plain twin), whose grid must be the same as the sorting layers' beside them; a unit-stride convolution
+    has nothing to centre and stays an ``nn.Conv2d`` (:func:`plain_conv_layer`)."""
 
     def _conv_forward(self, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         # nn.Conv2d's own _conv_forward, after centring (TorchScript compiles no super() call)
@@ -209,10 +211,27 @@ def _grid_args(kernel_size, stride, padding, dilation) -> List[List[int]]:
 CENTRED_LAYERS = (CentredConv2d, CentredMaxPool2d, CentredAvgPool2d)
 
 
-def conv_class(stride_align: str) -> type:
-    """The plain convolution class of a network built with ``stride_align``: :class:`CentredConv2d` for
-    ``"centre"`` (the same as ``nn.Conv2d`` at unit stride), ``nn.Conv2d`` for ``"corner"``."""
-    return CentredConv2d if check_stride_align(stride_align) == "centre" else nn.Conv2d
+_CONV2D_SIGNATURE = inspect.signature(nn.Conv2d)
+
+
+def _plain_or_centred_conv(*args, **kwargs) -> nn.Conv2d:
+    """``nn.Conv2d(*args, **kwargs)``, or :class:`CentredConv2d` with the same arguments where the stride is not 1."""
+    stride = _pair(_CONV2D_SIGNATURE.bind(*args, **kwargs).arguments.get("stride", 1))
+    return (nn.Conv2d if stride == (1, 1) else CentredConv2d)(*args, **kwargs)
+
+
+def plain_conv_layer(stride_align: str) -> Callable[..., nn.Conv2d]:
+    """What builds the plain convolutions of a network with ``stride_align``: ``nn.Conv2d`` for ``"corner"``; for
+    ``"centre"`` a factory taking ``nn.Conv2d``'s arguments that gives a :class:`CentredConv2d` where the stride is
+    not 1 and an ``nn.Conv2d`` where it is (no grid to centre: tools that match the exact type see a plain
+    convolution).
+
+    Example:
+        >>> make = plain_conv_layer("centre")
+        >>> type(make(4, 8, 3, padding=1)).__name__, type(make(4, 8, 1, stride=2)).__name__
+        ('Conv2d', 'CentredConv2d')
+    """
+    return _plain_or_centred_conv if check_stride_align(stride_align) == "centre" else nn.Conv2d
 
 
 def pool_class(kind: str, stride_align: str) -> type:

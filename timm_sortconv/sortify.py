@@ -26,7 +26,8 @@ Each convolution of the model gets exactly one verdict, checked in this order:
 With ``stride_align="centre"`` (default) every strided layer is also given a grid of windows centred on
 the image (:mod:`timm_sortconv.grid`), so that a quarter turn of the input maps it onto itself at every
 input size: the new SC layers, the strided plain convolutions that are kept (``1 x 1`` shortcut
-projections; they become :class:`~timm_sortconv.grid.CentredConv2d`) and ``nn.MaxPool2d`` /
+projections; they become :class:`~timm_sortconv.grid.CentredConv2d`, while unit-stride ones stay exactly what
+they were) and ``nn.MaxPool2d`` /
 ``nn.AvgPool2d`` (:class:`~timm_sortconv.grid.CentredMaxPool2d`, :class:`~timm_sortconv.grid.CentredAvgPool2d`);
 they are listed as "centred" (layers centred already are left as they are). A strided layer it cannot
 centre (an excluded or skipped convolution, a pooling layer of another class, ``ceil_mode=True``, a
@@ -47,7 +48,7 @@ import torch.nn as nn
 from timm.layers import CondConv2d, Conv2dSame
 from timm.layers.conv2d_same import Conv2dSameExport
 
-from .canonical import canonical_order, create_canonicalizer
+from .canonical import CanonicalInputMixin, canonical_order, create_canonicalizer
 from .grid import CENTRED_LAYERS, CentredAvgPool2d, CentredConv2d, CentredMaxPool2d, check_stride_align
 from .layers import SortConv2d, SortConv2dSame
 from .ops.backends import check_backend_name
@@ -173,12 +174,11 @@ def _centred_twin(module: nn.Module) -> Tuple[Optional[nn.Module], str]:
 
 
 def _add_canonicalizer(model: nn.Module, canonicalize: str) -> None:
-    """Puts :func:`~timm_sortconv.canonical.create_canonicalizer` ``(canonicalize)`` in front of ``model``: as
-    ``model.canonicalize`` where the model applies that attribute itself (this package's models, whose slot holds
-    ``nn.Identity``), else registered as ``model.canonicalize`` and applied by a forward pre-hook."""
-    applied_by_model = isinstance(getattr(model, "canonicalize", None), nn.Identity)
+    """Puts :func:`~timm_sortconv.canonical.create_canonicalizer` ``(canonicalize)`` in front of ``model`` as
+    ``model.canonicalize``: where the model applies that slot itself (this package's models,
+    :class:`~timm_sortconv.canonical.CanonicalInputMixin`) it fills the slot, else a forward pre-hook applies it."""
     model.canonicalize = create_canonicalizer(canonicalize)
-    if not applied_by_model:
+    if not isinstance(model, CanonicalInputMixin):
         model.register_forward_pre_hook(_canonicalize_input)
 
 
@@ -213,7 +213,7 @@ def sortify(
     Args:
         model: any ``nn.Module``; it is modified in place. If ``model`` is itself a convolution the
             converted module is returned, so always use the return value.
-        sampling: ``"polar"``, ``"polar-offset"`` or ``"square"``.
+        sampling: ``"polar"`` or ``"square"``.
         sorting: ``"ring"``, ``"global"``, ``"c4"`` or ``"c2"`` (:func:`~timm_sortconv.sort_conv2d`).
         min_kernel_size: square kernels smaller than this stay plain (default 2: only ``1 x 1`` kept, which
             commutes with rotations).
@@ -229,10 +229,10 @@ def sortify(
             pixels, and the result is exactly invariant to quarter turns like an odd kernel's.
         canonicalize: ``None``, or ``"moment2"``/``"moment4"``/``"moment1"``: each input image is first turned
             to the orientation of its angular moment (:mod:`timm_sortconv.canonical`), by a module put in
-            front of the model (``model.canonicalize``: this package's models apply it in ``forward``, any
-            other model through a forward pre-hook, which only a call of the model itself runs, not
-            ``forward_features`` or FX tracing), so that the
-            model's invariance covers the angles between the quarter turns (with ``sorting="c2"``:
+            front of the model (``model.canonicalize``: this package's models apply it in ``forward_features``
+            and ``forward_intermediates``, :class:`~timm_sortconv.canonical.CanonicalInputMixin`; any other
+            model through a forward pre-hook, which only a call of the model itself runs, not
+            ``forward_features`` or FX tracing), so that the model's invariance covers the angles between the quarter turns (with ``sorting="c2"``:
             ``"moment2"`` or ``"moment1"``). It has no parameters, so the ``state_dict`` keys do not change.
             A model that turns its input already is refused before anything changes.
         return_report: also return the :class:`SortifyReport`.

@@ -26,9 +26,10 @@ For a network that is exactly invariant to quarter turns (every SCNN on 28x28 in
 0..80 give the same mean as 0..350, at a quarter of the cost: ``--angles 0:90:10`` is what screening
 rows use, and the full 36 angles what peers (not exactly quarter-turn invariant) and final rows use.
 
-``--pretrained`` trains nothing: it sweeps the bundled weights of ``--model`` built with
-``--model-kwargs``, which tests an option that adds no parameters (e.g. ``blur_sigma=0.7``) on weights
-trained without it.
+``--model-kwargs`` also take the SCNN options of ``scnn_options.py`` beside this script (``blur_sigma``,
+``downsample``, ``padding_mode``), which the package does not ship. ``--pretrained`` trains nothing: it sweeps
+the bundled weights of ``--model`` built with ``--model-kwargs``, which tests an option that adds no parameters
+(e.g. ``blur_sigma=0.7``) on weights trained without it.
 
 Peers and screening layers (``--model`` names that are not timm models: ``e2cnn``, ``orientmax:``/``orientkey:``,
 ``frames<pool><K>x<step>:``, ``gmr:``) are defined and explained in ``peers.py`` beside this script.
@@ -43,8 +44,8 @@ images are rotated by 45 degrees: the mean of ``||f(rotated) - f(upright)||`` re
 ``||f(upright)||``, and relative to the mean distance between the ten class centroids of the upright
 features (how far the rotation moves an image compared with how far apart the classes are); it writes
 ``<results>/features.json``. ``--turn-cost WITHOUT WITH`` compares two stored rows' upright accuracy, image by
-image, by how strongly each upright image is oriented (:func:`~timm_sortconv.canonical.moment_strength`) and
-by class: where a canonical turn costs what it costs.
+image, by how strongly each upright image is oriented (:func:`moment_strength`) and by class: where a canonical
+turn costs what it costs. ``--csv OUT`` writes every row under ``--results`` as one line of a CSV (:func:`write_csv`).
 
 Example::
 
@@ -56,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import csv
 import json
 import math
 import re
@@ -63,23 +65,21 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
-import timm
 import torch
 import torch.nn.functional as F
 
+import scnn_options
 from peers import MNIST_CFG, E2CNN, FrameAverage, gmr_convert, orient_convert
-from timm_sortconv.canonical import moment_strength
+from timm_sortconv.canonical import moment_terms
 from timm_sortconv.cli import CommandError, key_value, parse_key_values, run
 from timm_sortconv.data import RotatedDataset, cap_samples, create_dataset
-from timm_sortconv.models import SCNN  # importing the models registers them with timm
 from timm_sortconv.rotation import parse_rotations, rotate
 
 # The rows this repository keeps (RESULTS.md); --results names another folder.
 RESULTS = Path(__file__).resolve().parent / "results" / "ablation" / "screen"
-
 
 
 def load_split(data_dir: str, split: str, samples: int, seed: int):
@@ -108,9 +108,10 @@ def rotated_sweep(data_dir: str, samples: int, angles: List[float], cache_dir: s
 
 def create_model(name: str, kwargs: Dict) -> torch.nn.Module:
     """A timm model, ``"scnn"`` (``timm_sortconv.models.SCNN(**kwargs)``, for variants that no entrypoint
-    names, e.g. ``sampling="polar-offset"``), or one of the peers of the module docstring."""
+    names, e.g. ``sorting="c2"``), or one of the peers of the module docstring; ``kwargs`` may hold
+    the options of ``scnn_options.py``."""
     if name == "scnn":
-        model = SCNN(**kwargs)
+        model = scnn_options.create_model("scnn", **kwargs)
         model.pretrained_cfg = MNIST_CFG
         return model
     if name == "e2cnn":
@@ -133,8 +134,8 @@ def create_model(name: str, kwargs: Dict) -> torch.nn.Module:
         offsets = [(j - (k - 1) / 2) * step for j in range(k)]
         return FrameAverage(create_model(base, kwargs), offsets, match.group(1))
     if name.startswith("gmr:"):
-        return gmr_convert(timm.create_model(name[4:], **kwargs))
-    return timm.create_model(name, **kwargs)
+        return gmr_convert(scnn_options.create_model(name[4:], **kwargs))
+    return scnn_options.create_model(name, **kwargs)
 
 
 CANVAS = 28  # --canvas: images are padded with black (0) to CANVAS x CANVAS before normalisation
@@ -229,7 +230,7 @@ def run_rows(args) -> None:
             continue
         torch.manual_seed(seed)
         if args.pretrained:
-            model = timm.create_model(args.model, pretrained=True, **kwargs)
+            model = scnn_options.create_model(args.model, pretrained=True, **kwargs)
             seconds, train_samples = 0.0, 0
         else:
             model = create_model(args.model, kwargs)
@@ -292,7 +293,7 @@ def features(args) -> None:
         model = create_model(row["model"], row["model_kwargs"])
         untrained = feature_change(model, images[0], images[1], labels)
         if bundled:
-            model = timm.create_model(row["model"], pretrained=True, **row["model_kwargs"])
+            model = scnn_options.create_model(row["model"], pretrained=True, **row["model_kwargs"])
         else:
             model.train()  # as when the weights were saved (e2cnn keeps expanded filters only in eval mode)
             model.load_state_dict(torch.load(weights))
@@ -309,15 +310,21 @@ def _load_seeds(row: Path) -> Dict[int, Dict]:
     return {s["seed"]: s for s in (json.loads(f.read_text()) for f in sorted(row.glob("seed*.json")))}
 
 
-def paired_difference(row: Dict[int, Dict], reference: Dict[int, Dict], key: str) -> Optional[str]:
-    """``"+d ± se"``: the mean over the seeds both rows ran of (row - reference) in ``key``, with the standard
-    error of that mean; ``None`` with fewer than two common seeds. A seed fixes the initial weights and the
-    order of the images, so the same seed of two rows that add no parameters starts from the same network."""
+def paired_change(row: Dict[int, Dict], reference: Dict[int, Dict], key: str) -> Optional[Tuple[float, float]]:
+    """``(mean, standard error)`` over the seeds both rows ran of (row - reference) in ``key``; ``None`` with
+    fewer than two common seeds. A seed fixes the initial weights and the order of the images, so the same seed
+    of two rows that add no parameters starts from the same network."""
     common = sorted(set(row) & set(reference))
     if len(common) < 2:
         return None
     diffs = np.array([row[s][key] - reference[s][key] for s in common])
-    return f"{diffs.mean():+.2f} ± {diffs.std(ddof=1) / np.sqrt(len(diffs)):.2f}"
+    return float(diffs.mean()), float(diffs.std(ddof=1) / np.sqrt(len(diffs)))
+
+
+def paired_difference(row: Dict[int, Dict], reference: Dict[int, Dict], key: str) -> Optional[str]:
+    """:func:`paired_change` as ``"+d ± se"``."""
+    difference = paired_change(row, reference, key)
+    return None if difference is None else f"{difference[0]:+.2f} ± {difference[1]:.2f}"
 
 
 def table(results: str, paired: Optional[str] = None) -> str:
@@ -368,6 +375,84 @@ def table(results: str, paired: Optional[str] = None) -> str:
     return "\n".join(lines)
 
 
+# Where the commands recorded in older seed JSONs pointed, and where the same files are now.
+_MOVED = (("scripts/ablation.py", "scripts/research/ablation.py"),
+          ("results/mnist/ablation/", "scripts/research/results/ablation/"))
+
+
+def _portable_command(command: str) -> str:
+    """A seed's recorded command as it runs from this checkout: today's paths, ``DATA`` for the MNIST folder, and
+    without the machine's ``--output``/``--cache-dir`` folders (the defaults serve)."""
+    for old, new in _MOVED:
+        command = command.replace(old, new)
+    command = re.sub(r"--data-dir \S+", "--data-dir DATA", command)
+    return re.sub(r" --(?:output|cache-dir) \S+", "", command)
+
+
+CSV_COLUMNS = ("group", "row", "change", "vs", "seeds", "model", "model_kwargs", "train_samples", "epochs",
+               "batch_size", "lr", "weight_decay", "train_rotation", "params", "images", "angles", "mean", "mean_se",
+               "mean_sd", "upright", "worst", "worst_angles", "dip", "dip_se", "paired_mean", "paired_mean_se",
+               "paired_worst", "paired_worst_se", "paired_dip", "paired_dip_se", "train_minutes", "command")
+
+
+def write_csv(results: str, out: str, rows_file: Optional[str] = None) -> int:
+    """Writes every row under ``results`` as one CSV line (:data:`CSV_COLUMNS`) and returns how many.
+
+    Numbers are means over the row's seeds, unrounded (``*_se``: the mean per-seed standard error over images; ``mean_sd``:
+    the spread between seeds; ``worst_angles``: each seed's worst angle), the training recipe is the first seed's,
+    ``train_minutes`` the range over seeds, ``command`` the first seed's (:func:`_portable_command`). ``rows_file``
+    (default ``<results>/rows.csv``; columns ``group, row, vs, change``) orders the rows and says what each changes
+    and which row it is compared with: the ``paired_*`` columns are :func:`paired_change` from that row, for rows
+    with its parameter count. Rows it does not list follow, by name, with those columns empty.
+    """
+    results_dir = Path(results)
+    rows_path = Path(rows_file) if rows_file else results_dir / "rows.csv"
+    notes = {}
+    if rows_path.is_file():
+        with open(rows_path, newline="") as f:
+            notes = {entry["row"]: entry for entry in csv.DictReader(f)}
+    found = {p.name: _load_seeds(p) for p in results_dir.iterdir() if p.is_dir()}
+    found = {name: seeds for name, seeds in found.items() if seeds}
+    missing = sorted(set(notes) - set(found))
+    if missing:
+        raise CommandError(f"--csv: {rows_path} lists rows with no seed*.json under {results_dir}: {', '.join(missing)}")
+    names = [name for name in notes] + sorted(set(found) - set(notes))
+    lines = []
+    for name in names:
+        seeds = found[name]
+        runs = [seeds[s] for s in sorted(seeds)]
+        first = runs[0]
+        note = notes.get(name, {})
+
+        def mean(key: str) -> float:
+            return float(np.mean([r[key] for r in runs]))
+
+        line = dict(group=note.get("group", ""), row=name, change=note.get("change", ""), vs=note.get("vs", ""),
+                    seeds=" ".join(str(s) for s in sorted(seeds)), model=first["model"],
+                    model_kwargs=json.dumps(first["model_kwargs"], sort_keys=True),
+                    train_rotation=first.get("train_rotation", 0.0), weight_decay=first.get("weight_decay", 0.0),
+                    images=first["images"], angles=" ".join(f"{a:g}" for a in first["angles"]),
+                    mean_sd=float(np.std([r["mean"] for r in runs], ddof=1)) if len(runs) > 1 else "",
+                    worst_angles=" ".join(f"{r['worst_angle']:g}" for r in runs),
+                    train_minutes=f"{min(r['train_seconds'] for r in runs) / 60:.1f}-"
+                                  f"{max(r['train_seconds'] for r in runs) / 60:.1f}",
+                    command=_portable_command(first["command"]),
+                    **{key: first[key] for key in ("train_samples", "epochs", "batch_size", "lr", "params")},
+                    **{key: mean(key) for key in ("mean", "mean_se", "upright", "worst", "dip", "dip_se")})
+        reference = found.get(note.get("vs", ""))
+        if reference and next(iter(reference.values()))["params"] == first["params"]:
+            for key in ("mean", "worst", "dip"):
+                change = paired_change(seeds, reference, key)
+                if change is not None:
+                    line[f"paired_{key}"], line[f"paired_{key}_se"] = change
+        lines.append(line)
+    with open(out, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(lines)
+    return len(lines)
+
+
 def unpack(row: Dict) -> np.ndarray:
     """A seed's per-image results, ``(images, angles)`` bool, from its JSON (:func:`pack` wrote them)."""
     images, angles = row["images"], len(row["angles"])
@@ -375,10 +460,25 @@ def unpack(row: Dict) -> np.ndarray:
     return bits[:images * angles].reshape(images, angles).astype(bool)
 
 
+def moment_strength(images: torch.Tensor, order: int = 2) -> torch.Tensor:
+    """How strongly each image is oriented at order ``k``: ``|c_k| / sum_p |term_p|``, ``c_k`` the sum of the
+    angular moment's terms (:func:`timm_sortconv.canonical.moment_terms`) whose argument the canonical turn reads.
+
+    The ratio lies in ``[0, 1]``; it does not change when the image is turned (both sums turn with it), and it is
+    small where the moment's angle is set by details of the shape rather than by one dominant direction (a round
+    digit for ``k = 2``), so that such images are turned to orientations that differ from one writer to the next.
+    ``images`` ``(N, C, H, W)``; returns ``(N,)`` (0 for a blank image).
+    """
+    real, imag = moment_terms(images, order)
+    total = torch.sqrt(real * real + imag * imag).sum(dim=(-2, -1))
+    real, imag = real.sum(dim=(-2, -1)), imag.sum(dim=(-2, -1))
+    return torch.sqrt(real * real + imag * imag) / total.clamp_min(1e-12)
+
+
 def turn_cost(results: str, without: str, with_turn: str, data_dir: str, order: int) -> str:
     """Where a canonical turn costs upright accuracy: Markdown tables of the upright accuracy of row
     ``without`` and row ``with_turn`` (mean over the seeds both ran) and their paired difference, per
-    quartile of the upright sweep images' :func:`~timm_sortconv.canonical.moment_strength` of ``order`` (Q1:
+    quartile of the upright sweep images' :func:`moment_strength` of ``order`` (Q1:
     the least oriented quarter, whose turn depends most on details of the writing) and per class."""
     rows = [_load_seeds(Path(results) / name) for name in (without, with_turn)]
     seeds = sorted(set(rows[0]) & set(rows[1]))
@@ -451,7 +551,14 @@ def main(argv=None) -> None:
                              "--results, by quartile of the images' --order moment strength and by class (needs "
                              "--data-dir), then exit")
     parser.add_argument("--order", type=int, default=2, help="with --turn-cost: the moment order of the turn")
+    parser.add_argument("--csv", metavar="OUT", help="write every row under --results as one line of the CSV OUT "
+                        "(what each row changes and what it is paired with: --rows), then exit")
+    parser.add_argument("--rows", metavar="FILE", help="with --csv: the rows' order, change and pairing (columns "
+                        "group,row,vs,change; default: rows.csv under --results)")
     args = parser.parse_args(argv)
+    if args.csv:
+        print(f"{write_csv(args.results, args.csv, args.rows)} rows written to {args.csv}")
+        return
     if args.turn_cost:
         if not args.data_dir:
             parser.error("--turn-cost needs --data-dir (the sweep's images and labels)")

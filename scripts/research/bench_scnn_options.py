@@ -10,24 +10,16 @@ the rounds is reported, with its ratio to the paper's network.
 import argparse
 import time
 
-import timm
 import torch
 
-import timm_sortconv.models  # noqa: F401  (registers the SC models)
+from scnn_options import create_model
 
 VARIANTS = {
     "paper": {},
-    "sampling=polar-offset": dict(sampling="polar-offset"),
     "padding_mode=replicate": dict(padding_mode="replicate"),
     "blur_sigma=0.7": dict(blur_sigma=0.7),
     "downsample=blur-max": dict(downsample="blur-max"),
 }
-
-
-def build(options: dict) -> torch.nn.Module:
-    if "sampling" in options:  # no entrypoint names this variant: the class itself
-        return timm_sortconv.models.SCNN(kernel_size=7, sorting="ring", **options)
-    return timm.create_model("scnn_p_rs_7", **options)
 
 
 def main(argv=None) -> None:
@@ -38,7 +30,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     x = torch.randn(args.batch, 1, 28, 28)
-    models = {name: build(options) for name, options in VARIANTS.items()}
+    models = {name: create_model("scnn_p_rs_7", **options) for name, options in VARIANTS.items()}
     times = {name: [] for name in models}
     for model in models.values():  # warm-up: builds tables and the extension's plans
         model(x).sum().backward()

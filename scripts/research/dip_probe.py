@@ -32,7 +32,7 @@ Examples::
 
     python scripts/research/dip_probe.py --data-dir DATA --model scnn_p_rs_7 --pretrained --samples 500 \\
         --angles 10,20,30,45 --out scripts/research/results/ablation/probe_scnn_p_rs_7.json
-    python scripts/research/dip_probe.py --operator --angles 10,22.5,30,45 --sampling polar polar-offset --blur 0 0.7
+    python scripts/research/dip_probe.py --operator --angles 10,22.5,30,45 --sampling polar square --blur 0 0.7
     python scripts/research/dip_probe.py --moments --data-dir DATA --samples 2000 --angles 0:90:10 \\
         --out scripts/research/results/ablation/moment_probe.json
 """
@@ -43,12 +43,11 @@ import json
 import math
 from typing import Callable, List, Tuple
 
-import timm
 import torch
 import torch.nn as nn
 
-import timm_sortconv  # noqa: F401  (registers the SC models with timm)
 from ablation import load_split, rotated_sweep
+from scnn_options import create_model
 from timm_sortconv.canonical import moment_angle
 from timm_sortconv.cli import key_value, parse_key_values, run
 from timm_sortconv.rotation import parse_rotations, rotate
@@ -200,7 +199,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", help="MNIST folder")
     parser.add_argument("--operator", action="store_true", help="probe one SC window on smooth images (no data)")
-    parser.add_argument("--sampling", nargs="+", default=["polar"], help="polar samplings to compare (--operator)")
+    parser.add_argument("--sampling", nargs="+", default=["polar"], help="samplings to compare (--operator)")
     parser.add_argument("--blob-sigma", type=float, nargs="+", default=[1.0], help="blob widths (--operator)")
     parser.add_argument("--blur", type=float, nargs="+", default=[0.0], help="extra blurs (--operator)")
     parser.add_argument("--fields", type=int, default=2000, help="random images (--operator)")
@@ -209,7 +208,7 @@ def main(argv=None):
     parser.add_argument("--pretrained", action="store_true", help="the bundled weights")
     parser.add_argument("--checkpoint", default="", help="weights to load instead")
     parser.add_argument("--model-kwargs", nargs="*", default=[], type=key_value, metavar="KEY=VALUE",
-                        help="create_model arguments")
+                        help="create_model arguments, and the options of scnn_options.py")
     parser.add_argument("--samples", type=int, default=500, help="test images (the first of the 2,000-image slice)")
     parser.add_argument("--angles", default="10,20,30,45", help="degrees, START:STOP:STEP or a list")
     parser.add_argument("--out", default="", help="write the result as JSON here")
@@ -237,7 +236,7 @@ def main(argv=None):
                 json.dump(dict(samples=args.samples, rows=rows), f, indent=1)
         return
     kwargs = parse_key_values(args.model_kwargs)
-    model = timm.create_model(args.model, pretrained=args.pretrained, checkpoint_path=args.checkpoint, **kwargs)
+    model = create_model(args.model, args.pretrained, checkpoint_path=args.checkpoint, **kwargs)
     model.eval()
     images, labels, _ = load_split(args.data_dir, "test", 2000, seed=42)  # the ablation's sweep slice
     images, labels = images[:args.samples].unsqueeze(1).float() / 255, labels[:args.samples]

@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import REPO
 from test_data import make_mnist
+from timm_sortconv.models import SCNN
 
 
 @pytest.fixture(scope="module")
@@ -173,6 +174,50 @@ def test_paired_table_columns_are_the_mean_difference_over_common_seeds(ablation
         ablation.main(["--table", "--results", str(tmp_path), "--paired", "missing"])
 
 
+def test_csv_holds_every_row_with_its_pairing_and_a_command_that_runs_here(ablation, tmp_path):
+    """``--csv OUT``: one line per row, in the order of ``rows.csv`` (unlisted rows after, by name), the means over
+    seeds unrounded, the paired change from the row ``rows.csv`` names, and the first seed's command with today's
+    paths and no machine folders."""
+    import csv
+
+    def write(row, seed, params, mean, dip, command="python scripts/research/ablation.py --name r"):
+        folder = tmp_path / row
+        folder.mkdir(exist_ok=True)
+        (folder / f"seed{seed}.json").write_text(json.dumps(dict(
+            name=row, seed=seed, model="scnn_p_rs_3", model_kwargs={"blur_sigma": 0.5}, params=params,
+            train_samples=10, epochs=1, batch_size=5, lr=0.002, images=8, angles=[0.0, 45.0], mean=mean,
+            upright=mean + dip, worst=mean - 1, worst_angle=45.0, dip=dip, train_seconds=60.0 * (seed + 1),
+            command=command, **{f"{k}_se": 0.1 for k in ("mean", "upright", "worst", "dip")})))
+
+    for seed in (0, 1, 2):
+        write("ref", seed, 100, 80.0 + seed, 9.0)
+        write("better", seed, 100, 81.0 + 2 * seed, 8.0, "python scripts/ablation.py --data-dir /my/mnist --output "
+                                                          "/tmp/w --results results/mnist/ablation/screen --name better")
+    write("zzz", 0, 30, 50.0, 1.0)
+    (tmp_path / "rows.csv").write_text("group,row,vs,change\nref group,ref,,the reference\n"
+                                       "layers,better,ref,\"a change, with a comma\"\n")
+    out = tmp_path / "ablation.csv"
+    ablation.main(["--csv", str(out), "--results", str(tmp_path)])
+    rows = list(csv.DictReader(out.open()))
+    assert [r["row"] for r in rows] == ["ref", "better", "zzz"] and tuple(rows[0]) == ablation.CSV_COLUMNS
+    better = rows[1]
+    assert (better["group"], better["change"], better["vs"], better["seeds"]) == ("layers", "a change, with a comma",
+                                                                                 "ref", "0 1 2")
+    assert float(better["mean"]) == pytest.approx(83.0) and float(better["mean_sd"]) == pytest.approx(2.0)
+    assert float(better["paired_mean"]) == pytest.approx(2.0) and float(better["paired_mean_se"]) == pytest.approx(
+        np.std([1.0, 2.0, 3.0], ddof=1) / np.sqrt(3))
+    assert float(better["paired_dip"]) == pytest.approx(-1.0) and better["train_minutes"] == "1.0-3.0"
+    assert better["command"] == ("python scripts/research/ablation.py --data-dir DATA --results "
+                                 "scripts/research/results/ablation/screen --name better")
+    assert json.loads(better["model_kwargs"]) == {"blur_sigma": 0.5}
+    assert rows[0]["paired_mean"] == "" and rows[2]["vs"] == "" and rows[2]["mean_sd"] == ""
+    (tmp_path / "rows.csv").write_text("group,row,vs,change\nx,gone,,a row never run\n")
+    from timm_sortconv.cli import CommandError
+
+    with pytest.raises(CommandError, match="lists rows with no seed.*: gone"):
+        ablation.main(["--csv", str(out), "--results", str(tmp_path)])
+
+
 @pytest.mark.slow
 def test_moment_probe_reads_the_turn_of_each_digit(tmp_path):
     """dip_probe --moments on the shipped sample's real test digits: the moment angle of a turned digit
@@ -218,7 +263,7 @@ def test_orient_screening_layers_are_exactly_invariant_to_their_group_only(ablat
     kwargs = dict(channels=(4, 4, 8, 8, 8, 8), sampling=sampling, sorting=sorting)
     model = ablation.create_model(f"orient{pool}:scnn", dict(kwargs)).double().eval()
     assert sum(isinstance(m, peers.OrientConv2d) for m in model.modules()) == 6
-    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in ablation.SCNN(**kwargs).parameters())
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in SCNN(**kwargs).parameters())
     x = torch.randn(3, 1, 28, 28, dtype=torch.float64)
     with torch.no_grad():
         upright = model(x)
@@ -316,7 +361,7 @@ def test_frames_screening_wrapper_pools_the_canonical_frames_and_keeps_the_invar
     torch.manual_seed(3)
     single = ablation.create_model("framesavg1x0:scnn", dict(kwargs)).double().eval()
     torch.manual_seed(3)
-    plain = ablation.SCNN(**kwargs).double().eval()
+    plain = SCNN(**kwargs).double().eval()
     torch.manual_seed(4)
     model = ablation.create_model("framesmax3x20:scnn", dict(kwargs)).double().eval()
     assert model.offsets == [-20.0, 0.0, 20.0]

@@ -1,5 +1,6 @@
 """Pieces the model files share: the feature-tap API of a network built on one ``features`` sequence, and
-the default-cfg fields (the convolutions themselves: :mod:`._conv`).
+the default-cfg fields (the convolutions themselves: :mod:`._conv`; the input turn every model applies in one
+place: :class:`~timm_sortconv.canonical.CanonicalInputMixin`).
 
 * :class:`SequentialFeaturesMixin`: ``forward_intermediates`` and ``prune_intermediate_layers`` for
   ``SCNN``, ``SortVGG`` and ``SortDenseNet``, whose taps are outputs of ``self.features`` children;
@@ -17,10 +18,12 @@ from timm.layers import get_device_dtype
 from timm.models import checkpoint_seq
 from timm.models._features import feature_take_indices
 
+from ..canonical import CanonicalInputMixin
+
 __all__ = ['SequentialFeaturesMixin', 'SequentialClassifierMixin', 'PAPER_CFG', 'ri_cfg']
 
 
-class SequentialFeaturesMixin:
+class SequentialFeaturesMixin(CanonicalInputMixin):
     """timm's intermediate-feature API for a network whose feature taps are outputs of ``self.features``.
 
     Contract: the model's ``__init__`` sets
@@ -30,14 +33,13 @@ class SequentialFeaturesMixin:
     * ``self.feature_ends``: for each tap, the index into ``self.features`` of the child whose output it
       is, increasing;
     * ``self.num_features``: the channels of the trunk's output;
-    * ``self.canonicalize``: a module applied to the input before ``self.features`` (``nn.Identity()``
-      or a :class:`~timm_sortconv.canonical.MomentCanonicalize2d`);
+    * ``self.canonicalize``, first (:class:`~timm_sortconv.canonical.CanonicalInputMixin`);
 
     and the model defines ``reset_classifier(num_classes, global_pool)``, which sizes the classifier for
     ``self.num_features``.
     """
 
-    def forward_intermediates(
+    def _forward_intermediates(
             self,
             x: torch.Tensor,
             indices: Optional[Union[int, List[int]]] = None,
@@ -46,20 +48,11 @@ class SequentialFeaturesMixin:
             output_fmt: str = 'NCHW',
             intermediates_only: bool = False,
     ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
-        """Features and the intermediates at the taps of ``feature_info`` (the class docstring lists them).
-
-        Args:
-            x: input images.
-            indices: last n taps if int, all if None, these ones if a sequence.
-            norm: unused (no norm after the last tap).
-            stop_early: stop after the last requested tap.
-            output_fmt: ``'NCHW'`` only.
-            intermediates_only: return only the intermediates.
-        """
+        """``forward_intermediates`` of the turned image: the taps of ``feature_info`` (the class docstring
+        lists them)."""
         assert output_fmt == 'NCHW', 'Output shape must be NCHW.'
         intermediates = []
         take_indices, max_index = feature_take_indices(len(self.feature_ends), indices)
-        x = self.canonicalize(x)
         layers = self.features if torch.jit.is_scripting() or not stop_early else (
             self.features[:self.feature_ends[max_index] + 1])
         feat_idx = 0
@@ -98,7 +91,7 @@ class SequentialClassifierMixin(SequentialFeaturesMixin):
     ``self.head`` (a ``timm.layers.ClassifierHead``), ``self.num_classes``, ``self.head_hidden_size`` and
     ``self.grad_checkpointing``; the stem is ``features.0`` and every later child of ``features`` is one
     block. This mixin then supplies ``group_matcher``, ``set_grad_checkpointing``, ``get_classifier``,
-    ``reset_classifier``, ``forward_features``, ``forward_head`` and ``forward``.
+    ``reset_classifier``, ``forward_head``, ``forward`` and the trunk behind ``forward_features``.
     """
 
     @torch.jit.ignore
@@ -118,8 +111,7 @@ class SequentialClassifierMixin(SequentialFeaturesMixin):
         self.head.reset(num_classes, global_pool, in_features=self.num_features, **get_device_dtype(self))
         self.head_hidden_size = self.head.num_features
 
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.canonicalize(x)
+    def _forward_features(self, x: torch.Tensor) -> torch.Tensor:
         if self.grad_checkpointing and not torch.jit.is_scripting():
             return checkpoint_seq(self.features, x)
         return self.features(x)

@@ -11,7 +11,7 @@ from typing import Callable, Optional
 
 import torch.nn as nn
 
-from ..grid import check_stride_align, conv_class
+from ..grid import check_stride_align, plain_conv_layer
 from ..layers import SortConv2d
 from ..ops.backends import check_backend_name
 from ..ops.geometry import check_variant
@@ -23,20 +23,21 @@ def get_conv_layer(sampling: Optional[str] = None, sorting: Optional[str] = None
                    backend: str = 'auto', stride_align: str = 'centre') -> Callable[..., nn.Conv2d]:
     """The convolution class a model builds its ``k > 1`` layers with.
 
-    A plain convolution when both ``sampling`` and ``sorting`` are ``None`` (the plain-conv baseline;
-    ``backend`` is then unused): :func:`timm_sortconv.grid.conv_class` of ``stride_align``. Else
+    Plain convolutions when both ``sampling`` and ``sorting`` are ``None`` (the plain-conv baseline;
+    ``backend`` is then unused): :func:`timm_sortconv.grid.plain_conv_layer` of ``stride_align``, which gives an
+    ``nn.Conv2d`` wherever the stride is 1. Else
     ``SortConv2d`` with that variant, ``backend`` and ``stride_align``. Giving only one of them is an error.
 
     Example:
         >>> get_conv_layer("square", "global")(4, 8, 3).sorting
         'global'
-        >>> get_conv_layer(stride_align="corner") is nn.Conv2d
+        >>> type(get_conv_layer()(4, 8, 3, padding=1)) is nn.Conv2d
         True
     """
     check_backend_name(backend)
     check_stride_align(stride_align)
     if sampling is None and sorting is None:
-        return conv_class(stride_align)
+        return plain_conv_layer(stride_align)
     if sampling is None or sorting is None:
         raise ValueError("give sampling and sorting together (a Sorting Convolution) or neither (plain nn.Conv2d), "
                          f"got sampling={sampling!r}, sorting={sorting!r}")
@@ -58,8 +59,7 @@ def fixed_variant_args(model_name: str, kwargs: dict, sampling: Optional[str], s
 
 
 class ConvNormAct(nn.Sequential):
-    """Convolution (``conv_layer``, padding ``k // 2``, no bias), BatchNorm, ReLU; optionally a fixed
-    filter ``pre`` (e.g. a blur, without parameters) before the convolution.
+    """Convolution (``conv_layer``, padding ``k // 2``, no bias), BatchNorm, ReLU.
 
     One block is one unit of gradient checkpointing, so the in-place ReLU only overwrites a tensor
     that lives inside the block.
@@ -73,12 +73,11 @@ class ConvNormAct(nn.Sequential):
             conv_layer: Callable[..., nn.Module] = nn.Conv2d,
             bn_momentum: float = 0.1,
             bn_eps: float = 1e-5,
-            pre: Optional[nn.Module] = None,
             device=None,
             dtype=None,
     ) -> None:
         dd = {'device': device, 'dtype': dtype}
-        super().__init__(OrderedDict(([('pre', pre)] if pre is not None else []) + [
+        super().__init__(OrderedDict([
             ('conv', conv_layer(in_chs, out_chs, kernel_size, padding=kernel_size // 2, bias=False, **dd)),
             ('bn', nn.BatchNorm2d(out_chs, eps=bn_eps, momentum=bn_momentum, **dd)),
             ('act', nn.ReLU(inplace=True)),

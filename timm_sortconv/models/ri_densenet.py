@@ -250,8 +250,8 @@ class SortDenseNet(SequentialFeaturesMixin, nn.Module):
         self.global_pool.train(self.training)
         self.classifier.train(self.training)
 
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        return self.features(self.canonicalize(x))
+    def _forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.features(x)
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         x = self.global_pool(x)

@@ -29,8 +29,8 @@ from timm.layers import DropBlock2d, DropPath, create_classifier, get_device_dty
 from timm.models import build_model_with_cfg, checkpoint_seq, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 
-from ..canonical import create_canonicalizer
-from ..grid import conv_class, pool_class
+from ..canonical import CanonicalInputMixin, create_canonicalizer
+from ..grid import plain_conv_layer, pool_class
 from ._conv import fixed_variant_args, get_conv_layer
 from ._common import ri_cfg
 
@@ -94,7 +94,7 @@ def _drop_blocks(drop_block_rate: float) -> List[Optional[Callable[[], nn.Module
             partial(DropBlock2d, drop_prob=drop_block_rate, block_size=3, gamma_scale=1.00)]
 
 
-class SortResNet(nn.Module):
+class SortResNet(CanonicalInputMixin, nn.Module):
     """ResNet with a ``3 x 3`` stride-1 stem and 2x2 max pooling, sorting or plain ``3 x 3`` convolutions.
 
     Args:
@@ -149,7 +149,7 @@ class SortResNet(nn.Module):
             raise ValueError(f"ResNet has four stages: give four block counts and four widths, got "
                              f"layers={tuple(layers)}, channels={tuple(channels)}")
         conv_layer = get_conv_layer(sampling, sorting, backend, stride_align)
-        shortcut_layer = conv_class(stride_align)
+        shortcut_layer = plain_conv_layer(stride_align)
         norm_layer = partial(nn.BatchNorm2d, eps=bn_eps, momentum=bn_momentum)
         self.num_classes = num_classes
         self.in_chans = in_chans
@@ -237,7 +237,7 @@ class SortResNet(nn.Module):
     def _stages(self) -> List[nn.Module]:
         return [self.layer1, self.layer2, self.layer3, self.layer4]
 
-    def forward_intermediates(
+    def _forward_intermediates(
             self,
             x: torch.Tensor,
             indices: Optional[Union[int, List[int]]] = None,
@@ -246,20 +246,10 @@ class SortResNet(nn.Module):
             output_fmt: str = 'NCHW',
             intermediates_only: bool = False,
     ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
-        """Features and intermediates: index 0 the stem (before max pooling), 1-4 the stages.
-
-        Args:
-            x: input images.
-            indices: last n taps if int, all if None, these ones if a sequence.
-            norm: unused (no final norm).
-            stop_early: stop after the last requested tap.
-            output_fmt: ``'NCHW'`` only.
-            intermediates_only: return only the intermediates.
-        """
+        """``forward_intermediates`` of the turned image: index 0 the stem (before max pooling), 1-4 the stages."""
         assert output_fmt == 'NCHW', 'Output shape must be NCHW.'
         intermediates = []
         take_indices, max_index = feature_take_indices(len(self.feature_info), indices)
-        x = self.canonicalize(x)
         x = self.act1(self.bn1(self.conv1(x)))
         if 0 in take_indices:
             intermediates.append(x)
@@ -298,8 +288,7 @@ class SortResNet(nn.Module):
             self.reset_classifier(0, '')
         return take_indices
 
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.canonicalize(x)
+    def _forward_features(self, x: torch.Tensor) -> torch.Tensor:
         x = self.conv1(x)
         x = self.bn1(x)
         x = self.act1(x)

@@ -15,8 +15,7 @@ invariant to rotations by multiples of 90 degrees, and polar sampling keeps them
 Paper: `Sorting Convolution Operation for Achieving Rotational Invariance` (Mo & Zhao, IEEE SPL 2024)
 - https://arxiv.org/abs/2305.14462
 """
-from functools import partial
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch.nn as nn
 
@@ -24,13 +23,12 @@ from timm.layers import ClassifierHead
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 
 from ..canonical import create_canonicalizer
+from ..grid import pool_class
 from ..hub import HUB_ORG, bundled_weights_dir
-from ..lowpass import GaussianBlur2d, create_downsample
 from ._common import PAPER_CFG, SequentialClassifierMixin
 from ._conv import ConvNormAct, fixed_variant_args, get_conv_layer
 
 __all__ = ['SCNN']
-
 
 
 class SCNN(SequentialClassifierMixin, nn.Module):
@@ -38,7 +36,7 @@ class SCNN(SequentialClassifierMixin, nn.Module):
 
     Args:
         kernel_size: kernel of the first four convolutions (odd).
-        sampling: ``'polar'``, ``'polar-offset'`` or ``'square'``, or ``None`` with ``sorting=None`` for ``nn.Conv2d``.
+        sampling: ``'polar'`` or ``'square'``, or ``None`` with ``sorting=None`` for ``nn.Conv2d``.
         sorting: ``'ring'``, ``'global'``, ``'c4'`` or ``'c2'`` (:func:`~timm_sortconv.sort_conv2d`), or ``None``.
         backend: the ``SortConv2d`` backend (``'auto'``, ``'reference'`` or a fast backend's name).
         stride_align: ``'centre'`` (default: every strided layer's grid centred on the image, so that the network
@@ -48,17 +46,6 @@ class SCNN(SequentialClassifierMixin, nn.Module):
         in_chans: input channels.
         channels: widths of the six convolutions.
         global_pool: timm pooling type (``'avg'``, ``'max'``, ``'avgmax'``, ``'catavgmax'``; all keep invariance).
-        downsample: the two 2x downsamplings: ``'max'`` (the paper's 2x2 max pooling), ``'avg'`` (2x2
-            average pooling), ``'blur-max'`` or ``'blur-avg'`` (2x2 max pooling at stride 1 or nothing, then
-            a binomial low-pass at stride 2: :class:`~timm_sortconv.lowpass.BlurPool2d`). All keep the
-            exact quarter-turn invariance and add no parameters.
-        padding_mode: how the six convolutions pad their input (``'zeros'``, the paper's, or
-            ``'replicate'``, ``'reflect'``, ``'circular'``). With ``'zeros'`` every map has a frame of
-            zeros around it, which the layers see as content (the background of a normalised MNIST image is
-            not 0) and which, unlike the digit, does not turn with the input.
-        blur_sigma: standard deviation (pixels) of a fixed Gaussian blur before each of the six
-            convolutions, one number for all or six; 0 for none. It removes the content that varies
-            fastest between SC's samples (see :mod:`timm_sortconv.lowpass`); no parameters.
         canonicalize: ``None``, or ``'moment2'``/``'moment4'``/``'moment1'``: turn each input image to the
             orientation of its order-2/4/1 angular moment before the first convolution
             (:class:`~timm_sortconv.canonical.MomentCanonicalize2d`). With order 2 or 4 the leftover
@@ -83,9 +70,6 @@ class SCNN(SequentialClassifierMixin, nn.Module):
             in_chans: int = 1,
             channels: Sequence[int] = (32, 32, 64, 64, 128, 128),
             global_pool: str = 'avg',
-            downsample: str = 'max',
-            padding_mode: str = 'zeros',
-            blur_sigma: Union[float, Sequence[float]] = 0.,
             canonicalize: Optional[str] = None,
             drop_rate: float = 0.,
             bn_momentum: float = 0.1,
@@ -97,15 +81,9 @@ class SCNN(SequentialClassifierMixin, nn.Module):
         dd = {'device': device, 'dtype': dtype}
         if len(channels) != 6:
             raise ValueError(f"SCNN has six convolutions, got channels={tuple(channels)}")
-        blur_sigmas = (blur_sigma,) * 6 if isinstance(blur_sigma, (int, float)) else tuple(blur_sigma)
-        if len(blur_sigmas) != 6 or any(not isinstance(s, (int, float)) or s < 0 for s in blur_sigmas):
-            raise ValueError(f"blur_sigma must be a number >= 0 or six of them (one per convolution), "
-                             f"got {blur_sigma!r}")
-        create_downsample(downsample, stride_align)  # checks the names before anything is built
         self.canonicalize = create_canonicalizer(canonicalize)
         conv_layer = get_conv_layer(sampling, sorting, backend, stride_align)
-        if padding_mode != 'zeros':
-            conv_layer = partial(conv_layer, padding_mode=padding_mode)
+        pool_layer = pool_class('max', stride_align)
         self.num_classes = num_classes
         self.in_chans = in_chans
         self.drop_rate = drop_rate
@@ -121,10 +99,9 @@ class SCNN(SequentialClassifierMixin, nn.Module):
             if idx in (2, 4):
                 self.feature_info.append(dict(num_chs=prev_chs, reduction=net_stride, module=f'features.{len(layers) - 1}'))
                 self.feature_ends.append(len(layers) - 1)
-                layers.append(create_downsample(downsample, stride_align))
+                layers.append(pool_layer(kernel_size=2, stride=2))
                 net_stride *= 2
-            blur = GaussianBlur2d(blur_sigmas[idx]) if blur_sigmas[idx] > 0 else None
-            layers.append(ConvNormAct(prev_chs, chs, k, conv_layer, bn_momentum, bn_eps, pre=blur, **dd))
+            layers.append(ConvNormAct(prev_chs, chs, k, conv_layer, bn_momentum, bn_eps, **dd))
             prev_chs = chs
         self.features = nn.Sequential(*layers)
         self.feature_info.append(dict(num_chs=prev_chs, reduction=net_stride, module=f'features.{len(layers) - 1}'))
@@ -132,7 +109,6 @@ class SCNN(SequentialClassifierMixin, nn.Module):
 
         self.num_features = self.head_hidden_size = prev_chs
         self.head = ClassifierHead(prev_chs, num_classes, pool_type=global_pool, drop_rate=drop_rate, **dd)
-
 
 
 def _create_scnn(variant: str, kernel_size: int, sampling: Optional[str], sorting: Optional[str],
