@@ -4,9 +4,14 @@ Every number on a card comes from the row's JSON (measured by ``scripts/mnist_re
 paper (its figures, labelled as such); the card names the commands that reproduce the row.
 ``scripts/push_to_hub.py --model <model>`` uploads the card as the Hub repository's README.md.
 
+The cards' commands run from a clone as they are written: the data folder is shown as ``DATA/mnist`` (the
+README's name for a folder of the MNIST IDX files), the training runs as the default ``output/mnist``, and the
+results as the folder the row is kept in now.
+
 Example::
 
-    python scripts/model_cards.py results/mnist/sweep2000/*.json --hub-row results/mnist/full/scnn_p_rs_7-e5.json
+    python scripts/model_cards.py model_cards/results/sweep2000/scnn_*.json \
+        --hub-row model_cards/results/full/scnn_p_rs_7-e5.json
 """
 import argparse
 import json
@@ -35,7 +40,8 @@ CITATION = """@article{mo2024sorting,
 }"""
 
 parser = argparse.ArgumentParser(description="Write model cards from mnist_results.py rows")
-parser.add_argument("rows", nargs="+", metavar="JSON", help="rows (results/mnist/...json) of models without kwargs")
+parser.add_argument("rows", nargs="+", metavar="JSON",
+                    help="rows (model_cards/results/.../*.json) of models without kwargs")
 parser.add_argument("--hub-row", nargs="*", default=[], metavar="JSON",
                     help="rows whose weights are the published ones for their model (override a row in ROWS)")
 parser.add_argument("--out", default=os.path.join(REPO, "model_cards"), metavar="DIR", help="where cards go")
@@ -85,17 +91,34 @@ def angle_table(row, exact: bool = True) -> str:
     return "\n".join(lines)
 
 
-def portable(row) -> dict:
-    """The row's commands with its ``--runs`` folder (a machine's path) shown as the default, output/mnist."""
+DATA_DIR = "DATA/mnist"  # the README's name for a folder of the MNIST IDX files
+RUNS_DIR = os.path.join("output", "mnist")  # scripts/mnist_results.py's default --runs
+
+
+def portable(row, folder: str) -> dict:
+    """The row's commands as a clone runs them: the machine's ``--runs`` folder as the default (``output/mnist``),
+    its ``--data-dir`` as :data:`DATA_DIR`, and its ``--results`` folder as ``folder``, where the row is now."""
     words = row["reproduce"].split()
-    if "--runs" not in words:
-        return row
-    i = words.index("--runs")
-    runs = words[i + 1]
-    reproduce = " ".join(words[:i] + words[i + 2:])
-    prefix = runs.rstrip("/") + "/"
-    return {**row, "reproduce": reproduce,
-            "commands": [c.replace(prefix, "output/mnist/") for c in row["commands"]]}
+
+    def value(option):
+        return words[words.index(option) + 1].rstrip("/") if option in words else None
+
+    moved = {value("--runs"): RUNS_DIR, value("--data-dir"): DATA_DIR,
+             value("--results") or os.path.join("results", "mnist"): folder}
+    moved.pop(None, None)
+
+    def move(word):
+        for old, new in moved.items():
+            if word == old or word.startswith(old + "/"):
+                return new + word[len(old):]
+        return word
+
+    if "--runs" in words:  # the default, not shown
+        del words[words.index("--runs"):words.index("--runs") + 2]
+    if "--results" not in words:
+        words += ["--results", folder]
+    return {**row, "reproduce": " ".join(map(move, words)),
+            "commands": [" ".join(map(move, command.split())) for command in row["commands"]]}
 
 
 SHORT_PRESET = "scripts/configs/mnist_scnn_short.yaml"
@@ -131,7 +154,6 @@ def training_lines(row) -> str:
 
 
 def card(row, params: int) -> str:
-    row = portable(row)
     model = row["model"]
     # the paper has no canonical turn nor orbit sorting: its P-RS model of the same kernel size
     paper_model = model.removesuffix("_canon").replace("_c2_", "_rs_").replace("_c4_", "_rs_")
@@ -218,6 +240,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             row = json.load(f)
         if row["model_kwargs"]:
             continue  # experiments with other settings are RESULTS.md rows, not published models
+        folder = os.path.relpath(os.path.dirname(os.path.abspath(path)), REPO)
+        row = portable(row, folder)
         if "--pretrained" in (row.get("train_args") or []):
             # trained on from the model's bundled weights: those came from the row named after the model
             first = os.path.join(os.path.dirname(path), f"{row['model']}.json")
@@ -225,7 +249,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 raise CommandError(f"row {path} was trained from the bundled weights of {row['model']}; the row "
                                    f"that trained those, {first}, does not exist")
             with open(first) as f:
-                row["start"] = portable(json.load(f))
+                row["start"] = portable(json.load(f), folder)
         rows[row["model"]] = row
     os.makedirs(args.out, exist_ok=True)
     for model, row in sorted(rows.items()):
