@@ -334,8 +334,8 @@ def test_mnist_results_rows_train_measure_compare_and_tabulate(data_dir, tmp_pat
         assert message in capsys.readouterr().err, message
     assert not (tmp_path / "runs" / "sc3").exists() and not (tmp_path / "res" / "sc2.json").exists()
     # Without --name, the row is named after the model and its arguments, as a file name.
-    args, _ = results.parser.parse_known_args(["--model", "m", "--model-kwargs", "channels=(4,4)", "downsample=avg"])
-    assert results.row_name(args) == "m-channels-4-4-downsample-avg"
+    args, _ = results.parser.parse_known_args(["--model", "m", "--model-kwargs", "channels=(4,4)", "stride_align=corner"])
+    assert results.row_name(args) == "m-channels-4-4-stride_align-corner"
     results.main(["--table", "--results", str(tmp_path / "res")])
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("| row |") and [line.split("|")[1].strip() for line in lines[2:]] == ["base", "sc"]

@@ -19,7 +19,7 @@ recorded in the JSON. A finished run is reused only if it was trained with the s
 Examples::
 
     python scripts/mnist_results.py --model scnn_p_rs_7 --data-dir DATA/mnist
-    python scripts/mnist_results.py --model scnn_p_rs_7 --model-kwargs downsample=avg --name scnn_p_rs_7-avgpool \\
+    python scripts/mnist_results.py --model scnn_p_rs_7 --model-kwargs stride_align=corner --name scnn_p_rs_7-corner \\
         --data-dir DATA/mnist --rot-samples 2000 --compare scnn_p_rs_7
     python scripts/mnist_results.py --table
 """
@@ -56,7 +56,7 @@ PAPER = {
 parser = argparse.ArgumentParser(description="Train an SCNN on MNIST and measure it on MNIST and MNIST-rot")
 parser.add_argument("--model", metavar="MODEL", help="registered model, e.g. scnn_p_rs_7")
 parser.add_argument("--model-kwargs", nargs="*", default=[], type=key_value, metavar="KEY=VALUE",
-                    help="model arguments (scripts/train.py --model-kwargs), e.g. downsample=avg")
+                    help="model arguments (scripts/train.py --model-kwargs), e.g. stride_align=corner")
 parser.add_argument("--name", default="", help="name of the row, run and files (default: the model name)")
 parser.add_argument("--data-dir", metavar="DIR", help="folder with the MNIST IDX files")
 parser.add_argument("--config", default=os.path.join(CONFIGS, "mnist_scnn_short.yaml"), metavar="YAML",
