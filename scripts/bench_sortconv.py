@@ -55,7 +55,7 @@ from timm_sortconv.ops import SAMPLINGS, SORTINGS, cpu_backend
 from timm_sortconv.ops.triton_backend import tuning
 
 VARIANTS = ("polar-ring", "polar-global", "square-ring", "square-global")  # the default: the paper's four
-# every sampling-sorting pair the operator takes (e.g. polar-c2, polar-offset-ring)
+# every sampling-sorting pair the operator takes (e.g. polar-c2, square-c4)
 ACCEPTED_VARIANTS = tuple(f"{sampling}-{sorting}" for sampling in SAMPLINGS for sorting in SORTINGS)
 MODELS = {"scnn_p_rs_7": 100, "ri_resnet18": 10, "ri_densenet40": 10}  # the paper's batch sizes
 

@@ -50,8 +50,7 @@ class SortConv2d(nn.Conv2d):
         in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode,
         device, dtype: as :class:`torch.nn.Conv2d`; ``kernel_size`` must be square (odd or even: an even
             window's rings lie about the point between its four central pixels, see :mod:`.ops.geometry`).
-        sampling: ``"polar"`` (bilinear samples on circles, near-invariant to any angle),
-            ``"polar-offset"`` (the same circles, points half a step off the axes) or ``"square"`` (the
+        sampling: ``"polar"`` (bilinear samples on circles, near-invariant to any angle) or ``"square"`` (the
             grid itself, exact only at multiples of 90 degrees).
         sorting: ``"ring"`` (sort each Chebyshev ring, keeps radial structure), ``"global"``, or
             ``"c4"``/``"c2"`` (sort each ring's samples only among those a quarter/half turn apart: exactly

@@ -88,8 +88,7 @@ def sort_conv2d(
         stride, padding, dilation, groups: as in :func:`torch.nn.functional.conv2d`; ``padding`` may be
             ``"same"`` or ``"valid"``.
         padding_mode: ``"zeros"``, ``"reflect"``, ``"replicate"`` or ``"circular"`` (as ``nn.Conv2d``).
-        sampling: ``"polar"`` (default), ``"polar-offset"`` (the polar points turned by half a step, off the
-            axes and diagonals) or ``"square"``.
+        sampling: ``"polar"`` (default) or ``"square"``.
         sorting: ``"ring"`` (default), ``"global"``, or ``"c4"``/``"c2"``: only the samples of a ring that a
             quarter/half turn maps onto one another are sorted together (see :mod:`.geometry`).
         backend: ``"auto"`` (the fastest backend that supports the call), ``"reference"`` or the name of

@@ -23,14 +23,6 @@ relative to the centre is ``(dy + 1/2, dx + 1/2)``.
   inside the window. The points of the first quadrant are computed with ``cos``/``sin`` and the other
   three quadrants are exact 90-degree rotations of them, so the tap tables are exactly symmetric under
   ``torch.rot90`` and 90-degree equivariance holds to the last bit of the weights.
-* ``sampling="polar-offset"``: as ``"polar"``, with every ring's points turned by half their angular
-  step, to ``2*pi*(j + 1/2)/(8r)``. No point then lies on an axis or a diagonal.
-  With ``"polar"`` the points on the axes read one pixel exactly while the others are blends of
-  up to four, so a ring's values differ in how blurred they are, in a pattern that repeats every 90
-  degrees and that a rotation by 45 degrees swaps (the axis and diagonal points change roles): a cue
-  to the orientation of the content that training can learn and that turns with the input. With the
-  offset, ring 1's eight points are images of one another under the grid's symmetries (quarter turns
-  and mirrors), so each is read through the same blend.
 
 Sorting then rearranges the samples (``sorting="ring"``: each ring's slots among themselves;
 ``sorting="global"``: all slots) and the sorted value in slot ``s`` is multiplied by the kernel weight
@@ -75,7 +67,7 @@ __all__ = [
     "check_variant",
 ]
 
-SAMPLINGS = ("square", "polar", "polar-offset")
+SAMPLINGS = ("square", "polar")
 SORTINGS = ("ring", "global", "c4", "c2")
 # sorting -> the order of the rotation group whose orbits are sorted
 ORBIT_SORTINGS = {"c4": 4, "c2": 2}
@@ -114,15 +106,15 @@ def row_major_offsets(kernel_size: int) -> List[Tuple[int, int]]:
     return [(dy, dx) for dy in range(low, low + kernel_size) for dx in range(low, low + kernel_size)]
 
 
-def polar_points(radius: float, offset: float = 0.0, count: int = 0) -> List[Tuple[float, float]]:
+def polar_points(radius: float, count: int = 0) -> List[Tuple[float, float]]:
     """The ``count`` points ``(y, x)`` (default ``8 * radius``; a multiple of 4) on the circle of that radius,
-    angle ``2*pi*(j + offset)/count`` from the +x axis, in order of ``j``. The first quadrant is computed; the
-    others are its exact rotations ``(y, x) -> (x, -y)`` by 90 degrees."""
+    angle ``2*pi*j/count`` from the +x axis, in order of ``j``. The first quadrant is computed; the others are
+    its exact rotations ``(y, x) -> (x, -y)`` by 90 degrees."""
     count = count or int(8 * radius)
     quarter = count // 4
     first = []
     for j in range(quarter):
-        angle = 2.0 * math.pi * (j + offset) / count
+        angle = 2.0 * math.pi * j / count
         first.append((radius * math.sin(angle), radius * math.cos(angle)))
     points = list(first)
     for _ in range(3):
@@ -178,7 +170,7 @@ class SortGeometry:
 
     Attributes:
         kernel_size: ``k`` (odd or even, see the module docstring).
-        sampling: ``"square"``, ``"polar"`` or ``"polar-offset"``.
+        sampling: ``"square"`` or ``"polar"``.
         sorting: ``"ring"``, ``"global"``, ``"c4"`` or ``"c2"``.
         segments: ``(start, end)`` slot ranges sorted independently, in slot order.
         tap_offsets: ``(k*k, T, 2)`` int64 grid offsets ``(dy, dx)`` of each sample's taps (unused taps
@@ -290,13 +282,12 @@ def _build_geometry(k: int, sampling: str, sorting: str) -> SortGeometry:
     if sampling == "square":
         taps = [[(dy, dx, 1.0)] for dy, dx in weight_grid]
     else:
-        offset = 0.5 if sampling == "polar-offset" else 0.0
         taps = []
         for radius, ring in rings:
             if radius == 0:
                 taps.append([(0, 0, 1.0)])
                 continue
-            points = polar_points(radius, offset, len(ring))
+            points = polar_points(radius, len(ring))
             if group:
                 points = [points[j] for j in orbit_order(len(ring), group)]
             # the points are measured from the centre, the taps from the grid offset (0, 0)
