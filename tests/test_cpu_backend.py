@@ -96,7 +96,7 @@ def near_tie_inputs(x, k, sampling="polar", sorting="ring", stride=1, padding=0,
     either lie in the zero padding or read the same pixels through reflect/replicate/circular padding.
     """
     x64 = x.detach().double().requires_grad_()
-    pad = resolve_padding(padding, k, (stride, stride), (dilation, dilation))
+    pad = resolve_padding(padding, k, (dilation, dilation))
     padded = F.pad(x64, pad, mode="constant" if padding_mode == "zeros" else padding_mode)
     hp, wp = padded.shape[2:]
     out_size = ((hp - dilation * (k - 1) - 1) // stride + 1, (wp - dilation * (k - 1) - 1) // stride + 1)

@@ -545,25 +545,25 @@ def test_unbatched_input(sampling, sorting):
 # Bad input
 # ---------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kernel_size,match", [
-    (0, r"kernel size k >= 1.*got kernel_size=0"),
-    (-3, r"kernel size k >= 1.*got kernel_size=-3"),
-    (2.0, r"kernel size k >= 1.*got kernel_size=2.0"),
-    ((3, 5), r"square kernel.*kernel_size=\(3, 5\).*one int k >= 1"),
-    ((0, 0), r"kernel size k >= 1.*got kernel_size=0"),
+@pytest.mark.parametrize("kernel_size,error,match", [
+    (0, RuntimeError, r"kernel_size=0: SortConv2d needs a kernel size k >= 1"),
+    (-3, RuntimeError, r"kernel_size=-3: SortConv2d needs a kernel size k >= 1"),
+    (2.0, TypeError, r"kernel_size=2.0 is not accepted; use an int k >= 1 or a pair \(k, k\)"),
+    ((3, 5), ValueError, r"square kernel.*kernel_size=\(3, 5\).*one int k >= 1"),
+    ((0, 0), RuntimeError, r"kernel_size=\(0, 0\): SortConv2d needs a kernel size k >= 1"),
 ])
-def test_bad_kernel_size(kernel_size, match):
-    with pytest.raises(ValueError, match=match):
+def test_bad_kernel_size(kernel_size, error, match):
+    with pytest.raises(error, match=match):
         SortConv2d(2, 2, kernel_size)
 
 
 def test_bad_kernel_size_functional():
     x = torch.randn(1, 2, 8, 8)
-    with pytest.raises(ValueError, match=r"kernel size k >= 1.*got kernel_size=0"):
+    with pytest.raises(RuntimeError, match=r"SortConv2d needs a kernel size k >= 1"):
         sort_conv2d(x, torch.randn(2, 2, 0, 0))
     with pytest.raises(ValueError, match=r"square kernel.*kernel_size=\(3, 5\)"):
         sort_conv2d(x, torch.randn(2, 2, 3, 5))
-    with pytest.raises(ValueError, match=r"weight must be 4-D.*\(2, 2, 3\)"):
+    with pytest.raises(RuntimeError, match=r"weight must be 4-D.*\(2, 2, 3\)"):
         sort_conv2d(x, torch.randn(2, 2, 3))
 
 
@@ -580,36 +580,61 @@ def test_unknown_variant_or_backend(keyword, value, match):
 
 
 def test_groups_must_divide_channels():
-    with pytest.raises(ValueError, match=r"groups=3.*in_channels=4"):
+    with pytest.raises(ValueError, match=r"groups=3 must divide in_channels=4$"):
         SortConv2d(4, 6, 3, groups=3)
-    with pytest.raises(ValueError, match=r"groups=4.*out_channels=6"):
+    with pytest.raises(ValueError, match=r"groups=4 must divide out_channels=6$"):
         SortConv2d(4, 6, 3, groups=4)
-    with pytest.raises(ValueError, match=r"groups=0"):
+    with pytest.raises(ValueError, match=r"groups=0 is not accepted; use a positive int$"):
         SortConv2d(4, 6, 3, groups=0)
-    with pytest.raises(ValueError, match=r"groups=3 must be a positive int dividing out_channels=4$"):
+    with pytest.raises(RuntimeError, match=r"groups=3 must divide the weight's 4 output channels"):
         sort_conv2d(torch.randn(1, 6, 6, 6), torch.randn(4, 2, 3, 3), groups=3)
+    with pytest.raises(RuntimeError, match=r"input has 5 channels.*with groups=2 expects 4$"):
+        sort_conv2d(torch.randn(1, 5, 6, 6), torch.randn(4, 2, 3, 3), groups=2)
 
 
-def test_bad_padding_stride_dilation():
+@pytest.mark.parametrize("keyword,value,error,match", [
+    ("stride", 0, RuntimeError, r"stride=0: non-positive stride is not supported; use ints >= 1"),
+    ("stride", (1, -2), RuntimeError, r"stride=\(1, -2\): non-positive stride"),
+    ("stride", 1.5, TypeError, r"stride=1.5 is not accepted; use an int or a pair of ints"),
+    ("dilation", 0, RuntimeError, r"dilation=0: non-positive dilation is not supported"),
+    ("dilation", (1, 2, 3), RuntimeError, r"dilation=\(1, 2, 3\) has 3 values; use an int or a pair of ints"),
+    ("padding", -1, RuntimeError, r"padding=-1: negative padding is not supported; use ints >= 0"),
+    ("padding", (0, -1), RuntimeError, r"padding=\(0, -1\): negative padding"),
+    ("padding", "full", ValueError, r"padding='full' is not accepted; use 'same', 'valid', an int or a pair"),
+    ("padding_mode", "mirror", ValueError, r"padding_mode='mirror'.*'zeros', 'reflect', 'replicate', 'circular'"),
+])
+def test_bad_stride_dilation_padding_are_refused_when_the_layer_is_built(keyword, value, error, match):
+    """``nn.Conv2d`` refuses these values too (some only at its first call); the contract test compares the
+    two over random arguments."""
+    with pytest.raises(error, match=match):
+        SortConv2d(2, 2, 3, **{keyword: value})
+
+
+def test_bad_padding_stride_dilation_functional():
     x, weight = torch.randn(1, 2, 8, 8), torch.randn(2, 2, 3, 3)
-    with pytest.raises(ValueError, match=r"padding='full'.*'same', 'valid'"):
+    with pytest.raises(RuntimeError, match=r"padding='full' is not accepted.*'same', 'valid'"):
         sort_conv2d(x, weight, padding="full")
     with pytest.raises(ValueError, match=r"padding_mode='mirror'.*'zeros', 'reflect', 'replicate', 'circular'"):
         sort_conv2d(x, weight, padding_mode="mirror")
-    with pytest.raises(ValueError, match=r"stride must be an int >= 1.*stride=0"):
+    with pytest.raises(RuntimeError, match=r"stride=0: non-positive stride"):
         sort_conv2d(x, weight, stride=0)
-    with pytest.raises(ValueError, match=r"dilation must be an int >= 1.*dilation=\(1, 2, 3\)"):
+    with pytest.raises(RuntimeError, match=r"dilation=\(1, 2, 3\) has 3 values"):
         sort_conv2d(x, weight, dilation=(1, 2, 3))
-    with pytest.raises(ValueError, match=r"padding='same'.*stride=\(2, 2\)"):
+    with pytest.raises(RuntimeError, match=r"padding='same' is not supported for strided.*stride=2"):
         sort_conv2d(x, weight, stride=2, padding="same")
+    with pytest.raises(ValueError, match=r"padding='same' is not supported for strided.*stride=2"):
+        SortConv2d(2, 2, 3, stride=2, padding="same")
     with pytest.raises(RuntimeError, match=r"padded input size \(2, 2\).*dilated kernel \(3, 3\)"):
         sort_conv2d(torch.randn(1, 2, 2, 2), weight)
+    with pytest.raises(RuntimeError, match=r"input of shape \[1, 2, 0, 8\] has no pixels; only its batch may"):
+        sort_conv2d(torch.randn(1, 2, 0, 8), weight, padding=2)
 
 
 @pytest.mark.parametrize("shape", [(4, 8), (8,), (1, 1, 4, 8, 8)])
-def test_input_must_be_3d_or_4d(shape):
-    layer = SortConv2d(4, 2, 3)
-    with pytest.raises(RuntimeError, match=rf"4-D \(N, C, H, W\).*3-D \(C, H, W\).*got a {len(shape)}-D input"):
+@pytest.mark.parametrize("padding_mode", ["zeros", "reflect"])
+def test_input_must_be_3d_or_4d(shape, padding_mode):
+    layer = SortConv2d(4, 2, 3, stride=2, padding=1, padding_mode=padding_mode)
+    with pytest.raises(RuntimeError, match=rf"3-D \(C, H, W\) or 4-D \(N, C, H, W\) input, got a {len(shape)}-D"):
         layer(torch.randn(*shape))
 
 
@@ -630,3 +655,12 @@ def test_non_floating_input(dtype):
         sort_conv2d(torch.zeros(1, 2, 6, 6), torch.zeros(2, 2, 3, 3, dtype=torch.int64))
     with pytest.raises(TypeError, match=r"torch.Tensor input, got list"):
         sort_conv2d([[0.0]], torch.zeros(2, 2, 3, 3))
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float16, torch.float32, torch.float32), (torch.float32, torch.float64, None),
+                                    (torch.float64, torch.float64, torch.float32)])
+def test_mixed_dtypes_are_refused_outside_autocast(dtypes):
+    x, weight, bias = (None if d is None else torch.randn(*shape, dtype=d)
+                       for d, shape in zip(dtypes, [(1, 2, 6, 6), (2, 2, 3, 3), (2,)]))
+    with pytest.raises(RuntimeError, match=rf"one dtype \(outside autocast.*input {dtypes[0]}, weight {dtypes[1]}"):
+        sort_conv2d(x, weight, bias)

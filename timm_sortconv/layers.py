@@ -7,35 +7,19 @@
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from timm.layers import pad_same, register_notrace_module
 
 from .grid import centre_grid, centre_grid_same, check_stride_align, copy_conv_state
 from .ops.backends import check_backend_name
-from .ops.functional import check_groups, sort_conv2d_zero_padded
+from .ops.checks import check_input, layer_arguments
+from .ops.functional import sort_conv2d_padded
 from .ops.geometry import get_geometry
 
 __all__ = ["SortConv2d", "SortConv2dSame"]
-
-
-def _sort_conv_forward(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], stride: List[int],
-                       padding: List[int], padding_mode: str, dilation: List[int], groups: int, sampling: str,
-                       sorting: str, backend: str) -> torch.Tensor:
-    """The layers' forward: ``nn.Conv2d``'s padding (``padding`` in ``F.pad``'s order) and unbatched inputs,
-    then the operator. Arguments are the module's own, checked when it was built; TorchScript compiles it."""
-    unbatched = input.dim() == 3
-    if unbatched:
-        input = input.unsqueeze(0)
-    if padding_mode != "zeros":
-        input = F.pad(input, padding, mode=padding_mode)
-        padding = [0, 0, 0, 0]
-    out = sort_conv2d_zero_padded(input, weight, bias, [stride[0], stride[1]], [padding[0], padding[1], padding[2],
-                                  padding[3]], [dilation[0], dilation[1]], groups, sampling, sorting, backend)
-    return out.squeeze(0) if unbatched else out
 
 
 class SortConv2d(nn.Conv2d):
@@ -48,8 +32,10 @@ class SortConv2d(nn.Conv2d):
 
     Args:
         in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode,
-        device, dtype: as :class:`torch.nn.Conv2d`; ``kernel_size`` must be square (odd or even: an even
-            window's rings lie about the point between its four central pixels, see :mod:`.ops.geometry`).
+        device, dtype: as :class:`torch.nn.Conv2d`, which accepts and refuses the same values
+            (:mod:`.ops.checks`; refused here when the layer is built, where ``nn.Conv2d`` refuses some only at
+            its first call); ``kernel_size`` must be square (odd or even: an even window's rings lie about the
+            point between its four central pixels, see :mod:`.ops.geometry`).
         sampling: ``"polar"`` (bilinear samples on circles, near-invariant to any angle) or ``"square"`` (the
             grid itself, exact only at multiples of 90 degrees).
         sorting: ``"ring"`` (sort each Chebyshev ring, keeps radial structure), ``"global"``, or
@@ -100,10 +86,11 @@ class SortConv2d(nn.Conv2d):
             raise TypeError(f"SortConv2d(canonicalize={canonicalize!r}): a convolution does not turn its input; put "
                             "timm_sortconv.canonical.MomentCanonicalize2d in front of the model, or pass canonicalize= "
                             "to timm.create_model(...) or to sortify(...)")
-        # Validates kernel_size, sampling and sorting, and builds the sampling tables now, so that a
+        # Checks kernel_size, sampling and sorting, and builds the sampling tables now, so that a
         # traced, compiled or exported forward finds them cached instead of recording their construction.
         get_geometry(kernel_size, sampling, sorting)
-        check_groups(groups, out_channels, in_channels)  # nn.Conv2d's own message does not name the values
+        stride, padding, dilation, groups = layer_arguments(in_channels, out_channels, stride, padding, dilation,
+                                                            groups, padding_mode)
         super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
                          padding_mode, device, dtype)
         self.sampling = sampling
@@ -112,12 +99,14 @@ class SortConv2d(nn.Conv2d):
         self.stride_align = check_stride_align(stride_align)
 
     def _conv_forward(self, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        check_input(input)
         if self.stride_align == "centre":
             input = centre_grid(input, [self.kernel_size[0], self.kernel_size[1]], [self.stride[0], self.stride[1]],
                                 [self._reversed_padding_repeated_twice[2], self._reversed_padding_repeated_twice[0]],
                                 [self.dilation[0], self.dilation[1]])
-        return _sort_conv_forward(input, weight, bias, self.stride, self._reversed_padding_repeated_twice,
-                                  self.padding_mode, self.dilation, self.groups, self.sampling, self.sorting,
+        return sort_conv2d_padded(input, weight, bias, [self.stride[0], self.stride[1]],
+                                  self._reversed_padding_repeated_twice, self.padding_mode,
+                                  [self.dilation[0], self.dilation[1]], self.groups, self.sampling, self.sorting,
                                   self.backend)
 
     def extra_repr(self) -> str:
@@ -183,13 +172,15 @@ class SortConv2dSame(SortConv2d):
                          device, dtype, sampling=sampling, sorting=sorting, backend=backend, stride_align=stride_align)
 
     def _conv_forward(self, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        check_input(input)
         if self.stride_align == "centre":
             input = centre_grid_same(input, [self.kernel_size[0], self.kernel_size[1]],
                                      [self.stride[0], self.stride[1]], [self.dilation[0], self.dilation[1]])
         else:
             input = pad_same(input, self.kernel_size, self.stride, self.dilation)
-        return _sort_conv_forward(input, weight, bias, self.stride, [0, 0, 0, 0], "zeros", self.dilation, self.groups,
-                                  self.sampling, self.sorting, self.backend)
+        return sort_conv2d_padded(input, weight, bias, [self.stride[0], self.stride[1]], [0, 0, 0, 0], "zeros",
+                                  [self.dilation[0], self.dilation[1]], self.groups, self.sampling, self.sorting,
+                                  self.backend)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, padding=same (dynamic)"

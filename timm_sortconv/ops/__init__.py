@@ -2,7 +2,8 @@
 from .backends import available_backends, register_backend
 from . import cpu_backend  # noqa: F401  (registers the fused CPU backend)
 from . import triton_backend  # noqa: F401  (registers the Triton backend, CUDA tensors only)
-from .functional import PADDING_MODES, sort_conv2d
+from .checks import PADDING_MODES
+from .functional import sort_conv2d
 from .geometry import SAMPLINGS, SORTINGS, SortGeometry, get_geometry
 
 __all__ = [

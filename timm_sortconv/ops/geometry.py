@@ -199,17 +199,20 @@ class SortGeometry:
 
 
 def check_kernel_size(kernel_size) -> int:
-    """Returns the square kernel size ``k`` or raises ``ValueError`` naming what was given."""
-    if isinstance(kernel_size, (tuple, list)):
-        if len(kernel_size) != 2 or kernel_size[0] != kernel_size[1]:
-            raise ValueError(
-                f"SortConv2d needs a square kernel, got kernel_size={tuple(kernel_size)}; "
-                "pass one int k >= 1 or a pair (k, k)"
-            )
-        kernel_size = kernel_size[0]
-    if isinstance(kernel_size, bool) or not isinstance(kernel_size, int) or kernel_size < 1:
-        raise ValueError(f"SortConv2d needs a kernel size k >= 1 (1, 2, 3, ...), got kernel_size={kernel_size!r}")
-    return kernel_size
+    """Returns the square kernel size ``k`` (an int, or a pair of equal ints) or raises the error naming what
+    was given: ``TypeError`` for a value that is no int, ``RuntimeError`` for ``k < 1`` (as ``nn.Conv2d``),
+    ``ValueError`` for a kernel that is not square (Sorting Convolution's own limit)."""
+    size = kernel_size
+    if isinstance(size, (tuple, list)):
+        if len(size) != 2 or size[0] != size[1]:
+            raise ValueError(f"SortConv2d needs a square kernel, got kernel_size={tuple(size)}; "
+                             "pass one int k >= 1 or a pair (k, k)")
+        size = size[0]
+    if isinstance(size, bool) or not isinstance(size, int):
+        raise TypeError(f"kernel_size={kernel_size!r} is not accepted; use an int k >= 1 or a pair (k, k)")
+    if size < 1:
+        raise RuntimeError(f"kernel_size={kernel_size!r}: SortConv2d needs a kernel size k >= 1 (1, 2, 3, ...)")
+    return size
 
 
 def check_variant(sampling: str, sorting: str) -> None:

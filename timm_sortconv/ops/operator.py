@@ -21,7 +21,10 @@ Arguments of ``sort_conv2d(input, weight, bias, stride, padding, dilation, group
 backend)``: ``stride`` and ``dilation`` as ``[h, w]``, ``padding`` as the zeros to add ``[left, right,
 top, bottom]`` (``F.pad``'s order; other padding modes are applied before the call), and the variant
 and backend names of :func:`timm_sortconv.sort_conv2d`. ``backend`` is resolved per call by
-:func:`timm_sortconv.ops.backends.resolve_backend`.
+:func:`timm_sortconv.ops.backends.resolve_backend`. The operator checks its tensors
+(:func:`.checks.check_tensors`: here, below autocast, so that mixed dtypes are refused only outside it, as by
+``F.conv2d``); the other arguments are checked by its callers, :func:`timm_sortconv.sort_conv2d` and the
+layers' constructors.
 
 A second operator, ``sort_conv2d_backward``, returns ``(grad_input, grad_weight)`` (an empty tensor for
 a gradient not asked for), so that compiled backward graphs call the fast backward kernel too.
@@ -35,46 +38,20 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .backends import NO_PADDING, Backend, resolve_backend
+from .checks import check_size, check_tensors
 from .geometry import get_geometry
 from .reference import sort_conv2d_reference
 
-__all__ = ["check_input", "check_size", "sort_conv2d_backward_op", "sort_conv2d_op"]
+__all__ = ["sort_conv2d_backward_op", "sort_conv2d_op"]
 
 
 def _pair(values: Sequence[int]) -> Tuple[int, int]:
     return int(values[0]), int(values[1])
 
 
-def check_input(input: Tensor, weight: Tensor, bias: Optional[Tensor], groups: int) -> None:
-    """Raises an error naming what is wrong with the tensors of a call and what is accepted."""
-    if not (input.is_floating_point() and weight.is_floating_point()):
-        raise TypeError(f"sort_conv2d needs floating-point tensors (float16, bfloat16, float32, float64), "
-                        f"got input {input.dtype} and weight {weight.dtype}")
-    if input.dim() != 4:
-        raise RuntimeError(f"sort_conv2d expects a 4-D (N, C, H, W) input (or 3-D (C, H, W) through SortConv2d), "
-                           f"got a {input.dim()}-D input of shape {tuple(input.shape)}")
-    if input.shape[1] != weight.shape[1] * groups:
-        raise RuntimeError(f"sort_conv2d: input has {input.shape[1]} channels (shape {tuple(input.shape)}) but the "
-                           f"weight {tuple(weight.shape)} with groups={groups} expects {weight.shape[1] * groups}")
-    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise RuntimeError(f"sort_conv2d: bias of shape {tuple(bias.shape)} does not match {weight.shape[0]} "
-                           "output channels")
-
-
-def check_size(input: Tensor, weight: Tensor, padding, dilation) -> None:
-    """Raises ``RuntimeError`` unless the padded input is at least as large as the dilated kernel."""
-    k = weight.shape[-1]
-    height, width = input.shape[2] + padding[2] + padding[3], input.shape[3] + padding[0] + padding[1]
-    if height < dilation[0] * (k - 1) + 1 or width < dilation[1] * (k - 1) + 1:
-        raise RuntimeError(f"sort_conv2d: padded input size ({height}, {width}) is smaller than the dilated kernel "
-                           f"({dilation[0] * (k - 1) + 1}, {dilation[1] * (k - 1) + 1})")
-
-
-def _call(input: Tensor, weight: Tensor, bias: Optional[Tensor], stride, padding, dilation, groups: int, sampling: str,
+def _call(input: Tensor, weight: Tensor, bias: Optional[Tensor], stride, dilation, groups: int, sampling: str,
           sorting: str, backend: str):
     """The geometry, the backend that runs the call and the arguments every kernel takes."""
-    check_input(input, weight, bias, groups)
-    check_size(input, weight, padding, dilation)
     geometry = get_geometry(weight.shape[-1], sampling, sorting)
     stride, dilation = _pair(stride), _pair(dilation)
     chosen = resolve_backend(backend, input, weight, bias, geometry, stride, dilation, groups)
@@ -106,8 +83,10 @@ def _memory_format(input: Tensor) -> torch.memory_format:
 @torch.library.custom_op("timm_sortconv::sort_conv2d", mutates_args=())
 def sort_conv2d_op(input: Tensor, weight: Tensor, bias: Optional[Tensor], stride: List[int], padding: List[int],
                    dilation: List[int], groups: int, sampling: str, sorting: str, backend: str) -> Tensor:
-    chosen, geometry, stride_, dilation_ = _call(input, weight, bias, stride, padding, dilation, groups, sampling,
-                                                 sorting, backend)
+    check_tensors(input, weight, bias, groups)
+    check_size(input, weight, padding, dilation)
+    chosen, geometry, stride_, dilation_ = _call(input, weight, bias, stride, dilation, groups, sampling, sorting,
+                                                 backend)
     x, pad = _padded_for(chosen, input, tuple(int(p) for p in padding))
     bias = bias.contiguous() if bias is not None else None
     out = chosen.forward(x, weight.contiguous(), bias, geometry, stride_, dilation_, groups, pad)
@@ -125,7 +104,7 @@ def _output_shape(input: Tensor, weight: Tensor, stride, padding, dilation) -> L
 
 @sort_conv2d_op.register_fake
 def _(input, weight, bias, stride, padding, dilation, groups, sampling, sorting, backend):
-    check_input(input, weight, bias, groups)
+    check_tensors(input, weight, bias, groups)
     return input.new_empty(_output_shape(input, weight, stride, padding, dilation)).contiguous(
         memory_format=_memory_format(input))
 
@@ -134,8 +113,8 @@ def _(input, weight, bias, stride, padding, dilation, groups, sampling, sorting,
 def sort_conv2d_backward_op(grad_output: Tensor, input: Tensor, weight: Tensor, stride: List[int],
                             padding: List[int], dilation: List[int], groups: int, sampling: str, sorting: str,
                             backend: str, need_input: bool, need_weight: bool) -> Tuple[Tensor, Tensor]:
-    chosen, geometry, stride_, dilation_ = _call(input, weight, None, stride, padding, dilation, groups, sampling,
-                                                 sorting, backend)
+    chosen, geometry, stride_, dilation_ = _call(input, weight, None, stride, dilation, groups, sampling, sorting,
+                                                 backend)
     pad = tuple(int(p) for p in padding)
     x, kernel_pad = _padded_for(chosen, input, pad)
     grad_x, grad_weight = chosen.backward(grad_output.contiguous(), x, weight.contiguous(), geometry, stride_,
