@@ -250,7 +250,7 @@ def test_model_cards_say_what_was_measured(tmp_path):
     assert 'timm.create_model("scnn_p_rs_7", pretrained=True)' in card and "arXiv:2305.14462" in card
     # commands name no machine's folders
     assert "/my/runs" not in card and "--checkpoint output/mnist/x/best.pth" in card
-    assert "`python scripts/mnist_results.py --model scnn_p_rs_7 --data-dir DATA`" in card
+    assert "`python scripts/mnist_results.py --model scnn_p_rs_7 --data-dir DATA/mnist`" in card
     assert f"{sum(p.numel() for p in timm.create_model('scnn_p_rs_7').parameters()):,} parameters" in card
     other = (out / "scnn_s_gs_3.md").read_text()
     assert "| MNIST-rot | 91.23% | not reported |" in other and "2,000 of the 10,000 test images" in other
@@ -348,5 +348,5 @@ def test_card_of_weights_trained_on_from_the_bundled_ones_gives_both_stages(tmp_
     assert "keeping its best epoch (6,\n  validation top-1 98.99%)" in card
     assert "then 4 more epochs of the same\n  preset from those weights (`--pretrained`) with `--lr 5e-4`" in card
     assert "88.8 + 44.0 minutes" in card and "| MNIST test (10,000 images) | 99.02% |" in card
-    assert "`python scripts/mnist_results.py --model scnn_p_c2_7_canon --epochs 8 --data-dir DATA`, then" in card
-    assert "--name scnn_p_c2_7_canon-ft4 --epochs 4 --data-dir DATA --pretrained --lr 5e-4`" in card
+    assert "`python scripts/mnist_results.py --model scnn_p_c2_7_canon --epochs 8 --data-dir DATA/mnist`, then" in card
+    assert "--name scnn_p_c2_7_canon-ft4 --epochs 4 --data-dir DATA/mnist --pretrained --lr 5e-4`" in card

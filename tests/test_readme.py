@@ -1,32 +1,44 @@
-"""Every code block of README.md runs as written: Python blocks are executed, and every command of the shell
-blocks is checked: the files it runs exist and its flags parse with the tool's own parser.
+"""Every command of README.md and of the model cards runs as written, on a CPU-only machine.
 
-Commands that run timm's own scripts through ``python -m timm_sortconv.run`` are parsed with those
-scripts' parsers when ``TIMM_SCRIPTS_DIR`` points at a checkout of timm's repository (they are not in
-timm's wheel); their launcher part is always checked.
+Quick checks: Python blocks are executed, and every shell command (of the README, the cards and
+``model_cards/README.md``) is checked: the files it runs exist and its flags parse with the tool's own parser.
+
+The slow tests run the commands themselves, in order, with ``CUDA_VISIBLE_DEVICES`` empty, in a folder laid out as
+the clone (``scripts/`` and ``.venv`` linked, a copy of ``model_cards/results``) with tiny data sets in
+``DATA/mnist`` and ``DATA/NWPU-RESISC45``, so that they write nothing into the clone. What a test changes in a
+command to make it take seconds is listed in :data:`SHORTER` (the schedules' epochs, the demo's image counts);
+``python`` is the interpreter running the tests. Commands that run timm's own scripts (``TIMM/...``) run when
+``TIMM_SCRIPTS_DIR`` names a folder that holds them (``conftest.NO_TIMM_SCRIPTS`` says why CI has none); their
+launcher part is always checked.
 """
+import glob
 import os
 import re
 import runpy
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from PIL import Image
+from test_data import make_mnist
 
+from conftest import NO_TIMM_SCRIPTS, TIMM_SCRIPTS_DIR
 from timm_sortconv.cli import demo, invariance, mnist_results, model_cards, push_to_hub, train, validate
 from timm_sortconv.data import export
 
 REPO = Path(__file__).resolve().parents[1]
-README = (REPO / "README.md").read_text()
-BLOCKS = re.findall(r"^```(\w+)\n(.*?)^```", README, flags=re.S | re.M)
-PYTHON_BLOCKS = [code for lang, code in BLOCKS if lang == "python"]
-SHELL_BLOCKS = [code for lang, code in BLOCKS if lang == "bash"]
+CARDS_DIR = REPO / "model_cards"
 PYTHON = ".venv/bin/python"
 TOOLS = {f"scripts/{name}.py": tool.build_parser() if hasattr(tool, "build_parser") else tool.parser
          for name, tool in (("train", train), ("validate", validate), ("demo", demo), ("invariance", invariance),
                             ("mnist_results", mnist_results), ("model_cards", model_cards))}
+
+
+def blocks(text, lang):
+    return [code for found, code in re.findall(r"^```(\w+)\n(.*?)^```", text, flags=re.S | re.M) if found == lang]
 
 
 def commands(block):
@@ -36,6 +48,15 @@ def commands(block):
         line = line.split(" #")[0].strip()
         if line and not line.startswith("#"):
             yield from (part.strip() for part in line.split("&&"))
+
+
+README = (REPO / "README.md").read_text()
+PYTHON_BLOCKS = blocks(README, "python")
+SHELL_BLOCKS = blocks(README, "bash")
+CARDS = sorted(CARDS_DIR.glob("scnn_*.md"))
+# a card's commands: in backticks, mnist_results.py first (its one or two stages), then validate.py
+CARD_COMMANDS = {card.stem: re.findall(r"`(python scripts/[^`]+)`", card.read_text()) for card in CARDS}
+CARDS_README_COMMANDS = [c for block in blocks((CARDS_DIR / "README.md").read_text(), "bash") for c in commands(block)]
 
 
 def test_readme_has_the_two_commands_first():
@@ -55,11 +76,8 @@ def test_python_block_runs(index, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-TIMM_SCRIPTS = os.environ.get("TIMM_SCRIPTS_DIR")
-
-
 def parse_timm_script(script, argv):
-    module = runpy.run_path(str(Path(TIMM_SCRIPTS) / script), run_name="readme_check")
+    module = runpy.run_path(str(Path(TIMM_SCRIPTS_DIR) / script), run_name="readme_check")
     args_config, remaining = module["config_parser"].parse_known_args(argv) if "config_parser" in module else (
         None, argv)
     module["parser"].parse_args(remaining)
@@ -70,18 +88,16 @@ def check(command):
     program, rest = words[0], words[1:]
     if program == "bash":
         assert (REPO / rest[0]).is_file(), command
-    elif program in ("mkdir", "cp", "gunzip"):
-        return  # file handling around timm's own data layout
     elif program == ".venv/bin/torchrun":
         script_at = next(i for i, word in enumerate(rest) if word.endswith(".py"))
         check(f"{PYTHON} " + shlex.join(rest[script_at:]))
-    elif program == PYTHON:
+    elif program in (PYTHON, "python"):
         if rest[:2] == ["-m", "pytest"]:
             return
         if rest[:2] == ["-m", "timm_sortconv.run"]:
             script = rest[2]
             assert Path(script).name in ("train.py", "validate.py", "benchmark.py", "inference.py"), command
-            if TIMM_SCRIPTS:  # else test_timm_script_commands_parse says it was skipped
+            if TIMM_SCRIPTS_DIR:  # else test_timm_script_commands_parse says it was skipped
                 parse_timm_script(Path(script).name, rest[3:])
             return
         if rest[:2] == ["-m", "timm_sortconv.check"]:
@@ -109,7 +125,7 @@ def check(command):
             else:
                 assert not unknown, (command, unknown)
     else:
-        pytest.fail(f"README command with no check: {command}")
+        pytest.fail(f"command with no check: {command}")
 
 
 @pytest.mark.parametrize("index", range(len(SHELL_BLOCKS)))
@@ -119,9 +135,113 @@ def test_shell_block_commands_parse(index, monkeypatch):
         check(command)
 
 
-@pytest.mark.skipif(not TIMM_SCRIPTS, reason="TIMM_SCRIPTS_DIR (a checkout of timm's repository) is not set")
+@pytest.mark.parametrize("card", [*CARD_COMMANDS, "README"])
+def test_model_card_commands_parse_and_name_only_the_clones_folders(card, monkeypatch):
+    monkeypatch.chdir(REPO)
+    found = CARD_COMMANDS[card] if card != "README" else CARDS_README_COMMANDS
+    assert found
+    for command in found:
+        check(command)
+        # data as the README names it, runs and results inside the clone, no machine's paths
+        assert not re.search(r"(^| )(/|\.\./|~)|results/mnist|shared", command), command
+        if "--data-dir" in command:
+            assert "--data-dir DATA/mnist " in command + " ", command
+
+
+@pytest.mark.skipif(not TIMM_SCRIPTS_DIR, reason=NO_TIMM_SCRIPTS)
 def test_timm_script_commands_parse():
     launched = [shlex.split(c) for block in SHELL_BLOCKS for c in commands(block) if "-m timm_sortconv.run" in c]
     assert len(launched) >= 2
     for words in launched:
         parse_timm_script(Path(words[3]).name, words[4:])
+
+
+# ------------------------------------------------------------------------------------------ running the commands
+
+# What a test adds to a command (found by a word it contains) so that it takes seconds on the tiny data; the rest
+# runs as written. The paper's schedules run one epoch (the NWPU one on one batch, 10 images), the demo trains on
+# 50 images and sweeps 8, and mnist_results.py writes its rows into the test's folder instead of the clone's
+# results/mnist (its default is the clone's folder, not the current one).
+SHORTER = [
+    ("scripts/configs/nwpu_resnet18.yaml", ["--epochs", "1", "--train-split", "train:10"]),
+    ("scripts/configs/mnist_scnn.yaml", ["--epochs", "1"]),
+    ("TIMM/train.py", ["--epochs", "1"]),
+    ("scripts/demo.py", ["--train-samples", "50", "--samples", "8"]),
+]
+ROWS_HERE = ["--results", os.path.join("results", "mnist")]
+NOT_RUN = {
+    "bash scripts/bootstrap.sh": "the set-up itself: CI runs it before the tests",
+    f"{PYTHON} -m pytest -q": "this test suite",
+    f"{PYTHON} -m timm_sortconv.check --quick": "tests/test_check.py runs it (test_quick_check_on_the_cpu)",
+}
+
+
+@pytest.fixture
+def clone(tmp_path):
+    """A folder laid out as the clone for the documented commands, with tiny data sets."""
+    (tmp_path / "scripts").symlink_to(REPO / "scripts")
+    (tmp_path / ".venv").symlink_to(Path(sys.prefix))
+    shutil.copytree(CARDS_DIR / "results", tmp_path / "model_cards" / "results")
+    # training split 205, validation 41: one batch of 100 for each of torchrun's two processes
+    make_mnist(tmp_path / "DATA" / "mnist", num_train=246, num_test=12)
+    nwpu_class = tmp_path / "DATA" / "NWPU-RESISC45" / "airport"
+    nwpu_class.mkdir(parents=True)
+    for i in range(401):  # NWPU-RESISC45's split: a 400-image training pool per class, the rest for testing
+        Image.new("RGB", (8, 8), (i % 256, i // 256, 60)).save(nwpu_class / f"airport_{i:03d}.png")
+    if TIMM_SCRIPTS_DIR:
+        (tmp_path / "TIMM").symlink_to(Path(TIMM_SCRIPTS_DIR).resolve())
+    return tmp_path
+
+
+def run_as_written(command, folder):
+    """Runs ``command`` in ``folder`` (plus its :data:`SHORTER` options) on a CPU-only machine; returns its log."""
+    words = shlex.split(command)
+    words += next((extra for key, extra in SHORTER if key in words), [])
+    if words[1] == "scripts/mnist_results.py" and "--results" not in words:
+        words += ROWS_HERE
+    if words[0] == "python":
+        words[0] = sys.executable
+    words = [match for word in words for match in (sorted(glob.glob(word, root_dir=folder)) or [word])]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    result = subprocess.run(words, cwd=folder, env=env, capture_output=True, text=True, timeout=900)
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, f"{command}\n{log[-4000:]}"
+    return log
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", range(len(SHELL_BLOCKS)))
+def test_readme_commands_run(index, clone):
+    ran = []
+    for command in commands(SHELL_BLOCKS[index]):
+        if command in NOT_RUN or ("TIMM/" in command and not TIMM_SCRIPTS_DIR):
+            continue
+        run_as_written(command, clone)
+        ran.append(command)
+    if not ran:
+        pytest.skip("; ".join(NOT_RUN.get(c, NO_TIMM_SCRIPTS) for c in commands(SHELL_BLOCKS[index])))
+
+
+# One card of each kind: a 2,000-image sweep, a full sweep beside the baseline, and weights trained in two stages.
+# The others differ from these in the model's name and the numbers (test_model_card_commands_parse... checks them).
+@pytest.mark.slow
+@pytest.mark.parametrize("card", ["scnn_p_gs_3", "scnn_p_rs_7", "scnn_p_c2_7_canon"])
+def test_model_card_commands_run(card, clone):
+    for command in CARD_COMMANDS[card]:
+        run_as_written(command, clone)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
+    for code in blocks((CARDS_DIR / f"{card}.md").read_text(), "python"):
+        result = subprocess.run([sys.executable, "-c", code], cwd=clone, env=env, capture_output=True, text=True,
+                                timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_the_cards_are_what_their_commands_write(clone):
+    """``model_cards/README.md``'s commands, run in the clone's layout, write the committed cards."""
+    for command in CARDS_README_COMMANDS:
+        run_as_written(command, clone)
+    written = sorted((clone / "model_cards").glob("scnn_*.md"))
+    assert [p.name for p in written] == [p.name for p in CARDS]
+    for path in written:
+        assert path.read_text() == (CARDS_DIR / path.name).read_text(), path.name

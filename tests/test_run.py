@@ -1,20 +1,18 @@
 """``python -m timm_sortconv.run SCRIPT ARGS``: any script runs as ``__main__`` with the models registered.
 
 timm's own ``train.py``, ``validate.py`` and ``benchmark.py`` live in timm's repository, not in its wheel
-or sdist; with ``TIMM_SCRIPTS_DIR`` pointing at a checkout of it, they are run on a small image folder
-too (the launcher's mechanism itself is tested on a script written here).
+or sdist (``conftest.NO_TIMM_SCRIPTS``); with ``TIMM_SCRIPTS_DIR`` pointing at a checkout of it, they are run on a
+small image folder too. The launcher's mechanism itself is tested everywhere, on scripts written here.
 """
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import NO_TIMM_SCRIPTS, TIMM_SCRIPTS_DIR
 from timm_sortconv.data import mnist_sample_dir
 from timm_sortconv.data.export import main as export_main
-
-TIMM_SCRIPTS = os.environ.get("TIMM_SCRIPTS_DIR")
 
 
 def launch(*args, cwd=None, timeout=600):
@@ -54,7 +52,7 @@ def image_folder(tmp_path_factory):
     return out
 
 
-@pytest.mark.skipif(not TIMM_SCRIPTS, reason="TIMM_SCRIPTS_DIR (a checkout of timm's repository) is not set")
+@pytest.mark.skipif(not TIMM_SCRIPTS_DIR, reason=NO_TIMM_SCRIPTS)
 @pytest.mark.parametrize("script", ["validate.py", "benchmark.py", "train.py"])
 def test_timms_scripts_run_our_models(script, image_folder, tmp_path):
     data = ["--num-classes", "10", "--mean", "0.1307", "--std", "0.3081", "--crop-pct", "1.0", "--workers", "0"]
@@ -67,7 +65,7 @@ def test_timms_scripts_run_our_models(script, image_folder, tmp_path):
                      "--opt", "adam", "--lr", "1e-3", "--no-aug", "--smoothing", 0, "--device", "cpu",
                      "--output", tmp_path, "--experiment", "run", "--log-interval", 50, *data],
     }[script]
-    result = launch(Path(TIMM_SCRIPTS) / script, *args, timeout=900)
+    result = launch(Path(TIMM_SCRIPTS_DIR) / script, *args, timeout=900)
     log = result.stdout + result.stderr
     assert result.returncode == 0, log[-4000:]
     if script == "validate.py":

@@ -1,4 +1,4 @@
-"""The main job: see rotation invariance with your own eyes in about a minute on a CPU.
+"""The main job: see rotation invariance with your own eyes, on a CPU (README.md gives the time it took).
 
 Trains a small SCNN (``scnn_p_rs_3``: Sorting Convolution with polar sampling and ring sorting) and its
 plain-convolution twin (``scnn_baseline_3``, the same parameters) on MNIST, then evaluates both on the

@@ -4,9 +4,9 @@ Every number on a card comes from the row's JSON (measured by ``scripts/mnist_re
 paper (its figures, labelled as such); the card names the commands that reproduce the row.
 ``scripts/push_to_hub.py --model <model>`` uploads the card as the Hub repository's README.md.
 
-The cards' commands run from a clone as they are written: the data folder is shown as ``DATA/mnist`` (the
-README's name for a folder of the MNIST IDX files), the training runs as the default ``output/mnist``, and the
-results as the folder the row is kept in now.
+Run it from the clone, as the cards' commands run: the data folder is shown as ``DATA/mnist`` (the README's name
+for a folder of the MNIST IDX files), the training runs as the default ``output/mnist``, and the results as the
+folder the row is kept in now, relative to the current folder.
 
 Example::
 
@@ -19,7 +19,7 @@ import os
 from typing import Optional, Sequence
 
 from . import CommandError, run
-from .mnist_results import PAPER, REPO
+from .mnist_results import PAPER
 
 SAMPLING = {"s": "square sampling (the window's own pixels, ring r being the 8r pixels of the square at distance r)",
             "p": "polar sampling (ring r: 8r points evenly spaced on the circle of radius r, bilinearly "
@@ -44,7 +44,7 @@ parser.add_argument("rows", nargs="+", metavar="JSON",
                     help="rows (model_cards/results/.../*.json) of models without kwargs")
 parser.add_argument("--hub-row", nargs="*", default=[], metavar="JSON",
                     help="rows whose weights are the published ones for their model (override a row in ROWS)")
-parser.add_argument("--out", default=os.path.join(REPO, "model_cards"), metavar="DIR", help="where cards go")
+parser.add_argument("--out", default="model_cards", metavar="DIR", help="where cards go (default: model_cards)")
 
 
 CANONICAL = ("; each input image is first turned about its centre to its principal axis (the orientation of its "
@@ -103,8 +103,7 @@ def portable(row, folder: str) -> dict:
     def value(option):
         return words[words.index(option) + 1].rstrip("/") if option in words else None
 
-    moved = {value("--runs"): RUNS_DIR, value("--data-dir"): DATA_DIR,
-             value("--results") or os.path.join("results", "mnist"): folder}
+    moved = {value("--runs"): RUNS_DIR, value("--data-dir"): DATA_DIR, value("--results"): folder}
     moved.pop(None, None)
 
     def move(word):
@@ -115,8 +114,6 @@ def portable(row, folder: str) -> dict:
 
     if "--runs" in words:  # the default, not shown
         del words[words.index("--runs"):words.index("--runs") + 2]
-    if "--results" not in words:
-        words += ["--results", folder]
     return {**row, "reproduce": " ".join(map(move, words)),
             "commands": [" ".join(map(move, command.split())) for command in row["commands"]]}
 
@@ -240,7 +237,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             row = json.load(f)
         if row["model_kwargs"]:
             continue  # experiments with other settings are RESULTS.md rows, not published models
-        folder = os.path.relpath(os.path.dirname(os.path.abspath(path)), REPO)
+        folder = os.path.relpath(os.path.dirname(os.path.abspath(path)))
         row = portable(row, folder)
         if "--pretrained" in (row.get("train_args") or []):
             # trained on from the model's bundled weights: those came from the row named after the model
