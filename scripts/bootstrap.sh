@@ -33,7 +33,9 @@ step 3 "timm $TIMM and this package (editable) with its development extras"
 # this checkout's own folder is the package, so the notice is silenced.
 PYTHONWARNINGS="ignore:Editable installation:UserWarning" "$VENV/bin/python" -m pip install "timm==$TIMM" -e ".[dev]"
 # timm's own model tests (tests/test_timm_suite.py runs them on this package's models) ship in timm's
-# source distribution, not in its wheel.
+# source distribution, not in its wheel. timm's train.py, validate.py and benchmark.py are in neither (only in its
+# GitHub repository, which a set-up that reaches package registries only cannot fetch): the tests that run them
+# need TIMM_SCRIPTS_DIR (tests/conftest.py).
 step 4 "timm's model tests (.cache/timm-$TIMM/tests)"
 if [ ! -f .cache/timm-$TIMM/tests/test_models.py ]; then
     mkdir -p .cache
