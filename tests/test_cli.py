@@ -25,7 +25,8 @@ def typo_commands(tmp_path):
     (``scripts/demo.py`` builds its models' names itself, from ``--kernel-size``, whose choices argparse checks;
     ``check`` measures a fixed list.)"""
     row = tmp_path / "row.json"
-    row.write_text(json.dumps({"model": TYPO, "model_kwargs": [], "train_args": []}))
+    row.write_text(json.dumps({"model": TYPO, "model_kwargs": [], "train_args": [], "commands": [],
+                               "reproduce": f"python scripts/mnist_results.py --model {TYPO} --data-dir DATA"}))
     data = ["--dataset", "sortconv/mnist", "--data-dir", SAMPLE]
     return {
         "train --model": (train.main, ["--model", TYPO, *data, "--output", str(tmp_path)]),
