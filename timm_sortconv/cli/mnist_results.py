@@ -64,8 +64,8 @@ parser.add_argument("--config", default=os.path.join(CONFIGS, "mnist_scnn_short.
 parser.add_argument("--epochs", type=int, default=None, metavar="N", help="epochs (default: the preset's)")
 parser.add_argument("--seed", type=int, default=42, metavar="S", help="training seed and --rot-samples slice seed")
 parser.add_argument("--runs", default=os.path.join("output", "mnist"), metavar="DIR", help="training runs go here")
-parser.add_argument("--results", default=os.path.join(REPO, "results", "mnist"), metavar="DIR",
-                    help="JSON, CSV and PNG go here (default: results/mnist)")
+parser.add_argument("--results", default=os.path.join("output", "mnist", "results"), metavar="DIR",
+                    help="JSON, CSV and PNG go here (default: output/mnist/results)")
 parser.add_argument("--rot-samples", type=int, default=None, metavar="N",
                     help="sweep N random test images instead of all 10,000")
 parser.add_argument("--compare", nargs="+", default=[], metavar="NAME",
