@@ -159,20 +159,21 @@ def test_timm_script_commands_parse():
 # ------------------------------------------------------------------------------------------ running the commands
 
 # What a test adds to a command (found by a word it contains) so that it takes seconds on the tiny data; the rest
-# runs as written. The paper's schedules run one epoch (the NWPU one on one batch, 10 images), the demo trains on
-# 50 images and sweeps 8, and mnist_results.py writes its rows into the test's folder instead of the clone's
-# results/mnist (its default is the clone's folder, not the current one).
+# runs as written. The paper's schedules run one epoch (the NWPU one on one batch, 10 images) and the demo trains
+# on 50 images and sweeps 8.
 SHORTER = [
     ("scripts/configs/nwpu_resnet18.yaml", ["--epochs", "1", "--train-split", "train:10"]),
     ("scripts/configs/mnist_scnn.yaml", ["--epochs", "1"]),
     ("TIMM/train.py", ["--epochs", "1"]),
     ("scripts/demo.py", ["--train-samples", "50", "--samples", "8"]),
 ]
-ROWS_HERE = ["--results", os.path.join("results", "mnist")]
 NOT_RUN = {
     "bash scripts/bootstrap.sh": "the set-up itself: CI runs it before the tests",
     f"{PYTHON} -m pytest -q": "this test suite",
     f"{PYTHON} -m timm_sortconv.check --quick": "tests/test_check.py runs it (test_quick_check_on_the_cpu)",
+    "bash scripts/paper_protocol.sh start RUNS DATA/mnist scnn_p_rs_7": "a 100-epoch run in the background: "
+    "tests/test_train.py runs the script on a tiny configuration, stopped and started again",
+    "bash scripts/paper_protocol.sh status RUNS scnn_p_rs_7": "the status of that run",
 }
 
 
@@ -197,8 +198,6 @@ def run_as_written(command, folder):
     """Runs ``command`` in ``folder`` (plus its :data:`SHORTER` options) on a CPU-only machine; returns its log."""
     words = shlex.split(command)
     words += next((extra for key, extra in SHORTER if key in words), [])
-    if words[1] == "scripts/mnist_results.py" and "--results" not in words:
-        words += ROWS_HERE
     if words[0] == "python":
         words[0] = sys.executable
     words = [match for word in words for match in (sorted(glob.glob(word, root_dir=folder)) or [word])]
