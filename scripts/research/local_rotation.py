@@ -331,7 +331,7 @@ def table(results: str, paired: Optional[str] = None) -> str:
             worst = "/".join(sorted({f"{s['worst_angle']:g}" for s in seeds}))
             retained = np.mean([s["retained"] for s in seeds])
             kwargs = " ".join(f"{k}={v}" for k, v in first["model_kwargs"].items() if k != "channels")
-            line = (f"| {task_dir.name} | {row.name} | {first['model']} {kwargs} | {first['params']:,} | {len(seeds)} | "
+            line = (f"| {task_dir.name} | {row.name} | {(first['model'] + ' ' + kwargs).strip()} | {first['params']:,} | {len(seeds)} | "
                     f"{first['train_scenes']:,} x {epochs:.2f} ({per_epoch:.0f}) | {cell('upright')} | {cell('mean')} | "
                     f"{np.mean([s['worst'] for s in seeds]):.2f} ({worst}) | {cell('random')} | {retained:.3f} | "
                     f"{first['ceiling']:.2f} |")
