@@ -10,8 +10,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from conftest import REPO, load_script
+from timm_sortconv import SortConv2d
 from timm_sortconv.grid import (CentredAvgPool2d, CentredConv2d, CentredMaxPool2d, centre_grid, centre_grid_same,
-                                check_stride_align, plain_conv_layer, pool_class)
+                                check_stride_align, min_input_size, plain_conv_layer, pool_class)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -152,3 +153,26 @@ def test_benchmark_script_runs_and_checks_its_input(capsys):
     assert lines[4].startswith("| infer |") and len(lines) == 5
     with pytest.raises(SystemExit):
         bench.parse_args(["--size", "4"])
+
+
+@pytest.mark.parametrize("padding_mode", ["zeros", "reflect", "circular", "replicate"])
+def test_inputs_shorter_than_the_centring_crop_are_taken_on_pytorchs_grid(padding_mode):
+    """Where the crop that centres the grid would leave less input than there is (or than a reflect or circular
+    padding needs), that side is not centred: the layer takes the input as nn.Conv2d does, with its values."""
+    torch.manual_seed(0)
+    kept = 0
+    for size, padding in ((1, 1), (3, 2), (2, 1), (3, 1)):
+        if padding_mode == "reflect" and padding >= size:
+            continue  # nn.Conv2d refuses it too (F.pad)
+        conv = nn.Conv2d(2, 3, 1, stride=4, padding=padding, padding_mode=padding_mode)
+        centred, layer = CentredConv2d.from_conv(conv), SortConv2d.from_conv(conv, sampling="square")
+        x = torch.randn(1, 2, size, 9)
+        assert centred(x).shape == layer(x).shape == conv(x).shape
+        # The other side needs no crop ((W + 2p - 1) % 4 == 0), so where the short side is kept as it is, the
+        # output is nn.Conv2d's.
+        wide = torch.randn(1, 2, size, 9 - 2 * padding)
+        excess = (size + 2 * padding - 1) % 4
+        if size - excess < min_input_size(padding_mode, [padding] * 4):
+            torch.testing.assert_close(centred(wide), conv(wide))
+            kept += 1
+    assert kept

@@ -37,7 +37,7 @@ from timm.layers import register_notrace_module
 from torch.nn.modules.utils import _pair
 
 __all__ = ["CENTRED_LAYERS", "STRIDE_ALIGNS", "CentredAvgPool2d", "CentredConv2d", "CentredMaxPool2d", "centre_grid",
-           "centre_grid_same", "check_stride_align", "plain_conv_layer", "pool_class"]
+           "centre_grid_same", "check_stride_align", "min_input_size", "plain_conv_layer", "pool_class"]
 
 STRIDE_ALIGNS = ("centre", "corner")
 
@@ -57,12 +57,14 @@ def _half_pixel(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def centre_grid(x: torch.Tensor, kernel_size: List[int], stride: List[int], padding: List[int],
-                dilation: List[int]) -> torch.Tensor:
+                dilation: List[int], min_size: int = 1) -> torch.Tensor:
     """``x`` (``(..., H, W)``) prepared for a layer with these arguments (``padding`` per side, as
     ``nn.Conv2d`` and the pooling layers take it) so that the layer's grid of windows is centred and its
     output size unchanged (the module docstring says how). Unchanged where the grid is centred already,
     for unit strides, and where the padded input is smaller than the window (the layer then raises its own
-    error).
+    error). A side that the crop would leave shorter than ``min_size`` (1; a reflect or circular padding
+    needs more, and its layer says how much) is left as it is, so that such an input of a few pixels is
+    taken, as ``nn.Conv2d`` takes it, on PyTorch's grid, which is not centred there.
 
     Example:
         >>> x = torch.arange(16.0).view(1, 1, 4, 4)
@@ -79,12 +81,23 @@ def centre_grid(x: torch.Tensor, kernel_size: List[int], stride: List[int], padd
         if span < 0:
             continue
         excess = span % stride[axis]
+        if x.shape[dim] - excess < min_size:
+            continue
         if excess % 2 == 1:
             x = _half_pixel(x, dim)
             excess -= 1
         if excess > 0:
             x = x.narrow(dim, excess // 2, x.shape[dim] - excess)
     return x
+
+
+def min_input_size(padding_mode: str, padding: List[int]) -> int:
+    """The shortest input side that ``F.pad`` takes with this mode and ``padding`` (in ``F.pad``'s order)."""
+    if padding_mode == "reflect":
+        return max(padding) + 1
+    if padding_mode == "circular":
+        return max(max(padding), 1)
+    return 1
 
 
 def centre_grid_same(x: torch.Tensor, kernel_size: List[int], stride: List[int], dilation: List[int]) -> torch.Tensor:
@@ -123,7 +136,8 @@ class CentredConv2d(nn.Conv2d):
         # nn.Conv2d's own _conv_forward, after centring (TorchScript compiles no super() call)
         pad = self._reversed_padding_repeated_twice
         input = centre_grid(input, [self.kernel_size[0], self.kernel_size[1]], [self.stride[0], self.stride[1]],
-                            [pad[2], pad[0]], [self.dilation[0], self.dilation[1]])
+                            [pad[2], pad[0]], [self.dilation[0], self.dilation[1]],
+                            min_input_size(self.padding_mode, pad))
         if self.padding_mode != "zeros":
             return F.conv2d(F.pad(input, pad, mode=self.padding_mode), weight, bias, self.stride, _pair(0),
                             self.dilation, self.groups)

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 from timm.layers import pad_same, register_notrace_module
 
-from .grid import centre_grid, centre_grid_same, check_stride_align, copy_conv_state
+from .grid import centre_grid, centre_grid_same, check_stride_align, copy_conv_state, min_input_size
 from .ops.backends import check_backend_name
 from .ops.checks import check_input, layer_arguments
 from .ops.functional import sort_conv2d_padded
@@ -103,7 +103,8 @@ class SortConv2d(nn.Conv2d):
         if self.stride_align == "centre":
             input = centre_grid(input, [self.kernel_size[0], self.kernel_size[1]], [self.stride[0], self.stride[1]],
                                 [self._reversed_padding_repeated_twice[2], self._reversed_padding_repeated_twice[0]],
-                                [self.dilation[0], self.dilation[1]])
+                                [self.dilation[0], self.dilation[1]],
+                                min_input_size(self.padding_mode, self._reversed_padding_repeated_twice))
         return sort_conv2d_padded(input, weight, bias, [self.stride[0], self.stride[1]],
                                   self._reversed_padding_repeated_twice, self.padding_mode,
                                   [self.dilation[0], self.dilation[1]], self.groups, self.sampling, self.sorting,
