@@ -19,13 +19,14 @@
 # OPTIONs go to scripts/mnist_results.py after the protocol's own (a later option wins; the tests use them
 # for a tiny run); a resumed run must be given the same ones.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-usage() { sed -n '7,11p' "$0" >&2; exit 2; }
+self=$(realpath "$0")
+usage() { sed -n '7,11p' "$self" >&2; exit 2; }
 [ $# -ge 2 ] || usage
-action=$1 runs=$2
+# RUNS and DATA as the caller names them, before the repository becomes the working folder
+action=$1 runs=$(realpath -m "$2")
 if [ "$action" = start ]; then
     [ $# -ge 3 ] || usage
-    data=$3 model=${4:-scnn_p_rs_7}
+    data=$(realpath -m "$3") model=${4:-scnn_p_rs_7}
     shift $(($# < 4 ? $# : 4))
 else
     model=${3:-scnn_p_rs_7}
@@ -34,9 +35,10 @@ name=$model-paper
 log=$runs/$name.log
 pidfile=$runs/$name.pid
 python=${PYTHON:-.venv/bin/python}
+cd "$(dirname "$self")/.."
 
 # The process recorded in the pid file, if it is still this run (a pid left by an earlier machine may be reused).
-running() { [ -f "$pidfile" ] && grep -qs mnist_results "/proc/$(cat "$pidfile")/cmdline"; }
+running() { [ -f "$pidfile" ] && tr '\0' ' ' < "/proc/$(cat "$pidfile")/cmdline" 2>/dev/null | grep -q -- "--name $name "; }
 signal() { running || { echo "$name: not running"; exit 1; }; kill "-$1" -- "-$(cat "$pidfile")"; }
 
 case $action in
@@ -59,11 +61,11 @@ start)
     ;;
 status)
     if running; then echo "$name: running (process group $(cat "$pidfile"))"; else echo "$name: not running"; fi
-    [ -f "$runs/$name/curve.json" ] && { cat "$runs/$name/curve.json"; echo; }
-    [ -f "$log" ] && tail -n 3 "$log"
+    if [ -f "$runs/$name/curve.json" ]; then cat "$runs/$name/curve.json"; echo; fi
+    if [ -f "$log" ]; then tail -n 3 "$log"; fi
     ;;
 pause) signal STOP; echo "$name: paused" ;;
 resume) signal CONT; echo "$name: going on" ;;
-stop) signal TERM; echo "$name: stopped; 'start' resumes it from its last checkpoint" ;;
+stop) signal TERM; kill -CONT -- "-$(cat "$pidfile")" 2>/dev/null || true; echo "$name: stopped; 'start' resumes it from its last checkpoint" ;;
 *) usage ;;
 esac

@@ -108,7 +108,7 @@ def profile(args, model: str, folder: str):
     record = ["perf", "record", "-q", "-g", "-D", "-1", f"--control=fifo:{control},{ack}", "-o", data, "--", *child]
     done = subprocess.run(record, capture_output=True, text=True)
     if done.returncode != 0:
-        sys.exit(f"error: perf record failed ({done.returncode}): {done.stderr.strip().splitlines()[-1:]}")
+        sys.exit(f"error: perf record failed ({done.returncode}): {(done.stderr.strip().splitlines() or [''])[-1]}")
     wall_rate, cpu_rate = map(float, done.stdout.split()[-2:])
     report = subprocess.run(["perf", "report", "-i", data, "--no-children", "--stdio", "-g", "caller,0.5,callee",
                              "--sort", "dso,symbol", "--percent-limit", "0"], capture_output=True, text=True)
@@ -124,6 +124,7 @@ def parse_report(text: str):
     share is split from its backward one by the call chains below its line."""
     top = re.compile(r"^\s+([\d.]+)%\s+(.+?)\s+\[[.k]\]\s+(.*?)\s*$")
     chain = re.compile(r"^\s*[|-]*\s*--([\d.]+)%--(.*)$")
+    only_chain = re.compile(r"^\s*\|*\s*---(\S.*)$")  # a symbol with one caller: its whole share
     current = None
     for line in text.splitlines():
         match = top.match(line)
@@ -135,6 +136,8 @@ def parse_report(text: str):
         match = chain.match(line)
         if current and match:
             current[3].append((float(match.group(1)), match.group(2)))
+        elif current and not current[3] and only_chain.match(line):
+            current[3].append((current[2], only_chain.match(line).group(1)))
     if current:
         yield from split_by_caller(*current)
 
@@ -169,7 +172,7 @@ def main(argv=None) -> None:
         for model in args.model:
             results[model] = profile(args, model, folder)
     phases = [phase for phase, _ in PHASES] + ["other"]
-    print(f"| phase | " + " | ".join(f"`{m}`" for m in args.model) + " |")
+    print("| phase | " + " | ".join(f"`{m}`" for m in args.model) + " |")
     print("|---|" + "---|" * len(args.model))
     for phase in phases:
         if any(results[m][2].get(phase, 0) >= 0.05 for m in args.model):

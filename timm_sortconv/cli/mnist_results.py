@@ -149,6 +149,8 @@ def train(args, train_extra, name, run_dir, epochs):
         return command
     started = any(f == "last.pth.tar" or f.startswith("recovery-") for f in os.listdir(run_dir)) \
         if os.path.isdir(run_dir) else False
+    if started:
+        update_curve(args, name, run_dir, epochs)  # points kept by an earlier, stopped session of the run
     run_tool(train_tool, command + (["--resume", run_dir] if started else []))
     return command
 
@@ -290,7 +292,6 @@ def main(argv: Optional[Sequence[str]] = None):
     epochs = preset_epochs(args)
     if args.curve and not all(0 < epoch <= epochs for epoch in args.curve):
         parser.error(f"--curve {' '.join(map(str, args.curve))}: epochs run from 1 to {epochs}")
-    update_curve(args, name, run_dir, epochs)  # points kept by an earlier, stopped session of the run
     train_command = train(args, train_extra, name, run_dir, epochs)
     curve = update_curve(args, name, run_dir, epochs)
     summary = summary_rows(run_dir)

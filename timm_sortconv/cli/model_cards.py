@@ -107,7 +107,7 @@ def portable(row, folder: str) -> dict:
     moved.pop(None, None)
 
     def move(word):
-        for old, new in moved.items():
+        for old, new in sorted(moved.items(), key=lambda item: -len(item[0])):  # a folder inside another first
             if word == old or word.startswith(old + "/"):
                 return new + word[len(old):]
         return word

@@ -346,14 +346,15 @@ def validate(task, loader, args, amp_autocast, log_suffix=""):
     return evaluator.compute(distributed=args.distributed)
 
 
-def keep_epoch_checkpoint(output_dir: str, epochs_done: int, keep_epochs) -> None:
-    """Copies ``last.pth.tar`` to ``epoch-<epochs_done>.pth.tar`` if ``epochs_done`` is one of ``keep_epochs``
-    and the copy is not there yet (a run killed between the two writes makes it on resuming)."""
+def keep_epoch_checkpoint(output_dir: str, epochs_done: int, keep_epochs, source: str) -> None:
+    """Copies ``source`` (the checkpoint after ``epochs_done`` epochs) to ``<output_dir>/epoch-<epochs_done>.pth.tar``
+    if ``epochs_done`` is one of ``keep_epochs`` and the copy is not there yet (a run killed between the two
+    writes makes it on resuming)."""
     if epochs_done not in keep_epochs:
         return
     path = os.path.join(output_dir, f"epoch-{epochs_done}.pth.tar")
     if not os.path.isfile(path):
-        shutil.copyfile(os.path.join(output_dir, "last.pth.tar"), path + ".tmp")
+        shutil.copyfile(source, path + ".tmp")
         os.replace(path + ".tmp", path)
 
 
@@ -495,7 +496,7 @@ def main(argv=None):
         if resume_path:
             saver.load_state_dict_from_checkpoint(resume_path)
             if task.progress["batch"] == 0:
-                keep_epoch_checkpoint(output_dir, start_epoch, args.keep_epochs)
+                keep_epoch_checkpoint(output_dir, start_epoch, args.keep_epochs, resume_path)
         with open(os.path.join(output_dir, "args.yaml"), "w") as f:
             f.write(args_text)
         summary_path = os.path.join(output_dir, "summary.csv")
@@ -526,7 +527,7 @@ def main(argv=None):
             utils.update_summary(epoch, train_metrics, eval_metrics, filename=summary_path, lr=lr)
             metric = eval_metrics[args.eval_metric] if eval_metrics else None
             best_metric, best_epoch = saver.save_checkpoint(epoch, metric=metric)
-            keep_epoch_checkpoint(output_dir, epoch + 1, args.keep_epochs)
+            keep_epoch_checkpoint(output_dir, epoch + 1, args.keep_epochs, os.path.join(output_dir, "last.pth.tar"))
             remove_recovery_files(saver)
     if best_metric is not None:
         _logger.info(f"*** Best metric: {best_metric} (epoch {best_epoch})")
