@@ -38,7 +38,7 @@ python=${PYTHON:-.venv/bin/python}
 cd "$(dirname "$self")/.."
 
 # The process recorded in the pid file, if it is still this run (a pid left by an earlier machine may be reused).
-running() { [ -f "$pidfile" ] && tr '\0' ' ' < "/proc/$(cat "$pidfile")/cmdline" 2>/dev/null | grep -q -- "--name $name "; }
+running() { [ -f "$pidfile" ] && { tr '\0' ' ' < "/proc/$(cat "$pidfile")/cmdline"; } 2>/dev/null | grep -q -- "--name $name "; }
 signal() { running || { echo "$name: not running"; exit 1; }; kill "-$1" -- "-$(cat "$pidfile")"; }
 
 case $action in
