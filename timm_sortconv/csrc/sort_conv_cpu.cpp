@@ -17,6 +17,15 @@ at::Tensor sort_conv_forward(const at::Tensor& input, const at::Tensor& weight_s
   const Call call{input,       weight_slots, bias,       tap_offsets, tap_weights, segments,
                   comparators, kernel_size,  stride_h,   stride_w,    dilation_h,  dilation_w,
                   groups,      {pad_left, pad_right, pad_top, pad_bottom}};
+  if (input.scalar_type() == at::kBFloat16) {
+    // Sampled and sorted in float32 from the bfloat16 input; products in bfloat16 where the CPU has them.
+    Call wide = call;
+    wide.input = input.to(at::kFloat);
+    wide.weight_slots = weight_slots.to(at::kFloat);
+    if (bias.has_value() && bias->defined()) wide.bias = bias->to(at::kFloat);
+    wide.bf16_products = true;
+    return timm_sortconv_cpu::forward<float>(wide).to(at::kBFloat16);
+  }
   at::Tensor output;
   AT_DISPATCH_FLOATING_TYPES(input.scalar_type(), "sort_conv_forward",
                              [&] { output = timm_sortconv_cpu::forward<scalar_t>(call); });
@@ -34,6 +43,18 @@ std::vector<at::Tensor> sort_conv_backward(const at::Tensor& grad_output, const 
                   comparators, kernel_size,  stride_h,     stride_w,    dilation_h,  dilation_w,
                   groups,      {pad_left, pad_right, pad_top, pad_bottom},           grad_output,
                   need_input_grad,           need_weight_grad};
+  if (input.scalar_type() == at::kBFloat16) {
+    Call wide = call;
+    wide.input = input.to(at::kFloat);
+    wide.weight_slots = weight_slots.to(at::kFloat);
+    wide.grad_output = grad_output.to(at::kFloat);
+    wide.bf16_products = true;
+    std::vector<at::Tensor> result = timm_sortconv_cpu::backward<float>(wide);
+    for (auto& grad : result) {
+      if (grad.defined()) grad = grad.to(at::kBFloat16);
+    }
+    return result;
+  }
   std::vector<at::Tensor> result;
   AT_DISPATCH_FLOATING_TYPES(input.scalar_type(), "sort_conv_backward",
                              [&] { result = timm_sortconv_cpu::backward<scalar_t>(call); });
@@ -50,6 +71,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("segments"), py::arg("comparators"), py::arg("kernel_size"), py::arg("stride_h"),
         py::arg("stride_w"), py::arg("dilation_h"), py::arg("dilation_w"), py::arg("groups"),
         py::arg("pad_left") = 0, py::arg("pad_right") = 0, py::arg("pad_top") = 0, py::arg("pad_bottom") = 0);
+  m.def("bf16_products", &timm_sortconv_cpu::bf16_products,
+        "whether bfloat16 calls multiply in bfloat16 on this CPU (AVX-512 BF16); float32 products otherwise");
   m.def("backward", &sort_conv_backward,
         "SC backward; returns (grad_input of the unpadded input, grad_weight in slot order)", py::arg("grad_output"),
         py::arg("input"), py::arg("weight_slots"), py::arg("tap_offsets"), py::arg("tap_weights"),

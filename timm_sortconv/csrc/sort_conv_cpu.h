@@ -20,7 +20,13 @@ struct Call {
   std::array<int64_t, 4> pad;  // left, right, top, bottom zeros around the input
   at::Tensor grad_output;      // backward only
   bool need_input_grad = false, need_weight_grad = false;
+  // The call was in bfloat16: multiply the sorted windows, weights and gradients in bfloat16 (float32
+  // sums) where the CPU can (bf16_products()); the tensors above are float32 either way.
+  bool bf16_products = false;
 };
+
+// Whether this build on this CPU multiplies in bfloat16 (AVX-512 BF16).
+bool bf16_products();
 
 template <typename scalar_t>
 at::Tensor forward(const Call& call);

@@ -6,4 +6,6 @@ namespace timm_sortconv_cpu {
 template at::Tensor forward<float>(const Call&);
 template std::vector<at::Tensor> backward<float>(const Call&);
 
+bool bf16_products() { return bf16_build_and_hardware(); }
+
 }  // namespace timm_sortconv_cpu

@@ -1170,6 +1170,12 @@ void gemm_reduce(const scalar_t* columns, int64_t slots, int64_t count, const sc
   }
 }
 
+}  // namespace
+
+#include "bf16_gemm.h"
+
+namespace {
+
 // Copies between a block's lanes and its positions in one channel of (B, channels, out_h, out_w):
 // `channel_planes` is that channel's plane of image 0, images `image_stride` apart.
 template <typename scalar_t>
@@ -1457,18 +1463,31 @@ class ImageRing {
   int64_t count_ = 0;
 };
 
+// Input channels whose sorted windows form one panel of the forward product.
+inline int64_t panel_channels_of(int64_t channels_per_group, int64_t slots) {
+  return std::max<int64_t>(1, std::min(channels_per_group, kPanelSlots / slots));
+}
+
+inline int64_t pairs_of(int64_t depth) { return (depth + 1) / 2; }
+
+// weight_pairs: the forward's weights as bfloat16 pair rows (pack_forward_weights), or nullptr to
+// multiply in float32.
 template <typename scalar_t, bool kUnitStride>
 void forward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scalar_t* input,
-                    const scalar_t* weight_packed, const scalar_t* bias, scalar_t* output) {
+                    const scalar_t* weight_packed, const uint32_t* weight_pairs, const scalar_t* bias,
+                    scalar_t* output) {
   using vec = typename Simd<scalar_t>::vec;
   constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
   const int64_t slots = plan.slots, positions = plan.out_h * plan.out_w, plane = plan.in_h * plan.in_w;
   const int64_t cg = shape.in_per_group(), og = shape.out_per_group();
-  const int64_t panel_channels = std::max<int64_t>(1, std::min(cg, kPanelSlots / slots));
+  const int64_t panel_channels = panel_channels_of(cg, slots);
+  const int64_t chunk_pairs = pairs_of(panel_channels * slots);
+  const int64_t group_pairs = (cg / panel_channels) * chunk_pairs + pairs_of((cg % panel_channels) * slots);
   const int64_t threads = thread_count(shape.batch * positions / lanes, multiply_adds(shape, positions, slots));
   for_each_thread_range(shape.batch, positions, threads, false, [&](int64_t, int64_t begin, int64_t end) {
     // stage_windows may write a vector past its last row.
     std::vector<scalar_t> panel(panel_channels * slots * lanes + half), grid(slots * lanes + half);
+    std::vector<uint32_t> panel_pairs(weight_pairs != nullptr ? chunk_pairs * lanes : 0);
     std::vector<scalar_t> tile(shape.out_channels * lanes);
     ImageRing<scalar_t> ring(plan, input, nullptr, shape.batch, shape.channels, begin, end);
     for (int64_t first = begin; first < end; first += lanes) {
@@ -1491,6 +1510,17 @@ void forward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scalar
               sort_samples<scalar_t, false>(plan, value, static_cast<SwapMask<vec>*>(nullptr));
             }
           }
+#if defined(TIMM_SORTCONV_BF16)
+          if constexpr (std::is_same<scalar_t, float>::value) {
+            if (weight_pairs != nullptr) {
+              pack_pair_rows(panel.data(), channels * slots, lanes, lanes, panel_pairs.data());
+              gemm_rows_bf16<kTileRows>(panel_pairs.data(), pairs_of(channels * slots),
+                                        weight_pairs + (g * group_pairs + c0 / panel_channels * chunk_pairs) * og,
+                                        og, og, tile.data() + g * og * lanes, true);
+              continue;
+            }
+          }
+#endif
           // weight_packed is (groups, C/g, k*k, O/g): the rows of these channels' slots.
           gemm_rows(panel.data(), channels * slots, weight_packed + (g * cg + c0) * slots * og, og, og,
                     tile.data() + g * og * lanes, true);
@@ -1503,12 +1533,39 @@ void forward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scalar
   });
 }
 
+// The forward's weights (weight_packed: groups, C/g * k*k, O/g) as bfloat16 pair rows, chunk by chunk of
+// the panels (panel_channels_of), each chunk's depth rounded up to even: per group and chunk,
+// pairs_of(depth) rows of O/g pairs.
+template <typename scalar_t>
+std::vector<uint32_t> pack_forward_weights(const scalar_t* weight_packed, const Shape& shape, int64_t slots) {
+  std::vector<uint32_t> out;
+#if defined(TIMM_SORTCONV_BF16)
+  const int64_t cg = shape.in_per_group(), og = shape.out_per_group(), panel_channels = panel_channels_of(cg, slots);
+  for (int64_t g = 0; g < shape.groups; ++g) {
+    for (int64_t c0 = 0; c0 < cg; c0 += panel_channels) {
+      const int64_t depth = std::min(panel_channels, cg - c0) * slots;
+      const scalar_t* rows = weight_packed + (g * cg + c0) * slots * og;
+      for (int64_t k = 0; k < depth; k += 2) {
+        for (int64_t o = 0; o < og; ++o) {
+          out.push_back(bf16_pair(static_cast<float>(rows[k * og + o]),
+                                  k + 1 < depth ? static_cast<float>(rows[(k + 1) * og + o]) : 0.f));
+        }
+      }
+    }
+  }
+#endif
+  return out;
+}
+
 template <typename scalar_t>
 at::Tensor forward_impl(const at::Tensor& input, const at::Tensor& weight_slots, const c10::optional<at::Tensor>& bias,
-                        const Plan<scalar_t>& plan, const Shape& shape) {
+                        const Plan<scalar_t>& plan, const Shape& shape, bool bf16) {
   at::Tensor output = at::empty({shape.batch, shape.out_channels, plan.out_h, plan.out_w}, input.options());
   // (O, C/g * k*k) -> (groups, C/g * k*k, O/g): the output channels of one slot side by side.
   const auto weight_packed = weight_slots.view({shape.groups, shape.out_per_group(), -1}).transpose(1, 2).contiguous();
+  const std::vector<uint32_t> weight_pairs =
+      bf16 ? pack_forward_weights(weight_packed.data_ptr<scalar_t>(), shape, plan.slots) : std::vector<uint32_t>();
+  const uint32_t* wp = weight_pairs.empty() ? nullptr : weight_pairs.data();
   const bool has_bias = bias.has_value() && bias->defined();
   const auto bias_values = has_bias ? bias->contiguous() : at::Tensor();
   const scalar_t* in = input.data_ptr<scalar_t>();
@@ -1516,9 +1573,9 @@ at::Tensor forward_impl(const at::Tensor& input, const at::Tensor& weight_slots,
   const scalar_t* b = has_bias ? bias_values.data_ptr<scalar_t>() : nullptr;
   scalar_t* out = output.data_ptr<scalar_t>();
   if (plan.stride_w == 1) {
-    forward_kernel<scalar_t, true>(plan, shape, in, w, b, out);
+    forward_kernel<scalar_t, true>(plan, shape, in, w, wp, b, out);
   } else {
-    forward_kernel<scalar_t, false>(plan, shape, in, w, b, out);
+    forward_kernel<scalar_t, false>(plan, shape, in, w, wp, b, out);
   }
   return output;
 }
@@ -1528,7 +1585,7 @@ void backward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scala
                      const scalar_t* grad_output, const scalar_t* weight_by_output, scalar_t* grad_input,
                      std::vector<std::vector<scalar_t>>& grad_input_parts,
                      std::vector<std::vector<scalar_t>>& grad_weight_parts, int64_t outputs_padded,
-                     int64_t threads) {
+                     int64_t threads, const uint32_t* weight_pairs) {
   using vec = typename Simd<scalar_t>::vec;
   constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
   const int64_t slots = plan.slots, positions = plan.out_h * plan.out_w, plane = plan.in_h * plan.in_w;
@@ -1543,6 +1600,14 @@ void backward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scala
     std::vector<scalar_t> value(slots * lanes + half), grid(slots * lanes + half), grad_samples(slots * lanes),
         grad_grid(slots * lanes);
     std::vector<SwapMask<vec>> swaps(std::max<size_t>(1, plan.comparators.size()));
+    // bfloat16 products (weight_pairs set): the block's output gradient as pair rows, per group, for the
+    // input gradient (O/g rows of lanes) and for the weight gradient (lanes rows of O/g padded), and one
+    // channel's sorted values as pairs of lanes.
+    const bool bf16 = weight_pairs != nullptr;
+    const int64_t og_pairs = pairs_of(og);
+    std::vector<uint32_t> grad_pairs(bf16 && need_input ? shape.groups * og_pairs * lanes : 0);
+    std::vector<uint32_t> grad_t_pairs(bf16 && need_weight ? shape.groups * (lanes / 2) * outputs_padded : 0);
+    std::vector<uint32_t> column_pairs(bf16 ? slots * (lanes / 2) : 0);
     scalar_t* grad_in = grad_input_parts.empty() ? grad_input : grad_input_parts[thread].data();
     scalar_t* grad_weight = need_weight ? grad_weight_parts[thread].data() : nullptr;
     ImageRing<scalar_t> ring(plan, input, need_input ? grad_in : nullptr, shape.batch, shape.channels, begin, end);
@@ -1570,10 +1635,44 @@ void backward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scala
           }
         }
       }
+#if defined(TIMM_SORTCONV_BF16)
+      if constexpr (std::is_same<scalar_t, float>::value) {
+        for (int64_t g = 0; bf16 && g < shape.groups; ++g) {
+          if (need_input) {
+            pack_pair_rows(grad_tile.data() + g * og * lanes, og, lanes, lanes, grad_pairs.data() + g * og_pairs * lanes);
+          }
+          if (need_weight) {
+            pack_pair_rows(grad_tile_t.data() + g * lanes * outputs_padded, count, outputs_padded, outputs_padded,
+                           grad_t_pairs.data() + g * (lanes / 2) * outputs_padded);
+          }
+        }
+      }
+#endif
       for (int64_t channel = 0; channel < shape.channels; ++channel) {
         const int64_t g = channel / cg;
         gather_samples<scalar_t, kUnitStride>(plan, images + channel * plane, block, grid.data(), value.data());
         sort_samples<scalar_t, true>(plan, value.data(), swaps.data());
+#if defined(TIMM_SORTCONV_BF16)
+        if constexpr (std::is_same<scalar_t, float>::value) {
+          if (bf16) {
+            if (need_weight) {
+              pack_column_pairs(value.data(), slots, lanes, count, column_pairs.data());
+              gemm_reduce_bf16<kTileRows>(column_pairs.data(), slots, pairs_of(count),
+                                          grad_t_pairs.data() + g * (lanes / 2) * outputs_padded, outputs_padded,
+                                          grad_weight + channel * slots * outputs_padded);
+            }
+            if (!need_input) continue;
+            // weight_pairs is (C, O/g pairs, k*k): per channel, its slots' weights two outputs at a time.
+            gemm_rows_bf16<kTileRows>(grad_pairs.data() + g * og_pairs * lanes, og_pairs,
+                                      weight_pairs + channel * og_pairs * slots, slots, slots, grad_samples.data(),
+                                      false);
+            unsort_gradients(plan, grad_samples.data(), swaps.data());
+            scatter_gradients<scalar_t, kUnitStride>(plan, block, grad_samples.data(), grad_grid.data(),
+                                                     grad_images + channel * plane);
+            continue;
+          }
+        }
+#endif
         if (need_weight) {
           gemm_reduce(value.data(), slots, count, grad_tile_t.data() + g * lanes * outputs_padded, outputs_padded,
                       grad_weight + channel * slots * outputs_padded);
@@ -1596,7 +1695,7 @@ void backward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scala
 template <typename scalar_t>
 std::vector<at::Tensor> backward_impl(const at::Tensor& grad_output, const at::Tensor& input,
                                       const at::Tensor& weight_slots, const Plan<scalar_t>& plan, const Shape& shape,
-                                      bool need_input_grad, bool need_weight_grad) {
+                                      bool need_input_grad, bool need_weight_grad, bool bf16) {
   constexpr int64_t half = kVecLanes<scalar_t>;
   const int64_t slots = plan.slots, og = shape.out_per_group(), cg = shape.in_per_group();
   const int64_t outputs_padded = (og + half - 1) / half * half;
@@ -1621,12 +1720,30 @@ std::vector<at::Tensor> backward_impl(const at::Tensor& grad_output, const at::T
   const scalar_t* grad_out = grad_output.data_ptr<scalar_t>();
   const scalar_t* w = weight_by_output.data_ptr<scalar_t>();
   scalar_t* grad_in = need_input_grad && !private_grad_input ? grad_input.data_ptr<scalar_t>() : nullptr;
+  // bfloat16 products: weight_by_output as (C, O/g pairs, k*k), the pairs of outputs 2p and 2p + 1.
+  std::vector<uint32_t> weight_pairs;
+#if defined(TIMM_SORTCONV_BF16)
+  if (bf16) {
+    const int64_t og_pairs = pairs_of(og);
+    weight_pairs.resize(shape.channels * og_pairs * slots);
+    for (int64_t c = 0; c < shape.channels; ++c) {
+      for (int64_t p = 0; p < og_pairs; ++p) {
+        for (int64_t s = 0; s < slots; ++s) {
+          const scalar_t* row = w + (c * og + 2 * p) * slots + s;
+          weight_pairs[(c * og_pairs + p) * slots + s] =
+              bf16_pair(static_cast<float>(row[0]), 2 * p + 1 < og ? static_cast<float>(row[slots]) : 0.f);
+        }
+      }
+    }
+  }
+#endif
+  const uint32_t* wp = weight_pairs.empty() ? nullptr : weight_pairs.data();
   if (plan.stride_w == 1) {
     backward_kernel<scalar_t, true>(plan, shape, in, grad_out, w, grad_in, grad_input_parts, grad_weight_parts,
-                                    outputs_padded, threads);
+                                    outputs_padded, threads, wp);
   } else {
     backward_kernel<scalar_t, false>(plan, shape, in, grad_out, w, grad_in, grad_input_parts, grad_weight_parts,
-                                     outputs_padded, threads);
+                                     outputs_padded, threads, wp);
   }
   if (private_grad_input) {
     scalar_t* dst = grad_input.data_ptr<scalar_t>();
@@ -1674,6 +1791,26 @@ Shape check_tensors(const at::Tensor& input, const at::Tensor& weight_slots, int
   return {input.size(0), input.size(1), weight_slots.size(0), groups};
 }
 
+// Whether this call multiplies in bfloat16: asked for (a bfloat16 call), float32 and the CPU has it.
+template <typename scalar_t>
+bool use_bf16_products(const timm_sortconv_cpu::Call& call) {
+#if defined(TIMM_SORTCONV_BF16)
+  return call.bf16_products && std::is_same<scalar_t, float>::value && bf16_hardware();
+#else
+  (void)call;
+  return false;
+#endif
+}
+
+// Whether this build on this CPU multiplies in bfloat16 (timm_sortconv_cpu::bf16_products).
+inline bool bf16_build_and_hardware() {
+#if defined(TIMM_SORTCONV_BF16)
+  return bf16_hardware();
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 namespace timm_sortconv_cpu {
@@ -1688,7 +1825,8 @@ at::Tensor forward(const Call& call) {
   const auto plan = make_plan<scalar_t>(call.input, call.tap_offsets, call.tap_weights, call.segments, call.comparators,
                                         call.kernel_size, call.stride_h, call.stride_w, call.dilation_h,
                                         call.dilation_w, call.pad);
-  return forward_impl<scalar_t>(call.input, call.weight_slots, call.bias, plan, shape);
+  return forward_impl<scalar_t>(call.input, call.weight_slots, call.bias, plan, shape,
+                                use_bf16_products<scalar_t>(call));
 }
 
 template <typename scalar_t>
@@ -1704,7 +1842,7 @@ std::vector<at::Tensor> backward(const Call& call) {
                   && grad_output.size(2) == plan.out_h && grad_output.size(3) == plan.out_w,
               "sort_conv_cpu: grad_output has the wrong shape");
   return backward_impl<scalar_t>(grad_output, call.input, call.weight_slots, plan, shape, call.need_input_grad,
-                                 call.need_weight_grad);
+                                 call.need_weight_grad, use_bf16_products<scalar_t>(call));
 }
 
 }  // namespace timm_sortconv_cpu

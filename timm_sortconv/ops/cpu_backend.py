@@ -42,9 +42,12 @@ none builds ``backend="auto"`` uses the reference path. ``TIMM_SORTCONV_DISABLE_
 backend off (:func:`timm_sortconv.ops.backends.fast_disabled`).
 
 Supported (``supports_cpu``): CPU tensors of float32 or float64 (input, weight and bias of one
-dtype), ``k <= 15`` (odd or even), any stride, dilation and groups. Under ``torch.autocast`` on the CPU the
-operator computes SC in float32 (see :mod:`.operator`), so this kernel runs there too. A gradient whose
-own graph is being built (double backward) is computed by the operator through the reference path.
+dtype), and of bfloat16 where the CPU multiplies bfloat16 pairs (AVX-512 BF16: :func:`bf16_products`),
+``k <= 15`` (odd or even), any stride, dilation and groups. A bfloat16 call samples and sorts in float32
+and rounds only the multiplicands to bfloat16 (``csrc/bf16_gemm.h``); ``torch.autocast(dtype=bfloat16)``
+on the CPU makes such calls where this kernel takes them, float32 calls elsewhere (see :mod:`.operator`).
+A gradient whose own graph is being built (double backward) is computed by the operator through the
+reference path.
 """
 from __future__ import annotations
 
@@ -73,7 +76,7 @@ from .geometry import SortGeometry
 
 __all__ = ["ISA_ENV", "ISA_LEVELS", "MAX_KERNEL_SIZE", "POLAR_TAP_SIZES", "SOURCE_DIR", "CpuKernel",
            "IsaLevel", "build_environment", "cpu_isa", "extension_name", "load_extension", "load_kernel",
-           "polar_tap_header", "runnable_isa_levels", "sort_conv2d_cpu", "supports_cpu"]
+           "polar_tap_header", "runnable_isa_levels", "sort_conv2d_cpu", "supports_cpu", "bf16_products"]
 
 ISA_ENV = "TIMM_SORTCONV_CPU_ISA"
 MAX_KERNEL_SIZE = 15
@@ -500,12 +503,23 @@ def sort_conv2d_cpu_backward(grad_output, x, weight, geometry, stride, dilation,
     return grad_input, grad_weight
 
 
+def bf16_products() -> bool:
+    """Whether the fused kernel takes bfloat16 calls on this CPU, multiplying in bfloat16 (AVX-512 BF16, in
+    the AVX-512 build): the windows are sampled and sorted in float32 from the bfloat16 input, the sorted
+    values, weights and output gradients rounded to bfloat16 for the products, which sum in float32."""
+    if fast_disabled():
+        return False
+    module = load_extension()
+    return module is not None and bool(getattr(module, "bf16_products", lambda: False)())
+
+
 def supports_cpu(x, weight, bias, geometry: SortGeometry, stride, dilation, groups) -> bool:
-    """Whether the fused kernel computes this call exactly as the reference path would."""
+    """Whether the fused kernel computes this call as the reference path would: exactly for float32 and
+    float64, and for bfloat16 (where :func:`bf16_products`) with bfloat16 products of float32-sorted windows."""
     tensors = [x, weight] + ([bias] if bias is not None else [])
     return (
         all(t.device.type == "cpu" and t.dtype == x.dtype for t in tensors)
-        and x.dtype in SUPPORTED_DTYPES
+        and (x.dtype in SUPPORTED_DTYPES or (x.dtype == torch.bfloat16 and bf16_products()))
         and geometry.kernel_size <= MAX_KERNEL_SIZE
     )
 

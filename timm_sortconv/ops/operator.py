@@ -12,10 +12,11 @@ with its fast kernels:
   products), the gradient is computed through the differentiable reference path instead: with the
   permutation of each window held fixed SC is bilinear in the window values and the weight, and
   autograd of the reference path gives exactly those second derivatives;
-* autocast: on the CPU the operator computes in float32, the CPU kernel's precision (sorting and
-  bilinear sampling in bfloat16 would round every sample), and returns the autocast dtype, as a
-  convolution would; on other devices it computes in the autocast dtype (the kernels accumulate in
-  float32).
+* autocast: on the CPU, with ``dtype=torch.bfloat16`` where the fused CPU kernel takes bfloat16 calls
+  (AVX-512 BF16, :func:`.cpu_backend.bf16_products`), the operator runs in bfloat16 as a convolution would:
+  the kernel samples and sorts in float32 and multiplies in bfloat16 with float32 sums; otherwise the CPU
+  computes in float32 (a reference path in bfloat16 would sample and sort rounded values) and returns the
+  autocast dtype. On other devices it computes in the autocast dtype (the kernels accumulate in float32).
 
 Arguments of ``sort_conv2d(input, weight, bias, stride, padding, dilation, groups, sampling, sorting,
 backend)``: ``stride`` and ``dilation`` as ``[h, w]``, ``padding`` as the zeros to add ``[left, right,
@@ -172,6 +173,23 @@ def _backward(ctx, grad_output):
 sort_conv2d_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _cpu_bf16_call(args) -> bool:
+    """Whether a CPU call under bfloat16 autocast runs the fused kernel with bfloat16 products: its floating
+    tensors are float32 or bfloat16 (float64 stays float64) and, cast to bfloat16, the call resolves to that
+    kernel."""
+    input, weight, bias, stride, _padding, dilation, groups, sampling, sorting, backend = args
+    tensors = [t for t in (input, weight, bias) if t is not None]
+    if backend not in ("auto", "cpu") or any(t.dtype == torch.float64 for t in tensors):
+        return False
+    from .cpu_backend import bf16_products
+    if not bf16_products():
+        return False
+    x, w = input.to(torch.bfloat16), weight.to(torch.bfloat16)
+    b = bias.to(torch.bfloat16) if bias is not None else None
+    chosen, *_ = _call(x, w, b, stride, dilation, groups, sampling, sorting, backend)
+    return chosen.name == "cpu"
+
+
 def _autocast_kernel(device_type: str):
     """The operator's autocast rule for one device type: its floating-point tensors cast to the compute
     dtype (float32 on the CPU, the autocast dtype elsewhere), the operator run with autocast off, and the
@@ -180,9 +198,12 @@ def _autocast_kernel(device_type: str):
 
     def autocast(*args):
         output_dtype = torch.get_autocast_dtype(device_type)
-        # float64 stays float64, as autocast leaves it; the CPU computes every other float type in float32
+        # float64 stays float64, as autocast leaves it; the CPU computes every other float type in float32,
+        # or in bfloat16 where its fused kernel multiplies in bfloat16
         eligible = (torch.float16, torch.bfloat16, torch.float32) if device_type == "cpu" else (torch.float32,)
-        dtype = torch.float32 if device_type == "cpu" else output_dtype
+        dtype = output_dtype
+        if device_type == "cpu":
+            dtype = torch.bfloat16 if output_dtype == torch.bfloat16 and _cpu_bf16_call(args) else torch.float32
         cast = [a.to(dtype) if isinstance(a, Tensor) and a.dtype in eligible else a for a in args]
         with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
             out = torch.ops.timm_sortconv.sort_conv2d.default(*cast)
