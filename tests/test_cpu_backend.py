@@ -467,3 +467,94 @@ def test_benchmark_script_shape_sets(capsys):
         bench.parse_args(["--shapes", "k9"])
     assert error.value.code == 2
     assert "unknown shape set 'k9'; accepted: resnet, k5, gpu, none" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------
+# bfloat16 calls: float32 sampling and sorting, bfloat16 products (AVX-512 BF16)
+# ---------------------------------------------------------------------------------------------------------
+
+needs_bf16 = pytest.mark.skipif(not cpu_backend.bf16_products(),
+                                reason="this CPU has no AVX-512 BF16: bfloat16 calls go to the reference path")
+# Shapes that reach every edge of the pair packing: an odd number of outputs per group (7, 3, 5), an odd
+# forward depth (one channel: 49 slots), blocks that end inside a vector pair (13 x 13 = 169 positions),
+# groups, stride 2, and a panel of several chunks (32 channels of 7 x 7).
+BF16_SHAPES = [
+    # batch, channels, outputs, size, k, stride, groups
+    (3, 5, 7, 13, 7, 1, 1),
+    (2, 4, 6, 11, 5, 2, 2),
+    (4, 1, 32, 28, 7, 1, 1),
+    (2, 32, 32, 14, 7, 1, 1),
+    (1, 3, 5, 9, 3, 1, 1),
+]
+
+
+def bf16_exact(*shape, seed, scale=1.0):
+    """Random values that bfloat16 holds exactly (the products of two are exact in float32)."""
+    return (randn(*shape, seed=seed, dtype=torch.float32) * scale).bfloat16().float()
+
+
+def bf16_case(shape, sampling, sorting):
+    batch, channels, outputs, size, k, stride, groups = shape
+    x = bf16_exact(batch, channels, size, size, seed=1)
+    weight = bf16_exact(outputs, channels // groups, k, k, seed=2, scale=0.1)
+    bias = bf16_exact(outputs, seed=3)
+    kwargs = dict(stride=stride, padding=k // 2, groups=groups, sampling=sampling, sorting=sorting)
+    return x, weight, bias, kwargs
+
+
+def bf16_forward_and_gradients(backend, dtype, x, weight, bias, **kwargs):
+    """forward_and_gradients in `dtype` with one output gradient for every dtype (bfloat16 values)."""
+    x, weight, bias = (t.detach().to(dtype).requires_grad_() for t in (x, weight, bias))
+    out = sort_conv2d(x, weight, bias, backend=backend, **kwargs)
+    grad_out = bf16_exact(*out.shape, seed=99).to(dtype)
+    return (out, *torch.autograd.grad(out, (x, weight, bias), grad_out))
+
+
+def relative(got, expected):
+    return ((got.double() - expected.double()).abs().max() / expected.double().abs().max()).item()
+
+
+@needs_bf16
+@pytest.mark.parametrize("shape", BF16_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("sampling,sorting", quick_first([("polar", "ring"), ("square", "ring"),
+                                                          ("polar", "global"), ("square", "c4")]))
+def test_bfloat16_calls_agree_with_the_float32_kernel_within_bfloat16_rounding(sampling, sorting, shape):
+    """A bfloat16 call returns bfloat16 output and gradients within bfloat16's rounding (2^-8) of the float64
+    reference (output, weight and bias gradients) and of the float32 kernel (the input gradient: values that
+    bfloat16 holds tie often, and the kernel's sorting network breaks ties as the reference's sort need not)."""
+    x, weight, bias, kwargs = bf16_case(shape, sampling, sorting)
+    got = bf16_forward_and_gradients("cpu", torch.bfloat16, x, weight, bias, **kwargs)
+    assert all(t.dtype == torch.bfloat16 for t in got)
+    reference = bf16_forward_and_gradients("reference", torch.float64, x, weight, bias, **kwargs)
+    float32 = bf16_forward_and_gradients("cpu", torch.float32, x, weight, bias, **kwargs)
+    for name, g, r in zip(("output", "weight", "bias"), (got[0], got[2], got[3]),
+                          (reference[0], reference[2], reference[3])):
+        assert relative(g, r) < 2 ** -7, name
+    assert relative(got[1], float32[1]) < 2 ** -7
+    # and not the float32 result merely rounded at the end: the products were rounded too
+    assert relative(got[0], float32[0]) > 0
+
+
+@needs_bf16
+@pytest.mark.parametrize("shape", BF16_SHAPES[:3], ids=lambda s: "x".join(map(str, s)))
+def test_bfloat16_products_of_exact_values_are_exact(shape):
+    """Square sampling takes the input's own values: where input and weight are bfloat16 values the products
+    are exact and only the float32 sums and the output's rounding remain, so each output is within one
+    bfloat16 rounding (half a unit in the last place: at most 2^-8 relative, plus the sums' order) of the
+    float64 reference."""
+    x, weight, bias, kwargs = bf16_case(shape, "square", "ring")
+    out = sort_conv2d(x.bfloat16(), weight.bfloat16(), bias.bfloat16(), backend="cpu", **kwargs)
+    expected = sort_conv2d(x.double(), weight.double(), bias.double(), backend="reference", **kwargs)
+    bound = 2 ** -8 * expected.abs() + 1e-5 * expected.abs().max()
+    assert ((out.double() - expected).abs() <= bound).all()
+
+
+@needs_bf16
+def test_bfloat16_nan_stays_in_its_windows():
+    """A NaN input value makes the outputs whose windows hold it NaN, and only those, as in float32."""
+    x = bf16_exact(1, 2, 12, 12, seed=4)
+    x[0, 1, 5, 6] = float("nan")
+    weight = bf16_exact(3, 2, 5, 5, seed=5)
+    out = sort_conv2d(x.bfloat16(), weight.bfloat16(), None, padding=2, backend="cpu")
+    expected = sort_conv2d(x, weight, None, padding=2, backend="cpu")
+    assert torch.equal(out.isnan(), expected.isnan()) and out.isnan().any() and not out.isnan().all()

@@ -176,7 +176,12 @@ def test_export_keeps_the_operator():
     torch.testing.assert_close(program.module()(other), model(other))
 
 
-def test_autocast_on_the_cpu_computes_in_float32_with_the_kernel(count_calls):
+def test_autocast_on_the_cpu_runs_the_kernel_in_bfloat16_or_float32(count_calls):
+    """Under bfloat16 autocast the kernel runs in bfloat16 where it multiplies in bfloat16 (the call is then
+    the explicit bfloat16 call, bit for bit), else in float32 (only the output's rounding differs); either
+    way the gradients reach the float32 parameters."""
+    from timm_sortconv.ops.cpu_backend import bf16_products
+
     backend = fast_backend()
     counts = count_calls(backend)
     layer = SortConv2d(4, 6, 5, padding=2)
@@ -185,10 +190,30 @@ def test_autocast_on_the_cpu_computes_in_float32_with_the_kernel(count_calls):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = layer(x)
     assert out.dtype == torch.bfloat16 and counts["forward"] == 2
-    # float32 inside: only the output's rounding to bfloat16 differs
-    torch.testing.assert_close(out.float(), expected.bfloat16().float())
+    if bf16_products():
+        direct = sort_conv2d(x.bfloat16(), layer.weight.bfloat16(), layer.bias.bfloat16(), padding=2)
+        assert torch.equal(out, direct)
+        assert (out.float() - expected).abs().max() <= 2 ** -7 * expected.abs().max()
+    else:
+        torch.testing.assert_close(out.float(), expected.bfloat16().float())
     out.float().sum().backward()
     assert counts["backward"] == 1 and x.grad is not None
+    grad_expected = torch.autograd.grad(expected.sum(), layer.weight)[0]
+    assert layer.weight.grad.dtype == torch.float32
+    assert (layer.weight.grad - grad_expected).abs().max() <= 2 ** -6 * grad_expected.abs().max()
+
+
+def test_autocast_keeps_float32_for_the_reference_backend_and_float64(count_calls):
+    """A layer pinned to the reference path, and float64 tensors, are computed as before under bfloat16
+    autocast: float32 (output rounded) and float64."""
+    layer = SortConv2d(4, 6, 5, padding=2, backend="reference")
+    x = randn(2, 4, 10, 10, dtype=torch.float32)
+    expected = layer(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(x)
+        out64 = sort_conv2d(x.double(), layer.weight.double(), None, padding=2)
+    torch.testing.assert_close(out.float(), expected.bfloat16().float())
+    assert out64.dtype == torch.float64
 
 
 @pytest.mark.slow
