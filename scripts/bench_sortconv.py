@@ -30,6 +30,7 @@ Examples:
     python scripts/bench_sortconv.py --shapes k5 --skip-reference   # the same layers with 5x5 kernels
     python scripts/bench_sortconv.py --shapes scnn_p_rs_7 --variants polar-ring --skip-reference
     python scripts/bench_sortconv.py --shapes none --throughput --e2cnn
+    python scripts/bench_sortconv.py --shapes none --throughput --precisions fp32,bf16 --threads 1 --clock cpu
     python scripts/bench_sortconv.py --device cuda --shapes gpu --kernel-sizes 3,5,7 --precisions fp32,bf16
     python scripts/bench_sortconv.py --device cuda --shapes gpu --triton-paths fused,columns --skip-reference
     TRITON_INTERPRET=1 python scripts/bench_sortconv.py --device cuda --dry-run --throughput
@@ -281,9 +282,10 @@ def print_model_table(name: str, shapes: List[LayerShape], results: Dict[LayerSh
               f"{total['fast_fb'] / total['conv_fb']:.2f}x |")
 
 
-def training_throughput(model: nn.Module, batch: int, input_size: Sequence[int], steps: int,
-                        num_classes: int = 10) -> float:
-    """Images per second of Adam training steps (forward, cross-entropy, backward, step); median step."""
+def training_step(model: nn.Module, batch: int, input_size: Sequence[int], precision: str = "fp32",
+                  num_classes: int = 10) -> Callable[[], None]:
+    """One Adam training step (forward, cross-entropy, backward, step) of `model` on a fixed random batch;
+    ``precision="bf16"``: forward and loss under ``torch.autocast("cpu", dtype=torch.bfloat16)``."""
     generator = torch.Generator().manual_seed(0)
     images = torch.randn(batch, *input_size, generator=generator)
     labels = torch.randint(0, num_classes, (batch,), generator=generator)
@@ -292,10 +294,18 @@ def training_throughput(model: nn.Module, batch: int, input_size: Sequence[int],
 
     def step():
         optimizer.zero_grad(set_to_none=True)
-        F.cross_entropy(model(images), labels).backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = F.cross_entropy(model(images), labels)
+        loss.backward()
         optimizer.step()
 
-    seconds = median_times({"step": step}, steps)["step"]
+    return step
+
+
+def training_throughput(model: nn.Module, batch: int, input_size: Sequence[int], steps: int,
+                        num_classes: int = 10) -> float:
+    """Images per second of Adam training steps; median step."""
+    seconds = median_times({"step": training_step(model, batch, input_size, num_classes=num_classes)}, steps)["step"]
     return batch / seconds
 
 
@@ -342,10 +352,15 @@ def e2cnn_mnist_model(width: int = 1):
     return E2MNIST()
 
 
-def print_throughput(steps: int, batch: int, e2cnn: bool, reference: bool) -> None:
-    print(f"\n### Whole-model training throughput (MNIST 1x28x28, batch {batch}, Adam, median of {steps} steps)\n")
-    print("| model | parameters | images/s | time per step (ms) |")
-    print("|---|---|---|---|")
+CPU_PRECISIONS = ("fp32", "bf16")
+
+
+def print_throughput(steps: int, batch: int, e2cnn: bool, reference: bool, precisions: Sequence[str] = ("fp32",)) -> None:
+    """The whole-model table: every model in every precision, their steps taking turns (median step)."""
+    print(f"\n### Whole-model training throughput (MNIST 1x28x28, batch {batch}, Adam, median of {steps} steps "
+          "taken in turns)\n")
+    print("| model | precision | parameters | images/s | time per step (ms) |")
+    print("|---|---|---|---|---|")
     entries: List[Tuple[str, Callable[[], nn.Module]]] = [
         ("scnn_baseline_7 (nn.Conv2d)", lambda: timm.create_model("scnn_baseline_7")),
         ("scnn_p_rs_7, fast CPU backend", lambda: set_backend(timm.create_model("scnn_p_rs_7"), "cpu")),
@@ -357,15 +372,21 @@ def print_throughput(steps: int, batch: int, e2cnn: bool, reference: bool) -> No
         entries.append(("E(2)-CNN (e2cnn), C8 regular, SCNN's widths", e2cnn_mnist_model))
         entries.append(("E(2)-CNN (e2cnn), C8 regular, 4x the widths (SCNN's parameter count)",
                         lambda: e2cnn_mnist_model(width=4)))
+    steps_by_row: Dict[Tuple[str, str], Callable[[], None]] = {}
+    parameters: Dict[str, int] = {}
     for name, build in entries:
-        try:
-            model = build()
-        except ImportError as error:
-            print(f"| {name} | - | not run: {error} | - |")
-            continue
-        parameters = sum(p.numel() for p in model.parameters())
-        images_per_second = training_throughput(model, batch, (1, 28, 28), steps)
-        print(f"| {name} | {parameters:,} | {images_per_second:.0f} | {batch / images_per_second * 1e3:.0f} |")
+        for precision in precisions:
+            try:
+                model = build()
+            except ImportError as error:
+                print(f"| {name} | {precision} | - | not run: {error} | - |")
+                break
+            parameters[name] = sum(p.numel() for p in model.parameters())
+            steps_by_row[name, precision] = training_step(model, batch, (1, 28, 28), precision)
+    seconds = median_times(steps_by_row, steps)
+    for (name, precision), step_seconds in seconds.items():
+        label = "float32" if precision == "fp32" else "bfloat16 autocast"
+        print(f"| {name} | {label} | {parameters[name]:,} | {batch / step_seconds:.0f} | {step_seconds * 1e3:.0f} |")
 
 # ---------------------------------------------------------------------------------------------------------
 # --device cuda: the GPU table (F.conv2d against the Triton backend) and model throughput.
@@ -664,7 +685,8 @@ def parse_args(argv=None):
     parser.add_argument("--kernel-sizes", default=None,
                         help="cuda: comma-separated k replacing each listed shape's own (e.g. 3,5,7)")
     parser.add_argument("--precisions", default="fp32",
-                        help=f"cuda: comma-separated, of {', '.join(PRECISIONS)} (bf16/fp16: under torch.autocast)")
+                        help=f"comma-separated, of {', '.join(PRECISIONS)} on cuda and {', '.join(CPU_PRECISIONS)} "
+                             "for the CPU's --throughput (bf16/fp16: under torch.autocast)")
     parser.add_argument("--triton-paths", default="auto",
                         help="cuda: comma-separated Triton backend paths to time: auto (backend='triton', its own "
                              "rule), tuned (backend='auto': checked and timed on the warm-up call), direct, fused, "
@@ -674,9 +696,10 @@ def parse_args(argv=None):
     parser.add_argument("--dry-run", action="store_true",
                         help="cuda: run the GPU table's code on tiny CPU tensors (set TRITON_INTERPRET=1)")
     args = parser.parse_args(argv)
+    accepted = PRECISIONS if args.device == "cuda" else CPU_PRECISIONS
     for precision in args.precisions.split(","):
-        if precision not in PRECISIONS:
-            parser.error(f"unknown precision {precision!r}; accepted: {', '.join(PRECISIONS)}")
+        if precision not in accepted:
+            parser.error(f"unknown precision {precision!r} on {args.device}; accepted: {', '.join(accepted)}")
     for path in args.triton_paths.split(","):
         if path not in TRITON_PATHS:
             parser.error(f"unknown Triton path {path!r}; accepted: {', '.join(TRITON_PATHS)}")
@@ -728,7 +751,7 @@ def main(argv=None) -> None:
         results = {shape: bench_layer(shape, layer_variants, args.repeats, reference_repeats) for shape in shapes}
         print_model_table(name, shapes, results, reference)
     if args.throughput or args.e2cnn:
-        print_throughput(args.steps, 100, args.e2cnn, reference)
+        print_throughput(args.steps, 100, args.e2cnn, reference, args.precisions.split(","))
 
 
 if __name__ == "__main__":

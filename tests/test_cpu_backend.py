@@ -558,3 +558,14 @@ def test_bfloat16_nan_stays_in_its_windows():
     out = sort_conv2d(x.bfloat16(), weight.bfloat16(), None, padding=2, backend="cpu")
     expected = sort_conv2d(x, weight, None, padding=2, backend="cpu")
     assert torch.equal(out.isnan(), expected.isnan()) and out.isnan().any() and not out.isnan().all()
+
+
+def test_benchmark_script_precisions_per_device(capsys):
+    """`bench_sortconv.py --precisions`: fp32 and bf16 for the CPU's throughput table (bf16 under autocast), the
+    GPU's list on cuda; anything else is refused with what is accepted."""
+    bench = load_script(Path(__file__).resolve().parent.parent / "scripts" / "bench_sortconv.py", "bench_sortconv")
+    assert bench.parse_args(["--throughput", "--precisions", "fp32,bf16"]).precisions == "fp32,bf16"
+    with pytest.raises(SystemExit) as error:
+        bench.parse_args(["--throughput", "--precisions", "fp32,fp16"])
+    assert error.value.code == 2
+    assert "unknown precision 'fp16' on cpu; accepted: fp32, bf16" in capsys.readouterr().err
