@@ -35,6 +35,11 @@
 // swaps in reverse (the transpose of the permutation), then through the bilinear taps to the input.
 // Re-sorting was measured cheaper than storing a uint8 permutation (k*k bytes per input value,
 // written, page-faulted and read back) and it keeps the memory saved for backward to the input.
+//
+// bfloat16 calls (sort_conv_cpu.cpp) run this float32 kernel with the three products in bfloat16
+// (bf16_gemm.h) where the CPU has AVX-512 BF16: the sorted panel, the weights and the output
+// gradient are packed into bfloat16 pairs just before each product; sampling, sorting, unsorting and
+// the scatter stay in float32.
 #pragma once
 
 #include <ATen/Dispatch.h>
