@@ -59,7 +59,7 @@ def fixed_variant_args(model_name: str, kwargs: dict, sampling: Optional[str], s
 
 
 class ConvNormAct(nn.Sequential):
-    """Convolution (``conv_layer``, padding ``k // 2``, no bias), BatchNorm, ReLU.
+    """Convolution (``conv_layer``, padding ``k // 2``, no bias), BatchNorm, ReLU; ``pre``, if given, before them.
 
     One block is one unit of gradient checkpointing, so the in-place ReLU only overwrites a tensor
     that lives inside the block.
@@ -73,11 +73,13 @@ class ConvNormAct(nn.Sequential):
             conv_layer: Callable[..., nn.Module] = nn.Conv2d,
             bn_momentum: float = 0.1,
             bn_eps: float = 1e-5,
+            pre: Optional[nn.Module] = None,
             device=None,
             dtype=None,
     ) -> None:
         dd = {'device': device, 'dtype': dtype}
-        super().__init__(OrderedDict([
+        # `pre` (a parameter-free filter before the convolution) comes first; the other names stay.
+        super().__init__(OrderedDict(([('pre', pre)] if pre is not None else []) + [
             ('conv', conv_layer(in_chs, out_chs, kernel_size, padding=kernel_size // 2, bias=False, **dd)),
             ('bn', nn.BatchNorm2d(out_chs, eps=bn_eps, momentum=bn_momentum, **dd)),
             ('act', nn.ReLU(inplace=True)),

@@ -1,6 +1,7 @@
 """SCNN: the MNIST network of the Sorting Convolution paper, in its 12 SC variants and its plain baseline,
 and ``scnn_p_rs_7_canon`` / ``scnn_p_c2_7_canon``, P-RS-7 turned to its principal axis first (the second with
-half-turn orbit sorting, ``sorting='c2'``).
+half-turn orbit sorting, ``sorting='c2'``), and ``scnn_p_rs_7_blur``, P-RS-7 with a blurred input and blurred
+max pooling (:mod:`timm_sortconv.antialias`), for scenes whose parts are turned independently.
 
 Six convolutions with 32, 32, 64, 64, 128, 128 channels, each followed by BatchNorm and ReLU; 2x2 max
 pooling after the second and the fourth; the first four have a ``K x K`` kernel (K = 3, 5 or 7), the
@@ -22,8 +23,8 @@ import torch.nn as nn
 from timm.layers import ClassifierHead
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 
+from ..antialias import GaussianBlur2d, create_downsample
 from ..canonical import create_canonicalizer
-from ..grid import pool_class
 from ..hub import HUB_ORG, bundled_weights_dir
 from ._common import PAPER_CFG, SequentialClassifierMixin
 from ._conv import ConvNormAct, fixed_variant_args, get_conv_layer
@@ -52,6 +53,13 @@ class SCNN(SequentialClassifierMixin, nn.Module):
             turn is a multiple of 90 degrees, which the SC layers ignore, so the network's invariance
             extends to the angles between the quarter turns; no parameters. With ``sorting='c2'`` (half
             turns ignored, the direction modulo 180 degrees kept) use order 2: it leaves a multiple of 180.
+        input_blur: ``sigma`` in pixels of a fixed Gaussian blur before the first convolution (0: none;
+            :class:`~timm_sortconv.antialias.GaussianBlur2d`, the child ``features.0.pre``).
+        downsample: the two 2x downsamplings, ``'max'`` (the paper's 2x2 max pooling), ``'avg'``, or the blurred
+            ``'blur-max'`` / ``'blur-avg'`` (:class:`~timm_sortconv.antialias.BlurPool2d`). With ``input_blur=0.7``
+            and ``'blur-max'`` (``scnn_p_rs_7_blur``) ring-sorted SC keeps its accuracy on scenes whose parts are
+            turned independently (RESULTS.md, "Local rotations"). Neither adds parameters or ``state_dict`` keys,
+            and both keep the exact invariance to quarter turns.
         drop_rate: dropout before the classifier.
         bn_momentum, bn_eps: BatchNorm settings (timm's ``train.py`` passes them when asked).
 
@@ -71,6 +79,8 @@ class SCNN(SequentialClassifierMixin, nn.Module):
             channels: Sequence[int] = (32, 32, 64, 64, 128, 128),
             global_pool: str = 'avg',
             canonicalize: Optional[str] = None,
+            input_blur: float = 0.,
+            downsample: str = 'max',
             drop_rate: float = 0.,
             bn_momentum: float = 0.1,
             bn_eps: float = 1e-5,
@@ -82,8 +92,10 @@ class SCNN(SequentialClassifierMixin, nn.Module):
         if len(channels) != 6:
             raise ValueError(f"SCNN has six convolutions, got channels={tuple(channels)}")
         self.canonicalize = create_canonicalizer(canonicalize)
+        if isinstance(input_blur, bool) or not isinstance(input_blur, (int, float)) or not input_blur >= 0:
+            raise ValueError(f"input_blur must be a number of pixels >= 0 (0: no blur), got {input_blur!r}")
         conv_layer = get_conv_layer(sampling, sorting, backend, stride_align)
-        pool_layer = pool_class('max', stride_align)
+        create_downsample(downsample, stride_align)  # checks the name before anything is built
         self.num_classes = num_classes
         self.in_chans = in_chans
         self.drop_rate = drop_rate
@@ -99,9 +111,10 @@ class SCNN(SequentialClassifierMixin, nn.Module):
             if idx in (2, 4):
                 self.feature_info.append(dict(num_chs=prev_chs, reduction=net_stride, module=f'features.{len(layers) - 1}'))
                 self.feature_ends.append(len(layers) - 1)
-                layers.append(pool_layer(kernel_size=2, stride=2))
+                layers.append(create_downsample(downsample, stride_align))
                 net_stride *= 2
-            layers.append(ConvNormAct(prev_chs, chs, k, conv_layer, bn_momentum, bn_eps, **dd))
+            pre = GaussianBlur2d(input_blur) if idx == 0 and input_blur else None
+            layers.append(ConvNormAct(prev_chs, chs, k, conv_layer, bn_momentum, bn_eps, pre=pre, **dd))
             prev_chs = chs
         self.features = nn.Sequential(*layers)
         self.feature_info.append(dict(num_chs=prev_chs, reduction=net_stride, module=f'features.{len(layers) - 1}'))
@@ -153,6 +166,7 @@ default_cfgs = generate_default_cfgs({
        for variant in ('s_gs', 's_rs', 'p_gs', 'p_rs', 'baseline') for k in (3, 5, 7)},
     'scnn_p_rs_7_canon.mnist': _cfg(**_pretrained('scnn_p_rs_7_canon')),
     'scnn_p_c2_7_canon.mnist': _cfg(**_pretrained('scnn_p_c2_7_canon')),
+    'scnn_p_rs_7_blur.mnist': _cfg(**_pretrained('scnn_p_rs_7_blur')),
 })
 
 
@@ -262,3 +276,12 @@ def scnn_p_c2_7_canon(pretrained: bool = False, **kwargs: Any) -> SCNN:
     degrees that ring sorting discards. The same weights' shapes as ``scnn_baseline_7``."""
     kwargs.setdefault('canonicalize', 'moment2')
     return _create_scnn('scnn_p_c2_7_canon', 7, 'polar', 'c2', pretrained, **kwargs)
+
+
+@register_model
+def scnn_p_rs_7_blur(pretrained: bool = False, **kwargs: Any) -> SCNN:
+    """P-RS-7 with a Gaussian blur (0.7 px) before the first convolution and blurred max pooling: the SC network
+    that keeps its accuracy when the parts of a scene are turned independently (RESULTS.md, "Local rotations")."""
+    kwargs.setdefault('input_blur', 0.7)
+    kwargs.setdefault('downsample', 'blur-max')
+    return _create_scnn('scnn_p_rs_7_blur', 7, 'polar', 'ring', pretrained, **kwargs)
