@@ -24,7 +24,7 @@ ALL = SCNNS + SCNN_BASELINES + RI + RI_BASELINES
 # networks), every stride and pooling tiles the map, so a quarter turn maps each layer's grid onto itself.
 FAMILIES = {"scnn_p_rs_3": 28, "ri_vgg16": 32, "ri_resnet18": 18, "ri_densenet40": 15}
 # Every registered SC entrypoint, its default input side, and three other sides of both parities.
-SC_ENTRYPOINTS = SCNNS + ["scnn_p_rs_7_canon", "scnn_p_c2_7_canon"] + RI
+SC_ENTRYPOINTS = SCNNS + ["scnn_p_rs_7_canon", "scnn_p_c2_7_canon", "scnn_p_rs_7_blur"] + RI
 OTHER_SIZES = {28: (27, 30, 33), 128: (127, 130, 97)}
 # Small inputs every family accepts (RI-VGG16 pools five times).
 SMALL = {"scnn": 28, "ri_vgg16": 32, "ri_resnet18": 16, "ri_densenet40": 16}
@@ -51,8 +51,8 @@ def _quarter_turn_error(model, x):
 
 
 def test_registry_holds_every_entrypoint():
-    canonical = ["scnn_p_rs_7_canon", "scnn_p_c2_7_canon"]
-    assert sorted(timm.list_models("scnn_*")) == sorted(SCNNS + SCNN_BASELINES + canonical)
+    beyond_the_paper = ["scnn_p_rs_7_canon", "scnn_p_c2_7_canon", "scnn_p_rs_7_blur"]
+    assert sorted(timm.list_models("scnn_*")) == sorted(SCNNS + SCNN_BASELINES + beyond_the_paper)
     assert sorted(timm.list_models("ri_*")) == sorted(RI + RI_BASELINES)
 
 

@@ -1,8 +1,8 @@
 """The SCNN options of ``scripts/research/scnn_options.py`` (blur, blurred and average downsampling, padding modes)
 and the moment strength of ``ablation.py``.
 
-The properties asserted: the low-pass layers commute with quarter turns and attenuate what downsampling aliases;
-the options, put into a built SCNN, keep its parameters, its ``state_dict`` keys and its exact quarter-turn
+The properties asserted (the low-pass layers themselves are the package's, tests/test_antialias.py): the options,
+put into a built SCNN, keep its parameters, its ``state_dict`` keys and its exact quarter-turn
 invariance, and change what it computes as the same layers built in would; the moment strength ignores turns
 and separates an oriented shape from a round one.
 """
@@ -35,38 +35,6 @@ def quarter_turn_error(model, x):
     with torch.no_grad():
         out = model(torch.cat([torch.rot90(x, t, (2, 3)) for t in range(4)])).view(4, x.shape[0], -1)
     return ((out[1:] - out[0]).abs().max() / out[0].abs().max()).item()
-
-
-def test_gaussian_kernel_is_normalised_and_symmetric(options):
-    for sigma in (0.5, 0.7, 1.0, 2.0):
-        g = options.gaussian_kernel1d(sigma, torch.float64)
-        assert len(g) == 2 * math.ceil(2 * sigma) + 1
-        assert g.sum().item() == pytest.approx(1.0, abs=1e-12)
-        assert torch.equal(g, g.flip(0))
-    with pytest.raises(ValueError, match="positive"):
-        options.gaussian_kernel1d(0)
-
-
-@pytest.mark.parametrize("layer", ["blur", "avg", "max"])
-@pytest.mark.parametrize("size", (28, 14, 15))
-def test_lowpass_layers_commute_with_quarter_turns(options, layer, size):
-    module = options.GaussianBlur2d(0.7) if layer == "blur" else options.BlurPool2d(layer)
-    x = randn(2, 3, size, size)
-    out = module(x)
-    assert out.shape[-1] == (size if layer == "blur" else size // 2)
-    for turns in (1, 2, 3):
-        assert (module(torch.rot90(x, turns, (2, 3))) - torch.rot90(out, turns, (2, 3))).abs().max() < 1e-12
-
-
-def test_blur_pool_attenuates_what_downsampling_aliases(options):
-    """Stripes of period 4 pixels become the highest frequency of the downsampled map (aliasing); the
-    binomial filter passes cos(pi/4)^3 of them, half of what 2x2 average pooling passes (cos(pi/4))."""
-    cols = torch.arange(16, dtype=torch.float64)
-    stripes = torch.cos(math.pi * cols / 2).expand(1, 1, 16, 16).contiguous()
-    box = nn.AvgPool2d(2)(stripes)[..., 2:-2, 2:-2].abs().max().item()
-    blurred = options.BlurPool2d("avg")(stripes)[..., 2:-2, 2:-2].abs().max().item()
-    assert box == pytest.approx(math.cos(math.pi / 4) / math.sqrt(2), abs=1e-12)
-    assert blurred == pytest.approx(box / 2, abs=1e-12)
 
 
 @pytest.mark.parametrize("kwargs", [dict(blur_sigma=0.7), dict(downsample="blur-max"), dict(downsample="blur-avg"),
@@ -116,7 +84,7 @@ def test_padding_mode_and_blur_compute_what_the_layers_built_in_compute(options)
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(blur_sigma=-1), "blur_sigma"), (dict(blur_sigma=(1, 2)), "six"),
-    (dict(downsample="median"), r"downsample='median' is not accepted; use one of 'max', 'avg', 'blur-avg'"),
+    (dict(downsample="median"), r"downsample='median' is not accepted; use one of 'max', 'avg', 'blur-max', 'blur-avg'"),
     (dict(padding_mode="edge"), "padding_mode='edge' is not accepted"),
 ])
 def test_bad_options_are_refused_before_anything_changes(options, kwargs, match):
