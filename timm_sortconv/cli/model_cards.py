@@ -52,9 +52,20 @@ CANONICAL = ("; each input image is first turned about its centre to its princip
              "a multiple of 180 degrees (up to the error of the angle's estimate), which the SC layers ignore")
 
 
+BLURRED = ("; a fixed Gaussian blur of 0.7 pixels before the first convolution and blurred max pooling (the 2x2 "
+           "maximum at stride 1, then a [1, 2, 1] / 4 filter at stride 2) in place of both max poolings "
+           "(`input_blur=0.7`, `downsample='blur-max'`, no parameters), which keeps its accuracy when the parts of an "
+           "image are turned independently")
+
+
+def base_model(model: str) -> str:
+    """The paper's model name behind one of ours: without the canonical turn, the blur, and orbit sorting."""
+    return model.removesuffix("_canon").removesuffix("_blur").replace("_c2_", "_rs_").replace("_c4_", "_rs_")
+
+
 def describe(model: str) -> str:
     canonical = model.endswith("_canon")
-    _, variant, *rest = model.removesuffix("_canon").split("_")
+    _, variant, *rest = model.removesuffix("_canon").removesuffix("_blur").split("_")
     k = rest[-1]
     if variant == "baseline":
         return (f"the plain-convolution twin of the SCNNs (`nn.Conv2d` everywhere, {k}x{k} kernels in the first "
@@ -63,7 +74,7 @@ def describe(model: str) -> str:
     rings = ", ".join(str(8 * r) for r in range(1, int(k) // 2 + 1))
     return (f"an SCNN with Sorting Convolution in all six layers: {SAMPLING[sampling]}, {SORTING[sorting]}; "
             f"{k}x{k} kernels in the first four layers (rings of {rings} values), 3x3 in the last two"
-            + (CANONICAL if canonical else ""))
+            + (CANONICAL if canonical else "") + (BLURRED if model.endswith("_blur") else ""))
 
 
 def angle_table(row, exact: bool = True) -> str:
@@ -152,8 +163,8 @@ def training_lines(row) -> str:
 
 def card(row, params: int) -> str:
     model = row["model"]
-    # the paper has no canonical turn nor orbit sorting: its P-RS model of the same kernel size
-    paper_model = model.removesuffix("_canon").replace("_c2_", "_rs_").replace("_c4_", "_rs_")
+    # the paper has no canonical turn, blur nor orbit sorting: its P-RS model of the same kernel size
+    paper_model = base_model(model)
     paper_mnist, paper_rot = PAPER.get(paper_model, (None, None))
     swept = (f"all 10,000 test images x {len(row['angles'])} angles (the paper's full MNIST-rot, 360,000 images)"
              if row["mnist_rot_images"] == 10000 else
@@ -178,7 +189,7 @@ pipeline_tag: image-classification
 
 ## What it is
 `{model}` is {describe(model)}: six convolutions (32, 32, 64, 64, 128, 128 channels) with BatchNorm and
-ReLU, 2x2 max pooling after the second and fourth, global average pooling and one linear layer;
+ReLU, {"blurred " if model.endswith("_blur") else "2x2 "}max pooling after the second and fourth, global average pooling and one linear layer;
 {params:,} parameters; input 1x28x28 grayscale, 10 classes (the MNIST digits).{invariant}
 Built with timm-sortconv (the `timm_sortconv` package), which implements the paper below.
 
