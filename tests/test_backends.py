@@ -28,8 +28,8 @@ def _args():
 def test_auto_skips_a_backend_that_is_not_in_auto(fake_backend):
     fake_backend(auto=False)
     x, w = _args()
-    # bfloat16 on the CPU is taken by no real fast backend: "auto" would reach the fake one if it could.
-    x, w = x.bfloat16(), w.bfloat16()
+    # float16 on the CPU is taken by no real fast backend: "auto" would reach the fake one if it could.
+    x, w = x.half(), w.half()
     out = sort_conv2d(x, w, padding=1, backend="auto")
     assert out.shape == (1, 3, 8, 8)
     torch.testing.assert_close(out, sort_conv2d(x, w, padding=1, backend="reference"))
@@ -39,8 +39,8 @@ def test_auto_skips_a_backend_that_is_not_in_auto(fake_backend):
 def test_auto_takes_a_backend_that_is_in_auto(fake_backend):
     fake_backend(auto=True)
     x, w = _args()
-    # bfloat16 on the CPU is taken by no real fast backend, so "auto" reaches the fake one.
-    x, w = x.bfloat16(), w.bfloat16()
+    # float16 on the CPU is taken by no real fast backend, so "auto" reaches the fake one.
+    x, w = x.half(), w.half()
     assert resolve_backend("auto", x, w, None, get_geometry(3), (1, 1), (1, 1), 1).name == "fake"
     assert (sort_conv2d(x, w, padding=1, backend="auto") == 1).all()
 

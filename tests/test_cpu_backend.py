@@ -247,14 +247,16 @@ def test_auto_picks_cpu_where_supported_and_falls_back_elsewhere(monkeypatch):
     assert resolve_backend("auto", x, weight, None, geometry, (1, 1), (1, 1), 1).name == "cpu"
     assert resolve_backend("auto", x.double(), weight.double(), None, geometry, (1, 1), (1, 1), 1).name == "cpu"
     bf16 = (x.bfloat16(), weight.bfloat16(), None, geometry, (1, 1), (1, 1), 1)
-    assert resolve_backend("auto", *bf16).name == "reference"
+    assert resolve_backend("auto", *bf16).name == ("cpu" if cpu_backend.bf16_products() else "reference")
+    half = (x.half(), weight.half(), None, geometry, (1, 1), (1, 1), 1)
+    assert resolve_backend("auto", *half).name == "reference"
     big = get_geometry(17, "polar", "ring")
     assert resolve_backend("auto", torch.randn(1, 2, 20, 20), torch.randn(2, 2, 17, 17), None, big, (1, 1), (1, 1),
                            1).name == "reference"
     mixed = (x, weight.double(), None, geometry, (1, 1), (1, 1), 1)
     assert resolve_backend("auto", *mixed).name == "reference"
     with pytest.raises(RuntimeError, match="does not support"):
-        resolve_backend("cpu", *bf16)
+        resolve_backend("cpu", *half)
     monkeypatch.setenv(DISABLE_ENV, "1")
     assert resolve_backend("auto", x, weight, None, geometry, (1, 1), (1, 1), 1).name == "reference"
 
@@ -264,7 +266,8 @@ def test_sortconv2d_auto_matches_reference_and_falls_back_for_bfloat16():
     reference = SortConv2d.from_conv(conv, sampling="polar", sorting="global", backend="reference")
     x = torch.randn(2, 3, 12, 12)
     torch.testing.assert_close(conv(x), reference(x), rtol=1e-4, atol=1e-4)
-    out = conv.bfloat16()(x.bfloat16())  # k = 5 is supported, bfloat16 is not: reference path
+    # bfloat16: the kernel's bfloat16 products where the CPU has AVX-512 BF16, else the reference path
+    out = conv.bfloat16()(x.bfloat16())
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
 
 
@@ -473,8 +476,14 @@ def test_benchmark_script_shape_sets(capsys):
 # bfloat16 calls: float32 sampling and sorting, bfloat16 products (AVX-512 BF16)
 # ---------------------------------------------------------------------------------------------------------
 
-needs_bf16 = pytest.mark.skipif(not cpu_backend.bf16_products(),
-                                reason="this CPU has no AVX-512 BF16: bfloat16 calls go to the reference path")
+@pytest.fixture
+def bf16_kernel():
+    """Skips a test where the kernel does not multiply in bfloat16 (asked at run time, after the build)."""
+    if not cpu_backend.bf16_products():
+        pytest.skip("this CPU has no AVX-512 BF16: bfloat16 calls go to the reference path")
+
+
+needs_bf16 = pytest.mark.usefixtures("bf16_kernel")
 # Shapes that reach every edge of the pair packing: an odd number of outputs per group (7, 3, 5), an odd
 # forward depth (one channel: 49 slots), blocks that end inside a vector pair (13 x 13 = 169 positions),
 # groups, stride 2, and a panel of several chunks (32 channels of 7 x 7).
