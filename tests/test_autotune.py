@@ -4,7 +4,7 @@ The tuner is tested with injected candidates (right, wrong, failing), an injecte
 capture state, so that every rule of the choice is exercised without a GPU: the reference's result on the
 deciding call, the fastest agreeing candidate kept, one warning per candidate left out, deterministic mode,
 CUDA graph capture, the switch, non-finite inputs. Then the same tuner behind the operator: through a test
-backend registered for bfloat16 CPU tensors (which no real backend takes), eagerly, under torch.compile and
+backend registered for bfloat16 CPU tensors (taken from the CPU kernel for these tests), eagerly, under torch.compile and
 under DDP. The Triton backend's own candidates are checked here for their order and flags; running them
 (Triton's interpreter) is in tests/test_triton_backend.py.
 """
