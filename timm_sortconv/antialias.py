@@ -50,9 +50,9 @@ def gaussian_kernel1d(sigma: float, dtype=torch.float32) -> torch.Tensor:
 class _SeparableFilter(nn.Module):
     """A fixed separable filter ``kernel x kernel`` applied to each channel, zero padding."""
 
-    def __init__(self, kernel: torch.Tensor, stride: int, padding: int) -> None:
+    def __init__(self, kernel: torch.Tensor, stride: int, padding: int, device=None, dtype=None) -> None:
         super().__init__()
-        self.register_buffer("kernel", kernel.clone(), persistent=False)
+        self.register_buffer("kernel", kernel.to(device=device, dtype=dtype, copy=True), persistent=False)
         self.stride = stride
         self.padding = padding
 
@@ -79,9 +79,9 @@ class GaussianBlur2d(_SeparableFilter):
         True
     """
 
-    def __init__(self, sigma: float) -> None:
+    def __init__(self, sigma: float, device=None, dtype=None) -> None:
         kernel = gaussian_kernel1d(sigma)
-        super().__init__(kernel, stride=1, padding=len(kernel) // 2)
+        super().__init__(kernel, stride=1, padding=len(kernel) // 2, device=device, dtype=dtype)
         self.sigma = sigma
 
 
@@ -104,16 +104,18 @@ class BlurPool2d(nn.Module):
         True
     """
 
-    def __init__(self, mode: str = "avg", stride_align: str = "centre") -> None:
+    def __init__(self, mode: str = "avg", stride_align: str = "centre", device=None, dtype=None) -> None:
         super().__init__()
         if mode not in ("avg", "max"):
             raise ValueError(f"BlurPool2d mode={mode!r} is not accepted; use 'avg' or 'max'")
         self.mode = mode
         self.stride_align = check_stride_align(stride_align)
         if mode == "avg":
-            self.filter = _SeparableFilter(torch.tensor([1.0, 3.0, 3.0, 1.0]) / 8, stride=2, padding=1)
+            self.filter = _SeparableFilter(torch.tensor([1.0, 3.0, 3.0, 1.0]) / 8, stride=2, padding=1, device=device,
+                                           dtype=dtype)
         else:
-            self.filter = _SeparableFilter(torch.tensor([1.0, 2.0, 1.0]) / 4, stride=2, padding=1)
+            self.filter = _SeparableFilter(torch.tensor([1.0, 2.0, 1.0]) / 4, stride=2, padding=1, device=device,
+                                           dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "max":
@@ -127,11 +129,11 @@ class BlurPool2d(nn.Module):
         return f"mode={self.mode!r}, stride_align={self.stride_align!r}"
 
 
-def create_downsample(name: str, stride_align: str = "centre") -> nn.Module:
+def create_downsample(name: str, stride_align: str = "centre", device=None, dtype=None) -> nn.Module:
     """The 2x downsampling ``name``: ``"max"``/``"avg"`` (2x2 pooling, stride 2) or ``"blur-max"``/
     ``"blur-avg"`` (:class:`BlurPool2d`), its grid placed by ``stride_align`` (:mod:`timm_sortconv.grid`)."""
     if name in ("max", "avg"):
         return pool_class(name, stride_align)(kernel_size=2, stride=2)
     if name in ("blur-avg", "blur-max"):
-        return BlurPool2d(name.split("-")[1], stride_align)
+        return BlurPool2d(name.split("-")[1], stride_align, device=device, dtype=dtype)
     raise ValueError(f"downsample={name!r} is not accepted; use one of {', '.join(map(repr, DOWNSAMPLES))}")

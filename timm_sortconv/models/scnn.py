@@ -111,9 +111,9 @@ class SCNN(SequentialClassifierMixin, nn.Module):
             if idx in (2, 4):
                 self.feature_info.append(dict(num_chs=prev_chs, reduction=net_stride, module=f'features.{len(layers) - 1}'))
                 self.feature_ends.append(len(layers) - 1)
-                layers.append(create_downsample(downsample, stride_align))
+                layers.append(create_downsample(downsample, stride_align, **dd))
                 net_stride *= 2
-            pre = GaussianBlur2d(input_blur) if idx == 0 and input_blur else None
+            pre = GaussianBlur2d(input_blur, **dd) if idx == 0 and input_blur else None
             layers.append(ConvNormAct(prev_chs, chs, k, conv_layer, bn_momentum, bn_eps, pre=pre, **dd))
             prev_chs = chs
         self.features = nn.Sequential(*layers)
