@@ -1796,17 +1796,6 @@ Shape check_tensors(const at::Tensor& input, const at::Tensor& weight_slots, int
   return {input.size(0), input.size(1), weight_slots.size(0), groups};
 }
 
-// Whether this call multiplies in bfloat16: asked for (a bfloat16 call), float32 and the CPU has it.
-template <typename scalar_t>
-bool use_bf16_products(const timm_sortconv_cpu::Call& call) {
-#if defined(TIMM_SORTCONV_BF16)
-  return call.bf16_products && std::is_same<scalar_t, float>::value && bf16_hardware();
-#else
-  (void)call;
-  return false;
-#endif
-}
-
 // Whether this build on this CPU multiplies in bfloat16 (timm_sortconv_cpu::bf16_products).
 inline bool bf16_build_and_hardware() {
 #if defined(TIMM_SORTCONV_BF16)
@@ -1814,6 +1803,12 @@ inline bool bf16_build_and_hardware() {
 #else
   return false;
 #endif
+}
+
+// Whether this call multiplies in bfloat16: asked for (a bfloat16 call), float32 and the CPU has it.
+template <typename scalar_t>
+bool use_bf16_products(const timm_sortconv_cpu::Call& call) {
+  return call.bf16_products && std::is_same<scalar_t, float>::value && bf16_build_and_hardware();
 }
 
 }  // namespace

@@ -173,27 +173,25 @@ def _backward(ctx, grad_output):
 sort_conv2d_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _cpu_bf16_call(args) -> bool:
-    """Whether a CPU call under bfloat16 autocast runs the fused kernel with bfloat16 products: its floating
-    tensors are float32 or bfloat16 (float64 stays float64) and, cast to bfloat16, the call resolves to that
-    kernel."""
-    input, weight, bias, stride, _padding, dilation, groups, sampling, sorting, backend = args
-    tensors = [t for t in (input, weight, bias) if t is not None]
-    if backend not in ("auto", "cpu") or any(t.dtype == torch.float64 for t in tensors):
-        return False
+def _cpu_bf16_args(args, cast_to):
+    """A CPU call's arguments under bfloat16 autocast cast by ``cast_to(torch.bfloat16)`` if the call then runs
+    the fused kernel with bfloat16 products, else ``None``; the cheap checks come before the cast."""
     from .cpu_backend import bf16_products
-    if not bf16_products():
-        return False
-    x, w = input.to(torch.bfloat16), weight.to(torch.bfloat16)
-    b = bias.to(torch.bfloat16) if bias is not None else None
-    chosen, *_ = _call(x, w, b, stride, dilation, groups, sampling, sorting, backend)
-    return chosen.name == "cpu"
+
+    if args[-1] not in ("auto", "cpu") or not bf16_products():  # args[-1]: the backend's name
+        return None
+    cast = cast_to(torch.bfloat16)
+    input, weight, bias, stride, _padding, dilation, groups, sampling, sorting, backend = cast
+    if input.dtype != torch.bfloat16:  # float64 stays float64
+        return None
+    chosen, *_ = _call(input, weight, bias, stride, dilation, groups, sampling, sorting, backend)
+    return cast if chosen.name == "cpu" else None
 
 
 def _autocast_kernel(device_type: str):
     """The operator's autocast rule for one device type: its floating-point tensors cast to the compute
-    dtype (float32 on the CPU, the autocast dtype elsewhere), the operator run with autocast off, and the
-    output returned in the autocast dtype."""
+    dtype (on the CPU bfloat16 where the fused kernel multiplies in bfloat16, else float32; the autocast dtype
+    elsewhere), the operator run with autocast off, and the output returned in the autocast dtype."""
     key = getattr(torch._C.DispatchKey, "Autocast" + torch._C._dispatch_key_for_device(device_type))
 
     def autocast(*args):
@@ -201,10 +199,15 @@ def _autocast_kernel(device_type: str):
         # float64 stays float64, as autocast leaves it; the CPU computes every other float type in float32,
         # or in bfloat16 where its fused kernel multiplies in bfloat16
         eligible = (torch.float16, torch.bfloat16, torch.float32) if device_type == "cpu" else (torch.float32,)
-        dtype = output_dtype
-        if device_type == "cpu":
-            dtype = torch.bfloat16 if output_dtype == torch.bfloat16 and _cpu_bf16_call(args) else torch.float32
-        cast = [a.to(dtype) if isinstance(a, Tensor) and a.dtype in eligible else a for a in args]
+
+        def cast_to(dtype):
+            return [a.to(dtype) if isinstance(a, Tensor) and a.dtype in eligible else a for a in args]
+
+        if device_type != "cpu":
+            cast = cast_to(output_dtype)
+        else:
+            bf16 = _cpu_bf16_args(args, cast_to) if output_dtype == torch.bfloat16 else None
+            cast = bf16 if bf16 is not None else cast_to(torch.float32)
         with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
             out = torch.ops.timm_sortconv.sort_conv2d.default(*cast)
         return out if out.dtype == torch.float64 else out.to(output_dtype)
