@@ -1487,7 +1487,7 @@ void forward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scalar
   const int64_t cg = shape.in_per_group(), og = shape.out_per_group();
   const int64_t panel_channels = panel_channels_of(cg, slots);
   const int64_t chunk_pairs = pairs_of(panel_channels * slots);
-  const int64_t group_pairs = (cg / panel_channels) * chunk_pairs + pairs_of((cg % panel_channels) * slots);
+  [[maybe_unused]] const int64_t group_pairs = (cg / panel_channels) * chunk_pairs + pairs_of((cg % panel_channels) * slots);
   const int64_t threads = thread_count(shape.batch * positions / lanes, multiply_adds(shape, positions, slots));
   for_each_thread_range(shape.batch, positions, threads, false, [&](int64_t, int64_t begin, int64_t end) {
     // stage_windows may write a vector past its last row.
