@@ -197,6 +197,26 @@ def test_agrees_with_reference_when_blocks_span_images(sampling, sorting, size, 
                      sampling=sampling, sorting=sorting)
 
 
+@pytest.mark.parametrize("channels,groups,stride", [(64, 1, 1), (64, 1, 2), (128, 2, 1)])
+@pytest.mark.parametrize("sampling,sorting", [("polar", "ring"), ("square", "global")], ids=["polar-ring",
+                                                                                          "square-global"])
+def test_agrees_with_reference_when_blocks_share_a_pass_over_large_weights(sampling, sorting, channels, groups,
+                                                                          stride, threads, isa):
+    """Where a group's weights reach 512 KiB (here 64 -> 64 channels at 7x7: 0.8 MB in float32), several blocks
+    share one pass over the weights: the forward multiplies them one after the other on each weight chunk, the
+    backward sums the weight gradient over all of them at once and scatters each block's input gradient. Three
+    7x7 images (147 positions) make a pass span images and end in a partial pass and a partial block; two
+    threads split the images between them."""
+    for thread_count in (1, 2):
+        threads(thread_count)
+        for dtype in (torch.float32, torch.float64):
+            x = randn(3, channels, 7, 7, seed=3, dtype=dtype)
+            weight = randn(channels, channels // groups, 7, 7, seed=4, dtype=dtype) * 0.05
+            bias = randn(channels, seed=5, dtype=dtype)
+            assert_agree(x, weight, bias, min_comparable=0.5, stride=stride, padding=3, groups=groups,
+                         sampling=sampling, sorting=sorting)
+
+
 @pytest.mark.slow
 def test_agrees_with_reference_on_images_read_in_place(threads, isa):
     """Unpadded images over kMaxCopiedImage (4 MiB) are read, and their gradient written, in place rather than

@@ -21,6 +21,9 @@
 // Both passes read the windows from a per-thread copy of the images its blocks touch (ImageRing): one
 // sequential copy per image instead of scattered first reads of every channel's rows, which also adds
 // the zero padding, so the caller passes the input unpadded.
+// Where a group's weights are large (blocks_per_pass), several consecutive blocks share one pass over
+// them: each weight chunk is multiplied with those blocks one after the other, and the backward sums
+// the weight gradient over all of them in one visit, so the weights come from far once per pass.
 // No column buffer is materialised: the sorted values stay in L1 between steps 2 and 3. A general
 // BLAS is avoided on purpose: on AMD CPUs MKL's sgemm runs well below the direct convolution that
 // nn.Conv2d uses (oneDNN), and the goal is a cost near that convolution.
@@ -1112,11 +1115,13 @@ void gemm_rows(const scalar_t* panel, int64_t depth, const scalar_t* w, int64_t 
   }
 }
 
-// grad[s][o] += sum_{lane < count} columns[s][lane] * grad_out_t[lane][o] for s < kRows and the
-// kVectors * kVecLanes outputs starting at `grad`; grad_out_t rows have `ldg` entries, grad rows `ldw`.
+// grad[s][o] += sum over blocks b < `blocks` and lanes < counts[b] of columns_b[s][lane] * grad_out_t[b * kLanes +
+// lane][o] for s < kRows and the kVectors * kVecLanes outputs starting at `grad`, where block b's columns start
+// `column_stride` values after block b - 1's; grad_out_t rows have `ldg` entries, grad rows `ldw`. The
+// accumulators stay in registers over all the blocks: grad is read and written once per call.
 template <typename scalar_t, int kRows, int kVectors>
-void micro_gemm_reduce(const scalar_t* columns, int64_t count, const scalar_t* grad_out_t, int64_t ldg,
-                       scalar_t* grad, int64_t ldw) {
+void micro_gemm_reduce(const scalar_t* columns, int64_t column_stride, const int64_t* counts, int64_t blocks,
+                       const scalar_t* grad_out_t, int64_t ldg, scalar_t* grad, int64_t ldw) {
   using vec = typename Simd<scalar_t>::vec;
   constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
   vec acc[kRows][kVectors];
@@ -1125,15 +1130,19 @@ void micro_gemm_reduce(const scalar_t* columns, int64_t count, const scalar_t* g
       acc[m][v] = vec{};
     }
   }
-  for (int64_t lane = 0; lane < count; ++lane) {
-    vec g[kVectors];
-    for (int v = 0; v < kVectors; ++v) {
-      g[v] = load(grad_out_t + lane * ldg + v * half);
-    }
-    for (int m = 0; m < kRows; ++m) {
-      const vec c = splat(columns[m * lanes + lane]);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const scalar_t* block_columns = columns + b * column_stride;
+    const scalar_t* block_grad = grad_out_t + b * lanes * ldg;
+    for (int64_t lane = 0; lane < counts[b]; ++lane) {
+      vec g[kVectors];
       for (int v = 0; v < kVectors; ++v) {
-        acc[m][v] += c * g[v];
+        g[v] = load(block_grad + lane * ldg + v * half);
+      }
+      for (int m = 0; m < kRows; ++m) {
+        const vec c = splat(block_columns[m * lanes + lane]);
+        for (int v = 0; v < kVectors; ++v) {
+          acc[m][v] += c * g[v];
+        }
       }
     }
   }
@@ -1146,18 +1155,20 @@ void micro_gemm_reduce(const scalar_t* columns, int64_t count, const scalar_t* g
 }
 
 template <typename scalar_t>
-using MicroGemmReduce = void (*)(const scalar_t*, int64_t, const scalar_t*, int64_t, scalar_t*, int64_t);
+using MicroGemmReduce = void (*)(const scalar_t*, int64_t, const int64_t*, int64_t, const scalar_t*, int64_t,
+                                 scalar_t*, int64_t);
 
 template <typename scalar_t, int kVectors, int... kRows>
 constexpr std::array<MicroGemmReduce<scalar_t>, sizeof...(kRows)> reduce_table(std::integer_sequence<int, kRows...>) {
   return {&micro_gemm_reduce<scalar_t, kRows + 1, kVectors>...};
 }
 
-// grad[slots][outputs_padded] += columns^T-weighted sum over the block's lanes (the weight
-// gradient of one channel and block); `outputs_padded` is a multiple of kVecLanes.
+// grad[slots][outputs_padded] += columns^T-weighted sum over the lanes of `blocks` blocks (the weight
+// gradient of one channel and a pass of blocks, see micro_gemm_reduce); `outputs_padded` is a multiple
+// of kVecLanes.
 template <typename scalar_t>
-void gemm_reduce(const scalar_t* columns, int64_t slots, int64_t count, const scalar_t* grad_out_t,
-                 int64_t outputs_padded, scalar_t* grad) {
+void gemm_reduce(const scalar_t* columns, int64_t column_stride, int64_t slots, const int64_t* counts,
+                 int64_t blocks, const scalar_t* grad_out_t, int64_t outputs_padded, scalar_t* grad) {
   static constexpr auto pairs = reduce_table<scalar_t, 2>(std::make_integer_sequence<int, kTileRows>{});
   static constexpr auto singles = reduce_table<scalar_t, 1>(std::make_integer_sequence<int, kTileRows>{});
   constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
@@ -1165,12 +1176,12 @@ void gemm_reduce(const scalar_t* columns, int64_t slots, int64_t count, const sc
     const int64_t m = std::min<int64_t>(kTileRows, slots - s0);
     int64_t o0 = 0;
     for (; o0 + 2 * half <= outputs_padded; o0 += 2 * half) {
-      pairs[m - 1](columns + s0 * lanes, count, grad_out_t + o0, outputs_padded, grad + s0 * outputs_padded + o0,
-                   outputs_padded);
+      pairs[m - 1](columns + s0 * lanes, column_stride, counts, blocks, grad_out_t + o0, outputs_padded,
+                   grad + s0 * outputs_padded + o0, outputs_padded);
     }
     if (o0 < outputs_padded) {
-      singles[m - 1](columns + s0 * lanes, count, grad_out_t + o0, outputs_padded, grad + s0 * outputs_padded + o0,
-                     outputs_padded);
+      singles[m - 1](columns + s0 * lanes, column_stride, counts, blocks, grad_out_t + o0, outputs_padded,
+                     grad + s0 * outputs_padded + o0, outputs_padded);
     }
   }
 }
@@ -1367,17 +1378,18 @@ class ImageRing {
  public:
   int64_t first = 0;  // the first image held (or, in place, the first image of the block)
 
-  // For the thread's output positions [begin, end); grad_input: (B, C, src_h, src_w), or nullptr for the
-  // forward pass. Only images that those positions read are ever held: in the backward a thread that owns
-  // whole images adds into grad_input with no lock, so it must never flush another thread's image.
+  // For the thread's output positions [begin, end), covered `span` consecutive positions at a time;
+  // grad_input: (B, C, src_h, src_w), or nullptr for the forward pass. Only images that those positions
+  // read are ever held: in the backward a thread that owns whole images adds into grad_input with no
+  // lock, so it must never flush another thread's image.
   ImageRing(const Plan<scalar_t>& plan, const scalar_t* input, scalar_t* grad_input, int64_t batch, int64_t channels,
-            int64_t begin, int64_t end)
+            int64_t begin, int64_t end, int64_t span)
       : plan_(plan), input_(input), grad_input_(grad_input), batch_(batch), channels_(channels),
         source_size_(channels * plan.src_h * plan.src_w), image_size_(channels * plan.in_h * plan.in_w),
         image_end_((end - 1) / plan.positions() + 1),
-        // A block of kLanes positions spans at most this many images.
+        // `span` consecutive positions lie in at most this many images.
         capacity_(std::max<int64_t>(1, std::min(image_end_ - begin / plan.positions(),
-                                                (kLanes<scalar_t> - 2) / plan.positions() + 2))),
+                                                (span - 2) / plan.positions() + 2))),
         enabled_(plan.padded() || (end - begin >= plan.positions()
                                    && image_size_ * static_cast<int64_t>(sizeof(scalar_t)) <= kMaxCopiedImage)) {
     // Zeros: the padding is never written after this.
@@ -1475,6 +1487,28 @@ inline int64_t panel_channels_of(int64_t channels_per_group, int64_t slots) {
 
 inline int64_t pairs_of(int64_t depth) { return (depth + 1) / 2; }
 
+// Blocks of positions that share one pass over the weights. Every block multiplies with all of a
+// group's weights (forward and input gradient) and adds into all of the weight gradient, so with large
+// weights (512 -> 512 channels at 3x3: 9.4 MB) one block at a time streams them from L3 or memory
+// once per 32 positions and the products wait on it. Taking kPassBlocks blocks per pass, each panel
+// still multiplied while it is in L1, reads a chunk of weights once from far and then from L2, and
+// the weight gradient sums kPassBlocks times as many positions per visit. Small weights stay in L1/L2
+// anyway and keep one block per pass (shorter buffers, the image ring as before).
+#ifndef TIMM_SORTCONV_PASS_BLOCKS
+#define TIMM_SORTCONV_PASS_BLOCKS 8
+#endif
+#ifndef TIMM_SORTCONV_PASS_BYTES
+#define TIMM_SORTCONV_PASS_BYTES (512 << 10)
+#endif
+constexpr int64_t kPassBlocks = TIMM_SORTCONV_PASS_BLOCKS;
+constexpr int64_t kPassWeightBytes = TIMM_SORTCONV_PASS_BYTES;
+
+template <typename scalar_t>
+int64_t blocks_per_pass(const Shape& shape, int64_t slots) {
+  const int64_t bytes = shape.in_per_group() * slots * shape.out_per_group() * static_cast<int64_t>(sizeof(scalar_t));
+  return bytes >= kPassWeightBytes ? kPassBlocks : 1;
+}
+
 // weight_pairs: the forward's weights as bfloat16 pair rows (pack_forward_weights), or nullptr to
 // multiply in float32.
 template <typename scalar_t, bool kUnitStride>
@@ -1489,50 +1523,65 @@ void forward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scalar
   const int64_t chunk_pairs = pairs_of(panel_channels * slots);
   [[maybe_unused]] const int64_t group_pairs = (cg / panel_channels) * chunk_pairs + pairs_of((cg % panel_channels) * slots);
   const int64_t threads = thread_count(shape.batch * positions / lanes, multiply_adds(shape, positions, slots));
+  const int64_t pass_blocks = blocks_per_pass<scalar_t>(shape, slots), span = pass_blocks * lanes;
   for_each_thread_range(shape.batch, positions, threads, false, [&](int64_t, int64_t begin, int64_t end) {
     // stage_windows may write a vector past its last row.
     std::vector<scalar_t> panel(panel_channels * slots * lanes + half), grid(slots * lanes + half);
     std::vector<uint32_t> panel_pairs(weight_pairs != nullptr ? chunk_pairs * lanes : 0);
-    std::vector<scalar_t> tile(shape.out_channels * lanes);
-    ImageRing<scalar_t> ring(plan, input, nullptr, shape.batch, shape.channels, begin, end);
-    for (int64_t first = begin; first < end; first += lanes) {
-      const int64_t last = std::min(first + lanes, end);
-      ring.cover(first / positions, (last - 1) / positions);
+    // The pass's blocks' output tiles, one after the other.
+    std::vector<scalar_t> tiles(pass_blocks * shape.out_channels * lanes);
+    std::vector<Block> blocks(pass_blocks);
+    ImageRing<scalar_t> ring(plan, input, nullptr, shape.batch, shape.channels, begin, end, span);
+    for (int64_t start = begin; start < end; start += span) {
+      const int64_t stop = std::min(start + span, end), count = (stop - start + lanes - 1) / lanes;
+      ring.cover(start / positions, (stop - 1) / positions);
       const scalar_t* images = ring.images();
-      const Block block = make_block<scalar_t, kUnitStride>(plan, first, last, shape.channels * plane, ring.first,
-                                                            ring.readable(), shape.channels);
-      for (int64_t o = 0; o < shape.out_channels; ++o) {
-        std::fill(tile.begin() + o * lanes, tile.begin() + (o + 1) * lanes, bias != nullptr ? bias[o] : scalar_t(0));
+      for (int64_t b = 0; b < count; ++b) {
+        const int64_t first = start + b * lanes;
+        blocks[b] = make_block<scalar_t, kUnitStride>(plan, first, std::min(first + lanes, stop),
+                                                      shape.channels * plane, ring.first, ring.readable(),
+                                                      shape.channels);
+        for (int64_t o = 0; o < shape.out_channels; ++o) {
+          scalar_t* row = tiles.data() + (b * shape.out_channels + o) * lanes;
+          std::fill(row, row + lanes, bias != nullptr ? bias[o] : scalar_t(0));
+        }
       }
       for (int64_t g = 0; g < shape.groups; ++g) {
         for (int64_t c0 = 0; c0 < cg; c0 += panel_channels) {
           const int64_t channels = std::min(panel_channels, cg - c0);
-          for (int64_t ci = 0; ci < channels; ++ci) {
-            scalar_t* value = panel.data() + ci * slots * lanes;
-            const scalar_t* channel_input = images + (g * cg + c0 + ci) * plane;
-            if (!sort_direct(plan, channel_input, block, value)) {
-              gather_samples<scalar_t, kUnitStride>(plan, channel_input, block, grid.data(), value);
-              sort_samples<scalar_t, false>(plan, value, static_cast<SwapMask<vec>*>(nullptr));
+          // Block after block on the same weight chunk: it stays in L2 between them.
+          for (int64_t b = 0; b < count; ++b) {
+            const Block& block = blocks[b];
+            scalar_t* tile = tiles.data() + (b * shape.out_channels + g * og) * lanes;
+            for (int64_t ci = 0; ci < channels; ++ci) {
+              scalar_t* value = panel.data() + ci * slots * lanes;
+              const scalar_t* channel_input = images + (g * cg + c0 + ci) * plane;
+              if (!sort_direct(plan, channel_input, block, value)) {
+                gather_samples<scalar_t, kUnitStride>(plan, channel_input, block, grid.data(), value);
+                sort_samples<scalar_t, false>(plan, value, static_cast<SwapMask<vec>*>(nullptr));
+              }
             }
-          }
 #if defined(TIMM_SORTCONV_BF16)
-          if constexpr (std::is_same<scalar_t, float>::value) {
-            if (weight_pairs != nullptr) {
-              pack_pair_rows(panel.data(), channels * slots, lanes, lanes, panel_pairs.data());
-              gemm_rows_bf16<kTileRows>(panel_pairs.data(), pairs_of(channels * slots),
-                                        weight_pairs + (g * group_pairs + c0 / panel_channels * chunk_pairs) * og,
-                                        og, og, tile.data() + g * og * lanes, true);
-              continue;
+            if constexpr (std::is_same<scalar_t, float>::value) {
+              if (weight_pairs != nullptr) {
+                pack_pair_rows(panel.data(), channels * slots, lanes, lanes, panel_pairs.data());
+                gemm_rows_bf16<kTileRows>(panel_pairs.data(), pairs_of(channels * slots),
+                                          weight_pairs + (g * group_pairs + c0 / panel_channels * chunk_pairs) * og,
+                                          og, og, tile, true);
+                continue;
+              }
             }
-          }
 #endif
-          // weight_packed is (groups, C/g, k*k, O/g): the rows of these channels' slots.
-          gemm_rows(panel.data(), channels * slots, weight_packed + (g * cg + c0) * slots * og, og, og,
-                    tile.data() + g * og * lanes, true);
+            // weight_packed is (groups, C/g, k*k, O/g): the rows of these channels' slots.
+            gemm_rows(panel.data(), channels * slots, weight_packed + (g * cg + c0) * slots * og, og, og, tile, true);
+          }
         }
       }
-      for (int64_t o = 0; o < shape.out_channels; ++o) {
-        store_lanes(plan, block, tile.data() + o * lanes, output + o * positions, shape.out_channels * positions);
+      for (int64_t b = 0; b < count; ++b) {
+        for (int64_t o = 0; o < shape.out_channels; ++o) {
+          store_lanes(plan, blocks[b], tiles.data() + (b * shape.out_channels + o) * lanes, output + o * positions,
+                      shape.out_channels * positions);
+        }
       }
     }
   });
@@ -1600,42 +1649,59 @@ void backward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scala
   // A thread owns whole images (so its input-gradient scatter races with nobody) unless there are
   // fewer images than threads; then positions are shared out and each thread has a private copy.
   const bool whole_images = need_input && grad_input_parts.empty();
+  // bfloat16 products (weight_pairs set) take one block per pass.
+  const bool bf16 = weight_pairs != nullptr;
+  const int64_t pass_blocks = bf16 ? 1 : blocks_per_pass<scalar_t>(shape, slots), span = pass_blocks * lanes;
+  const int64_t value_stride = slots * lanes + half, swap_count = std::max<int64_t>(1, plan.comparators.size());
   for_each_thread_range(shape.batch, positions, threads, whole_images, [&](int64_t thread, int64_t begin, int64_t end) {
-    std::vector<scalar_t> grad_tile(shape.out_channels * lanes), grad_tile_t(shape.groups * lanes * outputs_padded);
-    std::vector<scalar_t> value(slots * lanes + half), grid(slots * lanes + half), grad_samples(slots * lanes),
+    // Per block of the pass: its output gradient (O rows of lanes), its sorted values of one channel and
+    // their swaps. grad_tile_t is, per group, the pass's lanes (block after block) by O/g padded: the
+    // layout the weight-gradient micro-GEMM reads.
+    std::vector<scalar_t> grad_tile(pass_blocks * shape.out_channels * lanes),
+        grad_tile_t(shape.groups * pass_blocks * lanes * outputs_padded);
+    std::vector<scalar_t> value(pass_blocks * value_stride), grid(slots * lanes + half), grad_samples(slots * lanes),
         grad_grid(slots * lanes);
-    std::vector<SwapMask<vec>> swaps(std::max<size_t>(1, plan.comparators.size()));
-    // bfloat16 products (weight_pairs set): the block's output gradient as pair rows, per group, for the
-    // input gradient (O/g rows of lanes) and for the weight gradient (lanes rows of O/g padded), and one
-    // channel's sorted values as pairs of lanes.
-    const bool bf16 = weight_pairs != nullptr;
+    std::vector<SwapMask<vec>> swaps(pass_blocks * swap_count);
+    std::vector<Block> blocks(pass_blocks);
+    std::vector<int64_t> counts(pass_blocks);
+    // bfloat16 products: the block's output gradient as pair rows, per group, for the input gradient
+    // (O/g rows of lanes) and for the weight gradient (lanes rows of O/g padded), and one channel's
+    // sorted values as pairs of lanes.
     const int64_t og_pairs = pairs_of(og);
     std::vector<uint32_t> grad_pairs(bf16 && need_input ? shape.groups * og_pairs * lanes : 0);
     std::vector<uint32_t> grad_t_pairs(bf16 && need_weight ? shape.groups * (lanes / 2) * outputs_padded : 0);
     std::vector<uint32_t> column_pairs(bf16 ? slots * (lanes / 2) : 0);
     scalar_t* grad_in = grad_input_parts.empty() ? grad_input : grad_input_parts[thread].data();
     scalar_t* grad_weight = need_weight ? grad_weight_parts[thread].data() : nullptr;
-    ImageRing<scalar_t> ring(plan, input, need_input ? grad_in : nullptr, shape.batch, shape.channels, begin, end);
-    for (int64_t first = begin; first < end; first += lanes) {
-      const int64_t last = std::min(first + lanes, end);
-      ring.cover(first / positions, (last - 1) / positions);
+    ImageRing<scalar_t> ring(plan, input, need_input ? grad_in : nullptr, shape.batch, shape.channels, begin, end,
+                             span);
+    for (int64_t start = begin; start < end; start += span) {
+      const int64_t stop = std::min(start + span, end), count = (stop - start + lanes - 1) / lanes;
+      ring.cover(start / positions, (stop - 1) / positions);
       const scalar_t* images = ring.images();
       scalar_t* grad_images = need_input ? ring.grads() : nullptr;
-      const Block block = make_block<scalar_t, kUnitStride>(plan, first, last, shape.channels * plane, ring.first,
-                                                            ring.readable(), shape.channels);
-      const int64_t count = block.count;
       std::fill(grad_tile.begin(), grad_tile.end(), scalar_t(0));
-      for (int64_t o = 0; o < shape.out_channels; ++o) {
-        load_lanes(plan, block, grad_output + o * positions, shape.out_channels * positions,
-                   grad_tile.data() + o * lanes);
+      for (int64_t b = 0; b < count; ++b) {
+        const int64_t first = start + b * lanes;
+        blocks[b] = make_block<scalar_t, kUnitStride>(plan, first, std::min(first + lanes, stop),
+                                                      shape.channels * plane, ring.first, ring.readable(),
+                                                      shape.channels);
+        counts[b] = blocks[b].count;
+        for (int64_t o = 0; o < shape.out_channels; ++o) {
+          load_lanes(plan, blocks[b], grad_output + o * positions, shape.out_channels * positions,
+                     grad_tile.data() + (b * shape.out_channels + o) * lanes);
+        }
       }
       if (need_weight) {
-        // Per group, (lanes, O/g padded): the layout the weight-gradient micro-GEMM reads.
         std::fill(grad_tile_t.begin(), grad_tile_t.end(), scalar_t(0));
         for (int64_t g = 0; g < shape.groups; ++g) {
-          for (int64_t o = 0; o < og; ++o) {
-            for (int64_t lane = 0; lane < count; ++lane) {
-              grad_tile_t[(g * lanes + lane) * outputs_padded + o] = grad_tile[(g * og + o) * lanes + lane];
+          for (int64_t b = 0; b < count; ++b) {
+            scalar_t* rows = grad_tile_t.data() + (g * pass_blocks + b) * lanes * outputs_padded;
+            for (int64_t o = 0; o < og; ++o) {
+              const scalar_t* from = grad_tile.data() + (b * shape.out_channels + g * og + o) * lanes;
+              for (int64_t lane = 0; lane < counts[b]; ++lane) {
+                rows[lane * outputs_padded + o] = from[lane];
+              }
             }
           }
         }
@@ -1647,7 +1713,7 @@ void backward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scala
             pack_pair_rows(grad_tile.data() + g * og * lanes, og, lanes, lanes, grad_pairs.data() + g * og_pairs * lanes);
           }
           if (need_weight) {
-            pack_pair_rows(grad_tile_t.data() + g * lanes * outputs_padded, count, outputs_padded, outputs_padded,
+            pack_pair_rows(grad_tile_t.data() + g * lanes * outputs_padded, counts[0], outputs_padded, outputs_padded,
                            grad_t_pairs.data() + g * (lanes / 2) * outputs_padded);
           }
         }
@@ -1655,14 +1721,17 @@ void backward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scala
 #endif
       for (int64_t channel = 0; channel < shape.channels; ++channel) {
         const int64_t g = channel / cg;
-        gather_samples<scalar_t, kUnitStride>(plan, images + channel * plane, block, grid.data(), value.data());
-        sort_samples<scalar_t, true>(plan, value.data(), swaps.data());
+        for (int64_t b = 0; b < count; ++b) {
+          gather_samples<scalar_t, kUnitStride>(plan, images + channel * plane, blocks[b], grid.data(),
+                                                value.data() + b * value_stride);
+          sort_samples<scalar_t, true>(plan, value.data() + b * value_stride, swaps.data() + b * swap_count);
+        }
 #if defined(TIMM_SORTCONV_BF16)
         if constexpr (std::is_same<scalar_t, float>::value) {
           if (bf16) {
             if (need_weight) {
-              pack_column_pairs(value.data(), slots, lanes, count, column_pairs.data());
-              gemm_reduce_bf16<kTileRows>(column_pairs.data(), slots, pairs_of(count),
+              pack_column_pairs(value.data(), slots, lanes, counts[0], column_pairs.data());
+              gemm_reduce_bf16<kTileRows>(column_pairs.data(), slots, pairs_of(counts[0]),
                                           grad_t_pairs.data() + g * (lanes / 2) * outputs_padded, outputs_padded,
                                           grad_weight + channel * slots * outputs_padded);
             }
@@ -1672,25 +1741,28 @@ void backward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scala
                                       weight_pairs + channel * og_pairs * slots, slots, slots, grad_samples.data(),
                                       false);
             unsort_gradients(plan, grad_samples.data(), swaps.data());
-            scatter_gradients<scalar_t, kUnitStride>(plan, block, grad_samples.data(), grad_grid.data(),
+            scatter_gradients<scalar_t, kUnitStride>(plan, blocks[0], grad_samples.data(), grad_grid.data(),
                                                      grad_images + channel * plane);
             continue;
           }
         }
 #endif
         if (need_weight) {
-          gemm_reduce(value.data(), slots, count, grad_tile_t.data() + g * lanes * outputs_padded, outputs_padded,
+          gemm_reduce(value.data(), value_stride, slots, counts.data(), count,
+                      grad_tile_t.data() + g * pass_blocks * lanes * outputs_padded, outputs_padded,
                       grad_weight + channel * slots * outputs_padded);
         }
         if (!need_input) {
           continue;
         }
-        // weight_by_output is (C, O/g, k*k): for each output of the group, this channel's slots.
-        gemm_rows(grad_tile.data() + g * og * lanes, og, weight_by_output + channel * og * slots, slots, slots,
-                  grad_samples.data(), false);
-        unsort_gradients(plan, grad_samples.data(), swaps.data());
-        scatter_gradients<scalar_t, kUnitStride>(plan, block, grad_samples.data(), grad_grid.data(),
-                                                 grad_images + channel * plane);
+        for (int64_t b = 0; b < count; ++b) {
+          // weight_by_output is (C, O/g, k*k): for each output of the group, this channel's slots.
+          gemm_rows(grad_tile.data() + (b * shape.out_channels + g * og) * lanes, og,
+                    weight_by_output + channel * og * slots, slots, slots, grad_samples.data(), false);
+          unsort_gradients(plan, grad_samples.data(), swaps.data() + b * swap_count);
+          scatter_gradients<scalar_t, kUnitStride>(plan, blocks[b], grad_samples.data(), grad_grid.data(),
+                                                   grad_images + channel * plane);
+        }
       }
     }
     ring.finish();
