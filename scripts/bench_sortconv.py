@@ -31,6 +31,7 @@ Examples:
     python scripts/bench_sortconv.py --shapes scnn_p_rs_7 --variants polar-ring --skip-reference
     python scripts/bench_sortconv.py --shapes none --throughput --e2cnn
     python scripts/bench_sortconv.py --shapes none --throughput --precisions fp32,bf16 --threads 1 --clock cpu
+    python scripts/bench_sortconv.py --shapes none --twins all --latency --threads 1 --clock cpu
     python scripts/bench_sortconv.py --device cuda --shapes gpu --kernel-sizes 3,5,7 --precisions fp32,bf16
     python scripts/bench_sortconv.py --device cuda --shapes gpu --triton-paths fused,columns --skip-reference
     TRITON_INTERPRET=1 python scripts/bench_sortconv.py --device cuda --dry-run --throughput
@@ -388,6 +389,73 @@ def print_throughput(steps: int, batch: int, e2cnn: bool, reference: bool, preci
         label = "float32" if precision == "fp32" else "bfloat16 autocast"
         print(f"| {name} | {label} | {parameters[name]:,} | {batch / step_seconds:.0f} | {step_seconds * 1e3:.0f} |")
 
+def sortified_resnet18() -> nn.Module:
+    """timm's ``resnet18`` with every convolution of kernel size >= 2 turned into SortConv2d (``sortify``'s
+    defaults: polar sampling, ring sorting)."""
+    return timm_sortconv.sortify(timm.create_model("resnet18"))
+
+
+# The training-speed goal's models on the CPU: name -> (SC model, its plain twin, input size, batch).
+CPU_TWINS: Dict[str, Tuple[Callable[[], nn.Module], Callable[[], nn.Module], Tuple[int, int, int], int]] = {
+    "scnn_p_rs_7": (lambda: timm.create_model("scnn_p_rs_7"), lambda: timm.create_model("scnn_baseline_7"),
+                    (1, 28, 28), 100),
+    "scnn_p_c2_7_canon": (lambda: timm.create_model("scnn_p_c2_7_canon"),
+                          lambda: timm.create_model("scnn_baseline_7"), (1, 28, 28), 100),
+    "scnn_p_gs_7": (lambda: timm.create_model("scnn_p_gs_7"), lambda: timm.create_model("scnn_baseline_7"),
+                    (1, 28, 28), 100),
+    "ri_resnet18": (lambda: timm.create_model("ri_resnet18"), lambda: timm.create_model("ri_resnet18_baseline"),
+                    (3, 128, 128), 16),
+    "sortified_resnet18": (sortified_resnet18, lambda: timm.create_model("resnet18"), (3, 224, 224), 8),
+}
+
+
+def print_twins(names: Sequence[str], steps: int, precisions: Sequence[str]) -> None:
+    """Per model, its training step against its plain twin's (the two taking turns, median step)."""
+    print(f"\n### Training steps against the plain twin (Adam, median of {steps} steps taken in turns)\n")
+    print("| SC model | twin | input, batch | precision | SC images/s | twin images/s | SC / twin |")
+    print("|---|---|---|---|---|---|---|")
+    for name in names:
+        build_sc, build_twin, size, batch = CPU_TWINS[name]
+        for precision in precisions:
+            sc, twin = build_sc(), build_twin()
+            steps_by_row = {side: training_step(model, batch, size, precision,
+                                                num_classes=model.get_classifier().out_features)
+                            for side, model in (("sc", sc), ("twin", twin))}
+            seconds = median_times(steps_by_row, steps)
+            label = "float32" if precision == "fp32" else "bfloat16 autocast"
+            twin_name = twin.default_cfg["architecture"]
+            print(f"| {name} | {twin_name} | {size[1]}x{size[2]}, {batch} | {label} | {batch / seconds['sc']:.1f} | "
+                  f"{batch / seconds['twin']:.1f} | {seconds['twin'] / seconds['sc']:.2f} |", flush=True)
+
+
+# Inference input per model of CPU_TWINS: the training input, except ri_resnet18 at ImageNet's 224.
+LATENCY_SIZES = {"ri_resnet18": (3, 224, 224)}
+
+
+def print_latency(names: Sequence[str], repeats: int) -> None:
+    """Per model, eval-mode inference of one image (``torch.no_grad``) against its plain twin's, the two
+    taking turns (median)."""
+    print(f"\n### Inference at batch 1 against the plain twin (eval mode, no_grad, median of {repeats} taken in "
+          "turns)\n")
+    print("| SC model | twin | input | SC ms | twin ms | SC / twin |")
+    print("|---|---|---|---|---|---|")
+    for name in names:
+        build_sc, build_twin, size, _ = CPU_TWINS[name]
+        size = LATENCY_SIZES.get(name, size)
+        image = torch.randn(1, *size, generator=torch.Generator().manual_seed(0))
+        sc, twin = build_sc().eval(), build_twin().eval()
+
+        def infer(model):
+            def run():
+                with torch.no_grad():
+                    model(image)
+            return run
+
+        seconds = median_times({"sc": infer(sc), "twin": infer(twin)}, repeats)
+        print(f"| {name} | {twin.default_cfg['architecture']} | {size[1]}x{size[2]} | {seconds['sc'] * 1e3:.1f} | "
+              f"{seconds['twin'] * 1e3:.1f} | {seconds['sc'] / seconds['twin']:.2f}x |", flush=True)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # --device cuda: the GPU table (F.conv2d against the Triton backend) and model throughput.
 
@@ -679,6 +747,11 @@ def parse_args(argv=None):
     parser.add_argument("--throughput", action="store_true",
                         help="whole-model training throughput of scnn_p_rs_7 vs scnn_baseline_7")
     parser.add_argument("--e2cnn", action="store_true", help="add an E(2)-CNN model to the throughput table")
+    parser.add_argument("--twins", default=None,
+                        help=f"comma-separated, of {', '.join(CPU_TWINS)} or 'all': each model's training step "
+                             "against its plain twin's, at the model's input size and batch (CPU)")
+    parser.add_argument("--latency", action="store_true",
+                        help="with --twins: also inference at batch 1 against the twin (--repeats times)")
     parser.add_argument("--steps", type=int, default=5, help="timed training steps for throughput")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: the GPU table (F.conv2d against the Triton backend), see the description")
@@ -710,6 +783,11 @@ def parse_args(argv=None):
     for variant in args.variants.split(","):
         if variant not in ACCEPTED_VARIANTS:
             parser.error(f"unknown variant {variant!r}; accepted: {', '.join(ACCEPTED_VARIANTS)}")
+    if args.twins == "all":
+        args.twins = ",".join(CPU_TWINS)
+    for name in (args.twins.split(",") if args.twins else []):
+        if name not in CPU_TWINS:
+            parser.error(f"unknown --twins model {name!r}; accepted: {', '.join(CPU_TWINS)}, all")
     for name in args.shapes.split(","):
         if name != "none" and name not in SHAPE_SETS and name not in MODELS:
             parser.error(f"unknown shape set {name!r}; accepted: {', '.join(SHAPE_SETS)}, none, {', '.join(MODELS)}")
@@ -752,6 +830,10 @@ def main(argv=None) -> None:
         print_model_table(name, shapes, results, reference)
     if args.throughput or args.e2cnn:
         print_throughput(args.steps, 100, args.e2cnn, reference, args.precisions.split(","))
+    if args.twins:
+        print_twins(args.twins.split(","), args.steps, args.precisions.split(","))
+        if args.latency:
+            print_latency(args.twins.split(","), args.repeats)
 
 
 if __name__ == "__main__":
