@@ -598,3 +598,48 @@ def test_benchmark_script_precisions_per_device(capsys):
         bench.parse_args(["--throughput", "--precisions", "fp32,fp16"])
     assert error.value.code == 2
     assert "unknown precision 'fp16' on cpu; accepted: fp32, bf16" in capsys.readouterr().err
+
+
+def test_benchmark_script_twins(capsys):
+    """`bench_sortconv.py --twins`: each model of the training-speed goal is timed against a plain twin, so the SC
+    side must hold SortConv2d layers and the twin none, both with the same classifier; unknown names are refused
+    with the list."""
+    from timm_sortconv import SortConv2d
+
+    bench = load_script(Path(__file__).resolve().parent.parent / "scripts" / "bench_sortconv.py", "bench_sortconv")
+    assert bench.parse_args(["--twins", "all"]).twins.split(",") == list(bench.CPU_TWINS)
+    for name, (build_sc, build_twin, size, batch) in bench.CPU_TWINS.items():
+        sc, twin = build_sc(), build_twin()
+        assert any(isinstance(m, SortConv2d) for m in sc.modules()), name
+        assert not any(isinstance(m, SortConv2d) for m in twin.modules()), name
+        assert sc.get_classifier().out_features == twin.get_classifier().out_features, name
+        assert batch >= 1 and len(size) == 3, name
+    with pytest.raises(SystemExit) as error:
+        bench.parse_args(["--twins", "resnet50"])
+    assert error.value.code == 2
+    assert "unknown --twins model 'resnet50'; accepted: scnn_p_rs_7," in capsys.readouterr().err
+
+
+def test_kernel_takes_the_weight_in_grid_order_with_its_slot_order(extension):
+    """The extension permutes a grid-order weight into slot order itself (``slot_to_grid``) while repacking it, and
+    answers the weight gradient in grid order; the same call with the weight reordered by the caller (no
+    ``slot_to_grid``, the older interface that ``bench_kernel_ab.py`` still drives) gives the same output; a
+    ``slot_to_grid`` that is not a permutation of the k*k positions is refused."""
+    geometry = get_geometry(5, "polar", "ring")
+    tables = cpu_backend._tables_for(geometry)
+    x, weight = randn(2, 3, 9, 9), randn(4, 3, 5, 5, seed=1)
+    args = (tables.tap_offsets, tables.tap_weights, tables.segments, tables.comparators, 5, 1, 1, 1, 1, 1)
+    flat = weight.reshape(4, -1)
+    slots = weight.reshape(4, 3, 25).index_select(2, tables.slot_to_grid).reshape(4, -1)
+    assert not torch.equal(flat, slots)
+    grid_out = extension.forward(x, flat, None, *args, slot_to_grid=tables.slot_to_grid)
+    torch.testing.assert_close(grid_out, extension.forward(x, slots, None, *args), rtol=0, atol=0)
+    grad_out = randn(*grid_out.shape, seed=3)
+    _, grid_grad = extension.backward(grad_out, x, flat, *args, False, True, slot_to_grid=tables.slot_to_grid)
+    _, slot_grad = extension.backward(grad_out, x, slots, *args, False, True)
+    torch.testing.assert_close(grid_grad.view(4, 3, 25),
+                               slot_grad.view(4, 3, 25).index_select(2, tables.grid_to_slot), rtol=0, atol=0)
+    bad = tables.slot_to_grid.clone()
+    bad[1] = bad[0]
+    with pytest.raises(RuntimeError, match="permutation of 0..24"):
+        extension.forward(x, flat, None, *args, slot_to_grid=bad)

@@ -13,9 +13,9 @@ at::Tensor sort_conv_forward(const at::Tensor& input, const at::Tensor& weight_s
                              const at::Tensor& tap_weights, const at::Tensor& segments, const at::Tensor& comparators,
                              int64_t kernel_size, int64_t stride_h, int64_t stride_w, int64_t dilation_h,
                              int64_t dilation_w, int64_t groups, int64_t pad_left, int64_t pad_right, int64_t pad_top,
-                             int64_t pad_bottom) {
-  const Call call{input,       weight_slots, bias,       tap_offsets, tap_weights, segments,
-                  comparators, kernel_size,  stride_h,   stride_w,    dilation_h,  dilation_w,
+                             int64_t pad_bottom, const c10::optional<at::Tensor>& slot_to_grid) {
+  const Call call{input,       weight_slots, slot_to_grid.value_or(at::Tensor()), bias,       tap_offsets, tap_weights,
+                  segments,    comparators,  kernel_size,  stride_h,   stride_w,    dilation_h,  dilation_w,
                   groups,      {pad_left, pad_right, pad_top, pad_bottom}};
   if (input.scalar_type() == at::kBFloat16) {
     // Sampled and sorted in float32 from the bfloat16 input; products in bfloat16 where the CPU has them.
@@ -38,10 +38,11 @@ std::vector<at::Tensor> sort_conv_backward(const at::Tensor& grad_output, const 
                                            const at::Tensor& comparators, int64_t kernel_size, int64_t stride_h,
                                            int64_t stride_w, int64_t dilation_h, int64_t dilation_w, int64_t groups,
                                            bool need_input_grad, bool need_weight_grad, int64_t pad_left,
-                                           int64_t pad_right, int64_t pad_top, int64_t pad_bottom) {
-  const Call call{input,       weight_slots, c10::nullopt, tap_offsets, tap_weights, segments,
-                  comparators, kernel_size,  stride_h,     stride_w,    dilation_h,  dilation_w,
-                  groups,      {pad_left, pad_right, pad_top, pad_bottom},           grad_output,
+                                           int64_t pad_right, int64_t pad_top, int64_t pad_bottom,
+                                           const c10::optional<at::Tensor>& slot_to_grid) {
+  const Call call{input,       weight_slots, slot_to_grid.value_or(at::Tensor()), c10::nullopt, tap_offsets,
+                  tap_weights, segments,     comparators,  kernel_size,  stride_h,     stride_w,    dilation_h,
+                  dilation_w,  groups,       {pad_left, pad_right, pad_top, pad_bottom},           grad_output,
                   need_input_grad,           need_weight_grad};
   if (input.scalar_type() == at::kBFloat16) {
     Call wide = call;
@@ -66,18 +67,24 @@ std::vector<at::Tensor> sort_conv_backward(const at::Tensor& grad_output, const 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Fused Sorting Convolution on CPU (gather + sorting network + micro-GEMM)";
   namespace py = pybind11;
-  m.def("forward", &sort_conv_forward, "SC forward; the input is padded with pad_* zeros on each side",
+  m.def("forward", &sort_conv_forward,
+        "SC forward; the input is padded with pad_* zeros on each side; the weight is in grid order where "
+        "slot_to_grid (slot s multiplies grid position slot_to_grid[s]) is given, else in slot order",
         py::arg("input"), py::arg("weight_slots"), py::arg("bias"), py::arg("tap_offsets"), py::arg("tap_weights"),
         py::arg("segments"), py::arg("comparators"), py::arg("kernel_size"), py::arg("stride_h"),
         py::arg("stride_w"), py::arg("dilation_h"), py::arg("dilation_w"), py::arg("groups"),
-        py::arg("pad_left") = 0, py::arg("pad_right") = 0, py::arg("pad_top") = 0, py::arg("pad_bottom") = 0);
+        py::arg("pad_left") = 0, py::arg("pad_right") = 0, py::arg("pad_top") = 0, py::arg("pad_bottom") = 0,
+        py::arg("slot_to_grid") = py::none());
+  // The weight may come in grid order with its slot order (slot_to_grid) instead of reordered by the caller.
+  m.attr("takes_slot_to_grid") = true;
   m.def("bf16_products", &timm_sortconv_cpu::bf16_products,
         "whether bfloat16 calls multiply in bfloat16 on this CPU (AVX-512 BF16); float32 products otherwise");
   m.def("backward", &sort_conv_backward,
-        "SC backward; returns (grad_input of the unpadded input, grad_weight in slot order)", py::arg("grad_output"),
+        "SC backward; returns (grad_input of the unpadded input, grad_weight in the weight's order)",
+        py::arg("grad_output"),
         py::arg("input"), py::arg("weight_slots"), py::arg("tap_offsets"), py::arg("tap_weights"),
         py::arg("segments"), py::arg("comparators"), py::arg("kernel_size"), py::arg("stride_h"),
         py::arg("stride_w"), py::arg("dilation_h"), py::arg("dilation_w"), py::arg("groups"),
         py::arg("need_input_grad"), py::arg("need_weight_grad"), py::arg("pad_left") = 0, py::arg("pad_right") = 0,
-        py::arg("pad_top") = 0, py::arg("pad_bottom") = 0);
+        py::arg("pad_top") = 0, py::arg("pad_bottom") = 0, py::arg("slot_to_grid") = py::none());
 }

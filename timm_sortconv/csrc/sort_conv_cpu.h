@@ -13,7 +13,10 @@ namespace timm_sortconv_cpu __attribute__((visibility("hidden"))) {
 
 // The arguments of one forward or backward call, as Python gives them (see the bindings).
 struct Call {
-  at::Tensor input, weight_slots;
+  // weight_slots: (O, C/g * k*k), each channel's k*k weights in grid (row-major) order where slot_to_grid
+  // is given (slot s multiplies grid position slot_to_grid[s]; the kernel permutes while it repacks the
+  // weights, which it does anyway), else already in slot order.
+  at::Tensor input, weight_slots, slot_to_grid;
   c10::optional<at::Tensor> bias;
   at::Tensor tap_offsets, tap_weights, segments, comparators;
   int64_t kernel_size, stride_h, stride_w, dilation_h, dilation_w, groups;
@@ -31,7 +34,8 @@ bool bf16_products();
 template <typename scalar_t>
 at::Tensor forward(const Call& call);
 
-// (grad_input of the unpadded input, grad_weight in slot order); either undefined where not needed.
+// (grad_input of the unpadded input, grad_weight in the weight's order: grid order where slot_to_grid is
+// given, else slot order); either undefined where not needed.
 template <typename scalar_t>
 std::vector<at::Tensor> backward(const Call& call);
 

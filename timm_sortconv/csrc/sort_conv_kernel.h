@@ -1611,12 +1611,57 @@ std::vector<uint32_t> pack_forward_weights(const scalar_t* weight_packed, const 
   return out;
 }
 
+// The weight (O, C/g * k*k), each channel's k*k values in grid order, repacked for the forward's products
+// as (groups, C/g * k*k, O/g) in slot order (slot s of channel c at row c * k*k + s): the output channels of
+// one slot side by side. One pass does the slot permutation and the transposition.
+template <typename scalar_t>
+at::Tensor pack_by_slot(const at::Tensor& weight, const Shape& shape, const std::vector<int64_t>& slot_to_grid) {
+  const int64_t slots = static_cast<int64_t>(slot_to_grid.size()), cg = shape.in_per_group(),
+                og = shape.out_per_group(), row = cg * slots;
+  at::Tensor packed = at::empty({shape.groups, row, og}, weight.options());
+  const scalar_t* src = weight.data_ptr<scalar_t>();
+  scalar_t* dst = packed.data_ptr<scalar_t>();
+  at::parallel_for(0, shape.groups * cg, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t gc = begin; gc < end; ++gc) {
+      // This channel's k*k columns of the group's O/g rows: a few cache lines per row, read once per slot.
+      const scalar_t* channel = src + (gc / cg) * og * row + (gc % cg) * slots;
+      for (int64_t s = 0; s < slots; ++s) {
+        const scalar_t* column = channel + slot_to_grid[s];
+        scalar_t* to = dst + (gc * slots + s) * og;
+        for (int64_t o = 0; o < og; ++o) to[o] = column[o * row];
+      }
+    }
+  });
+  return packed;
+}
+
+// The same weight as the backward's input-gradient products read it: (C, O/g, k*k), per channel the slots
+// of each output of its group.
+template <typename scalar_t>
+at::Tensor pack_by_output(const at::Tensor& weight, const Shape& shape, const std::vector<int64_t>& slot_to_grid) {
+  const int64_t slots = static_cast<int64_t>(slot_to_grid.size()), cg = shape.in_per_group(),
+                og = shape.out_per_group(), row = cg * slots;
+  at::Tensor packed = at::empty({shape.channels, og, slots}, weight.options());
+  const scalar_t* src = weight.data_ptr<scalar_t>();
+  scalar_t* dst = packed.data_ptr<scalar_t>();
+  at::parallel_for(0, shape.channels, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t gc = begin; gc < end; ++gc) {
+      for (int64_t o = 0; o < og; ++o) {
+        const scalar_t* from = src + ((gc / cg) * og + o) * row + (gc % cg) * slots;
+        scalar_t* to = dst + (gc * og + o) * slots;
+        for (int64_t s = 0; s < slots; ++s) to[s] = from[slot_to_grid[s]];
+      }
+    }
+  });
+  return packed;
+}
+
 template <typename scalar_t>
 at::Tensor forward_impl(const at::Tensor& input, const at::Tensor& weight_slots, const c10::optional<at::Tensor>& bias,
-                        const Plan<scalar_t>& plan, const Shape& shape, bool bf16) {
+                        const Plan<scalar_t>& plan, const Shape& shape, const std::vector<int64_t>& slot_to_grid,
+                        bool bf16) {
   at::Tensor output = at::empty({shape.batch, shape.out_channels, plan.out_h, plan.out_w}, input.options());
-  // (O, C/g * k*k) -> (groups, C/g * k*k, O/g): the output channels of one slot side by side.
-  const auto weight_packed = weight_slots.view({shape.groups, shape.out_per_group(), -1}).transpose(1, 2).contiguous();
+  const at::Tensor weight_packed = pack_by_slot<scalar_t>(weight_slots, shape, slot_to_grid);
   const std::vector<uint32_t> weight_pairs =
       bf16 ? pack_forward_weights(weight_packed.data_ptr<scalar_t>(), shape, plan.slots) : std::vector<uint32_t>();
   const uint32_t* wp = weight_pairs.empty() ? nullptr : weight_pairs.data();
@@ -1772,7 +1817,8 @@ void backward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scala
 template <typename scalar_t>
 std::vector<at::Tensor> backward_impl(const at::Tensor& grad_output, const at::Tensor& input,
                                       const at::Tensor& weight_slots, const Plan<scalar_t>& plan, const Shape& shape,
-                                      bool need_input_grad, bool need_weight_grad, bool bf16) {
+                                      const std::vector<int64_t>& slot_to_grid, bool need_input_grad,
+                                      bool need_weight_grad, bool bf16) {
   constexpr int64_t half = kVecLanes<scalar_t>;
   const int64_t slots = plan.slots, og = shape.out_per_group(), cg = shape.in_per_group();
   const int64_t outputs_padded = (og + half - 1) / half * half;
@@ -1791,8 +1837,7 @@ std::vector<at::Tensor> backward_impl(const at::Tensor& grad_output, const at::T
   if (need_weight_grad) {
     grad_weight_parts.assign(threads, std::vector<scalar_t>(shape.channels * slots * outputs_padded, scalar_t(0)));
   }
-  // (O, C/g * k*k) -> (C, O/g, k*k): per channel, the slots of each output of its group.
-  const auto weight_by_output = weight_slots.view({shape.groups, og, cg, slots}).transpose(1, 2).contiguous();
+  const at::Tensor weight_by_output = pack_by_output<scalar_t>(weight_slots, shape, slot_to_grid);
   const scalar_t* in = input.data_ptr<scalar_t>();
   const scalar_t* grad_out = grad_output.data_ptr<scalar_t>();
   const scalar_t* w = weight_by_output.data_ptr<scalar_t>();
@@ -1831,8 +1876,8 @@ std::vector<at::Tensor> backward_impl(const at::Tensor& grad_output, const at::T
     }
   }
   if (need_weight_grad) {
-    // Sum the threads' (C, k*k, O/g padded) parts into the (O, C/g * k*k) layout, channel by channel in
-    // parallel: with 512 channels of 3x3 the parts hold millions of values.
+    // Sum the threads' (C, k*k, O/g padded) parts into the weight's (O, C/g * k*k) layout (slot s back to its
+    // grid position), channel by channel in parallel: with 512 channels of 3x3 the parts hold millions of values.
     grad_weight = at::empty_like(weight_slots);
     scalar_t* dst = grad_weight.data_ptr<scalar_t>();
     const int64_t row = cg * slots;
@@ -1845,7 +1890,7 @@ std::vector<at::Tensor> backward_impl(const at::Tensor& grad_output, const at::T
             for (const auto& part : grad_weight_parts) {
               sum += part[(channel * slots + s) * outputs_padded + o];
             }
-            dst[(g * og + o) * row + ci * slots + s] = sum;
+            dst[(g * og + o) * row + ci * slots + slot_to_grid[s]] = sum;
           }
         }
       }
@@ -1877,6 +1922,29 @@ inline bool bf16_build_and_hardware() {
 #endif
 }
 
+// The grid position that each slot's weight comes from: `slot_to_grid` checked to be a permutation of the
+// k*k positions, or the identity where the weight is already in slot order (undefined tensor).
+inline std::vector<int64_t> slot_order(const at::Tensor& slot_to_grid, int64_t slots) {
+  std::vector<int64_t> order(slots);
+  if (!slot_to_grid.defined()) {
+    for (int64_t s = 0; s < slots; ++s) order[s] = s;
+    return order;
+  }
+  TORCH_CHECK(slot_to_grid.dim() == 1 && slot_to_grid.numel() == slots && slot_to_grid.scalar_type() == at::kLong,
+              "sort_conv_cpu: slot_to_grid must be ", slots, " int64 grid positions, got ", slot_to_grid.sizes(), " ",
+              slot_to_grid.scalar_type());
+  const auto values = slot_to_grid.contiguous();
+  std::vector<bool> seen(slots, false);
+  for (int64_t s = 0; s < slots; ++s) {
+    const int64_t position = values.data_ptr<int64_t>()[s];
+    TORCH_CHECK(position >= 0 && position < slots && !seen[position],
+                "sort_conv_cpu: slot_to_grid must be a permutation of 0..", slots - 1);
+    seen[position] = true;
+    order[s] = position;
+  }
+  return order;
+}
+
 // Whether this call multiplies in bfloat16: asked for (a bfloat16 call), float32 and the CPU has it.
 template <typename scalar_t>
 bool use_bf16_products(const timm_sortconv_cpu::Call& call) {
@@ -1898,7 +1966,7 @@ at::Tensor forward(const Call& call) {
                                         call.kernel_size, call.stride_h, call.stride_w, call.dilation_h,
                                         call.dilation_w, call.pad);
   return forward_impl<scalar_t>(call.input, call.weight_slots, call.bias, plan, shape,
-                                use_bf16_products<scalar_t>(call));
+                                slot_order(call.slot_to_grid, plan.slots), use_bf16_products<scalar_t>(call));
 }
 
 template <typename scalar_t>
@@ -1913,7 +1981,8 @@ std::vector<at::Tensor> backward(const Call& call) {
   TORCH_CHECK(grad_output.dim() == 4 && grad_output.size(0) == shape.batch && grad_output.size(1) == shape.out_channels
                   && grad_output.size(2) == plan.out_h && grad_output.size(3) == plan.out_w,
               "sort_conv_cpu: grad_output has the wrong shape");
-  return backward_impl<scalar_t>(grad_output, call.input, call.weight_slots, plan, shape, call.need_input_grad,
+  return backward_impl<scalar_t>(grad_output, call.input, call.weight_slots, plan, shape,
+                                 slot_order(call.slot_to_grid, plan.slots), call.need_input_grad,
                                  call.need_weight_grad, use_bf16_products<scalar_t>(call));
 }
 

@@ -416,12 +416,15 @@ def _tables_for(geometry: SortGeometry) -> _Tables:
     return _tables[key]
 
 
-def _weight_slots(weight: torch.Tensor, tables: _Tables) -> torch.Tensor:
-    """``(O, C/g, k, k)`` -> ``(O, C/g * k*k)`` in slot order."""
-    flat = weight.reshape(weight.shape[0], weight.shape[1], -1)
-    return flat.index_select(2, tables.slot_to_grid).reshape(weight.shape[0], -1).contiguous()
-
-
+def _weight_args(module: ModuleType, weight: torch.Tensor, tables: _Tables) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """The weight as ``(O, C/g * k*k)`` and the extension's keyword for its order: in grid order with
+    ``slot_to_grid`` (the kernel permutes it while repacking), or, for a kernel from before that argument
+    (``scripts/research/bench_kernel_ab.py`` loads older versions), reordered into slot order here."""
+    flat = weight.reshape(weight.shape[0], -1).contiguous()
+    if getattr(module, "takes_slot_to_grid", False):
+        return flat, {"slot_to_grid": tables.slot_to_grid}
+    slots = flat.view(weight.shape[0], weight.shape[1], -1).index_select(2, tables.slot_to_grid)
+    return slots.reshape(weight.shape[0], -1), {}
 
 
 def _padding_kwargs(pad: Tuple[int, int, int, int]) -> Dict[str, int]:
@@ -440,23 +443,25 @@ class CpuKernel:
 
     def forward(self, x, weight, bias, geometry, stride, dilation, groups, pad=NO_PADDING):
         tables = _tables_for(geometry)
-        return self.module.forward(x, _weight_slots(weight, tables), bias, tables.tap_offsets, tables.tap_weights,
-                                   tables.segments, tables.comparators, geometry.kernel_size, stride[0], stride[1],
-                                   dilation[0], dilation[1], groups, **_padding_kwargs(pad))
+        flat, order = _weight_args(self.module, weight, tables)
+        return self.module.forward(x, flat, bias, tables.tap_offsets, tables.tap_weights, tables.segments,
+                                   tables.comparators, geometry.kernel_size, stride[0], stride[1], dilation[0],
+                                   dilation[1], groups, **_padding_kwargs(pad), **order)
 
     def backward(self, grad_output, x, weight, geometry, stride, dilation, groups, need_input, need_weight,
                  pad=NO_PADDING):
         tables = _tables_for(geometry)
-        grad_input, grad_weight_slots = self.module.backward(
-            grad_output, x, _weight_slots(weight, tables), tables.tap_offsets, tables.tap_weights, tables.segments,
-            tables.comparators, geometry.kernel_size, stride[0], stride[1], dilation[0], dilation[1], groups,
-            need_input, need_weight, **_padding_kwargs(pad))
-        grad_weight = None
-        if need_weight:
+        flat, order = _weight_args(self.module, weight, tables)
+        grad_input, grad_weight = self.module.backward(
+            grad_output, x, flat, tables.tap_offsets, tables.tap_weights, tables.segments, tables.comparators,
+            geometry.kernel_size, stride[0], stride[1], dilation[0], dilation[1], groups, need_input, need_weight,
+            **_padding_kwargs(pad), **order)
+        if not need_weight:
+            return grad_input, None
+        if not order:  # an older kernel answers in slot order
             out_channels, in_per_group = weight.shape[:2]
-            grad_weight = (grad_weight_slots.view(out_channels, in_per_group, -1)
-                           .index_select(2, tables.grid_to_slot).view_as(weight))
-        return grad_input, grad_weight
+            grad_weight = grad_weight.view(out_channels, in_per_group, -1).index_select(2, tables.grid_to_slot)
+        return grad_input, grad_weight.view_as(weight)
 
 
 def _kernel() -> CpuKernel:
