@@ -1904,7 +1904,8 @@ Shape check_tensors(const at::Tensor& input, const at::Tensor& weight_slots, int
   TORCH_CHECK(input.dim() == 4 && input.is_contiguous(),
               "sort_conv_cpu: input must be a contiguous (B, C, H, W) tensor");
   TORCH_CHECK(weight_slots.dim() == 2 && weight_slots.is_contiguous(),
-              "sort_conv_cpu: weight must be a contiguous (O, C/groups * k*k) matrix in slot order");
+              "sort_conv_cpu: weight must be a contiguous (O, C/groups * k*k) matrix (grid order with slot_to_grid, "
+              "else slot order)");
   TORCH_CHECK(input.scalar_type() == weight_slots.scalar_type(), "sort_conv_cpu: input and weight dtypes differ");
   TORCH_CHECK(groups >= 1 && input.size(1) % groups == 0 && weight_slots.size(0) % groups == 0,
               "sort_conv_cpu: groups must divide the channels");
@@ -1930,9 +1931,10 @@ inline std::vector<int64_t> slot_order(const at::Tensor& slot_to_grid, int64_t s
     for (int64_t s = 0; s < slots; ++s) order[s] = s;
     return order;
   }
-  TORCH_CHECK(slot_to_grid.dim() == 1 && slot_to_grid.numel() == slots && slot_to_grid.scalar_type() == at::kLong,
-              "sort_conv_cpu: slot_to_grid must be ", slots, " int64 grid positions, got ", slot_to_grid.sizes(), " ",
-              slot_to_grid.scalar_type());
+  TORCH_CHECK(slot_to_grid.device().is_cpu() && slot_to_grid.dim() == 1 && slot_to_grid.numel() == slots
+                  && slot_to_grid.scalar_type() == at::kLong,
+              "sort_conv_cpu: slot_to_grid must be ", slots, " int64 grid positions on the CPU, got ",
+              slot_to_grid.sizes(), " ", slot_to_grid.scalar_type(), " on ", slot_to_grid.device());
   const auto values = slot_to_grid.contiguous();
   std::vector<bool> seen(slots, false);
   for (int64_t s = 0; s < slots; ++s) {
