@@ -1480,6 +1480,23 @@ class ImageRing {
   int64_t count_ = 0;
 };
 
+// Makes the images of the output positions [start, stop) available in `ring` and cuts the positions into
+// blocks of kLanes (blocks[0, count)), their input offsets counted from the ring's first image; returns count.
+template <typename scalar_t, bool kUnitStride>
+int64_t cover_pass(const Plan<scalar_t>& plan, ImageRing<scalar_t>& ring, int64_t start, int64_t stop,
+                   int64_t channels, std::vector<Block>& blocks) {
+  constexpr int64_t lanes = kLanes<scalar_t>;
+  const int64_t positions = plan.positions(), count = (stop - start + lanes - 1) / lanes;
+  ring.cover(start / positions, (stop - 1) / positions);
+  for (int64_t b = 0; b < count; ++b) {
+    const int64_t first = start + b * lanes;
+    blocks[b] = make_block<scalar_t, kUnitStride>(plan, first, std::min(first + lanes, stop),
+                                                  channels * plan.in_h * plan.in_w, ring.first, ring.readable(),
+                                                  channels);
+  }
+  return count;
+}
+
 // Input channels whose sorted windows form one panel of the forward product.
 inline int64_t panel_channels_of(int64_t channels_per_group, int64_t slots) {
   return std::max<int64_t>(1, std::min(channels_per_group, kPanelSlots / slots));
@@ -1533,14 +1550,10 @@ void forward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scalar
     std::vector<Block> blocks(pass_blocks);
     ImageRing<scalar_t> ring(plan, input, nullptr, shape.batch, shape.channels, begin, end, span);
     for (int64_t start = begin; start < end; start += span) {
-      const int64_t stop = std::min(start + span, end), count = (stop - start + lanes - 1) / lanes;
-      ring.cover(start / positions, (stop - 1) / positions);
+      const int64_t stop = std::min(start + span, end);
+      const int64_t count = cover_pass<scalar_t, kUnitStride>(plan, ring, start, stop, shape.channels, blocks);
       const scalar_t* images = ring.images();
       for (int64_t b = 0; b < count; ++b) {
-        const int64_t first = start + b * lanes;
-        blocks[b] = make_block<scalar_t, kUnitStride>(plan, first, std::min(first + lanes, stop),
-                                                      shape.channels * plane, ring.first, ring.readable(),
-                                                      shape.channels);
         for (int64_t o = 0; o < shape.out_channels; ++o) {
           scalar_t* row = tiles.data() + (b * shape.out_channels + o) * lanes;
           std::fill(row, row + lanes, bias != nullptr ? bias[o] : scalar_t(0));
@@ -1721,16 +1734,12 @@ void backward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scala
     ImageRing<scalar_t> ring(plan, input, need_input ? grad_in : nullptr, shape.batch, shape.channels, begin, end,
                              span);
     for (int64_t start = begin; start < end; start += span) {
-      const int64_t stop = std::min(start + span, end), count = (stop - start + lanes - 1) / lanes;
-      ring.cover(start / positions, (stop - 1) / positions);
+      const int64_t stop = std::min(start + span, end);
+      const int64_t count = cover_pass<scalar_t, kUnitStride>(plan, ring, start, stop, shape.channels, blocks);
       const scalar_t* images = ring.images();
       scalar_t* grad_images = need_input ? ring.grads() : nullptr;
       std::fill(grad_tile.begin(), grad_tile.end(), scalar_t(0));
       for (int64_t b = 0; b < count; ++b) {
-        const int64_t first = start + b * lanes;
-        blocks[b] = make_block<scalar_t, kUnitStride>(plan, first, std::min(first + lanes, stop),
-                                                      shape.channels * plane, ring.first, ring.readable(),
-                                                      shape.channels);
         counts[b] = blocks[b].count;
         for (int64_t o = 0; o < shape.out_channels; ++o) {
           load_lanes(plan, blocks[b], grad_output + o * positions, shape.out_channels * positions,
