@@ -354,6 +354,8 @@ def e2cnn_mnist_model(width: int = 1):
 
 
 CPU_PRECISIONS = ("fp32", "bf16")
+# How the CPU tables name them.
+CPU_PRECISION_LABELS = {"fp32": "float32", "bf16": "bfloat16 autocast"}
 
 
 def print_throughput(steps: int, batch: int, e2cnn: bool, reference: bool, precisions: Sequence[str] = ("fp32",)) -> None:
@@ -386,8 +388,8 @@ def print_throughput(steps: int, batch: int, e2cnn: bool, reference: bool, preci
             steps_by_row[name, precision] = training_step(model, batch, (1, 28, 28), precision)
     seconds = median_times(steps_by_row, steps)
     for (name, precision), step_seconds in seconds.items():
-        label = "float32" if precision == "fp32" else "bfloat16 autocast"
-        print(f"| {name} | {label} | {parameters[name]:,} | {batch / step_seconds:.0f} | {step_seconds * 1e3:.0f} |")
+        print(f"| {name} | {CPU_PRECISION_LABELS[precision]} | {parameters[name]:,} | {batch / step_seconds:.0f} | "
+              f"{step_seconds * 1e3:.0f} |")
 
 def sortified_resnet18() -> nn.Module:
     """timm's ``resnet18`` with every convolution of kernel size >= 2 turned into SortConv2d (``sortify``'s
@@ -422,9 +424,8 @@ def print_twins(names: Sequence[str], steps: int, precisions: Sequence[str]) -> 
                                                 num_classes=model.get_classifier().out_features)
                             for side, model in (("sc", sc), ("twin", twin))}
             seconds = median_times(steps_by_row, steps)
-            label = "float32" if precision == "fp32" else "bfloat16 autocast"
-            twin_name = twin.default_cfg["architecture"]
-            print(f"| {name} | {twin_name} | {size[1]}x{size[2]}, {batch} | {label} | {batch / seconds['sc']:.1f} | "
+            print(f"| {name} | {twin.default_cfg['architecture']} | {size[1]}x{size[2]}, {batch} | "
+                  f"{CPU_PRECISION_LABELS[precision]} | {batch / seconds['sc']:.1f} | "
                   f"{batch / seconds['twin']:.1f} | {seconds['twin'] / seconds['sc']:.2f} |", flush=True)
 
 
