@@ -112,7 +112,7 @@ def create_model(name: str, kwargs: Dict) -> torch.nn.Module:
     the options of ``scnn_options.py``."""
     if name == "scnn":
         model = scnn_options.create_model("scnn", **kwargs)
-        model.pretrained_cfg = MNIST_CFG
+        model.pretrained_cfg = {**MNIST_CFG, **(getattr(model, "pretrained_cfg", None) or {})}  # input_norm's wins
         return model
     if name == "e2cnn":
         return E2CNN(**kwargs)

@@ -11,6 +11,10 @@ downsampling and other padding modes, put into a built ``timm_sortconv.models.SC
 * ``padding_mode``: how the six convolutions pad (``"zeros"``, the paper's, or ``"reflect"``, ``"replicate"``,
   ``"circular"``). With zeros every map has a frame of zeros, which the layers see as content (the background
   of a normalised MNIST image is not 0) and which, unlike the digit, does not turn with the input.
+* ``input_norm``: the input's normalisation, which the paper does not state: ``"model"`` (the model's
+  ``pretrained_cfg`` mean and std, MNIST's 0.1307 and 0.3081: the background is -0.42) or ``"unit"`` (mean 0,
+  std 1: the pixels on [0, 1] as ``ToTensor`` alone gives them, the background 0, the value the first layer pads
+  with). It sets the model's ``pretrained_cfg`` (a copy), which the research tools normalise with.
 
 Why they keep SC's exact invariance to quarter turns: the layers have no parameters (their kernels are buffers,
 not saved, so the ``state_dict`` keys stay those of the model) and their kernels are symmetric under
@@ -36,12 +40,13 @@ from timm_sortconv.antialias import DOWNSAMPLES, BlurPool2d, GaussianBlur2d, cre
 from timm_sortconv.grid import CentredMaxPool2d
 from timm_sortconv.models import SCNN, ConvNormAct
 
-__all__ = ["DOWNSAMPLES", "OPTIONS", "PADDING_MODES", "BlurPool2d", "GaussianBlur2d", "apply_options",
+__all__ = ["DOWNSAMPLES", "INPUT_NORMS", "OPTIONS", "PADDING_MODES", "BlurPool2d", "GaussianBlur2d", "apply_options",
            "create_downsample", "create_model", "gaussian_kernel1d", "split_options"]
 
 PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
 #: The keyword arguments this module takes beside a model's own.
-OPTIONS = ("blur_sigma", "downsample", "padding_mode")
+OPTIONS = ("blur_sigma", "downsample", "padding_mode", "input_norm")
+INPUT_NORMS = ("model", "unit")
 
 
 def _blur_sigmas(blur_sigma: Union[float, Sequence[float]]) -> Tuple[float, ...]:
@@ -52,7 +57,7 @@ def _blur_sigmas(blur_sigma: Union[float, Sequence[float]]) -> Tuple[float, ...]
 
 
 def apply_options(model: nn.Module, blur_sigma: Union[float, Sequence[float]] = 0.0, downsample: str = "max",
-                  padding_mode: str = "zeros") -> SCNN:
+                  padding_mode: str = "zeros", input_norm: str = "model") -> SCNN:
     """``model`` (an ``SCNN``, with its pooling as built) given the options of the module docstring, in place.
 
     Every argument is checked before anything changes. The blur becomes a child ``pre`` of each block, before
@@ -64,6 +69,8 @@ def apply_options(model: nn.Module, blur_sigma: Union[float, Sequence[float]] = 
     sigmas = _blur_sigmas(blur_sigma)
     if padding_mode not in PADDING_MODES:
         raise ValueError(f"padding_mode={padding_mode!r} is not accepted; use one of {PADDING_MODES}")
+    if input_norm not in INPUT_NORMS:
+        raise ValueError(f"input_norm={input_norm!r} is not accepted; use one of {INPUT_NORMS}")
     pools = [i for i, m in enumerate(model.features) if isinstance(m, nn.MaxPool2d)]
     stride_align = "centre" if isinstance(model.features[pools[0]], CentredMaxPool2d) else "corner"
     create_downsample(downsample, stride_align)  # checks the name
@@ -77,6 +84,10 @@ def apply_options(model: nn.Module, blur_sigma: Union[float, Sequence[float]] = 
     if downsample != "max":
         for index in pools:
             model.features[index] = create_downsample(downsample, stride_align)
+    if input_norm == "unit":
+        channels = model.features[0].conv.in_channels
+        cfg = getattr(model, "pretrained_cfg", None) or {}  # the bare SCNN class has none
+        model.pretrained_cfg = {**cfg, "mean": (0.0,) * channels, "std": (1.0,) * channels}
     return model
 
 

@@ -1,4 +1,5 @@
-"""The SCNN options of ``scripts/research/scnn_options.py`` (blur, blurred and average downsampling, padding modes)
+"""The SCNN options of ``scripts/research/scnn_options.py`` (blur, blurred and average downsampling, padding modes,
+the input's normalisation)
 and the moment strength of ``ablation.py``.
 
 The properties asserted (the low-pass layers themselves are the package's, tests/test_antialias.py): the options,
@@ -86,6 +87,7 @@ def test_padding_mode_and_blur_compute_what_the_layers_built_in_compute(options)
     (dict(blur_sigma=-1), "blur_sigma"), (dict(blur_sigma=(1, 2)), "six"),
     (dict(downsample="median"), r"downsample='median' is not accepted; use one of 'max', 'avg', 'blur-max', 'blur-avg'"),
     (dict(padding_mode="edge"), "padding_mode='edge' is not accepted"),
+    (dict(input_norm="imagenet"), r"input_norm='imagenet' is not accepted; use one of \('model', 'unit'\)"),
 ])
 def test_bad_options_are_refused_before_anything_changes(options, kwargs, match):
     model = timm.create_model("scnn_p_rs_3", channels=(2,) * 6)
@@ -97,6 +99,31 @@ def test_bad_options_are_refused_before_anything_changes(options, kwargs, match)
         options.BlurPool2d("min")
     with pytest.raises(ValueError, match="are for SCNN models, got SortResNet"):
         options.create_model("ri_resnet18", blur_sigma=0.5)
+
+
+def test_unit_input_norm_puts_the_background_at_the_padding_value(options):
+    """With the pixels on [0, 1] a blank image is 0 everywhere, what the first layer pads with: its response is 0
+    (no frame); with MNIST's normalisation the border rows answer the padding and differ from the middle."""
+    import ablation
+    torch.manual_seed(0)
+    unit = options.create_model("scnn_p_rs_3", channels=(2,) * 6, input_norm="unit").double().eval()
+    torch.manual_seed(0)
+    paper = timm.create_model("scnn_p_rs_3", channels=(2,) * 6).double().eval()
+    assert list(unit.state_dict()) == list(paper.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(unit.parameters(), paper.parameters()))
+    assert (unit.pretrained_cfg["mean"], unit.pretrained_cfg["std"]) == ((0.0,), (1.0,))
+    assert paper.pretrained_cfg["mean"] == (0.1307,)  # the cfg is a copy: other models keep theirs
+    assert timm.create_model("scnn_p_rs_3").pretrained_cfg["std"] == (0.3081,)
+    blank = torch.zeros(1, 28, 28, dtype=torch.uint8)
+    with torch.no_grad():
+        framed = paper.features[0].conv(ablation.normalise(blank, paper.pretrained_cfg).double())
+        assert torch.equal(unit.features[0].conv(ablation.normalise(blank, unit.pretrained_cfg).double()),
+                           torch.zeros_like(framed))
+    assert not torch.allclose(framed[..., 0, :], framed[..., 14, :])
+    # the bare class (ablation.py's "scnn") takes it too, MNIST's normalisation otherwise
+    bare = dict(kernel_size=3, channels=(2,) * 6)
+    assert ablation.create_model("scnn", dict(bare, input_norm="unit")).pretrained_cfg["mean"] == (0.0,)
+    assert ablation.create_model("scnn", bare).pretrained_cfg["mean"] == (0.1307,)
 
 
 def test_options_and_model_arguments_are_told_apart(options):
