@@ -186,6 +186,28 @@ def test_equivariant_to_quarter_turns(sampling, sorting, k):
             - torch.rot90(conv, 1, dims=(2, 3))).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("backend", ("reference", "auto"))
+@pytest.mark.parametrize("sampling,sorting", VARIANTS, ids=VARIANT_IDS)
+def test_equivariant_to_whole_pixel_moves(sampling, sorting, backend):
+    """At stride 1 a moved input moves the output: everywhere with circular padding (the move is then a roll),
+    and away from the border with zeros."""
+    k, moves = 7, ((1, 1), (-1, -1), (2, -3))
+    x, weight, bias = randn(2, 3, 16, 17, seed=5), randn(4, 3, k, k, seed=6), randn(4, seed=7)
+    for padding_mode in ("circular", "zeros"):
+        args = dict(padding=k // 2, padding_mode=padding_mode, sampling=sampling, sorting=sorting, backend=backend)
+        out = sort_conv2d(x, weight, bias, **args)
+        for move in moves:
+            moved = sort_conv2d(torch.roll(x, move, dims=(2, 3)), weight, bias, **args)
+            expected = torch.roll(out, move, dims=(2, 3))
+            if padding_mode == "zeros":  # output pixels whose window, before or after the move, reaches the border
+                cut = k // 2 + 3
+                moved, expected = moved[..., cut:-cut, cut:-cut], expected[..., cut:-cut, cut:-cut]
+            torch.testing.assert_close(moved, expected, rtol=0, atol=1e-12)
+        if padding_mode == "zeros":
+            border = sort_conv2d(torch.roll(x, (1, 1), dims=(2, 3)), weight, bias, **args)[..., 0, :]
+            assert not torch.allclose(border, torch.roll(out, (1, 1), dims=(2, 3))[..., 0, :])
+
+
 @pytest.mark.parametrize("padding_mode", PADDING_MODES)
 @pytest.mark.parametrize("stride,dilation", [(1, 2), (2, 1)])
 @pytest.mark.parametrize("sampling,sorting", VARIANTS, ids=VARIANT_IDS)

@@ -23,6 +23,11 @@ the relative change of the window's sorted ring values is reported, median over 
 Rendering is exact, so what changes is the operator's own response: where the ring's points fall
 between the pixels.
 
+``--shifts R`` asks how much the network cares where the digit sits on its grid: the upright test digits moved
+by every whole-pixel shift up to ``R`` each way (zero fill, so nothing but the position changes), each shift's
+accuracy and its paired change from the unmoved digits. A convolution moves its output with its input; 2x2 max
+pooling does not for an odd shift, and a network may learn to depend on that.
+
 ``--moments`` measures how well :func:`timm_sortconv.canonical.moment_angle` reads a digit's turn, the
 quantity ``canonicalize=`` relies on: for each order and angle, the test digits of the ablation's sweep
 (turned as MNIST-rot turns them, 8-bit) give angles that should exceed the upright digit's by the turn,
@@ -33,6 +38,7 @@ Examples::
     python scripts/research/dip_probe.py --data-dir DATA --model scnn_p_rs_7 --pretrained --samples 500 \\
         --angles 10,20,30,45 --out scripts/research/results/ablation/probe_scnn_p_rs_7.json
     python scripts/research/dip_probe.py --operator --angles 10,22.5,30,45 --sampling polar square --blur 0 0.7
+    python scripts/research/dip_probe.py --shifts 1 --data-dir DATA --model scnn_p_rs_7 --pretrained --samples 2000
     python scripts/research/dip_probe.py --moments --data-dir DATA --samples 2000 --angles 0:90:10 \\
         --out scripts/research/results/ablation/moment_probe.json
 """
@@ -46,7 +52,7 @@ from typing import Callable, List, Tuple
 import torch
 import torch.nn as nn
 
-from ablation import load_split, rotated_sweep
+from ablation import load_split, normalise, rotated_sweep
 from scnn_options import create_model
 from timm_sortconv.canonical import moment_angle
 from timm_sortconv.cli import key_value, parse_key_values, run
@@ -113,6 +119,35 @@ def probe(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, angles: 
         rows[-1]["repaired_accuracy"] = result["upright_accuracy"]
         result["angles"][f"{angle:g}"] = rows
     return result
+
+
+def shift(images: torch.Tensor, dy: int, dx: int) -> torch.Tensor:
+    """``images`` ``(..., H, W)`` moved ``dy`` pixels down and ``dx`` right, the uncovered pixels 0."""
+    h, w = images.shape[-2:]
+    out = torch.zeros_like(images)
+    if abs(dy) < h and abs(dx) < w:
+        out[..., max(dy, 0):h + min(dy, 0), max(dx, 0):w + min(dx, 0)] = \
+            images[..., max(-dy, 0):h - max(dy, 0), max(-dx, 0):w - max(dx, 0)]
+    return out
+
+
+@torch.no_grad()
+def shift_probe(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, shifts: List[Tuple[int, int]],
+                batch: int = 500) -> List[dict]:
+    """Per shift ``(dy, dx)`` of the 8-bit digits ``images`` ``(N, H, W)``: the accuracy, and its paired change
+    from the unmoved digits with the standard error over images (in points)."""
+    def correct(dy, dx):
+        moved = shift(images, dy, dx)
+        return torch.cat([model(normalise(moved[s:s + batch], model.pretrained_cfg)).argmax(1) == labels[s:s + batch]
+                          for s in range(0, len(images), batch)]).double()
+    unmoved = correct(0, 0)
+    rows = []
+    for dy, dx in shifts:
+        c = unmoved if (dy, dx) == (0, 0) else correct(dy, dx)
+        change = c - unmoved
+        rows.append({"shift": [dy, dx], "accuracy": c.mean().item() * 100, "change": change.mean().item() * 100,
+                     "change_se": change.std(unbiased=True).item() / math.sqrt(len(c)) * 100})
+    return rows
 
 
 def format_result(result) -> str:
@@ -204,6 +239,9 @@ def main(argv=None):
     parser.add_argument("--blur", type=float, nargs="+", default=[0.0], help="extra blurs (--operator)")
     parser.add_argument("--fields", type=int, default=2000, help="random images (--operator)")
     parser.add_argument("--moments", action="store_true", help="how well the moment angle reads a digit's turn")
+    parser.add_argument("--shifts", type=int, default=None, metavar="R",
+                        help="accuracy on the upright digits moved by up to R whole pixels down/up and right/left "
+                             "(every shift of -R..R by -R..R)")
     parser.add_argument("--model", default="scnn_p_rs_7")
     parser.add_argument("--pretrained", action="store_true", help="the bundled weights")
     parser.add_argument("--checkpoint", default="", help="weights to load instead")
@@ -238,6 +276,22 @@ def main(argv=None):
     kwargs = parse_key_values(args.model_kwargs)
     model = create_model(args.model, args.pretrained, checkpoint_path=args.checkpoint, **kwargs)
     model.eval()
+    if args.shifts is not None:
+        if args.shifts < 0:
+            parser.error(f"--shifts {args.shifts}: a number of pixels, 0 or more")
+        steps = range(-args.shifts, args.shifts + 1)
+        shifts = [(dy, dx) for dy in steps for dx in steps]
+        images, labels, _ = load_split(args.data_dir, "test", 2000, seed=42)
+        rows = shift_probe(model, images[:args.samples], labels[:args.samples], shifts)
+        print("shift (down, right) | accuracy | paired change from unmoved")
+        for r in rows:
+            print(f"{r['shift'][0]:+d}, {r['shift'][1]:+d} | {r['accuracy']:6.2f}% | "
+                  f"{r['change']:+6.2f} ± {r['change_se']:.2f}")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(dict(model=args.model, checkpoint=args.checkpoint or ("bundled" if args.pretrained else ""),
+                               samples=len(labels[:args.samples]), rows=rows), f, indent=1)
+        return
     images, labels, _ = load_split(args.data_dir, "test", 2000, seed=42)  # the ablation's sweep slice
     images, labels = images[:args.samples].unsqueeze(1).float() / 255, labels[:args.samples]
     cfg = model.pretrained_cfg

@@ -148,6 +148,68 @@ def test_dip_probe_on_a_small_test_split_with_typed_model_kwargs(tmp_path):
     assert 0 <= result["upright_accuracy"] <= 100
 
 
+def test_shift_moves_digits_by_whole_pixels_and_fills_with_background():
+    import dip_probe
+    x = torch.arange(1, 26, dtype=torch.uint8).view(1, 5, 5)
+    moved = dip_probe.shift(x, 1, -2)
+    assert torch.equal(moved[0, 1:, :3], x[0, :4, 2:])
+    assert moved[0, 0].eq(0).all() and moved[0, :, 3:].eq(0).all()
+    assert torch.equal(dip_probe.shift(dip_probe.shift(x, -1, 1), 1, -1)[0, 1:, :4], x[0, 1:, :4])
+    assert torch.equal(dip_probe.shift(x, 0, 0), x) and dip_probe.shift(x, 5, 0).eq(0).all()
+
+
+def test_shift_probe_pairs_each_shift_with_the_unmoved_digits():
+    """A network that sees only the sum of the pixels ignores where the digit is (change 0 at every shift); one
+    that sees only the top-left quarter does not."""
+    import dip_probe
+    from peers import MNIST_CFG
+
+    class Probe(torch.nn.Module):
+        def __init__(self, region):
+            super().__init__()
+            self.region, self.pretrained_cfg = region, MNIST_CFG
+
+        def forward(self, x):
+            total = x[..., self.region, self.region].sum((1, 2, 3))
+            return torch.stack([torch.cos(total / 40 + k) for k in range(10)], dim=1)
+
+    images = torch.zeros(30, 28, 28, dtype=torch.uint8)
+    for i in range(30):
+        images[i, 8 + i % 5:16 + i % 7, 9:12 + i % 9] = 40 + 7 * i
+    labels = Probe(slice(None))(ablation_normalise(images)).argmax(1)
+    shifts = [(0, 0), (1, 1), (-1, 0), (2, -3)]
+    rows = dip_probe.shift_probe(Probe(slice(None)), images, labels, shifts, batch=7)
+    assert [r["shift"] for r in rows] == [list(s) for s in shifts]
+    assert all(r["accuracy"] == 100.0 and r["change"] == 0.0 and r["change_se"] == 0.0 for r in rows)
+    rows = dip_probe.shift_probe(Probe(slice(0, 12)), images, labels, shifts, batch=7)
+    assert rows[0]["change"] == 0.0 and any(r["change"] != 0.0 for r in rows[1:])
+    for r in rows[1:]:
+        assert r["change"] == pytest.approx(r["accuracy"] - rows[0]["accuracy"])
+
+
+def ablation_normalise(images):
+    import ablation
+    from peers import MNIST_CFG
+    return ablation.normalise(images, MNIST_CFG)
+
+
+def test_shift_probe_command_writes_each_shift(tmp_path, capsys):
+    import dip_probe
+    data = tmp_path / "mnist"
+    make_mnist(data, num_train=20, num_test=16)
+    out = tmp_path / "shifts.json"
+    dip_probe.main(["--data-dir", str(data), "--model", "scnn_p_rs_3", "--model-kwargs", "channels=(4,4,4,4,4,4)",
+                    "--samples", "8", "--shifts", "1", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["samples"] == 8 and [r["shift"] for r in result["rows"]] == [
+        [dy, dx] for dy in (-1, 0, 1) for dx in (-1, 0, 1)]
+    assert result["rows"][4]["change"] == 0.0  # the unmoved digits
+    assert "-1, -1 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        dip_probe.main(["--data-dir", str(data), "--shifts", "-1"])
+    assert "--shifts -1: a number of pixels, 0 or more" in capsys.readouterr().err
+
+
 def test_paired_table_columns_are_the_mean_difference_over_common_seeds(ablation, tmp_path, capsys):
     """``--table --paired ROW``: per row, mean over the seeds both ran of (row - ROW) and its standard error;
     "-" where the network differs (other parameter count) or fewer than two seeds are shared."""
