@@ -26,7 +26,8 @@ between the pixels.
 ``--shifts R`` asks how much the network cares where the digit sits on its grid: the upright test digits moved
 by every whole-pixel shift up to ``R`` each way (zero fill, so nothing but the position changes), each shift's
 accuracy and its paired change from the unmoved digits. A convolution moves its output with its input; 2x2 max
-pooling does not for an odd shift, and a network may learn to depend on that.
+pooling does not for an odd shift, and a network may learn to depend on that. ``--canvas N`` first puts the
+digits in the middle of an N x N background, further from the border the layers pad.
 
 ``--moments`` measures how well :func:`timm_sortconv.canonical.moment_angle` reads a digit's turn, the
 quantity ``canonicalize=`` relies on: for each order and angle, the test digits of the ablation's sweep
@@ -52,7 +53,7 @@ from typing import Callable, List, Tuple
 import torch
 import torch.nn as nn
 
-from ablation import load_split, normalise, rotated_sweep
+from ablation import load_split, rotated_sweep
 from scnn_options import create_model
 from timm_sortconv.canonical import moment_angle
 from timm_sortconv.cli import key_value, parse_key_values, run
@@ -136,9 +137,11 @@ def shift_probe(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, sh
                 batch: int = 500) -> List[dict]:
     """Per shift ``(dy, dx)`` of the 8-bit digits ``images`` ``(N, H, W)``: the accuracy, and its paired change
     from the unmoved digits with the standard error over images (in points)."""
+    mean, std = model.pretrained_cfg["mean"][0], model.pretrained_cfg["std"][0]
+
     def correct(dy, dx):
-        moved = shift(images, dy, dx)
-        return torch.cat([model(normalise(moved[s:s + batch], model.pretrained_cfg)).argmax(1) == labels[s:s + batch]
+        moved = (shift(images, dy, dx).float().unsqueeze(1) / 255 - mean) / std  # at the images' own size
+        return torch.cat([model(moved[s:s + batch]).argmax(1) == labels[s:s + batch]
                           for s in range(0, len(images), batch)]).double()
     unmoved = correct(0, 0)
     rows = []
@@ -242,6 +245,9 @@ def main(argv=None):
     parser.add_argument("--shifts", type=int, default=None, metavar="R",
                         help="accuracy on the upright digits moved by up to R whole pixels down/up and right/left "
                              "(every shift of -R..R by -R..R)")
+    parser.add_argument("--canvas", type=int, default=28, metavar="N",
+                        help="with --shifts: the digits in the middle of an N x N background first (default 28: as "
+                             "they are)")
     parser.add_argument("--model", default="scnn_p_rs_7")
     parser.add_argument("--pretrained", action="store_true", help="the bundled weights")
     parser.add_argument("--checkpoint", default="", help="weights to load instead")
@@ -281,8 +287,12 @@ def main(argv=None):
             parser.error(f"--shifts {args.shifts}: a number of pixels, 0 or more")
         steps = range(-args.shifts, args.shifts + 1)
         shifts = [(dy, dx) for dy in steps for dx in steps]
+        if args.canvas < 28 or args.canvas % 2:
+            parser.error(f"--canvas {args.canvas}: an even number of pixels, 28 or more")
         images, labels, _ = load_split(args.data_dir, "test", 2000, seed=42)
-        rows = shift_probe(model, images[:args.samples], labels[:args.samples], shifts)
+        pad = (args.canvas - images.shape[-1]) // 2
+        images = torch.nn.functional.pad(images[:args.samples], (pad, pad, pad, pad))  # 0: the background
+        rows = shift_probe(model, images, labels[:args.samples], shifts)
         print("shift (down, right) | accuracy | paired change from unmoved")
         for r in rows:
             print(f"{r['shift'][0]:+d}, {r['shift'][1]:+d} | {r['accuracy']:6.2f}% | "
@@ -290,7 +300,7 @@ def main(argv=None):
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(dict(model=args.model, checkpoint=args.checkpoint or ("bundled" if args.pretrained else ""),
-                               samples=len(labels[:args.samples]), rows=rows), f, indent=1)
+                               samples=len(labels[:args.samples]), canvas=args.canvas, rows=rows), f, indent=1)
         return
     images, labels, _ = load_split(args.data_dir, "test", 2000, seed=42)  # the ablation's sweep slice
     images, labels = images[:args.samples].unsqueeze(1).float() / 255, labels[:args.samples]

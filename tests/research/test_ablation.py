@@ -170,6 +170,7 @@ def test_shift_probe_pairs_each_shift_with_the_unmoved_digits():
             self.region, self.pretrained_cfg = region, MNIST_CFG
 
         def forward(self, x):
+            self.seen = x.shape[-2:]
             total = x[..., self.region, self.region].sum((1, 2, 3))
             return torch.stack([torch.cos(total / 40 + k) for k in range(10)], dim=1)
 
@@ -185,6 +186,9 @@ def test_shift_probe_pairs_each_shift_with_the_unmoved_digits():
     assert rows[0]["change"] == 0.0 and any(r["change"] != 0.0 for r in rows[1:])
     for r in rows[1:]:
         assert r["change"] == pytest.approx(r["accuracy"] - rows[0]["accuracy"])
+    probe = Probe(slice(None))  # the digits are fed at their own size: a larger canvas is not cut back to 28
+    dip_probe.shift_probe(probe, torch.nn.functional.pad(images, (2, 2, 2, 2)), labels, [(0, 0)])
+    assert probe.seen == (32, 32)
 
 
 def ablation_normalise(images):
@@ -208,6 +212,12 @@ def test_shift_probe_command_writes_each_shift(tmp_path, capsys):
     with pytest.raises(SystemExit):
         dip_probe.main(["--data-dir", str(data), "--shifts", "-1"])
     assert "--shifts -1: a number of pixels, 0 or more" in capsys.readouterr().err
+    dip_probe.main(["--data-dir", str(data), "--model", "scnn_p_rs_3", "--model-kwargs", "channels=(4,4,4,4,4,4)",
+                    "--samples", "8", "--shifts", "0", "--canvas", "32", "--out", str(out)])
+    assert json.loads(out.read_text())["canvas"] == 32
+    with pytest.raises(SystemExit):
+        dip_probe.main(["--data-dir", str(data), "--shifts", "1", "--canvas", "31"])
+    assert "--canvas 31: an even number of pixels, 28 or more" in capsys.readouterr().err
 
 
 def test_paired_table_columns_are_the_mean_difference_over_common_seeds(ablation, tmp_path, capsys):
