@@ -279,16 +279,16 @@ def main(argv=None):
             with open(args.out, "w") as f:
                 json.dump(dict(samples=args.samples, rows=rows), f, indent=1)
         return
+    if args.shifts is not None and args.shifts < 0:
+        parser.error(f"--shifts {args.shifts}: a number of pixels, 0 or more")
+    if args.canvas < 28 or args.canvas % 2:
+        parser.error(f"--canvas {args.canvas}: an even number of pixels, 28 or more")
     kwargs = parse_key_values(args.model_kwargs)
     model = create_model(args.model, args.pretrained, checkpoint_path=args.checkpoint, **kwargs)
     model.eval()
     if args.shifts is not None:
-        if args.shifts < 0:
-            parser.error(f"--shifts {args.shifts}: a number of pixels, 0 or more")
         steps = range(-args.shifts, args.shifts + 1)
         shifts = [(dy, dx) for dy in steps for dx in steps]
-        if args.canvas < 28 or args.canvas % 2:
-            parser.error(f"--canvas {args.canvas}: an even number of pixels, 28 or more")
         images, labels, _ = load_split(args.data_dir, "test", 2000, seed=42)
         pad = (args.canvas - images.shape[-1]) // 2
         images = torch.nn.functional.pad(images[:args.samples], (pad, pad, pad, pad))  # 0: the background
