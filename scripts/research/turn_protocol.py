@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from ablation import load_split, normalise, summarise
+from ablation import load_split, summarise, sweep_correct
 from scnn_options import create_model
 from timm_sortconv.cli import CommandError, key_value, parse_key_values, run
 from timm_sortconv.rotation import parse_rotations, rotate
@@ -100,16 +100,10 @@ def turn(images: torch.Tensor, angle: float, variant: str) -> torch.Tensor:
 
 def correct_at(model, images: torch.Tensor, labels: torch.Tensor, angles: List[float], variant: str,
                batch: int) -> torch.Tensor:
-    """``(N, A)`` bool: whether each image, turned by each angle as ``variant`` turns it, is classified right."""
-    cfg = model.pretrained_cfg
-    correct = torch.zeros(len(images), len(angles), dtype=torch.bool)
-    with torch.no_grad():
-        for a, angle in enumerate(angles):
-            turned = turn(images, angle, variant)
-            for s in range(0, len(images), batch):
-                logits = model(normalise(turned[s:s + batch], cfg))
-                correct[s:s + batch, a] = logits.argmax(1) == labels[s:s + batch]
-    return correct
+    """``(N, A)`` bool: whether each image, turned by each angle as ``variant`` turns it, is classified right
+    (one angle's images at a time, to keep a whole test set's 36 copies out of memory)."""
+    return torch.cat([sweep_correct(model, turn(images, angle, variant).unsqueeze(0), labels, batch)
+                      for angle in angles], dim=1)
 
 
 def paired(correct: torch.Tensor, reference: torch.Tensor) -> Dict:
@@ -174,8 +168,8 @@ def main(argv=None) -> None:
     images, labels, _ = load_split(args.data_dir, "test", args.samples, seed=42)
     result = {"model": args.model, "checkpoint": args.checkpoint or "bundled", "images": len(labels), "angles": angles,
               "threads": torch.get_num_threads(), "variants": {},
-              "command": shlex.join(["python", "scripts/research/turn_protocol.py", *sys.argv[1:]]) if argv is None
-              else shlex.join(["python", "scripts/research/turn_protocol.py", *argv])}
+              "command": shlex.join(["python", "scripts/research/turn_protocol.py",
+                                     *(sys.argv[1:] if argv is None else argv)])}
     reference = None
     for variant in variants:
         start = time.time()
