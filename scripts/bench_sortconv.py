@@ -53,6 +53,7 @@ import torch.nn.functional as F
 import timm
 import timm_sortconv
 from timm_sortconv import SortConv2d, sort_conv2d
+from timm_sortconv.check import DECISION_HEADER, decision_rows
 from timm_sortconv.ops import SAMPLINGS, SORTINGS, cpu_backend
 from timm_sortconv.ops.triton_backend import tuning
 
@@ -725,6 +726,12 @@ def main_cuda(args, variants: List[str], variant_given: bool) -> None:
                             print_cuda_profile(shape, variant, precision, path, device)
     if args.throughput:
         print_cuda_throughput(args, precisions, device)
+    decisions = tuning.TUNER.decisions()
+    if decisions:  # what the triton[auto] and tuned columns and the throughput ran
+        print('\n### What backend="auto" decided in this run\n')
+        print("| " + " | ".join(DECISION_HEADER) + " |\n|" + "---|" * len(DECISION_HEADER))
+        for row in decision_rows(decisions):
+            print("| " + " | ".join(row) + " |")
 
 
 def parse_args(argv=None):

@@ -9,9 +9,11 @@
 #     run(command="bash scripts/gpu_check.sh", carry=[".carry"])
 # or name the stages: check tests warmup table profile models throughput mnist (default: all but mnist). Results are
 # written to $OUT (the device returns at most 8 files): <stage>.log (the benchmark stages' logs are their
-# markdown tables), summary.txt with the versions and each stage's status and time, and triton_cache.tgz:
-# the compiled kernels (minutes of compiling for the 7x7 backward kernels). Copy it to .carry/ before the
-# next call, which then starts from it (a machine given back loses its files).
+# markdown tables), summary.txt with the versions and each stage's status and time, and
+# triton_cache.tgz.part-aa, -ab, ...: the compiled kernels, a gzipped tar split into 15 MiB parts (the device
+# returns files up to 16 MiB). Copy the parts to .carry/ before the next call, which then starts from them (a
+# machine given back loses its files): on a fresh H200 the check stage compiles for more than 530 s (its rows
+# are printed as they are checked, so a cut-off log keeps what it reached).
 #
 # Stages:
 #   check       python -m timm_sortconv.check --device cuda: every backend and auto against the reference path
@@ -63,7 +65,9 @@ else
     export PYTHONPATH=$PWD
 fi
 export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=/tmp/torch_extensions TRITON_CACHE_DIR=/tmp/triton_cache
-[ -f .carry/triton_cache.tgz ] && tar xzf .carry/triton_cache.tgz -C /tmp
+if ls .carry/triton_cache.tgz.part-* >/dev/null 2>&1; then
+    cat .carry/triton_cache.tgz.part-* | tar xzf - -C /tmp
+fi
 {
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     $PYTHON -c "import torch, triton, timm; print('torch', torch.__version__, 'triton', triton.__version__, 'timm', timm.__version__, 'cuda', torch.cuda.is_available())"
@@ -127,10 +131,11 @@ for name in $STAGES; do
     esac
 done
 if [ -d /tmp/triton_cache ]; then
-    tar czf "$OUT/triton_cache.tgz" -C /tmp triton_cache
-    if [ "$(stat -c %s "$OUT/triton_cache.tgz")" -gt $((15 << 20)) ]; then  # the device returns files up to 16 MiB
-        rm "$OUT/triton_cache.tgz"
-        echo "triton_cache.tgz left out: over 15 MiB" | tee -a "$OUT/summary.txt"
+    tar czf - -C /tmp triton_cache | split -b 15M - "$OUT/triton_cache.tgz.part-"
+    parts=$(ls "$OUT"/triton_cache.tgz.part-* | wc -l)
+    if [ "$parts" -gt 4 ]; then  # the device returns at most 8 files, and the logs come first
+        rm "$OUT"/triton_cache.tgz.part-*
+        echo "triton_cache.tgz left out: $parts parts of 15 MiB" | tee -a "$OUT/summary.txt"
     fi
 fi
 echo "total $(( $(date +%s) - START )) s" | tee -a "$OUT/summary.txt"

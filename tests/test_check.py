@@ -65,6 +65,38 @@ def test_a_backend_that_disagrees_fails_the_check(broken_backend, monkeypatch, t
     assert "**1 of 2 cases disagree with the reference path.**" in text
 
 
+def test_each_agreement_row_is_printed_before_the_next_case_is_checked(monkeypatch, capsys):
+    # a first run on a GPU compiles kernels for minutes: what it has checked must be on screen (and in a log cut
+    # off at a time limit) as it goes, not only when the whole table is done
+    cases = [check.Case("auto", None, "polar", "ring", k, check.LAYERS[0], "float32") for k in (3, 5, 7)]
+    printed_before = []
+
+    def fake_check(case, device):
+        printed_before.append(sum(line.startswith("| auto | polar-ring |")
+                                  for line in capsys.readouterr().out.splitlines()))
+        return 1e-7, 1e-5, ""
+
+    monkeypatch.setattr(check, "agreement_cases", lambda device: cases)
+    monkeypatch.setattr(check, "check_case", fake_check)
+    monkeypatch.setattr(check, "MODELS", {})
+    assert check.main(["--device", "cpu"]) == 0
+    # capsys.readouterr() drains what was printed, so each count is the rows printed since the previous check
+    assert printed_before == [0, 1, 1]
+    assert "3 of 3 cases agree." in capsys.readouterr().out
+
+
+def test_decision_rows_name_the_choice_the_times_and_what_was_left_out():
+    from timm_sortconv.ops.triton_backend.tuning import Candidate, Decision
+
+    timed = Decision("k=3 polar-ring float32", Candidate("fused", print), {"fused": 1e-4, "reference": 2.5e-3},
+                     {"direct": "disagrees (relative error 1e-1)"})
+    untimed = Decision("k=7 square-global bfloat16", Candidate("reference", print))
+    assert check.decision_rows([timed, untimed]) == [
+        ["k=3 polar-ring float32", "fused", "fused 0.100 ms; reference 2.500 ms", "direct: disagrees (relative error 1e-1)"],
+        ["k=7 square-global bfloat16", "reference", "-", "-"]]
+    assert len(check.DECISION_HEADER) == 4
+
+
 def test_a_call_the_backend_does_not_support_is_noted_not_failed():
     reference = backends._BACKENDS["reference"]
     register_backend(Backend("never", reference.forward, reference.backward, lambda *args: False, lambda: True,

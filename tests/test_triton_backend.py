@@ -535,9 +535,14 @@ def test_benchmark_cuda_options():
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="the dry run's Triton kernels run in the interpreter's subprocess")
-def test_benchmark_dry_run(capsys):
-    # The --device cuda code on tiny CPU tensors: every column of the layer table and the throughput table.
+def test_benchmark_dry_run(capsys, monkeypatch):
+    # The --device cuda code on tiny CPU tensors: every column of the layer table and the throughput table, and
+    # (CPU tensors make no decisions, so one is injected) what backend="auto" decided.
     bench = load_script(SCRIPTS / "bench_sortconv.py", "bench_sortconv")
+    decision = bench.tuning.Decision("k=7 polar-ring float32", bench.tuning.Candidate("reference", print),
+                                     {"reference": 0.02, "columns": 0.03})
+    decisions = [[], [decision]]  # the first main() run decides nothing, the second one decision
+    monkeypatch.setattr(bench.tuning.TUNER, "decisions", lambda: decisions.pop(0))
     bench.main(["--device", "cuda", "--dry-run", "--shapes", "gpu", "--variants", "polar-ring,square-global",
                 "--precisions", "fp32,bf16", "--triton-paths", "auto,columns"])
     bench.main(["--device", "cuda", "--dry-run", "--shapes", "none", "--throughput"])
@@ -550,6 +555,8 @@ def test_benchmark_dry_run(capsys):
     assert all(float(cell) > 0 for row in rows for cell in row[3:5])
     throughput = [line for line in lines if line.startswith("| scnn_p_rs_7 |") or line.startswith("| ri_")]
     assert len(throughput) == 3  # three models, one precision
+    assert sum(line.startswith('### What backend="auto" decided') for line in lines) == 1
+    assert "| k=7 polar-ring float32 | reference | reference 20.000 ms; columns 30.000 ms | - |" in lines
 
 
 def ptxas_available() -> bool:

@@ -34,7 +34,7 @@ import platform
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -289,6 +289,34 @@ def _training_seconds(name: str, batch: int, steps: int, device: torch.device) -
     return _seconds(step, steps, device)
 
 
+DECISION_HEADER = ["configuration", "chosen", "timed", "left out"]
+
+
+def decision_rows(decisions) -> List[List[str]]:
+    """Rows of ``DECISION_HEADER`` for backend="auto"'s decisions (``TUNER.decisions()``): per configuration the
+    kernel kept, the times of those timed, and those left out with the reason."""
+    return [[d.configuration, d.chosen.name,
+             "; ".join(f"{name} {seconds * 1e3:.3f} ms" for name, seconds in d.seconds.items()) or "-",
+             "; ".join(f"{name}: {why}" for name, why in d.rejected.items()) or "-"] for d in decisions]
+
+
+def _agreement_rows(cases: Sequence[Case], device: torch.device, failures: List[str]) -> Iterator[List[str]]:
+    """The agreement table's rows, each yielded as soon as its case is checked (so that a long first run on a
+    GPU, or one cut off, still shows every case checked so far); a failing case's label goes to ``failures``."""
+    for case in cases:
+        error, accepted, note = check_case(case, device)
+        if note:
+            status = note
+        else:
+            status = "pass" if error <= accepted else "FAIL"
+            if status == "FAIL":
+                failures.append(case.label)
+        batch, channels, outputs, size, groups = case.layer
+        yield [case.label, f"{case.sampling}-{case.sorting}", str(case.k),
+               "depthwise" if groups > 1 else f"{channels} -> {outputs}", case.dtype,
+               f"{error:.2e}" if not note else "-", f"{accepted:.0e}" if not note else "-", status]
+
+
 class _Report:
     """Markdown printed as it is written, and kept for the file."""
 
@@ -300,7 +328,8 @@ class _Report:
             print(line, flush=True)
             self.lines.append(line)
 
-    def table(self, header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    def table(self, header: Sequence[str], rows: Iterable[Sequence[str]]) -> None:
+        """Prints the header at once and each row as ``rows`` gives it."""
         self("| " + " | ".join(header) + " |", "|" + "---|" * len(header))
         for row in rows:
             self("| " + " | ".join(row) + " |")
@@ -336,53 +365,44 @@ def main(argv=None) -> int:
     report("## Agreement with the reference path", "",
            "Largest difference of output and gradients from the float64 reference, relative to its largest value "
            "(under autocast: on the values rounded to the autocast dtype).", "")
-    rows, failed = [], 0
-    for case in agreement_cases(device):
-        error, accepted, note = check_case(case, device)
-        if note:
-            status = note
-        else:
-            status = "pass" if error <= accepted else "FAIL"
-            failed += status == "FAIL"
-        batch, channels, outputs, size, groups = case.layer
-        rows.append([case.label, f"{case.sampling}-{case.sorting}", str(case.k),
-                     "depthwise" if groups > 1 else f"{channels} -> {outputs}", case.dtype,
-                     f"{error:.2e}" if not note else "-", f"{accepted:.0e}" if not note else "-", status])
-    report.table(["backend", "variant", "k", "layer", "dtype", "relative error", "accepted", "result"], rows)
-    report(f"{len(rows) - failed} of {len(rows)} cases agree." if not failed else
-           f"**{failed} of {len(rows)} cases disagree with the reference path.**", "")
+    cases = agreement_cases(device)
+    if device.type == "cuda":
+        report(f"{len(cases)} cases. Each row is printed as it is checked; the first run on a machine compiles each "
+               "Triton kernel it checks (Triton's disk cache keeps them for later runs), which takes minutes.", "")
+    failures: List[str] = []
+    report.table(["backend", "variant", "k", "layer", "dtype", "relative error", "accepted", "result"],
+                 _agreement_rows(cases, device, failures))
+    report(f"{len(cases) - len(failures)} of {len(cases)} cases agree." if not failures else
+           f"**{len(failures)} of {len(cases)} cases disagree with the reference path.**", "")
 
     if device.type == "cuda":
         from .ops.triton_backend.tuning import TUNER
 
         report("## What auto decided", "")
-        decided = [[d.configuration, d.chosen.name,
-                    "; ".join(f"{name} {seconds * 1e3:.3f} ms" for name, seconds in d.seconds.items()) or "-",
-                    "; ".join(f"{name}: {why}" for name, why in d.rejected.items()) or "-"]
-                   for d in TUNER.decisions()]
-        report.table(["configuration", "chosen", "timed", "left out"], decided)
+        report.table(DECISION_HEADER, decision_rows(TUNER.decisions()))
 
     repeats = 2 if args.quick else 20
     models = dict(list(MODELS.items())[:1]) if args.quick else MODELS
     quick_batch = 2
     report("## Speed", "", f"Milliseconds, median of {repeats} after a warm-up call; SC with backend='auto'.", "")
-    layer_rows = []
-    for name, (_, batch) in models.items():
-        layer_rows += _layer_rows(name, quick_batch if args.quick else batch, repeats, device)
+    # generators, so that each model's rows are printed as soon as they are measured
+    layer_rows = (row for name, (_, batch) in models.items()
+                  for row in _layer_rows(name, quick_batch if args.quick else batch, repeats, device))
     report.table(["model", "layer (input -> outputs)", "conv fwd", "conv f+b", "SC fwd", "SC f+b", "SC/conv fwd",
                   "SC/conv f+b"], layer_rows)
-    step_rows = []
-    for name, (twin, batch) in models.items():
-        batch = quick_batch if args.quick else batch
+
+    def step_row(name: str, twin: str, batch: int) -> List[str]:
         sc, plain = (_training_seconds(model, batch, repeats, device) for model in (name, twin))
-        step_rows.append([name, twin, str(batch), f"{sc * 1e3:.1f}", f"{plain * 1e3:.1f}", f"{sc / plain:.2f}x"])
+        return [name, twin, str(batch), f"{sc * 1e3:.1f}", f"{plain * 1e3:.1f}", f"{sc / plain:.2f}x"]
+
+    step_rows = (step_row(name, twin, quick_batch if args.quick else batch) for name, (twin, batch) in models.items())
     report.table(["model", "nn.Conv2d twin", "batch", "SC step ms", "twin step ms", "SC / twin"], step_rows)
     report(f"Done in {time.perf_counter() - start:.0f} s.")
     if args.output:
         with open(args.output, "w") as out:
             out.write("\n".join(report.lines) + "\n")
         print(f"\nReport written to {args.output}")
-    return 1 if failed else 0
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":
