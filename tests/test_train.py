@@ -78,8 +78,17 @@ def load(path):
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
+def summary(run_dir):
+    with open(run_dir / "summary.csv") as f:
+        return list(csv.DictReader(f))
+
+
 def assert_same_training(run_dir, reference_dir):
-    assert (run_dir / "summary.csv").read_text() == (reference_dir / "summary.csv").read_text()
+    # every column but the epochs' running time, which is measured
+    ours, theirs = summary(run_dir), summary(reference_dir)
+    assert all(float(row["train_seconds"]) > 0 for row in ours)
+    assert [{k: v for k, v in row.items() if k != "train_seconds"} for row in ours] == [
+        {k: v for k, v in row.items() if k != "train_seconds"} for row in theirs]
     ours, theirs = load(run_dir / "last.pth.tar"), load(reference_dir / "last.pth.tar")
     assert ours["state_dict"].keys() == theirs["state_dict"].keys()
     for key, value in theirs["state_dict"].items():
@@ -95,14 +104,15 @@ def test_train_writes_summary_args_and_checkpoints(straight_run):
     with open(run_dir / "summary.csv") as f:
         rows = list(csv.DictReader(f))
     assert [row["epoch"] for row in rows] == ["0", "1"]
-    assert set(rows[0]) == {"epoch", "train_loss", "eval_loss", "eval_top1", "eval_top5", "lr"}
+    assert set(rows[0]) == {"epoch", "train_loss", "train_seconds", "eval_loss", "eval_top1", "eval_top5", "lr"}
     assert all(0 <= float(row["eval_top1"]) <= 100 and float(row["train_loss"]) > 0 for row in rows)
     args = yaml.safe_load((run_dir / "args.yaml").read_text())
     assert args["model"] == "scnn_p_rs_3" and args["epochs"] == 2 and args["no_aug"] is True
     assert (run_dir / "model_best.pth.tar").is_file()
     assert not list(run_dir.glob("recovery-*")), "recovery checkpoints outlive their epoch"
     last = load(run_dir / "last.pth.tar")
-    assert last["epoch"] == 1 and last["task_state"]["progress"] == dict(epoch=2, batch=0, loss_sum=0.0, loss_count=0)
+    assert last["epoch"] == 1 and last["task_state"]["progress"] == dict(epoch=2, batch=0, loss_sum=0.0, loss_count=0,
+                                                                           seconds=0.0)
     model = timm.create_model("scnn_p_rs_3", channels=(4, 4, 4, 4, 4, 4))
     model.load_state_dict(last["state_dict"])
 
@@ -136,10 +146,19 @@ def test_killed_mid_epoch_resumes_to_the_same_result(train, straight_run, data_d
         time.sleep(0.01)
     process.send_signal(signal.SIGKILL)
     assert process.wait(timeout=60) == -signal.SIGKILL, "training finished before it could be killed"
+    # The epoch's seconds before the kill travel in the checkpoint and count in its summary row: mark them.
+    resume_from = train.find_resume_checkpoint(str(output / "killed"))
+    checkpoint = load(resume_from)
+    progress = checkpoint["task_state"]["progress"]
+    assert progress["batch"] > 0 and progress["seconds"] > 0
+    progress["seconds"] += 1000.0
+    torch.save(checkpoint, resume_from)
     with caplog.at_level(logging.INFO):
         train.main(train_args(data_dir, output, "killed", 2) + ["--resume", str(output / "killed")])
     assert "resuming at batch" in caplog.text
     assert_same_training(output / "killed", straight_run)
+    seconds = [float(row["train_seconds"]) for row in summary(output / "killed")]
+    assert seconds[progress["epoch"]] > 1000 and min(seconds) < 1000, seconds
 
 
 @pytest.mark.slow
@@ -302,6 +321,8 @@ def test_mnist_results_rows_train_measure_compare_and_tabulate(data_dir, tmp_pat
         (summary,) = list(csv.DictReader(f))
     # The validation split here is the test split, so the MNIST number is the epoch's own evaluation.
     assert row["mnist_test_top1"] == pytest.approx(float(summary["eval_top1"]))
+    # the training time is the time the epochs ran, not the files' ages
+    assert row["train_minutes"] == pytest.approx(float(summary["train_seconds"]) / 60) and row["train_minutes"] > 0
     assert row["epochs"] == 1 and row["mnist_rot_images"] == 8 and row["angles"] == [10.0 * i for i in range(36)]
     with open(tmp_path / "res" / "sc.csv") as f:
         per_angle = {float(r["angle"]): float(r["sc"]) for r in csv.DictReader(f)}

@@ -14,7 +14,9 @@ random N of them instead (the same N images for every model with the same ``--se
 ``--table`` prints the Markdown table of every row in ``<results>``. Options this tool does not know
 go to ``scripts/train.py`` as they are (for instance ``--lr 1e-3``), checked by its parser first, and are
 recorded in the JSON. A finished run is reused only if it was trained with the same settings. The JSON's
-``train_minutes`` is the wall time of the run's last training session (a resumed run counts from the resume).
+``train_minutes`` is the time its epochs ran (``summary.csv``'s ``train_seconds``, training and validation, pauses
+and stops between resumes not counted); for a run whose summary lacks that column, the wall time of its last
+training session (from ``args.yaml``, written at each start, to the summary's last line).
 
 Examples::
 
@@ -97,6 +99,14 @@ def summary_rows(run_dir):
         return []
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
+
+
+def training_seconds(run_dir, summary) -> float:
+    """The seconds the run's epochs ran (the summary's ``train_seconds``), or, where a row lacks them (a run
+    begun by an older train.py), the wall time from its last start (``args.yaml``) to its last summary line."""
+    if summary and all(row.get("train_seconds") for row in summary):
+        return sum(float(row["train_seconds"]) for row in summary)
+    return os.path.getmtime(os.path.join(run_dir, "summary.csv")) - os.path.getmtime(os.path.join(run_dir, "args.yaml"))
 
 
 # train.py options this script sets itself; passing them through would move or redefine the run.
@@ -296,9 +306,7 @@ def main(argv: Optional[Sequence[str]] = None):
     curve = update_curve(args, name, run_dir, epochs)
     summary = summary_rows(run_dir)
     best = max(summary, key=lambda row: float(row["eval_top1"]))
-    # Wall time of the training: from the run's first file to its last summary line.
-    train_seconds = os.path.getmtime(os.path.join(run_dir, "summary.csv")) - os.path.getmtime(
-        os.path.join(run_dir, "args.yaml"))
+    train_seconds = training_seconds(run_dir, summary)
     start = time.time()
     mnist, per_angle, eval_commands = evaluate(args, name, os.path.join(run_dir, "model_best.pth.tar"), args.results,
                                                args.rot_samples, args.compare)

@@ -5,7 +5,9 @@ Built from timm's own parts: ``timm.data`` transforms and prefetcher, ``create_o
 ``update_summary`` and timm's distributed helpers. Flags carry timm's ``train.py`` names, and
 ``-c CONFIG.yaml`` sets defaults from a preset (``scripts/configs/``).
 
-Outputs under ``<output>/<experiment>/``: ``args.yaml``, ``summary.csv`` (one row per epoch),
+Outputs under ``<output>/<experiment>/``: ``args.yaml``, ``summary.csv`` (one row per epoch: its training loss,
+``train_seconds`` (the seconds the epoch's training and validation ran, summed over the stretches of a resumed
+epoch, so pauses and stops do not count), the validation metrics and the learning rate),
 ``last.pth.tar``, ``model_best.pth.tar``, ``checkpoint-<epoch>.pth.tar``, ``epoch-<N>.pth.tar`` after each
 ``--keep-epochs N`` and, during an epoch,
 ``recovery-<epoch>-<batch>.pth.tar`` every ``--recovery-interval`` batches.
@@ -190,13 +192,13 @@ def parse_args(argv=None):
 class ResumableClassificationTask(ClassificationTask):
     """timm's ``ClassificationTask`` that also checkpoints where training stands.
 
-    ``progress`` (the epoch and batch to run next, and the epoch's running loss) travels in the
+    ``progress`` (the epoch and batch to run next, the epoch's running loss and its seconds so far) travels in the
     checkpoint's ``task_state``, so a recovery checkpoint written mid-epoch resumes at the next batch.
     """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.progress = dict(epoch=0, batch=0, loss_sum=0.0, loss_count=0)
+        self.progress = dict(epoch=0, batch=0, loss_sum=0.0, loss_count=0, seconds=0.0)
 
     def get_task_state(self, module=None, ema=False):
         return {} if ema else {"progress": dict(self.progress)}
@@ -266,7 +268,8 @@ def check_channels(dataset, channels: int, name: str) -> None:
 
 def train_one_epoch(epoch, task, loader, optimizer, lr_scheduler, loss_scaler, amp_autocast, saver, args, device,
                     num_epochs):
-    """One epoch (or its remainder after a resume); returns the epoch's mean training loss."""
+    """One epoch (or its remainder after a resume); returns the epoch's mean training loss and the seconds its
+    training has run (with those before a resume)."""
     progress = task.progress
     start_batch = progress["batch"]
     num_batches = start_batch + len(loader)
@@ -274,6 +277,8 @@ def train_one_epoch(epoch, task, loader, optimizer, lr_scheduler, loss_scaler, a
     task.train()
     batch_time_m, data_time_m = utils.AverageMeter(), utils.AverageMeter()
     loss_sum, loss_count = progress["loss_sum"], progress["loss_count"]
+    # checkpoints written before the epoch's seconds were kept have none: that part of the epoch counts 0
+    seconds, start = progress.get("seconds", 0.0), time.time()
     end = time.time()
     for batch_idx, (input, target) in enumerate(loader, start=start_batch):
         lr = optimizer.param_groups[0]["lr"]
@@ -314,12 +319,13 @@ def train_one_epoch(epoch, task, loader, optimizer, lr_scheduler, loss_scaler, a
                 f"LR: {lr:.3e}  Data: {data_time_m.val:.3f} ({data_time_m.avg:.3f})  "
                 f"ETA: epoch {format_eta(left_epoch)}, run {format_eta(left_run)}")
         if saver is not None and args.recovery_interval and done % args.recovery_interval == 0 and done < num_batches:
-            task.progress = dict(epoch=epoch, batch=done, loss_sum=loss_sum, loss_count=loss_count)
+            task.progress = dict(epoch=epoch, batch=done, loss_sum=loss_sum, loss_count=loss_count,
+                                 seconds=seconds + time.time() - start)
             saver.save_recovery(epoch, batch_idx=done)
     totals = torch.tensor([loss_sum, loss_count], dtype=torch.float64, device=device)
     if args.distributed:
         dist.all_reduce(totals)
-    return OrderedDict(loss=(totals[0] / totals[1].clamp(min=1)).item())
+    return OrderedDict(loss=(totals[0] / totals[1].clamp(min=1)).item(), seconds=seconds + time.time() - start)
 
 
 @torch.inference_mode()
@@ -518,10 +524,12 @@ def main(argv=None):
         if loader_eval is not None:
             if args.distributed and args.dist_bn in ("broadcast", "reduce"):
                 utils.distribute_bn(model, args.world_size, args.dist_bn == "reduce")
+            eval_start = time.time()
             eval_metrics = validate(task, loader_eval, args, amp_autocast)
+            train_metrics["seconds"] += time.time() - eval_start
         if lr_scheduler is not None:
             lr_scheduler.step(epoch + 1, eval_metrics[args.eval_metric] if eval_metrics else None)
-        task.progress = dict(epoch=epoch + 1, batch=0, loss_sum=0.0, loss_count=0)
+        task.progress = dict(epoch=epoch + 1, batch=0, loss_sum=0.0, loss_count=0, seconds=0.0)
         if saver is not None:
             # Summary row first, then the checkpoint: a run killed in between redoes the epoch and rewrites the row.
             utils.update_summary(epoch, train_metrics, eval_metrics, filename=summary_path, lr=lr)
