@@ -258,6 +258,23 @@ def test_model_cards_say_what_was_measured(tmp_path):
     assert "| angle | 270 |" in other and "is exactly the one shown" not in other  # made-up numbers: no repeats
 
 
+@pytest.mark.slow
+def test_card_of_the_paper_schedule_says_so(tmp_path):
+    """A row trained on the paper's preset for its 100 epochs is described as the paper's schedule, with the
+    hours its epochs ran, not as the short schedule that fits a CPU."""
+    row = tmp_path / "paper.json"
+    row.write_text(json.dumps(_row("scnn_p_rs_7", epochs=100, config="scripts/configs/mnist_scnn.yaml",
+                                   train_args=["--log-interval", "50"],  # logging only: still the paper's schedule
+                                   train_minutes=510.0, best_epoch=52, best_val_top1=98.53, mnist_rot_images=10000)))
+    out = tmp_path / "cards"
+    subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "model_cards.py"), str(row), "--out", str(out)],
+                   check=True, capture_output=True)
+    card = (out / "scnn_p_rs_7.md").read_text()
+    assert "the paper's schedule: 100 epochs, batch 100, Adam at 1e-4 times 0.8 every 10 epochs" in card
+    assert "`scripts/configs/mnist_scnn.yaml`" in card and "8.5 hours" in card
+    assert "after epoch 53 of 100 kept (validation top-1 98.53%)" in card and "**not** the paper's" not in card
+
+
 @pytest.mark.parametrize("card", sorted((REPO_ROOT / "model_cards").glob("scnn_*.md")), ids=lambda p: p.stem)
 def test_every_card_describes_shipped_weights(card):
     assert card.stem in SHIPPED

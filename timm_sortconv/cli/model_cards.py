@@ -11,7 +11,7 @@ folder the row is kept in now, relative to the current folder.
 Example::
 
     python scripts/model_cards.py model_cards/results/sweep2000/scnn_*.json \
-        --hub-row model_cards/results/full/scnn_p_rs_7-e5.json
+        --hub-row model_cards/results/full/scnn_p_rs_7-paper.json
 """
 import argparse
 import json
@@ -130,11 +130,36 @@ def portable(row, folder: str) -> dict:
 
 
 SHORT_PRESET = "scripts/configs/mnist_scnn_short.yaml"
+PAPER_PRESET = "scripts/configs/mnist_scnn.yaml"
+
+
+# train.py options that change how a run logs or loads data, not what it trains
+LOGGING_OPTIONS = ("--log-interval", "--recovery-interval", "-j", "--workers")
+
+
+def training_options(row) -> list:
+    """The train.py options the row passed that change the training (its logging and loading options left out)."""
+    words, kept = list(row.get("train_args") or []), []
+    while words:
+        word = words.pop(0)
+        if word in LOGGING_OPTIONS:
+            words = words[1:]
+        else:
+            kept.append(word)
+    return kept
+
+
+def paper_schedule(row) -> bool:
+    """Whether the row trained on the paper's own schedule: its preset, all 100 epochs, nothing changed."""
+    return row["config"] == PAPER_PRESET and row["epochs"] == 100 and not training_options(row)
 
 
 def schedule(row) -> str:
     epochs = f"{row['epochs']} epoch{'s' if row['epochs'] != 1 else ''}"
-    extra = row.get("train_args") or []
+    extra = training_options(row)
+    if paper_schedule(row):
+        return (f"the paper's schedule: {epochs}, batch 100, Adam at 1e-4 times 0.8 every 10 epochs "
+                f"(`{row['config']}`)")
     if row["config"] == SHORT_PRESET and not extra:
         return (f"{epochs}, batch 50, Adam at 2e-3 decayed to zero by a cosine over the updates "
                 f"(`{row['config']}`{', --epochs ' + str(row['epochs']) if row['epochs'] != 1 else ''})")
@@ -148,6 +173,10 @@ def training_lines(row) -> str:
     not_paper = ("This is\n  **not** the paper's 100 epochs (Adam 1e-4 x 0.8 every 10 epochs, `scripts/configs/mnist_scnn.yaml`): "
                  "it is\n  what fits a 2-core CPU. Training took")
     start = row.get("start")
+    if start is None and paper_schedule(row):
+        return f"""- Schedule actually run: {schedule(row)}. Its epochs ran for {row['train_minutes'] / 60:.1f} hours on a 2-core
+  CPU; the weights after epoch {row['best_epoch'] + 1} of 100 kept (validation top-1 {row['best_val_top1']:.2f}%).
+- Command: `{row['reproduce']}`"""
     if start is None:
         return f"""- Schedule actually run: {schedule(row)}. {not_paper} {row['train_minutes']:.1f} minutes there; best epoch {row['best_epoch']}
   (validation top-1 {row['best_val_top1']:.2f}%).
