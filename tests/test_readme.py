@@ -201,7 +201,10 @@ def clone(tmp_path):
 def run_as_written(command, folder):
     """Runs ``command`` in ``folder`` (plus its :data:`SHORTER` options) on a CPU-only machine; returns its log."""
     words = shlex.split(command)
-    words += next((extra for key, extra in SHORTER if key in words), [])
+    extra = next((extra for key, extra in SHORTER if key in words), [])
+    if "--curve" in words and "--epochs" in extra:  # a learning curve of the one epoch left (the last --curve wins)
+        extra = extra + ["--curve", "1"]
+    words += extra
     if words[0] == "python":
         words[0] = sys.executable
     words = [match for word in words for match in (sorted(glob.glob(word, root_dir=folder)) or [word])]
