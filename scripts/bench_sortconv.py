@@ -19,8 +19,9 @@ What is measured:
 
 On a CUDA GPU (``--device cuda``) it prints a GPU table instead: per layer, variant, kernel size
 and precision, ``F.conv2d`` in float32 without TF32 and with PyTorch's defaults (or under autocast for
-``bf16``/``fp16``), ``sort_conv2d(backend="triton")`` (one column per ``--triton-paths`` entry: its own
-rule, a forced path, or ``tuned``: ``backend="auto"``, which checks and times its kernels on the warm-up call)
+``bf16``/``fp16``), SC on the GPU (one column per ``--triton-paths`` entry: ``auto``, ``backend="auto"`` as
+users get it, which checks and times its kernels on the warm-up call; ``triton``, the Triton backend's own rule;
+or one path, ``backend="triton-<path>"``)
 and the reference path, forward and forward+backward, timed with CUDA events; and with ``--throughput``, training
 steps of scnn_p_rs_7, ri_resnet18 and ri_densenet40 against their ``*_baseline`` twins. ``--dry-run`` runs
 that code on tiny CPU tensors (the Triton kernels in Triton's interpreter: set ``TRITON_INTERPRET=1``).
@@ -462,9 +463,9 @@ def print_latency(names: Sequence[str], repeats: int) -> None:
 # --device cuda: the GPU table (F.conv2d against the Triton backend) and model throughput.
 
 PRECISIONS = ("fp32", "bf16", "fp16")
-# "auto": backend="triton" on its own rule; "tuned": backend="auto" (its kernel checked and timed on the warm-up
-# call, or the reference path); the others: backend="triton" forced onto that path.
-TRITON_PATHS = ("auto", "tuned", "direct", "fused", "columns")
+# "auto": backend="auto", what users get (its kernel checked and timed on the warm-up call, or the reference
+# path); "triton": backend="triton", the Triton backend's own rule, unchecked; a path: backend="triton-<path>".
+TRITON_PATHS = ("auto", "triton", "direct", "fused", "columns", "gemm")
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # Models and their nn.Conv2d twins, with the paper's batch sizes (inputs at the model's own size: 28x28 for the
 # SCNN, 128x128 for the others).
@@ -504,15 +505,13 @@ def conv_precision(precision: str, device: torch.device):
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
 
 
-def triton_path(path: str):
-    """The Triton backend's path forced (``auto``, ``tuned``: none) while the block runs."""
-    from timm_sortconv.ops.triton_backend import config
-
-    return config.forcing(None if path in ("auto", "tuned") else path)
+def sc_backend(path: str) -> str:
+    """The ``backend=`` argument of a ``--triton-paths`` entry (:data:`TRITON_PATHS`)."""
+    return path if path in ("auto", "triton") else f"triton-{path}"
 
 
 def cuda_layer_calls(shape: LayerShape, variant: Optional[str], backend: str, device: torch.device,
-                     precision: str, path: str = "auto"):
+                     precision: str):
     """(forward, forward+backward, forward-with-grad) closures on ``device`` under ``precision``: F.conv2d
     (variant None) or SC (``--dry-run`` on the CPU runs the Triton backend under Triton's interpreter, where it
     takes CPU tensors)."""
@@ -520,7 +519,7 @@ def cuda_layer_calls(shape: LayerShape, variant: Optional[str], backend: str, de
 
     def moved(fn):
         def run():
-            with conv_precision(precision, device), triton_path(path):
+            with conv_precision(precision, device):
                 return fn()
         return run
 
@@ -573,8 +572,7 @@ def cuda_bench_layer(shape: LayerShape, variants: Sequence[str], precision: str,
         row = dict(variant=variant, k=shape.kernel_size, **conv_times, conv_mb=saved_bytes(conv_saved) / 2**20)
         triton_fns = {}
         for path in paths:
-            backend = "auto" if path == "tuned" else "triton"
-            f, fb, saved = cuda_layer_calls(shape, variant, backend, device, sc_precision, path)
+            f, fb, saved = cuda_layer_calls(shape, variant, sc_backend(path), device, sc_precision)
             triton_fns.update({f"triton[{path}]_f": f, f"triton[{path}]_fb": fb})
             row[f"triton[{path}]_mb"] = saved_bytes(saved) / 2**20
         row.update(cuda_median_times(triton_fns, repeats, device))
@@ -585,13 +583,45 @@ def cuda_bench_layer(shape: LayerShape, variants: Sequence[str], precision: str,
     return rows
 
 
+def compiled_kernel_rows() -> List[List[str]]:
+    """Every Triton kernel of the backend compiled in this process, with its block sizes and what it costs on
+    the device: registers per thread, spilled bytes, shared memory, warps (Triton's own record; the columns
+    are "?" where a Triton version keeps them elsewhere)."""
+    from timm_sortconv.ops.triton_backend import KERNELS
+    from timm_sortconv.ops.triton_backend.source import _modules
+
+    rows = []
+    for (k, sampling, sorting), namespace in _modules.items():
+        for name in KERNELS:
+            for entry in getattr(namespace[name], "device_caches", {}).values():
+                cache = entry[0] if isinstance(entry, tuple) else entry
+                for compiled in list(getattr(cache, "values", lambda: [])()):
+                    constants = getattr(getattr(compiled, "src", None), "constants", None) or {}
+                    blocks = " ".join(f"{key[6:] if isinstance(key, str) else key}={value}"
+                                      for key, value in constants.items() if "BLOCK" in str(key))
+                    metadata = getattr(compiled, "metadata", None)
+                    rows.append([name, f"k={k} {sampling}-{sorting}", blocks or "?",
+                                 str(getattr(compiled, "n_regs", "?")), str(getattr(compiled, "n_spills", "?")),
+                                 str(getattr(metadata, "shared", "?")), str(getattr(metadata, "num_warps", "?"))])
+    return rows
+
+
+def print_compiled_kernels() -> None:
+    rows = compiled_kernel_rows()
+    print(f"\n### The Triton kernels compiled in this run ({len(rows)})\n")
+    header = ["kernel", "geometry", "blocks", "registers", "spilled", "shared B", "warps"]
+    print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+
+
 def print_cuda_profile(shape: LayerShape, variant: str, precision: str, path: str, device: torch.device) -> None:
     """torch.profiler's kernels of three SC forward+backward calls on the Triton backend, by device time:
     which of the sorting kernels, cuBLAS products and F.fold take the time."""
     from torch.profiler import ProfilerActivity, profile
 
-    _, forward_backward, _ = cuda_layer_calls(shape, variant, "triton", device,
-                                              "tf32" if precision == "fp32" else precision, path)
+    _, forward_backward, _ = cuda_layer_calls(shape, variant, sc_backend(path), device,
+                                              "tf32" if precision == "fp32" else precision)
     forward_backward()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
@@ -726,8 +756,10 @@ def main_cuda(args, variants: List[str], variant_given: bool) -> None:
                             print_cuda_profile(shape, variant, precision, path, device)
     if args.throughput:
         print_cuda_throughput(args, precisions, device)
+    if device.type == "cuda":
+        print_compiled_kernels()
     decisions = tuning.TUNER.decisions()
-    if decisions:  # what the triton[auto] and tuned columns and the throughput ran
+    if decisions:  # what the triton[auto] columns and the throughput ran
         print('\n### What backend="auto" decided in this run\n')
         print("| " + " | ".join(DECISION_HEADER) + " |\n|" + "---|" * len(DECISION_HEADER))
         for row in decision_rows(decisions):
@@ -769,9 +801,9 @@ def parse_args(argv=None):
                         help=f"comma-separated, of {', '.join(PRECISIONS)} on cuda and {', '.join(CPU_PRECISIONS)} "
                              "for the CPU's --throughput (bf16/fp16: under torch.autocast)")
     parser.add_argument("--triton-paths", default="auto",
-                        help="cuda: comma-separated Triton backend paths to time: auto (backend='triton', its own "
-                             "rule), tuned (backend='auto': checked and timed on the warm-up call), direct, fused, "
-                             "columns")
+                        help="cuda: comma-separated SC columns to time: auto (backend='auto', as users get it: "
+                             "checked and timed on the warm-up call), triton (backend='triton', its own rule), or "
+                             "a path of the Triton backend (backend='triton-<path>'): direct, fused, columns, gemm")
     parser.add_argument("--profile", action="store_true",
                         help="cuda: after each table, torch.profiler's kernel times of SC forward+backward per row")
     parser.add_argument("--dry-run", action="store_true",

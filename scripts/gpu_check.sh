@@ -26,12 +26,13 @@
 #               test_sort_conv.py (backend="auto" takes the Triton backend)
 #   warmup      compiles every kernel the table needs, in parallel processes (Triton's compile takes tens
 #               of seconds per 7x7 kernel; its cache then serves the timed runs)
-#   table       the table: its five shapes x 4 variants x k 3, 5, 7, float32 and bf16/fp16 autocast,
-#               the Triton backend's rule (auto), backend="auto" (tuned), the fused and columns paths, and
-#               the reference path
-#   profile     torch.profiler's kernel times of forward+backward at the first shape (k = 7) and a
-#               3x3 shape, float32 and bf16: where the time goes (sorting kernels, cuBLAS, F.fold)
-#   models      the SortConv2d layers of scnn_p_rs_7, ri_resnet18 and ri_densenet40
+#   table       five layer shapes x 4 variants x k 3, 5, 7, float32 and bf16/fp16 autocast: backend="auto"
+#               (auto), each path (backend="triton-<path>": fused, columns, gemm), and the reference path
+#   profile     torch.profiler's kernel times of forward+backward at the SCNN's layers, columns and gemm
+#               paths, float32 and bf16: where the time goes (sorting kernels, cuBLAS, F.fold)
+#   models      the SortConv2d layers of scnn_p_rs_7, ri_resnet18 and ri_densenet40: cuDNN, backend="auto",
+#               each path, the reference path; what auto decided (every candidate's time and first call, which
+#               compiles); every compiled kernel's registers and spills on the device
 #   throughput  training steps of the three models (backend="auto") against their *_baseline twins
 #   mnist       the paper's MNIST protocol (scripts/configs/mnist_scnn.yaml, 100 epochs) on the Triton
 #               backend, for $MNIST_MODEL (default scnn_p_rs_7; e.g. scnn_p_rs_7_canon); $OUT/mnist_run gets its last checkpoint, summary.csv and args.yaml. It takes more
@@ -76,6 +77,8 @@ fi
 } 2>&1 | tee "$OUT/summary.txt"
 
 BENCH="$PYTHON scripts/bench_sortconv.py --device cuda"
+# The SC columns of the layer tables: backend="auto" as users get it, then each path of the Triton backend
+PATHS=auto,fused,columns,gemm
 VARIANTS=(polar-ring polar-global square-ring square-global)
 
 left() { echo $(( DEADLINE - ($(date +%s) - START) )); }
@@ -107,18 +110,18 @@ for name in $STAGES; do
         jobs=()
         for variant in "${VARIANTS[@]}"; do
             for k in 3 5 7; do
-                jobs+=("$BENCH --shapes gpu --variants $variant --kernel-sizes $k --precisions fp32,bf16,fp16 --triton-paths auto,tuned,fused,columns --repeats 0 --skip-reference > /dev/null")
+                jobs+=("$BENCH --shapes gpu --variants $variant --kernel-sizes $k --precisions fp32,bf16,fp16 --triton-paths $PATHS --repeats 0 --skip-reference > /dev/null")
             done
-            jobs+=("$BENCH --shapes scnn_p_rs_7,ri_resnet18,ri_densenet40 --variants $variant --precisions fp32,bf16 --repeats 0 --skip-reference > /dev/null")
+            jobs+=("$BENCH --shapes scnn_p_rs_7,ri_resnet18,ri_densenet40 --variants $variant --precisions fp32,bf16 --triton-paths $PATHS --repeats 0 --skip-reference > /dev/null")
         done
         printf '%s\n' "${jobs[@]}" > /tmp/warmup_jobs.txt
         stage warmup "xargs -P 12 -I{} bash -c '{}' < /tmp/warmup_jobs.txt" ;;
     table)
-        stage table "$BENCH --shapes gpu --kernel-sizes 3,5,7 --precisions fp32,bf16,fp16 --triton-paths auto,tuned,fused,columns --repeats 20" ;;
+        stage table "$BENCH --shapes gpu --kernel-sizes 3,5,7 --precisions fp32,bf16,fp16 --triton-paths $PATHS --repeats 20" ;;
     profile)
-        stage profile "$BENCH --shapes gpu --variants polar-ring,square-global --precisions fp32,bf16 --repeats 3 --skip-reference --profile" ;;
+        stage profile "$BENCH --shapes scnn_p_rs_7 --precisions fp32,bf16 --triton-paths columns,gemm --repeats 3 --skip-reference --profile" ;;
     models)
-        stage models "$BENCH --shapes scnn_p_rs_7,ri_resnet18,ri_densenet40 --precisions fp32,bf16 --repeats 20 --skip-reference" ;;
+        stage models "$BENCH --shapes scnn_p_rs_7,ri_resnet18,ri_densenet40 --precisions fp32,bf16 --triton-paths $PATHS --repeats 20 --reference-repeats 1" ;;
     throughput)
         stage throughput "$BENCH --shapes none --throughput --precisions fp32,bf16 --steps 20" ;;
     mnist)

@@ -40,7 +40,7 @@ ACCEPTED_VARIANTS = tuple(f"{sampling}-{sorting}" for sampling in SAMPLINGS for 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float64: "*fp64"}
 # Buffers the backend allocates in the accumulation dtype (float32, float64 for float64) whatever the input's.
-ACCUMULATED = {"windows_ptr", "grad_x_ptr", "grad_w_ptr"}
+ACCUMULATED = {"windows_ptr", "grad_x_ptr", "grad_w_ptr", "partial_ptr"}
 # Buffers of int32 words (the recorded swaps).
 WORDS = {"swaps_ptr"}
 SASS_GROUPS = {"min/max": ("FMNMX", "DMNMX", "HMNMX2"), "mma": ("HGMMA", "HMMA", "DMMA"), "ld.global": ("LDG",),
@@ -131,7 +131,8 @@ def compile_kernel(fn, dtype, meta: dict, arch: int, folder: Path) -> dict:
     counts = sass_counts(subprocess.run([str(tools / "cuobjdump"), "-sass", str(cubin)], capture_output=True,
                                         text=True, check=True).stdout)
     cells = {"regs": resources.get("REG", "?"), "spill B": resources.get("STACK", "?"),
-             "shared B": compiled.metadata.shared, "SASS": sum(counts.values())}
+             "shared B": compiled.metadata.shared, "layout conversions": compiled.asm["ttgir"].count("ttg.convert_layout"),
+             "SASS": sum(counts.values())}
     for group, opcodes in SASS_GROUPS.items():
         cells[group] = sum(counts.get(op, 0) for op in opcodes)
     cells["compile CPU s"] = f"{seconds:.1f}"
@@ -145,28 +146,31 @@ def blocks(meta: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # Compile every kernel afresh (a cached kernel would report no compile time).
+    os.environ["TRITON_ALWAYS_COMPILE"] = "1"
     import triton
 
     from timm_sortconv.ops.geometry import get_geometry
-    from timm_sortconv.ops.triton_backend import KERNEL_PATHS, config, launch_settings
+    from timm_sortconv.ops.triton_backend import BACKWARD_KERNELS, KERNEL_PATHS, config, launch_settings
     from timm_sortconv.ops.triton_backend.source import load_kernels
 
     print(f"Triton {triton.__version__}, torch {torch.__version__}, target sm_{args.arch}\n")
-    columns = ["kernel", "k", "variant", "dtype", "blocks", "auto", "regs", "spill B", "shared B", "SASS",
+    columns = ["kernel", "k", "variant", "dtype", "blocks", "auto", "regs", "spill B", "shared B",
+               "layout conversions", "SASS",
                *SASS_GROUPS, "compile CPU s"]
     print("| " + " | ".join(columns) + " |")
     print("|" + "---|" * len(columns))
     failed = False
     with tempfile.TemporaryDirectory() as folder:
         for kernel in args.kernels:
-            outputs = args.out_per_group if kernel in ("fused_forward_kernel", "direct_forward_kernel",
-                                                       "direct_backward_kernel") else args.out_per_group[:1]
+            outputs = args.out_per_group if KERNEL_PATHS[kernel] in ("fused", "direct", "gemm") \
+                else args.out_per_group[:1]
             for k in args.k:
                 for variant in args.variants:
                     geometry = get_geometry(k, *variant.rsplit("-", 1))
                     fn = load_kernels(geometry)[kernel]
                     path = KERNEL_PATHS[kernel]
-                    backward = kernel == "direct_backward_kernel"
+                    backward = kernel in BACKWARD_KERNELS
                     for dtype_name in args.dtypes:
                         dtype = DTYPES[dtype_name]
                         in_auto = k <= config.AUTO_MAX_KERNEL_SIZE and k * k <= config.window_limit(

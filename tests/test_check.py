@@ -24,7 +24,7 @@ def test_cases_cover_every_variant_size_layer_and_dtype_for_each_backend():
     assert {sorting for _, sorting in variants} >= {"c4", "c2"}
     backends_checked = {c.label for c in cases}
     assert "auto" in backends_checked and backends_checked >= {b for b in backends.available_backends()
-                                                               if b != "reference"}
+                                                               if b != "reference" and not b.startswith("triton-")}
     for label in backends_checked:
         mine = [c for c in cases if c.label == label]
         assert {c.k for c in mine} == {3, 5, 7} and {c.dtype for c in mine} == {"float32", "bfloat16"}
@@ -89,12 +89,13 @@ def test_decision_rows_name_the_choice_the_times_and_what_was_left_out():
     from timm_sortconv.ops.triton_backend.tuning import Candidate, Decision
 
     timed = Decision("k=3 polar-ring float32", Candidate("fused", print), {"fused": 1e-4, "reference": 2.5e-3},
-                     {"direct": "disagrees (relative error 1e-1)"})
+                     {"direct": "disagrees (relative error 1e-1)"}, {"fused": 12.5, "direct": 3.25})
     untimed = Decision("k=7 square-global bfloat16", Candidate("reference", print))
     assert check.decision_rows([timed, untimed]) == [
-        ["k=3 polar-ring float32", "fused", "fused 0.100 ms; reference 2.500 ms", "direct: disagrees (relative error 1e-1)"],
-        ["k=7 square-global bfloat16", "reference", "-", "-"]]
-    assert len(check.DECISION_HEADER) == 4
+        ["k=3 polar-ring float32", "fused", "fused 0.100 ms; reference 2.500 ms", "fused 12.50 s; direct 3.25 s",
+         "direct: disagrees (relative error 1e-1)"],
+        ["k=7 square-global bfloat16", "reference", "-", "-", "-"]]
+    assert len(check.DECISION_HEADER) == 5
 
 
 def test_a_call_the_backend_does_not_support_is_noted_not_failed():
@@ -127,10 +128,11 @@ def test_quick_check_on_the_cpu(tmp_path):
 
 def test_on_cuda_each_triton_path_is_checked_where_auto_may_take_it(monkeypatch):
     # the case list for a GPU, built without one: the Triton backend available, bfloat16 and float16 autocast
-    monkeypatch.setattr(check, "available_backends", lambda: ["reference", "triton"])
+    monkeypatch.setattr(check, "available_backends", lambda: ["reference", "triton"] + [f"triton-{path}" for path in
+                                                                                      ("direct", "fused", "columns", "gemm")])
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
     cases = check.agreement_cases(torch.device("cuda"))
     sizes = {label: {c.k for c in cases if c.label == label} for label in {c.label for c in cases}}
     assert sizes == {"auto": {3, 5, 7}, "triton": {3, 5, 7}, "triton[columns]": {3, 5, 7}, "triton[direct]": {3},
-                     "triton[fused]": {3}}
+                     "triton[fused]": {3}, "triton[gemm]": {3, 5, 7}}
     assert {c.dtype for c in cases} == {"float32", "bfloat16", "float16"}

@@ -66,7 +66,8 @@ def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
 
 @dataclass(frozen=True)
 class Case:
-    """One agreement check: a backend (``path``: the Triton path forced, or None) on one call."""
+    """One agreement check: a backend (``path``: one path of the Triton backend, ``backend="triton-<path>"``,
+    or None: the backend's own rule) on one call."""
 
     backend: str
     path: Optional[str]
@@ -118,15 +119,17 @@ def _autocast_dtypes(device: torch.device) -> List[torch.dtype]:
 
 
 def _backend_cases(device: torch.device) -> List[Tuple[str, Optional[str]]]:
-    """(backend, forced Triton path) pairs to check: auto, each available fast backend by its own rule,
-    and on the Triton backend each path."""
+    """(backend, Triton path) pairs to check: auto, each available fast backend by its own rule, and on the
+    Triton backend each path."""
+    from .ops.triton_backend import config
+
     cases = [("auto", None)]
     for name in available_backends():
-        if name == "reference":
+        if name == "reference" or name.startswith("triton-"):  # the paths: below
             continue
         cases.append((name, None))
         if name == "triton" and device.type == "cuda":
-            cases += [("triton", path) for path in ("direct", "fused", "columns")]
+            cases += [("triton", path) for path in config.PATHS]
     return cases
 
 
@@ -138,7 +141,7 @@ def agreement_cases(device: torch.device) -> List[Case]:
     # a forced Triton path only on windows auto may give its forward and backward (beyond, its kernels spill
     # or compile slowly); the direct forward on larger windows is checked through the backend's own rule
     largest = {None: 10 ** 9, "columns": 10 ** 9, "direct": config.window_limit("direct", backward=True),
-               "fused": config.window_limit("fused")}
+               "fused": config.window_limit("fused"), "gemm": config.window_limit("gemm", backward=True)}
     return [Case(backend, path, sampling, sorting, k, layer, dtype)
             for backend, path in _backend_cases(device) for sampling, sorting in VARIANTS for k in KERNEL_SIZES
             for layer in LAYERS for dtype in dtypes if k * k <= largest[path]]
@@ -191,7 +194,6 @@ def _expected(sampling: str, sorting: str, k: int, layer: Tuple[int, ...], dtype
 
 def check_case(case: Case, device: torch.device) -> Tuple[float, float, str]:
     """(largest relative error over output and gradients, tolerance, note) of one case."""
-    from .ops.triton_backend import config
     from .ops.triton_backend.tuning import tolerance
 
     groups = case.layer[-1]
@@ -200,9 +202,9 @@ def check_case(case: Case, device: torch.device) -> Tuple[float, float, str]:
 
     def under_test(x, weight, bias):
         cast = torch.autocast(device.type, dtype=dtype) if autocast else contextlib.nullcontext()
-        with config.forcing(case.path), cast:
+        with cast:
             return sort_conv2d(x, weight, bias, padding=case.k // 2, groups=groups, sampling=case.sampling,
-                               sorting=case.sorting, backend=case.backend)
+                               sorting=case.sorting, backend=f"triton-{case.path}" if case.path else case.backend)
 
     expected = _expected(case.sampling, case.sorting, case.k, case.layer, case.dtype, device)
     try:
@@ -289,14 +291,16 @@ def _training_seconds(name: str, batch: int, steps: int, device: torch.device) -
     return _seconds(step, steps, device)
 
 
-DECISION_HEADER = ["configuration", "chosen", "timed", "left out"]
+DECISION_HEADER = ["configuration", "chosen", "timed", "first call (compile and check)", "left out"]
 
 
 def decision_rows(decisions) -> List[List[str]]:
     """Rows of ``DECISION_HEADER`` for backend="auto"'s decisions (``TUNER.decisions()``): per configuration the
-    kernel kept, the times of those timed, and those left out with the reason."""
+    kernel kept, the times of those timed, each candidate's first (checked) call, which compiled its kernels
+    where Triton's cache did not hold them, and those left out with the reason."""
     return [[d.configuration, d.chosen.name,
              "; ".join(f"{name} {seconds * 1e3:.3f} ms" for name, seconds in d.seconds.items()) or "-",
+             "; ".join(f"{name} {seconds:.2f} s" for name, seconds in d.checked_seconds.items()) or "-",
              "; ".join(f"{name}: {why}" for name, why in d.rejected.items()) or "-"] for d in decisions]
 
 

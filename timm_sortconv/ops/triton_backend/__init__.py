@@ -3,7 +3,8 @@
 Kernels are generated per geometry (:mod:`.source`): each lane of a program sorts one (output position,
 input channel) window with the geometry's comparator network, in registers, reading the input in place
 (zero padding is a masked read, so autograd keeps only the input and the weight, as for ``nn.Conv2d``).
-Three paths use them (:mod:`.config`: which paths a call may take, and their block sizes):
+Four paths use them (:mod:`.config`: which paths a call may take, and their block sizes; ``backend="triton-<path>"``
+runs one of them for a call):
 
 * ``direct`` (windows of at most 25 samples, k <= 5; its backward 9, k = 3): groups with few input
   channels (depthwise convolutions), one group per program: FMAs of scalar weights into an accumulator per
@@ -11,6 +12,12 @@ Three paths use them (:mod:`.config`: which paths a call may take, and their blo
   atomics.
 * ``fused`` (forward, windows of at most 9 samples: k = 3): an implicit GEMM; each sorted slot tile goes
   straight into ``tl.dot``.
+* ``gemm`` (windows of at most 49 samples, k <= 7): an implicit GEMM with one window per thread: a channel's
+  sorted slots of a block of positions are one ``[positions, K]`` operand of ``tl.dot`` (K: the slots padded
+  to a power of two >= 16). Its backward sorts again: one kernel records the swaps and sends the slots'
+  gradient (a ``tl.dot`` of the output gradient and the weights) back to the window values, which ``F.fold``
+  gathers per input pixel; another sums the weight gradient's ``tl.dot`` products over splits of the
+  positions, added in a fixed order. No columns are written to memory.
 * ``columns``: sorted columns written for a bounded chunk of images and multiplied by cuBLAS. Also the
   backward of every call that is not direct: the weight and column gradients are cuBLAS products, a kernel
   sorts again recording the swaps (and writing the columns), another replays them in reverse to send the
@@ -73,7 +80,7 @@ try:
 except ImportError:  # CPU-only installs
     triton = None
 
-__all__ = ["KERNELS", "KERNEL_PATHS", "MAX_KERNEL_SIZE", "SUPPORTED_DTYPES", "backward", "candidates", "forward",
+__all__ = ["BACKWARD_KERNELS", "KERNELS", "KERNEL_PATHS", "MAX_KERNEL_SIZE", "SUPPORTED_DTYPES", "backward", "candidates", "forward",
            "launch_settings", "supports_triton", "tuned_backward", "tuned_forward"]
 
 # Triton's interpreter runs the kernels with NumPy, on CPU tensors.
@@ -206,8 +213,12 @@ def _from_slot_major(grad: torch.Tensor, call: _Call) -> torch.Tensor:
 # Each kernel and the path whose block sizes it takes.
 KERNEL_PATHS = {"columns_kernel": "columns", "record_kernel": "columns", "replay_kernel": "columns",
                 "fused_forward_kernel": "fused",
-                "direct_forward_kernel": "direct", "direct_backward_kernel": "direct"}
+                "direct_forward_kernel": "direct", "direct_backward_kernel": "direct",
+                "gemm_forward_kernel": "gemm", "gemm_input_backward_kernel": "gemm",
+                "gemm_weight_backward_kernel": "gemm"}
 KERNELS = tuple(KERNEL_PATHS)
+# The kernels that take their path's backward block sizes (config.blocks_of(..., backward=True)).
+BACKWARD_KERNELS = ("direct_backward_kernel", "gemm_input_backward_kernel", "gemm_weight_backward_kernel")
 
 
 def launch_settings(kernel: str, geometry: SortGeometry, dtype: torch.dtype, groups: int, in_per_group: int,
@@ -222,11 +233,16 @@ def launch_settings(kernel: str, geometry: SortGeometry, dtype: torch.dtype, gro
     if path is None:
         raise ValueError(f"unknown kernel {kernel!r}; accepted: {', '.join(KERNELS)}")
     blocks = blocks or config.blocks_of(path, geometry.kernel_size ** 2, groups, out_per_group,
-                                        backward=kernel == "direct_backward_kernel")[0]
+                                        backward=kernel in BACKWARD_KERNELS)[0]
     if path == "columns":
         block_p, block_c, warps = blocks
         meta = dict(COMPUTE=compute, BLOCK_P=block_p, BLOCK_C=block_c, num_warps=warps, num_stages=1)
         return dict(meta, STORE_COLUMNS=bool(need_weight)) if kernel == "record_kernel" else meta
+    if path == "gemm":
+        block_p, block_o, warps = blocks
+        meta = dict(COMPUTE=compute, ACCUMULATE=compute, PRECISION=_dot_precision(dtype), BLOCK_P=block_p,
+                    BLOCK_O=block_o, num_warps=warps, num_stages=1)
+        return dict(meta, HAS_BIAS=has_bias) if kernel == "gemm_forward_kernel" else meta
     if path == "fused":
         block_p, block_c, block_o, warps = blocks
         # One stage: software pipelining would keep a buffer per sorted slot's weight tile and stage (Triton
@@ -415,34 +431,96 @@ def _direct_backward(grad_out, x, weight, call: _Call, need_input: bool, need_we
     return grad_input, grad_weight
 
 
+def _channel_major(weight: torch.Tensor, call: _Call) -> torch.Tensor:
+    """The weight laid out ``[group, in_per_group, slot, out_per_group]`` for the gemm kernels."""
+    return _weight_in_slots(weight, call).permute(0, 2, 3, 1).contiguous()
+
+
+def _gemm_forward(x, weight, bias, call: _Call, blocks: Optional[tuple] = None):
+    out = _empty_output(x, call)
+    meta = _settings("gemm_forward_kernel", call, x.dtype, blocks, has_bias=bias is not None)
+    grid = (triton.cdiv(call.batch * call.out_h * call.out_w, meta["BLOCK_P"]),
+            triton.cdiv(call.out_per_group, meta["BLOCK_O"]), call.groups)
+    load_kernels(call.geometry)["gemm_forward_kernel"][grid](
+        x, _channel_major(weight, call), bias if bias is not None else x, out, call.in_per_group, call.out_per_group,
+        *call.position_args(x, call.batch), *out.stride(), **meta)
+    return out
+
+
+def _gemm_backward(grad_out, x, weight, call: _Call, need_input: bool, need_weight: bool,
+                   blocks: Optional[tuple] = None):
+    """The gemm path's backward: the input gradient per chunk of images (its window values written by the
+    input kernel, ``F.fold`` gathering them per pixel), the weight gradient from partial sums over splits of
+    the positions, added in a fixed order. Both sort the windows again from ``x``."""
+    accumulate = torch.float64 if x.dtype == torch.float64 else torch.float32
+    weights = _channel_major(weight, call)
+    kernels = load_kernels(call.geometry)
+    positions = call.out_h * call.out_w
+    grad_input = grad_weight = None
+    if need_input:
+        meta = _settings("gemm_input_backward_kernel", call, x.dtype, blocks)
+        grad_input = torch.empty_like(x, memory_format=torch.contiguous_format)
+        for first, end in _chunks(call, call.slots * torch.finfo(accumulate).bits // 8):
+            images = end - first
+            part = x[first:end]
+            windows = torch.empty(images, call.channels, call.slots, positions, dtype=accumulate, device=x.device)
+            grid = (triton.cdiv(images * positions, meta["BLOCK_P"]), call.channels)
+            kernels["gemm_input_backward_kernel"][grid](
+                part, weights, grad_out[first:end], windows, call.in_per_group, call.out_per_group,
+                *call.position_args(part, images), *grad_out.stride(), *windows.stride()[:3], **meta)
+            grad_input[first:end] = _fold(windows.view(images, call.channels * call.slots, positions), call).to(x.dtype)
+    if need_weight:
+        meta = _settings("gemm_weight_backward_kernel", call, x.dtype, blocks)
+        blocks_of_positions = triton.cdiv(call.batch * positions, meta["BLOCK_P"])
+        output_blocks = triton.cdiv(call.out_per_group, meta["BLOCK_O"])
+        splits = config.gemm_splits(call.channels * output_blocks, blocks_of_positions,
+                                    _multiprocessors(x.device) if x.is_cuda else 0)
+        partial = torch.empty(splits, call.channels, call.slots, call.out_per_group, dtype=accumulate,
+                              device=x.device)
+        kernels["gemm_weight_backward_kernel"][(splits, call.channels, output_blocks)](
+            x, grad_out, partial, call.in_per_group, call.out_per_group, call.channels, blocks_of_positions, splits,
+            *call.position_args(x, call.batch), *grad_out.stride(), **meta)
+        summed = partial.sum(0).view(call.groups, call.in_per_group, call.slots, call.out_per_group)
+        grad_weight = _weight_from_slots(summed.permute(0, 3, 1, 2), call).to(weight.dtype)
+    return grad_input, grad_weight
+
+
 def forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], geometry: SortGeometry,
             stride: Tuple[int, int], dilation: Tuple[int, int], groups: int,
-            pad: Tuple[int, int, int, int] = NO_PADDING) -> torch.Tensor:
+            pad: Tuple[int, int, int, int] = NO_PADDING, path: Optional[str] = None) -> torch.Tensor:
     """SC of ``x`` (contiguous or channels_last, unpadded: ``pad`` zeros in ``F.pad``'s order are read as
-    zeros) with ``weight`` and ``bias`` of x's dtype, on the path :func:`config.choose_path` picks, with its
-    first block sizes (``backend="triton"``)."""
+    zeros) with ``weight`` and ``bias`` of x's dtype, on ``path`` (one of :data:`config.PATHS`) or else the
+    path :func:`config.choose_path` picks (``backend="triton"``), with its first block sizes."""
     call = _Call.of(x, weight, geometry, stride, dilation, groups, pad)
-    path = config.choose_path(call.in_per_group, call.out_per_group, call.largest_segment,
-                              *_fused_occupancy(x, call), slots=call.slots, double=x.dtype == torch.float64)
+    if path is None:
+        path = config.choose_path(call.in_per_group, call.out_per_group, call.largest_segment,
+                                  *_fused_occupancy(x, call), slots=call.slots, double=x.dtype == torch.float64)
     return _FORWARD_PATHS[path](x, weight, bias, call)
 
 
 def backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, geometry: SortGeometry,
              stride: Tuple[int, int], dilation: Tuple[int, int], groups: int, need_input: bool, need_weight: bool,
-             pad: Tuple[int, int, int, int] = NO_PADDING) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """``(grad_input, grad_weight)`` of :func:`forward` for a contiguous ``grad_out`` (None where not needed):
-    direct for direct calls, except under ``torch.use_deterministic_algorithms(True)`` (its atomic additions
-    make the sums' order vary), else through the columns."""
+             pad: Tuple[int, int, int, int] = NO_PADDING,
+             path: Optional[str] = None) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """``(grad_input, grad_weight)`` of :func:`forward` for a contiguous ``grad_out`` (None where not needed),
+    by the backward of forward path ``path`` (:func:`config.backward_path_of`), or else direct for direct
+    calls and through the columns for the others; under ``torch.use_deterministic_algorithms(True)`` never
+    direct (its atomic additions make the sums' order vary): through the columns."""
     call = _Call.of(x, weight, geometry, stride, dilation, groups, pad)
-    path = config.backward_paths(call.in_per_group, call.out_per_group, call.largest_segment, call.slots)[0]
-    if torch.are_deterministic_algorithms_enabled():
+    if path is None:
+        path = config.backward_paths(call.in_per_group, call.out_per_group, call.largest_segment, call.slots)[0]
+    else:
+        path = config.backward_path_of(path)
+    if path == "direct" and torch.are_deterministic_algorithms_enabled():
         path = "columns"
     return _BACKWARD_PATHS[path](grad_out, x, weight, call, need_input, need_weight)
 
 
-_FORWARD_PATHS = {"direct": _direct_forward, "fused": _fused_forward, "columns": _columns_forward}
-_BACKWARD_PATHS = {"direct": _direct_backward, "columns": _columns_backward}
-_BLOCK_NAMES = {"columns": ("P", "C", "w"), "fused": ("P", "C", "O", "w"), "direct": ("P", "J", "w")}
+_FORWARD_PATHS = {"direct": _direct_forward, "fused": _fused_forward, "gemm": _gemm_forward,
+                  "columns": _columns_forward}
+_BACKWARD_PATHS = {"direct": _direct_backward, "gemm": _gemm_backward, "columns": _columns_backward}
+_BLOCK_NAMES = {"columns": ("P", "C", "w"), "fused": ("P", "C", "O", "w"), "direct": ("P", "J", "w"),
+                "gemm": ("P", "O", "w")}
 
 
 def _reference_forward(x, weight, bias, call: _Call):
@@ -494,7 +572,8 @@ def candidates(kind: str, call: _Call, x: torch.Tensor) -> List[tuning.Candidate
                                      *_fused_occupancy(x, call), slots=call.slots, double=x.dtype == torch.float64)
         table = _FORWARD_PATHS
     else:
-        paths = config.backward_paths(call.in_per_group, call.out_per_group, call.largest_segment, call.slots)
+        paths = config.backward_paths(call.in_per_group, call.out_per_group, call.largest_segment, call.slots,
+                                      double=x.dtype == torch.float64)
         table = _BACKWARD_PATHS
     found = []
     for path in paths:
@@ -516,7 +595,7 @@ def _configuration(kind: str, call: _Call, x: torch.Tensor, flags: tuple) -> tup
     return (kind, geometry.kernel_size, geometry.sampling, geometry.sorting, x.dtype, tuple(x.shape),
             _channels_last(x), call.out_channels, flags, call.stride, call.dilation, call.groups, call.pad, x.device,
             torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32,
-            torch.are_deterministic_algorithms_enabled(), config._forced_path())  # PATH_ENV narrows the candidates
+            torch.are_deterministic_algorithms_enabled())
 
 
 def _describe(kind: str, call: _Call, x: torch.Tensor) -> str:
@@ -572,3 +651,8 @@ def _available() -> bool:
 
 register_backend(Backend("triton", forward, backward, supports_triton, _available, zero_padding=True,
                          channels_last=True, auto_forward=tuned_forward, auto_backward=tuned_backward))
+# backend="triton-<path>": one path for the call, whatever its shape (benchmarks and the check compare paths).
+for _path in config.PATHS:
+    register_backend(Backend(f"triton-{_path}", functools.partial(forward, path=_path),
+                             functools.partial(backward, path=_path), supports_triton, _available, auto=False,
+                             zero_padding=True, channels_last=True))

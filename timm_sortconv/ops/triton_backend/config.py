@@ -10,6 +10,12 @@ Which kernels compute a call:
   program sorting a tile of (input channel, position) windows and multiplying every sorted slot into its
   output tile with ``tl.dot``; the windows are sorted once per block of ``BLOCK_O`` outputs (once in all
   where the group has at most ``FUSED_MAX_BLOCK_O``).
+* ``"gemm"`` (windows of at most ``GEMM_MAX_SLOTS`` samples): an implicit GEMM with one window per lane and
+  one input channel per step: the channel's sorted slots of a block of positions are one [positions, K]
+  operand (K: the slots padded to a power of two >= 16) of a ``tl.dot`` with the channel's weights. Its
+  backward sorts again: the input gradient's kernel records the swaps and sends the slots' gradient (another
+  ``tl.dot``) back to the window values, which ``F.fold`` gathers per input pixel; the weight gradient's
+  kernel sums ``tl.dot`` products over splits of the positions, added up in a fixed order (no atomics).
 * ``"columns"``: the sorted columns are written once, a bounded number of images at a time
   (``COLUMN_CHUNK_BYTES``), and multiplied by cuBLAS (``torch.matmul``). Its backward: a kernel sorts the
   windows again, recording each comparator's swap (and writing the columns for the weight gradient's
@@ -18,9 +24,10 @@ Which kernels compute a call:
 
 ``backend="auto"`` checks and times, per configuration, every path of :func:`forward_paths` or
 :func:`backward_paths` with each of its block sizes (:func:`blocks_of`), and the reference path
-(:mod:`.tuning`); ``backend="triton"`` takes the first path with its first block sizes.
-``TIMM_SORTCONV_TRITON_PATH=direct|fused|columns`` forces one path for every call of either (benchmarks
-compare them that way); each is exact for any call.
+(:mod:`.tuning`); ``backend="triton"`` takes the first path with its first block sizes, and
+``backend="triton-<path>"`` (e.g. ``"triton-columns"``) that path for the call it is given to, whatever the
+call (each path is exact for any call; benchmarks and ``timm_sortconv.check`` compare them that way). The
+path travels with the call as its backend argument, so two threads may run two paths at once.
 
 Every kernel reads a lane's whole window (``k * k`` values) at once, and a lane sorts its segments in
 registers, so the block sizes give each thread one lane, or two for windows of at most
@@ -31,15 +38,15 @@ user's GPU.
 """
 from __future__ import annotations
 
-import contextlib
-import os
-from typing import Iterator, Optional, Tuple
+from typing import Tuple
 
-__all__ = ["PATH_ENV", "PATHS", "FORWARD_PATH", "backward_paths", "blocks_of", "choose_path", "column_candidates",
-           "column_images", "direct_candidates", "forcing", "forward_paths", "fused_candidates", "window_limit"]
+__all__ = ["PATHS", "FORWARD_PATH", "backward_path_of", "backward_paths", "blocks_of", "choose_path", "column_candidates",
+           "column_images", "direct_candidates", "forward_paths", "fused_candidates", "gemm_candidates",
+           "gemm_splits", "window_limit"]
 
-PATH_ENV = "TIMM_SORTCONV_TRITON_PATH"
-PATHS = ("direct", "fused", "columns")
+# In the backend's order of preference where a rule does not decide (auto's order of checking, the first
+# deterministic candidate): the gemm path, not yet measured on a GPU, last.
+PATHS = ("direct", "fused", "columns", "gemm")
 
 # The path backend="triton" takes for calls with enough channels per group for tl.dot, where the fused
 # kernel can take them (FUSED_MAX_SEGMENT, FUSED_MAX_SLOTS, enough programs).
@@ -68,7 +75,7 @@ DIRECT_BLOCK_J = 2
 # gradients, compiles for 10-37 s at 25 samples (and spills 16 bytes with polar rings and two outputs) and
 # spills 800-900 bytes at 49; at 9 samples, with 256 positions per program, it compiles in 1.6-3.8 s
 # without spills (with 128, it spilled 4-8 bytes). Windows beyond these sizes take the columns path (auto
-# and backend="triton"; TIMM_SORTCONV_TRITON_PATH=direct still forces the direct kernels).
+# and backend="triton"; backend="triton-direct" still takes the direct kernels).
 DIRECT_MAX_SLOTS = 25
 DIRECT_BACKWARD_MAX_SLOTS = 9
 # float64 values take two registers each: in the sm_90 report the direct forward spills 72 bytes at 25
@@ -81,6 +88,16 @@ AUTO_MAX_KERNEL_SIZE = 7
 # Windows of at most this many samples get block sizes with two lanes per thread among the candidates.
 TWO_LANES_MAX_SLOTS = 25
 
+# The gemm kernels keep one lane per thread: its window values, sorted samples (and in the input gradient's
+# kernel the recorded swaps and the slots' gradient) in registers.
+GEMM_MAX_SLOTS = 49
+GEMM_MAX_SLOTS_FLOAT64 = 25
+GEMM_MAX_BLOCK_O = 64
+GEMM_NARROW_SLOTS = 25
+# The weight gradient's kernel splits the positions so that the GPU has this many programs per multiprocessor
+# (its grid is otherwise channels x output blocks: 32 programs for a 32 -> 32 layer).
+GEMM_WEIGHT_PROGRAMS_PER_SM = 4
+
 FUSED_BLOCK_C = 16
 FUSED_MAX_BLOCK_O = 128
 # Bytes of a chunk's buffers of the columns path (forward: the sorted columns; backward: the columns, their
@@ -92,40 +109,17 @@ def _next_power_of_two(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def _forced_path() -> str:
-    """The path PATH_ENV forces ("" if none)."""
-    forced = os.environ.get(PATH_ENV, "").strip().lower()
-    if forced and forced not in PATHS:
-        raise ValueError(f"{PATH_ENV}={forced!r} is not a path; accepted: {', '.join(PATHS)}")
-    return forced
-
-
-@contextlib.contextmanager
-def forcing(path: Optional[str]) -> Iterator[None]:
-    """PATH_ENV set to ``path`` (None: unset, the backend's own rule) while the block runs."""
-    saved = os.environ.get(PATH_ENV)
-    if path is None:
-        os.environ.pop(PATH_ENV, None)
-    else:
-        os.environ[PATH_ENV] = path
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(PATH_ENV, None)
-        else:
-            os.environ[PATH_ENV] = saved
-
-
 def window_limit(path: str, backward: bool = False, double: bool = False) -> int:
     """The most samples per window for which a path's kernels are taken without being forced (``backward``:
     its backward; ``double``: float64, whose values take two registers each), 0 for none: FUSED_MAX_SLOTS,
-    DIRECT_MAX_SLOTS and DIRECT_BACKWARD_MAX_SLOTS, in float64 DIRECT_MAX_SLOTS_FLOAT64 for the direct
-    forward and no fused kernel."""
+    DIRECT_MAX_SLOTS, DIRECT_BACKWARD_MAX_SLOTS and GEMM_MAX_SLOTS, in float64 DIRECT_MAX_SLOTS_FLOAT64 for the
+    direct forward, GEMM_MAX_SLOTS_FLOAT64 for the gemm kernels and no fused kernel."""
     if path == "fused":
         return 0 if double else FUSED_MAX_SLOTS
     if path == "direct":
         return DIRECT_BACKWARD_MAX_SLOTS if backward else DIRECT_MAX_SLOTS_FLOAT64 if double else DIRECT_MAX_SLOTS
+    if path == "gemm":
+        return GEMM_MAX_SLOTS_FLOAT64 if double else GEMM_MAX_SLOTS
     return AUTO_MAX_KERNEL_SIZE ** 2
 
 
@@ -135,9 +129,6 @@ def choose_path(in_per_group: int, out_per_group: int, largest_segment: int, fus
     programs the fused kernel would launch, on a GPU of ``multiprocessors`` (0: unknown, e.g. in Triton's
     interpreter, which then does not count); ``slots``: the window's samples (``k * k``; 0: the largest
     segment's); ``double``: float64."""
-    forced = _forced_path()
-    if forced:
-        return forced
     window = max(slots, largest_segment)
     if in_per_group < DOT_MIN_CHANNELS:
         direct = out_per_group <= DIRECT_MAX_OUT_PER_GROUP and window <= window_limit("direct", double=double)
@@ -151,31 +142,37 @@ def choose_path(in_per_group: int, out_per_group: int, largest_segment: int, fus
 def forward_paths(in_per_group: int, out_per_group: int, largest_segment: int, fused_programs: int = 0,
                   multiprocessors: int = 0, slots: int = 0, double: bool = False) -> Tuple[str, ...]:
     """The forward paths backend="auto" tries, :func:`choose_path`'s first: ``"direct"`` for groups with
-    fewer than DOT_MIN_CHANNELS input channels, ``"fused"`` for groups with at least that many, each for
-    windows within its :func:`window_limit`; ``"columns"`` for any call; only the path PATH_ENV forces, if
-    set."""
+    fewer than DOT_MIN_CHANNELS input channels, ``"fused"`` for groups with at least that many, ``"gemm"``
+    for any, each for windows within its :func:`window_limit`; ``"columns"`` for any call."""
     first = choose_path(in_per_group, out_per_group, largest_segment, fused_programs, multiprocessors, slots,
                         double)
-    if _forced_path():
-        return (first,)
     few_channels = in_per_group < DOT_MIN_CHANNELS
     window = max(slots, largest_segment)
     eligible = {"direct": few_channels and window <= window_limit("direct", double=double),
-                "fused": not few_channels and window <= window_limit("fused", double=double), "columns": True}
+                "fused": not few_channels and window <= window_limit("fused", double=double),
+                "gemm": window <= window_limit("gemm", double=double), "columns": True}
     return (first,) + tuple(path for path in PATHS if path != first and eligible[path])
 
 
-def backward_paths(in_per_group: int, out_per_group: int, largest_segment: int, slots: int) -> Tuple[str, ...]:
+def backward_paths(in_per_group: int, out_per_group: int, largest_segment: int, slots: int,
+                   double: bool = False) -> Tuple[str, ...]:
     """The backward paths, the first being ``backend="triton"``'s (the fused path's backward is the
     columns path's): ``"direct"`` for groups with fewer than DOT_MIN_CHANNELS input channels and windows
-    of at most DIRECT_BACKWARD_MAX_SLOTS samples, first where :func:`choose_path` takes it; ``"columns"``
-    for any call. With PATH_ENV set, only the forced path's."""
-    direct = in_per_group < DOT_MIN_CHANNELS and max(slots, largest_segment) <= window_limit("direct", backward=True)
-    if _forced_path():
-        return ("direct",) if _forced_path() == "direct" else ("columns",)
+    of at most DIRECT_BACKWARD_MAX_SLOTS samples, first where :func:`choose_path` takes it; ``"gemm"`` for
+    windows within its :func:`window_limit`; ``"columns"`` for any call."""
+    window = max(slots, largest_segment)
+    direct = in_per_group < DOT_MIN_CHANNELS and window <= window_limit("direct", backward=True)
+    gemm = window <= window_limit("gemm", backward=True, double=double)
     first = "direct" if direct and choose_path(in_per_group, out_per_group, largest_segment, slots=slots) == "direct" \
         else "columns"
-    return (first,) + tuple(path for path in ("direct", "columns") if path != first and (path == "columns" or direct))
+    eligible = {"direct": direct, "columns": True, "gemm": gemm}
+    return (first,) + tuple(path for path in eligible if path != first and eligible[path])
+
+
+def backward_path_of(forward_path: str) -> str:
+    """The backward a forward path's backend (``backend="triton-<path>"``) runs: its own, the columns path's for
+    the fused path, which has none."""
+    return "columns" if forward_path == "fused" else forward_path
 
 
 def column_candidates(slots: int) -> Tuple[Tuple[int, int, int], ...]:
@@ -191,6 +188,25 @@ def fused_candidates(slots: int, out_per_group: int) -> Tuple[Tuple[int, int, in
     FUSED_MAX_SLOTS samples): 8 or 4 lanes per thread, sorted once per block of outputs."""
     block_o = max(16, min(FUSED_MAX_BLOCK_O, _next_power_of_two(out_per_group)))
     return (64, FUSED_BLOCK_C, block_o, 4), (32, FUSED_BLOCK_C, block_o, 4)
+
+
+def gemm_candidates(slots: int, out_per_group: int, backward: bool = False) -> Tuple[Tuple[int, int, int], ...]:
+    """(BLOCK_P, BLOCK_O, num_warps) of the gemm kernels: one lane (position) per thread, the group's outputs
+    in blocks of at most GEMM_MAX_BLOCK_O (tl.dot's N >= 16). The backward of windows of more than
+    GEMM_NARROW_SLOTS samples also tries blocks of 16 outputs: in the sm_90 report its kernels spill with 32
+    (k = 7: 88-336 bytes) and not with 16, which sorts the windows once per 16 outputs instead."""
+    block_o = max(16, min(GEMM_MAX_BLOCK_O, _next_power_of_two(out_per_group)))
+    if backward and slots > GEMM_NARROW_SLOTS:
+        return tuple(dict.fromkeys(((128, 16, 4), (128, min(block_o, 32), 4))))
+    return (128, block_o, 4), (64, block_o, 2)
+
+
+def gemm_splits(programs: int, position_blocks: int, multiprocessors: int) -> int:
+    """Splits of the position blocks for the gemm weight gradient, whose grid has ``programs`` programs per
+    split: enough for GEMM_WEIGHT_PROGRAMS_PER_SM per multiprocessor (2 where unknown, e.g. in the
+    interpreter), at most one per block."""
+    wanted = GEMM_WEIGHT_PROGRAMS_PER_SM * multiprocessors if multiprocessors else 2 * programs
+    return max(1, min(position_blocks, -(-wanted // max(1, programs))))
 
 
 def direct_candidates(slots: int, groups: int, out_per_group: int,
@@ -215,6 +231,8 @@ def blocks_of(path: str, slots: int, groups: int, out_per_group: int, backward: 
         return fused_candidates(slots, out_per_group)
     if path == "direct":
         return direct_candidates(slots, groups, out_per_group, backward)
+    if path == "gemm":
+        return gemm_candidates(slots, out_per_group, backward)
     raise ValueError(f"unknown path {path!r}; accepted: {', '.join(PATHS)}")
 
 

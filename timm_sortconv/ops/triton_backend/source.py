@@ -36,7 +36,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from ..geometry import SortGeometry
 from .config import DIRECT_BLOCK_J
 
-__all__ = ["depth_first", "kernel_source", "load_kernels", "sample_taps", "swap_words", "tile_width"]
+__all__ = ["depth_first", "gemm_depth", "kernel_source", "load_kernels", "sample_taps", "swap_words", "tile_width"]
 
 
 def sample_taps(geometry: SortGeometry) -> List[List[Tuple[int, float]]]:
@@ -145,8 +145,9 @@ class _Kernel:
         self.temporaries += 1
         return f"t{self.temporaries}_"
 
-    def positions(self, window: bool = True) -> None:
-        """Lane positions of the program's block: ``p`` (flat over the launch's images), ``p_ok``, ``image``
+    def positions(self, window: bool = True, block: str = "tl.program_id(0)") -> None:
+        """Lane positions of the program's block (``block``: its index among the blocks of positions):
+        ``p`` (flat over the launch's images), ``p_ok``, ``image``
         and ``l`` (the position in its image); with ``window``, ``pos`` [1, BLOCK_P] (the offset of each
         window's top-left corner in x) and for the window tile ``wq`` (its first axis: window position or
         slot), ``win_off`` [W, 1, 1] (each window position's offset from the corner) and ``win_in``
@@ -156,7 +157,10 @@ class _Kernel:
         k = self.k
         # Index arithmetic in int64: no offset overflows on large tensors (and Triton's interpreter checks
         # every int32 operation for overflow, several times slower than the operation itself).
-        w("p = tl.program_id(0).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)",
+        # (a loop's block index is a Python int in the interpreter: no .to() on it; n_pos is an int32, so the
+        # product does not overflow)
+        w(f"p = {block}.to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)" if block == "tl.program_id(0)" else
+          f"p = (tl.arange(0, BLOCK_P) + {block} * BLOCK_P).to(tl.int64)",
           "p_ok = p < n_pos",
           "image = p // L",
           "l = p % L",
@@ -401,6 +405,16 @@ def swap_words(geometry: SortGeometry) -> int:
     return (len(geometry.comparators()) + 31) // 32
 
 
+def _store_output_tile(kernel: _Kernel) -> None:
+    """The bias added to the [BLOCK_P, BLOCK_O] accumulator ``acc`` (HAS_BIAS) and the tile stored at the
+    lanes' positions and the group's outputs ``o`` (the fused and gemm forward kernels)."""
+    kernel.write("if HAS_BIAS:",
+                 "    acc += tl.load(bias_ptr + group * out_per_group + o, mask=o_ok, other=0.0).to(ACCUMULATE)[None, :]",
+                 "out = out_ptr + (image * sob + (l // out_w) * soh + (l % out_w) * sow)[:, None] "
+                 "+ ((group * out_per_group + o).to(tl.int64) * soc)[None, :]",
+                 "tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=p_ok[:, None] & o_ok[None, :])")
+
+
 def _fused_forward_kernel(geometry: SortGeometry) -> str:
     """The forward pass as an implicit GEMM: per block of positions and of one group's output channels,
     the loop over the group's input channels (BLOCK_C at a time) sorts each lane's windows and multiplies
@@ -435,11 +449,7 @@ def _fused_forward_kernel(geometry: SortGeometry) -> str:
             w(f"acc = tl.dot(tl.trans(s{i}.to(w_ptr.dtype.element_ty)), tl.load(w_lane + {i} * slot_stride, "
               "mask=w_ok, other=0.0), acc, input_precision=PRECISION, out_dtype=ACCUMULATE)")
     w.depth -= 1
-    w("if HAS_BIAS:",
-      "    acc += tl.load(bias_ptr + group * out_per_group + o, mask=o_ok, other=0.0).to(ACCUMULATE)[None, :]",
-      "out = out_ptr + (image * sob + (l // out_w) * soh + (l % out_w) * sow)[:, None] "
-      "+ ((group * out_per_group + o).to(tl.int64) * soc)[None, :]",
-      "tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=p_ok[:, None] & o_ok[None, :])")
+    _store_output_tile(kernel)
     return kernel.source()
 
 
@@ -559,12 +569,164 @@ def _direct_backward_kernel(geometry: SortGeometry) -> str:
     return kernel.source()
 
 
+# The gemm kernels: an implicit GEMM with one (position, input channel) window per lane and one input channel
+# per step of the reduction. A program's lanes are its BLOCK_P positions ([1, BLOCK_P] tensors, one lane per
+# thread), so sorting is elementwise and needs no data movement between threads; the sorted slots of the
+# channel are joined into one [BLOCK_P, K] operand (K = gemm_depth(k * k): the slots, zero-padded to a power
+# of two of at least 16, the smallest depth of tl.dot) and multiplied with the channel's [K, BLOCK_O] weight
+# tile by one tl.dot: the product runs on tensor cores with one layout conversion of the operand per channel.
+_GEMM_LANES = "1, BLOCK_P"
+_GEMM_BLOCKS = "BLOCK_P: tl.constexpr, BLOCK_O: tl.constexpr"
+_GEMM_TYPES = "COMPUTE: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr"
+
+
+def gemm_depth(slots: int) -> int:
+    """The reduction depth per input channel of the gemm kernels: ``slots`` padded to a power of two >= 16."""
+    return max(16, tile_width(slots))
+
+
+def _gemm_operand(kernel: _Kernel, values: Sequence[str], name: str) -> None:
+    """``name`` = the [BLOCK_P, K] tile whose column i holds ``values[i]`` (lane tensors), zeros beyond."""
+    depth = gemm_depth(kernel.slots)
+    tile = kernel.join(kernel.padded(list(values), depth, kernel.lanes, "COMPUTE"), depth, kernel.lanes)
+    kernel.write(f"{name} = tl.reshape({tile}, [BLOCK_P, {depth}])")
+
+
+def _gemm_sorted_operand(kernel: _Kernel) -> None:
+    """``a``: the [BLOCK_P, K] operand of input channel ``channel``: the lanes' windows read, sampled, sorted."""
+    kernel.write("x_lane = x_ptr + pos + channel.to(tl.int64) * sxc")
+    kernel.load_window()
+    for segment in kernel.geometry.segments:
+        kernel.sort_segment(segment, record=False)
+    _gemm_operand(kernel, [f"s{i}" for i in range(kernel.slots)], "a")
+
+
+def _gemm_weight_tile(kernel: _Kernel) -> Tuple[str, str]:
+    """Pointers [K, BLOCK_O] of the channel's weights (``w`` laid out [channel, slot, out_per_group]; a group's
+    channels are consecutive) and their mask, for ``channel`` and the outputs ``o``."""
+    return (f"w_ptr + (channel * {kernel.slots} + kq)[:, None] * out_per_group + o[None, :]",
+            f"(kq < {kernel.slots})[:, None] & o_ok[None, :]")
+
+
+def _gemm_grad_tile() -> Tuple[str, str]:
+    """Pointers [BLOCK_P, BLOCK_O] of the output gradient at the lanes' positions and outputs ``o`` of the
+    group, and their mask."""
+    return ("grad_out_ptr + (image * sgb + (l // out_w) * sgh + (l % out_w) * sgw)[:, None] "
+            "+ ((group * out_per_group + o).to(tl.int64) * sgc)[None, :]", "p_ok[:, None] & o_ok[None, :]")
+
+
+def _gemm_forward_kernel(geometry: SortGeometry) -> str:
+    """out[image, group * out_per_group + o, position] for a block of positions and of one group's outputs:
+    for each input channel of the group, the lanes' windows sorted, joined into the [BLOCK_P, K] operand and
+    multiplied with the channel's weights into the [BLOCK_P, BLOCK_O] accumulator. Grid: (position blocks,
+    output blocks, groups)."""
+    kernel = _Kernel(geometry, "gemm_forward_kernel",
+                     f"x_ptr, w_ptr, bias_ptr, out_ptr, in_per_group, out_per_group, {_POSITION_ARGS}, sob, soc, soh, "
+                     f"sow, {_GEMM_TYPES}, HAS_BIAS: tl.constexpr, {_GEMM_BLOCKS}", _GEMM_LANES)
+    w = kernel.write
+    kernel.positions()
+    pointers, mask = _gemm_weight_tile(kernel)
+    w("group = tl.program_id(2)",
+      "o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)",
+      "o_ok = o < out_per_group",
+      f"kq = tl.arange(0, {gemm_depth(kernel.slots)})",
+      "lane_ok = p_ok[None, :]",
+      "acc = tl.zeros([BLOCK_P, BLOCK_O], ACCUMULATE)",
+      "for c in range(0, in_per_group):")
+    w.depth += 1
+    w("channel = group * in_per_group + c")
+    _gemm_sorted_operand(kernel)
+    w(f"w_tile = tl.load({pointers}, mask={mask}, other=0.0)",
+      "acc = tl.dot(a.to(w_ptr.dtype.element_ty), w_tile, acc, input_precision=PRECISION, out_dtype=ACCUMULATE)")
+    w.depth -= 1
+    _store_output_tile(kernel)
+    return kernel.source()
+
+
+def _gemm_input_backward_kernel(geometry: SortGeometry) -> str:
+    """The input gradient's window values, per block of positions and one input channel: the lanes' windows
+    sorted again recording the swaps; the sorted slots' gradient [BLOCK_P, K] = the output gradient times the
+    channel's weights (tl.dot per block of the group's outputs); split per slot, sent back through the swaps
+    and the transposed taps, and written as ``windows[image, channel, q, l]`` (strides swb, swc, swq), which
+    ``F.fold`` sums per input pixel (no atomics: deterministic). Grid: (position blocks, channels)."""
+    kernel = _Kernel(geometry, "gemm_input_backward_kernel",
+                     f"x_ptr, w_ptr, grad_out_ptr, windows_ptr, in_per_group, out_per_group, {_POSITION_ARGS}, "
+                     f"sgb, sgc, sgh, sgw, swb, swc, swq, {_GEMM_TYPES}, {_GEMM_BLOCKS}", _GEMM_LANES)
+    w = kernel.write
+    depth = gemm_depth(kernel.slots)
+    kernel.positions()
+    pointers, mask = _gemm_weight_tile(kernel)
+    grad_pointers, grad_mask = _gemm_grad_tile()
+    w("channel = tl.program_id(1)",
+      "group = channel // in_per_group",
+      f"kq = tl.arange(0, {depth})",
+      "lane_ok = p_ok[None, :]",
+      "x_lane = x_ptr + pos + channel.to(tl.int64) * sxc")
+    kernel.load_window()
+    for segment in geometry.segments:
+        kernel.sort_segment(segment, record=True)
+    w(f"gs = tl.zeros([BLOCK_P, {depth}], ACCUMULATE)",
+      "for o0 in range(0, out_per_group, BLOCK_O):")
+    w.depth += 1
+    w("o = o0 + tl.arange(0, BLOCK_O)",
+      "o_ok = o < out_per_group",
+      f"g = tl.load({grad_pointers}, mask={grad_mask}, other=0.0)",
+      f"w_tile = tl.load({pointers}, mask={mask}, other=0.0)",
+      "gs = tl.dot(g.to(w_ptr.dtype.element_ty), tl.trans(w_tile), gs, input_precision=PRECISION, "
+      "out_dtype=ACCUMULATE)")
+    w.depth -= 1
+    w(f"gs = tl.reshape(gs.to(COMPUTE), [{kernel.lanes}, {depth}])")
+    kernel.split("gs", depth, [f"g{i}" for i in range(kernel.slots)], kernel.lanes)
+    started: set = set()
+    for segment in geometry.segments:
+        kernel.unsort_segment(segment)
+        kernel.window_gradients(segment, started)
+    w("windows_lane = windows_ptr + (image * swb + l)[None, :] + channel.to(tl.int64) * swc")
+    kernel.store_slots(kernel.window_gradient_values(started), "windows_lane", "swq", "lane_ok",
+                       "windows_ptr.dtype.element_ty")
+    return kernel.source()
+
+
+def _gemm_weight_backward_kernel(geometry: SortGeometry) -> str:
+    """The weight gradient's partial sums: per split of the position blocks (blocks ``split``, ``split +
+    splits``, ...), input channel and block of the group's outputs, the sum over the split's positions of the
+    sorted slots [K, BLOCK_P] times the output gradient [BLOCK_P, BLOCK_O] (tl.dot), written to
+    ``partial[split, channel, slot, o]``; the caller sums the splits in a fixed order (deterministic).
+    Grid: (splits, channels, output blocks)."""
+    kernel = _Kernel(geometry, "gemm_weight_backward_kernel",
+                     f"x_ptr, grad_out_ptr, partial_ptr, in_per_group, out_per_group, channels, n_blocks, splits, "
+                     f"{_POSITION_ARGS}, sgb, sgc, sgh, sgw, {_GEMM_TYPES}, {_GEMM_BLOCKS}", _GEMM_LANES)
+    w = kernel.write
+    depth = gemm_depth(kernel.slots)
+    grad_pointers, grad_mask = _gemm_grad_tile()
+    w("split = tl.program_id(0)",
+      "channel = tl.program_id(1)",
+      "group = channel // in_per_group",
+      "o = tl.program_id(2) * BLOCK_O + tl.arange(0, BLOCK_O)",
+      "o_ok = o < out_per_group",
+      f"kq = tl.arange(0, {depth})",
+      f"acc = tl.zeros([{depth}, BLOCK_O], ACCUMULATE)",
+      "for block in range(split, n_blocks, splits):")
+    w.depth += 1
+    kernel.positions(block="block")
+    w("lane_ok = p_ok[None, :]")
+    _gemm_sorted_operand(kernel)
+    w(f"g = tl.load({grad_pointers}, mask={grad_mask}, other=0.0)",
+      "acc = tl.dot(tl.trans(a).to(grad_out_ptr.dtype.element_ty), g, acc, input_precision=PRECISION, "
+      "out_dtype=ACCUMULATE)")
+    w.depth -= 1
+    w(f"partial = partial_ptr + ((split * channels + channel) * {kernel.slots} + kq)[:, None].to(tl.int64) "
+      "* out_per_group + o[None, :]",
+      f"tl.store(partial, acc.to(partial_ptr.dtype.element_ty), mask=(kq < {kernel.slots})[:, None] & o_ok[None, :])")
+    return kernel.source()
+
+
 _KERNELS = (_columns_kernel, _record_kernel, _replay_kernel, _fused_forward_kernel, _direct_forward_kernel,
-            _direct_backward_kernel)
+            _direct_backward_kernel, _gemm_forward_kernel, _gemm_input_backward_kernel, _gemm_weight_backward_kernel)
 
 
 def kernel_source(geometry: SortGeometry) -> str:
-    """The Python source of a module holding the backend's six kernels for ``geometry``."""
+    """The Python source of a module holding the backend's kernels for ``geometry``."""
     head = [f'"""Triton kernels for k={geometry.kernel_size}, sampling={geometry.sampling!r}, '
             f'sorting={geometry.sorting!r}; generated by timm_sortconv.ops.triton_backend.source."""',
             "import triton", "import triton.language as tl"]

@@ -74,12 +74,15 @@ class Candidate:
 @dataclass
 class Decision:
     """What a configuration runs, and why: the chosen candidate, the seconds each timed one took
-    (empty where the choice was not timed) and the candidates left out with the reason."""
+    (empty where the choice was not timed), the candidates left out with the reason, and the wall seconds of
+    each candidate's checked call (its first call in the process: compiling its kernels, where they were not
+    in Triton's cache, and the check), which is what the decision cost beyond the timed runs."""
 
     configuration: str
     chosen: Candidate
     seconds: Dict[str, float] = field(default_factory=dict)
     rejected: Dict[str, str] = field(default_factory=dict)
+    checked_seconds: Dict[str, float] = field(default_factory=dict)
 
 
 def tuning_enabled() -> bool:
@@ -283,10 +286,12 @@ class Tuner:
         decision = Decision(configuration, reference)
         agreed = []
         for candidate in candidates:
+            start = time.perf_counter()
             try:
-                problem = disagreement(candidate.run(*args), expected)
+                problem = disagreement(candidate.run(*args), expected)  # reads the result: waits for the GPU
             except Exception as error:  # a compile or launch failure leaves the kernel out, not the call
                 problem = _failure(error)
+            decision.checked_seconds[candidate.name] = time.perf_counter() - start
             if problem is None:
                 agreed.append(candidate)
             else:
