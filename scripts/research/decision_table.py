@@ -1,0 +1,475 @@
+"""When should a user pick SC? Every row of RESULTS.md's decision table, trained and measured by one rule.
+
+The question a user with a rotation problem asks first is whether a plain CNN with rotation augmentation,
+or with the canonical turn, or an E(2)-CNN, would do as well. This script answers it on MNIST at three
+training-set sizes, with the networks laid out as the paper's SCNN (:data:`ROWS`):
+
+* **Training** (one rule for every row): a seeded slice of ``N`` upright images of MNIST's 50,000-image training
+  split (``--sizes``, default 1,000, 5,000 and 50,000; seed 42, so the smaller slices lie inside the larger),
+  the same number of optimizer steps whatever ``N`` (``--steps``, default 1,000 of batch 50: 1 epoch of 50,000
+  images, 10 of 5,000, 50 of 1,000), Adam at 2e-3 decayed to zero by a cosine over the steps (ablation.py's
+  recipe), the last weights kept. Rows with ``augment`` turn each training image by its own angle drawn
+  uniformly from [0, 360) (bilinear, zero fill, rounded to 8 bits as MNIST-rot's images are). A row with
+  ``time_of`` (the E(2)-CNN) trains for the time its named row takes: its steps are ``--steps`` times the
+  ratio of the two rows' step times, measured in one process taking turns (``timing.json``).
+* **Seeds**: ``--seeds`` (default 0 1 2) at every size below 50,000, seed 0 at 50,000 (``--big-seeds``).
+* **Measured** per run: MNIST-rot on a fixed slice of ``--sweep-samples`` test images (seed 42, as
+  ablation.py) turned by 0, 10, ..., 350 degrees as MNIST-rot is made: mean, worst angle, with standard errors
+  over images; upright MNIST on all 10,000 test images.
+* **Local rotations** (the ``one`` task of ``local_rotation.py``: one digit at a random place on a 56x56 canvas,
+  turned about its own centre at test time): per row one training seed on 10,000 upright scenes for one epoch
+  (200 steps; a ``time_of`` row its time), augmented rows with the whole canvas turned; measured on 1,000
+  test scenes: mean over 12 turns and what it keeps of the upright accuracy (``retained``).
+* **Time**: ``timing.json`` holds every row's training step (batch 50, one thread), the minimum of
+  interleaved rounds on this machine, with the CPU and the load average; ``s/epoch`` is that times the 1,000
+  steps of an epoch of 50,000 images.
+
+Runs are jobs, done in a fixed order (every row at 1,000 images first, seed by seed, then 5,000, then 50,000,
+then the local task), each writing ``<results>/<row>/<job>.json``; a job whose JSON exists is skipped.
+Training checkpoints every ``--checkpoint-every`` steps under ``--output`` (outside the repository), so a killed
+run goes on from its last checkpoint when the same command runs again, and ends with the weights an
+uninterrupted run has. Several processes may share the work (``run`` in each): a job is claimed by a lock
+file under ``--output``, freed when its process has died.
+
+Example (``DATA``: the MNIST folder; ``RUNS``: a folder outside the repository)::
+
+    python scripts/research/decision_table.py run --data-dir DATA --output RUNS/decision
+    python scripts/research/decision_table.py table
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import platform
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import local_rotation
+from ablation import create_model, load_split, rotated_sweep, summarise, sweep_correct
+from timm_sortconv.cli import CommandError, run
+from timm_sortconv.rotation import rotate_each
+
+RESULTS = Path(__file__).resolve().parent / "results" / "decision"
+BATCH = 50
+LR = 2e-3
+ANGLES = [float(a) for a in range(0, 360, 10)]
+LOCAL_SCENES, LOCAL_TEST_SCENES, LOCAL_STEPS = 10_000, 1_000, 200
+EPOCH_IMAGES = 50_000  # "s/epoch": an epoch of MNIST's training split
+
+
+@dataclass(frozen=True)
+class Row:
+    """One network and how it is trained: ``model`` and ``kwargs`` as ablation.py's ``create_model`` takes
+    them, ``augment``: turned training images, ``time_of``: train for the time of that row (steps scaled)."""
+
+    name: str
+    model: str
+    kwargs: Dict = field(default_factory=dict)
+    augment: bool = False
+    time_of: Optional[str] = None
+    what: str = ""
+
+
+ROWS = (
+    Row("plain", "scnn_baseline_7", what="plain CNN (`scnn_baseline_7`)"),
+    Row("plain+aug", "scnn_baseline_7", augment=True, what="plain CNN + rotation augmentation"),
+    Row("plain+canon", "scnn_baseline_7", {"canonicalize": "moment1"},
+        what="plain CNN + the canonical turn (`canonicalize=moment1`)"),
+    Row("p_rs_7", "scnn_p_rs_7", what="SC, the paper's P-RS-7 (`scnn_p_rs_7`)"),
+    Row("p_rs_7_blur", "scnn_p_rs_7_blur", what="SC with blur (`scnn_p_rs_7_blur`)"),
+    Row("p_c2_7_canon", "scnn_p_c2_7_canon", what="SC, half-turn orbits + the turn (`scnn_p_c2_7_canon`)"),
+    Row("p_c2_7_canon+aug", "scnn_p_c2_7_canon", augment=True, what="`scnn_p_c2_7_canon` + rotation augmentation"),
+    Row("e2cnn_c8", "e2cnn", {"channels": [32, 32, 64, 64, 128, 128]}, time_of="p_rs_7",
+        what="E(2)-CNN C8, the SCNN's channels, trained for P-RS-7's time"),
+)
+ROW_NAMES = tuple(row.name for row in ROWS)
+
+
+@dataclass(frozen=True)
+class Job:
+    row: Row
+    size: int  # training images; 0: the local-rotation task
+    seed: int
+
+    @property
+    def name(self) -> str:
+        return f"one_seed{self.seed}" if self.size == 0 else f"n{self.size}_seed{self.seed}"
+
+
+def jobs(rows: Sequence[Row], sizes: Sequence[int], seeds: Sequence[int], big_seeds: Sequence[int],
+         local: bool) -> List[Job]:
+    """Every job, in the order of the module docstring."""
+    found = []
+    for size in sorted(sizes):
+        for seed in (big_seeds if size >= EPOCH_IMAGES else seeds):
+            found += [Job(row, size, seed) for row in rows]
+    if local:
+        found += [Job(row, 0, 0) for row in rows]
+    return found
+
+
+def normalise(images: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """uint8 ``(N, H, W)`` -> the model's normalised ``(N, 1, H, W)`` input."""
+    return (images.float().unsqueeze(1) / 255 - cfg["mean"][0]) / cfg["std"][0]
+
+
+def turned(images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Each uint8 image turned by its own uniform angle in [0, 360), rounded to 8 bits."""
+    angles = torch.rand(len(images), generator=generator, dtype=torch.float64) * 360
+    out = rotate_each(images.float().unsqueeze(1), angles).round().clamp(0, 255)
+    return out.squeeze(1).to(torch.uint8)
+
+
+class Trainer:
+    """The training rule of the module docstring, one step at a time, resumable from a checkpoint: batch ``b``
+    of epoch ``e`` is fixed by the seed (the order), and so is an augmented batch's angles (by the step)."""
+
+    def __init__(self, model, images: torch.Tensor, labels: torch.Tensor, steps: int, seed: int, augment: bool):
+        self.model, self.images, self.labels = model, images, labels
+        self.steps, self.seed, self.augment = steps, seed, augment
+        self.optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+        self.per_epoch = max(1, len(images) // BATCH)
+        self.step, self.seconds = 0, 0.0
+        self._order: Tuple[int, torch.Tensor] = (-1, torch.empty(0))
+
+    def batch(self, step: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        epoch, b = divmod(step, self.per_epoch)
+        if self._order[0] != epoch:
+            generator = torch.Generator().manual_seed(self.seed * 1000 + epoch)
+            self._order = (epoch, torch.randperm(len(self.images), generator=generator))
+        idx = self._order[1][b * BATCH:(b + 1) * BATCH]
+        images = self.images[idx]
+        if self.augment:
+            images = turned(images, torch.Generator().manual_seed(self.seed * 1_000_003 + step))
+        return images, self.labels[idx]
+
+    def train_step(self) -> float:
+        images, labels = self.batch(self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = 0.5 * LR * (1 + math.cos(math.pi * self.step / self.steps))
+        self.model.train()
+        loss = F.cross_entropy(self.model(normalise(images, self.model.pretrained_cfg)), labels)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        self.step += 1
+        return loss.item()
+
+    def state(self) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step,
+                "seconds": self.seconds}
+
+    def load(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step, self.seconds = state["step"], state["seconds"]
+
+    def run(self, checkpoint: Optional[Path], every: int, log_every: int = 100) -> None:
+        if checkpoint is not None and checkpoint.is_file():
+            self.load(torch.load(checkpoint, weights_only=False))
+            print(f"  resumed at step {self.step}/{self.steps} from {checkpoint}", flush=True)
+        while self.step < self.steps:
+            start = time.perf_counter()
+            loss = self.train_step()
+            self.seconds += time.perf_counter() - start
+            if self.step % log_every == 0 or self.step == self.steps:
+                print(f"  step {self.step}/{self.steps} loss {loss:.4f} ({self.seconds / self.step:.3f} s/step)",
+                      flush=True)
+            if checkpoint is not None and (self.step % every == 0) and self.step < self.steps:
+                temporary = checkpoint.with_suffix(".tmp")
+                torch.save(self.state(), temporary)
+                os.replace(temporary, checkpoint)
+
+
+def machine() -> Dict:
+    """The CPU, its widest vector extension, and the load average (the seconds depend on all three)."""
+    flags, model = "", platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and not model:
+                model = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):
+                flags = line
+                model = model or ""
+                break
+    except OSError:
+        pass
+    isa = "avx512" if " avx512f" in flags else "avx2" if " avx2" in flags else "other"
+    return {"cpu": model, "isa": isa, "threads": torch.get_num_threads(), "load_average": list(os.getloadavg())}
+
+
+def build(row: Row, classes: int = 10, in_chans: Optional[int] = None, channels: Optional[Sequence[int]] = None
+          ) -> torch.nn.Module:
+    """The row's network; ``channels`` (``--channels``) replaces every row's channel counts."""
+    kwargs = dict(row.kwargs)
+    if channels:
+        kwargs["channels"] = list(channels)
+    if classes != 10:
+        kwargs["num_classes"] = classes
+    if in_chans is not None and row.model != "e2cnn":
+        kwargs["in_chans"] = in_chans
+    return create_model(row.model, kwargs)
+
+
+def measure_timing(rows: Sequence[Row], rounds: int, steps: int, channels: Optional[Sequence[int]] = None) -> Dict:
+    """Seconds per training step (batch 50) of every row, the minimum over ``rounds`` rounds that take turns
+    between the rows (so that a slower minute slows every row alike), each round ``steps`` steps."""
+    x = torch.randint(0, 256, (BATCH * 4, 28, 28), dtype=torch.uint8)
+    y = torch.randint(0, 10, (BATCH * 4,))
+    trainers = {}
+    for row in rows:
+        torch.manual_seed(0)
+        trainers[row.name] = Trainer(build(row, channels=channels), x, y, 10 ** 6, 0, row.augment)
+        trainers[row.name].train_step()  # warm-up
+    best = {name: float("inf") for name in trainers}
+    before = machine()
+    for _ in range(rounds):
+        for name, trainer in trainers.items():
+            start = time.perf_counter()
+            for _ in range(steps):
+                trainer.train_step()
+            best[name] = min(best[name], (time.perf_counter() - start) / steps)
+    return {"seconds_per_step": best, "batch": BATCH, "rounds": rounds, "steps_per_round": steps,
+            "machine_before": before, "machine_after": machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def timing(results: Path, rows: Sequence[Row], rounds: int = 3, steps: int = 5,
+           channels: Optional[Sequence[int]] = None) -> Dict:
+    """``timing.json`` under ``results``: measured once for ``rows`` (again where a row is missing from it)."""
+    path = results / "timing.json"
+    if path.is_file():
+        stored = json.loads(path.read_text())
+        if {row.name for row in rows} <= set(stored["seconds_per_step"]):
+            return stored
+    print(f"timing the training steps of {', '.join(row.name for row in rows)} ...", flush=True)
+    result = measure_timing(rows, rounds, steps, channels)
+    result["command"] = "python scripts/research/decision_table.py " + " ".join(map(shlex.quote, sys.argv[1:]))
+    results.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def steps_for(row: Row, base: int, times: Dict) -> int:
+    """``base`` steps, or for a ``time_of`` row as many as fit in that row's time for ``base`` steps."""
+    if not row.time_of:
+        return base
+    per_step = times["seconds_per_step"]
+    return max(1, round(base * per_step[row.time_of] / per_step[row.name]))
+
+
+class Claim:
+    """A lock file that marks a job as taken by this process (freed on exit, or when its process is gone)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def take(self) -> bool:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                try:
+                    owner = int(self.path.read_text() or 0)
+                except (OSError, ValueError):
+                    owner = 0
+                if owner and _alive(owner):
+                    return False
+                self.path.unlink(missing_ok=True)  # its process died: take it over
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(str(os.getpid()))
+            return True
+        return False
+
+    def release(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def run_job(job: Job, args, times: Dict, data: Dict) -> Dict:
+    row = job.row
+    torch.manual_seed(job.seed)
+    checkpoint = Path(args.output) / row.name / f"{job.name}.pth"
+    checkpoint.parent.mkdir(parents=True, exist_ok=True)
+    if job.size == 0:
+        train_scenes, test_scenes = data["scenes"]
+        model = build(row, classes=10, in_chans=1, channels=args.channels)
+        images, labels = data["scene_images"], train_scenes.labels
+        steps = steps_for(row, args.local_steps, times)
+    else:
+        model = build(row, channels=args.channels)
+        images, labels = data["slices"][job.size]
+        steps = steps_for(row, args.steps, times)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"{row.name} {job.name}: {row.model} {row.kwargs} ({params:,} parameters), {len(images):,} images, "
+          f"{steps} steps{', augmented' if row.augment else ''}", flush=True)
+    trainer = Trainer(model, images, labels, steps, job.seed, row.augment)
+    trainer.run(checkpoint, args.checkpoint_every)
+    start = time.perf_counter()
+    result = {"row": row.name, "model": row.model, "model_kwargs": row.kwargs, "augment": row.augment,
+              "time_of": row.time_of, "seed": job.seed, "params": params, "steps": steps, "batch": BATCH, "lr": LR,
+              "train_seconds": round(trainer.seconds, 1), "machine": machine()}
+    if job.size == 0:
+        result.update(task="one", train_scenes=len(images),
+                      **local_rotation.evaluate(model, test_scenes, 30.0, args.data_seed))
+    else:
+        sweep_images, sweep_labels = data["sweep"]
+        sweep = summarise(sweep_correct(model, sweep_images, sweep_labels), ANGLES)
+        upright = sweep_correct(model, data["test"][0].unsqueeze(0), data["test"][1])[:, 0].double()
+        result.update(task="mnist", train_images=job.size, mnist_rot=sweep, test_images=len(upright),
+                      mnist=100 * upright.mean().item(),
+                      mnist_se=100 * upright.std(unbiased=True).item() / math.sqrt(len(upright)))
+    result["eval_seconds"] = round(time.perf_counter() - start, 1)
+    result["command"] = "python scripts/research/decision_table.py " + " ".join(map(shlex.quote, sys.argv[1:]))
+    return result
+
+
+def load_data(args, need_local: bool) -> Dict:
+    data = {"slices": {size: load_split(args.data_dir, "train", size, seed=42)[:2] for size in args.sizes},
+            "test": load_split(args.data_dir, "test", args.test_samples, seed=42)[:2],
+            "sweep": rotated_sweep(args.data_dir, args.sweep_samples, ANGLES, str(Path(args.output) / "cache"))}
+    if need_local:
+        scene_args = argparse.Namespace(data_dir=args.data_dir, train_scenes=args.local_scenes,
+                                        test_scenes=args.local_test_scenes, canvas=56, seed=args.data_seed)
+        data["scenes"] = local_rotation.load_scenes(scene_args, "one")
+        data["scene_images"] = local_rotation.render(data["scenes"][0])
+    return data
+
+
+def run_all(args) -> None:
+    rows = [row for row in ROWS if not args.rows or row.name in args.rows]
+    if any(row.model == "e2cnn" for row in rows) and importlib.util.find_spec("e2cnn") is None:
+        print("e2cnn is not installed (pip install -e '.[research]'): the E(2)-CNN's jobs are skipped", flush=True)
+        rows = [row for row in rows if row.model != "e2cnn"]
+    results = Path(args.results)
+    torch.set_num_threads(args.threads)
+    timed = {name for row in rows for name in (row.name, row.time_of) if name}
+    times = timing(results, [row for row in ROWS if row.name in timed], args.timing_rounds, args.timing_steps,
+                   args.channels)
+    todo = [job for job in jobs(rows, args.sizes, args.seeds, args.big_seeds, not args.no_local)
+            if not (results / job.row.name / f"{job.name}.json").is_file()]
+    if not todo:
+        print("every job is done")
+        return
+    data = load_data(args, any(job.size == 0 for job in todo))
+    for job in todo:
+        out = results / job.row.name / f"{job.name}.json"
+        claim = Claim(Path(args.output) / "claims" / f"{job.row.name}-{job.name}")
+        if out.is_file() or not claim.take():
+            continue
+        try:
+            result = run_job(job, args, times, data)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(result, indent=1))
+            summary = (f"MNIST-rot {result['mnist_rot']['mean']:.2f}, worst {result['mnist_rot']['worst']:.2f}, "
+                       f"MNIST {result['mnist']:.2f}" if job.size else
+                       f"one: turns {result['mean']:.2f}, upright {result['upright']:.2f}, "
+                       f"retained {result['retained']:.3f}")
+            print(f"  {summary} ({result['train_seconds']:.0f} s training)", flush=True)
+        finally:
+            claim.release()
+
+
+def _stats(values: Sequence[float]) -> str:
+    values = np.asarray(values, dtype=float)
+    if len(values) > 1:
+        return f"{values.mean():.2f} ± {values.std(ddof=1) / math.sqrt(len(values)):.2f}"
+    return f"{values.mean():.2f}"
+
+
+def load_results(results: Path) -> Dict[str, Dict[str, List[Dict]]]:
+    """``{row: {"n1000": [seed results], ..., "one": [...]}}``."""
+    found: Dict[str, Dict[str, List[Dict]]] = {}
+    for path in sorted(results.glob("*/*.json")):
+        result = json.loads(path.read_text())
+        key = "one" if result.get("task") == "one" else f"n{result['train_images']}"
+        found.setdefault(result["row"], {}).setdefault(key, []).append(result)
+    return found
+
+
+def table(results: Path, sizes: Sequence[int] = (1000, 5000, 50000)) -> str:
+    """The Markdown table: per row and training size the MNIST-rot mean / worst angle (mean over seeds ± the
+    standard error between seeds, and the seeds' count), upright MNIST at 50,000, the local task, parameters
+    and seconds per epoch of 50,000 images."""
+    found = load_results(results)
+    times_path = results / "timing.json"
+    times = json.loads(times_path.read_text())["seconds_per_step"] if times_path.is_file() else {}
+    head = ("| row | " + " | ".join(f"MNIST-rot, {size:,} images: mean / worst (seeds)" for size in sizes)
+            + f" | MNIST, {max(sizes):,} | local turns: mean / retained | params | s/epoch |")
+    lines = [head, "|---|" + "---|" * (len(sizes) + 4)]
+    for row in ROWS:
+        runs = found.get(row.name, {})
+        cells = []
+        for size in sizes:
+            seeds = runs.get(f"n{size}", [])
+            cells.append(f"{_stats([r['mnist_rot']['mean'] for r in seeds])} / "
+                         f"{_stats([r['mnist_rot']['worst'] for r in seeds])} ({len(seeds)})" if seeds else "-")
+        big, one = runs.get(f"n{max(sizes)}", []), runs.get("one", [])
+        cells.append(_stats([r["mnist"] for r in big]) if big else "-")
+        cells.append(f"{one[0]['mean']:.2f} / {one[0]['retained']:.3f}" if one else "-")
+        params = next((r["params"] for r in runs.get(f"n{min(sizes)}", []) + big), None)
+        cells.append(f"{params:,}" if params else "-")
+        cells.append(f"{times[row.name] * EPOCH_IMAGES / BATCH:.0f}" if row.name in times else "-")
+        lines.append(f"| {row.what or row.name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("action", choices=("run", "table"))
+    parser.add_argument("--data-dir", help="MNIST folder (IDX files)")
+    parser.add_argument("--output", default="output/decision",
+                        help="checkpoints, claims and the sweep cache (keep it outside the repository)")
+    parser.add_argument("--results", default=str(RESULTS), help="one JSON per job (default: results/decision)")
+    parser.add_argument("--rows", nargs="+", choices=ROW_NAMES, help="only these rows (default: all)")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1000, 5000, 50000])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--big-seeds", type=int, nargs="+", default=[0], help="seeds at 50,000 images")
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--local-steps", type=int, default=LOCAL_STEPS)
+    parser.add_argument("--local-scenes", type=int, default=LOCAL_SCENES, help="the local task's training scenes")
+    parser.add_argument("--local-test-scenes", type=int, default=LOCAL_TEST_SCENES)
+    parser.add_argument("--no-local", action="store_true", help="skip the local-rotation task")
+    parser.add_argument("--sweep-samples", type=int, default=1000, help="MNIST-rot: test images turned 36 ways")
+    parser.add_argument("--test-samples", type=int, default=10_000, help="upright MNIST: test images")
+    parser.add_argument("--channels", type=int, nargs=6, metavar="C",
+                        help="every row's six channel counts (multiples of 8; default: each model's own)")
+    parser.add_argument("--data-seed", type=int, default=42)
+    parser.add_argument("--checkpoint-every", type=int, default=100)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--timing-rounds", type=int, default=3, help="interleaved rounds of timing.json")
+    parser.add_argument("--timing-steps", type=int, default=5, help="training steps per row and round")
+    args = parser.parse_args(argv)
+    if args.action == "table":
+        print(table(Path(args.results), sorted(args.sizes)))
+        return
+    if not args.data_dir:
+        parser.error("run needs --data-dir (the MNIST folder)")
+    if min(args.sizes) < BATCH or max(args.sizes) > EPOCH_IMAGES:
+        parser.error(f"--sizes must lie between {BATCH} and {EPOCH_IMAGES:,}, got {args.sizes}")
+    run_all(args)
+
+
+if __name__ == "__main__":
+    run(main)

@@ -1,0 +1,123 @@
+"""``scripts/research/decision_table.py``: the training rule (resumable, bit for bit), the augmentation, the jobs'
+order, the time-matched row's steps, the claims shared by several processes, and a tiny end-to-end run on
+MNIST-layout data written by the test (random pixels: the numbers mean nothing, the bookkeeping is checked)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_data import make_mnist
+
+
+@pytest.fixture(scope="module")
+def table():
+    import decision_table
+    return decision_table
+
+
+def small_model(table, row_name="p_rs_7"):
+    row = next(row for row in table.ROWS if row.name == row_name)
+    torch.manual_seed(0)
+    return table.build(row, channels=[8] * 6)
+
+
+def data(n=120, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, 256, (n, 28, 28), dtype=torch.uint8, generator=generator),
+            torch.randint(0, 10, (n,), generator=generator))
+
+
+def test_a_run_stopped_and_resumed_from_its_checkpoint_ends_with_the_weights_of_an_unbroken_one(table, tmp_path):
+    images, labels = data()
+    unbroken = table.Trainer(small_model(table), images, labels, steps=6, seed=3, augment=True)
+    unbroken.run(None, every=2)
+    checkpoint = tmp_path / "run.pth"
+    first = table.Trainer(small_model(table), images, labels, steps=6, seed=3, augment=True)
+    while first.step < 4:  # a run killed after its fourth step: its checkpoint holds step 4
+        first.train_step()
+    torch.save(first.state(), checkpoint)
+    resumed = table.Trainer(small_model(table), images, labels, steps=6, seed=3, augment=True)
+    resumed.run(checkpoint, every=2)
+    assert resumed.step == 6 and first.step == 4
+    for name, value in unbroken.model.state_dict().items():
+        assert torch.equal(value, resumed.model.state_dict()[name]), name
+
+
+def test_augmented_batches_turn_each_image_by_its_own_angle_fixed_by_the_step(table):
+    images, labels = data(100)
+    images[:, 10:18, 4:24] = 255  # a bar: every turn but the half turn moves it
+    trainer = table.Trainer(small_model(table), images, labels, steps=10, seed=0, augment=True)
+    plain = table.Trainer(small_model(table), images, labels, steps=10, seed=0, augment=False)
+    turned, turned_labels = trainer.batch(5)
+    upright, upright_labels = plain.batch(5)
+    assert torch.equal(turned_labels, upright_labels)  # the same images in the same order
+    assert not torch.equal(turned, upright)
+    assert torch.equal(turned, trainer.batch(5)[0])  # the same angles whenever step 5 runs (a resumed run too)
+    differences = (turned.float() - upright.float()).abs().flatten(1).sum(1)
+    assert len(set(differences.tolist())) > len(differences) // 2  # not one angle for the whole batch
+
+
+def test_jobs_run_every_row_at_the_smallest_size_first_and_one_seed_at_50000(table):
+    found = table.jobs(table.ROWS, [50000, 1000, 5000], [0, 1, 2], [0], local=True)
+    sizes = [job.size for job in found]
+    assert sizes == [1000] * 24 + [5000] * 24 + [50000] * 8 + [0] * 8
+    assert [job.seed for job in found[:9]] == [0] * 8 + [1]
+    assert {job.seed for job in found if job.size == 50000} == {0}
+    assert found[-1].name == "one_seed0" and found[0].name == "n1000_seed0"
+
+
+def test_a_time_matched_row_gets_the_steps_that_fit_its_rows_time(table):
+    times = {"seconds_per_step": {"p_rs_7": 0.6, "e2cnn_c8": 0.3}}
+    rows = {row.name: row for row in table.ROWS}
+    assert table.steps_for(rows["e2cnn_c8"], 1000, times) == 2000
+    assert table.steps_for(rows["p_rs_7"], 1000, times) == 1000
+
+
+def test_a_job_claimed_by_a_live_process_is_left_alone_and_one_of_a_dead_process_is_taken(table, tmp_path):
+    claim = table.Claim(tmp_path / "claims" / "job")
+    assert claim.take() and not table.Claim(claim.path).take()  # this process holds it
+    claim.release()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    claim.path.write_text(dead.stdout.strip())  # a process that has exited
+    assert table.Claim(claim.path).take() and claim.path.read_text() == str(os.getpid())
+
+
+def test_a_tiny_table_runs_records_and_is_not_rerun(table, tmp_path, capsys):
+    folder = tmp_path / "mnist"
+    make_mnist(folder, num_train=10_000 + 120, num_test=24)  # the train split holds 10,000 images out
+    args = ["run", "--data-dir", str(folder), "--output", str(tmp_path / "out"), "--results", str(tmp_path / "res"),
+            "--rows", "plain", "plain+aug", "p_rs_7", "--sizes", "50", "100", "--seeds", "0", "1", "--big-seeds", "0",
+            "--steps", "2", "--local-steps", "2", "--local-scenes", "60", "--local-test-scenes", "10", "--sweep-samples", "6", "--test-samples",
+            "12", "--timing-rounds", "1", "--timing-steps", "1", "--channels", *["8"] * 6]
+    table.main(args)
+    results = {path.relative_to(tmp_path / "res").with_suffix("").as_posix(): json.loads(path.read_text())
+               for path in (tmp_path / "res").glob("*/*.json")}
+    assert sorted(results) == sorted(f"{row}/{job}" for row in ("plain", "plain+aug", "p_rs_7")
+                                     for job in ("n50_seed0", "n50_seed1", "n100_seed0", "n100_seed1", "one_seed0"))
+    sweep = results["p_rs_7/n50_seed0"]
+    assert sweep["mnist_rot"]["angles"] == [float(a) for a in range(0, 360, 10)] and sweep["mnist_rot"]["images"] == 6
+    per_angle = sweep["mnist_rot"]["per_angle"]
+    assert per_angle[0] == per_angle[9] == per_angle[18] == per_angle[27]  # SC: exact at quarter turns
+    assert sweep["test_images"] == 12 and sweep["steps"] == 2 and results["plain+aug/n50_seed0"]["augment"]
+    assert results["p_rs_7/one_seed0"]["task"] == "one" and 0 <= results["p_rs_7/one_seed0"]["retained"]
+    timing = json.loads((tmp_path / "res" / "timing.json").read_text())
+    assert set(timing["seconds_per_step"]) == {"plain", "plain+aug", "p_rs_7"}
+    assert timing["machine_before"]["isa"] in ("avx512", "avx2", "other")
+    assert not list((tmp_path / "out" / "claims").iterdir())  # every claim released
+    stamps = {path: path.stat().st_mtime_ns for path in (tmp_path / "res").glob("*/*.json")}
+    capsys.readouterr()
+    table.main(args)
+    assert "every job is done" in capsys.readouterr().out
+    assert stamps == {path: path.stat().st_mtime_ns for path in (tmp_path / "res").glob("*/*.json")}
+    markdown = table.table(tmp_path / "res", (50, 100))
+    line = next(line for line in markdown.splitlines() if "`scnn_p_rs_7`" in line)
+    mean = sum(results[f"p_rs_7/n50_seed{s}"]["mnist_rot"]["mean"] for s in (0, 1)) / 2
+    assert f"{mean:.2f} ± " in line and "(2)" in line and line.count("|") == len((50, 100)) + 6
+
+
+def test_bad_sizes_are_refused_naming_what_is_accepted(table, capsys):
+    with pytest.raises(SystemExit):
+        table.main(["run", "--data-dir", "nowhere", "--sizes", "10"])
+    assert "--sizes must lie between 50 and 50,000" in capsys.readouterr().err
