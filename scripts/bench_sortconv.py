@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import statistics
 import sys
 import time
@@ -608,6 +609,8 @@ def compiled_kernel_rows() -> List[List[str]]:
 
 def print_compiled_kernels() -> None:
     rows = compiled_kernel_rows()
+    for row in rows:
+        RECORD("kernel", **dict(zip(("kernel", "geometry", "blocks", "registers", "spilled", "shared", "warps"), row)))
     print(f"\n### The Triton kernels compiled in this run ({len(rows)})\n")
     header = ["kernel", "geometry", "blocks", "registers", "spilled", "shared B", "warps"]
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
@@ -706,6 +709,22 @@ def cuda_training_throughput(name: str, backend: Optional[str], batch: int, step
     return batch / cuda_median_times({"step": step}, steps, device)["step"]
 
 
+class JsonLines:
+    """``--json FILE``: every measurement of the GPU benchmark appended to FILE as one JSON object per line, written
+    and flushed as it is made (a run cut off keeps what it measured)."""
+
+    def __init__(self, path: Optional[str]):
+        self.file = open(path, "a") if path else None
+
+    def __call__(self, kind: str, **fields) -> None:
+        if self.file is not None:
+            self.file.write(json.dumps({"kind": kind, **fields}, default=str) + "\n")
+            self.file.flush()
+
+
+RECORD = JsonLines(None)
+
+
 def print_cuda_throughput(args, precisions: Sequence[str], device: torch.device) -> None:
     backend = "auto"  # what users get; on a dry run's CPU tensors, the CPU backend or the reference path
     print(f"\n### Training throughput (Adam, median of {args.steps} steps after a warm-up step; SortConv2d on "
@@ -721,6 +740,8 @@ def print_cuda_throughput(args, precisions: Sequence[str], device: torch.device)
             base = cuda_training_throughput(twin, None, batch, args.steps, mode, device, size)
             print(f"| {name} | {precision} | {batch} | {sc:.0f} | {twin} | {base:.0f} | {sc / base:.2f} |",
                   flush=True)
+            RECORD("throughput", model=name, precision=precision, batch=batch, images_s=sc, twin=twin,
+                   twin_images_s=base)
 
 
 def main_cuda(args, variants: List[str], variant_given: bool) -> None:
@@ -734,10 +755,16 @@ def main_cuda(args, variants: List[str], variant_given: bool) -> None:
         device = torch.device("cuda")
     import triton
 
+    global RECORD
+    RECORD = JsonLines(args.json)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (dry run)"
     print(f"{name}, torch {torch.__version__}, triton {triton.__version__}, timm {timm.__version__}, "
           f"timm_sortconv {timm_sortconv.__version__}; median of {args.repeats} (CUDA events); 'default' is "
           "PyTorch's float32 default (TF32 in convolutions), which SC's product follows")
+    RECORD("environment", device=name, torch=torch.__version__, triton=triton.__version__, timm=timm.__version__,
+           timm_sortconv=timm_sortconv.__version__, repeats=args.repeats, argv=sys.argv[1:],
+           multiprocessors=torch.cuda.get_device_properties(device).multi_processor_count
+           if device.type == "cuda" else 0)
     reference_repeats = 0 if args.skip_reference else args.reference_repeats
     precisions = args.precisions.split(",")
     paths = args.triton_paths.split(",")
@@ -748,6 +775,7 @@ def main_cuda(args, variants: List[str], variant_given: bool) -> None:
                 for row in cuda_bench_layer(shape, layer_variants, precision, paths, args.repeats, reference_repeats,
                                             device):
                     rows.append((shape.label(), row))
+                    RECORD("layer", table=title, shape=shape.label(), precision=precision, **row)
             print_cuda_table(title, rows, precision, paths, reference_repeats > 0)
             if args.profile:
                 for shape, layer_variants in entries:
@@ -764,6 +792,9 @@ def main_cuda(args, variants: List[str], variant_given: bool) -> None:
         print("| " + " | ".join(DECISION_HEADER) + " |\n|" + "---|" * len(DECISION_HEADER))
         for row in decision_rows(decisions):
             print("| " + " | ".join(row) + " |")
+        for decision in decisions:
+            RECORD("decision", configuration=decision.configuration, chosen=decision.chosen.name,
+                   seconds=decision.seconds, checked_seconds=decision.checked_seconds, rejected=decision.rejected)
 
 
 def parse_args(argv=None):
@@ -806,6 +837,8 @@ def parse_args(argv=None):
                              "a path of the Triton backend (backend='triton-<path>'): direct, fused, columns, gemm")
     parser.add_argument("--profile", action="store_true",
                         help="cuda: after each table, torch.profiler's kernel times of SC forward+backward per row")
+    parser.add_argument("--json", metavar="FILE",
+                        help="cuda: also append every measurement to FILE as JSON lines, as it is made")
     parser.add_argument("--dry-run", action="store_true",
                         help="cuda: run the GPU table's code on tiny CPU tensors (set TRITON_INTERPRET=1)")
     args = parser.parse_args(argv)

@@ -10,7 +10,8 @@
 # or name the stages: models throughput check tests warmup table profile mnist (default: all but mnist, in
 # this order: the models' layers and training steps took 113 s on an H200, the check compiles for longer). Results are
 # written to $OUT (the device returns at most 8 files): <stage>.log (the benchmark stages' logs are their
-# markdown tables), summary.txt with the versions and each stage's status and time, and
+# markdown tables), results.jsonl (every measurement of the benchmark stages, one JSON object per line, written as
+# it is made), summary.txt with the versions, clocks and each stage's status and time, and
 # triton_cache.tgz.part-aa, -ab, ...: the compiled kernels, a gzipped tar split into 15 MiB parts (the device
 # returns files up to 16 MiB). Copy the parts to .carry/ before the next call, which then starts from them (a
 # machine given back loses its files): on a fresh H200 the check stage compiles for more than 530 s (its rows
@@ -71,12 +72,15 @@ if ls .carry/triton_cache.tgz.part-* >/dev/null 2>&1; then
     cat .carry/triton_cache.tgz.part-* | tar xzf - -C /tmp
 fi
 {
-    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,clocks.mem,power.limit --format=csv,noheader \
+        2>/dev/null || echo "no nvidia-smi (dry run)"
     $PYTHON -c "import torch, triton, timm; print('torch', torch.__version__, 'triton', triton.__version__, 'timm', timm.__version__, 'cuda', torch.cuda.is_available())"
     git log -1 --format='commit %H %s' 2>/dev/null
 } 2>&1 | tee "$OUT/summary.txt"
 
-BENCH="$PYTHON scripts/bench_sortconv.py --device cuda"
+# DRY_RUN=1 runs the benchmark stages' code on tiny CPU tensors (Triton's interpreter) to check this script here.
+BENCH="$PYTHON scripts/bench_sortconv.py --device cuda --json $OUT/results.jsonl${DRY_RUN:+ --dry-run}"
+[ -n "${DRY_RUN:-}" ] && export TRITON_INTERPRET=1
 # The SC columns of the layer tables: backend="auto" as users get it, then each path of the Triton backend
 PATHS=auto,fused,columns,gemm
 VARIANTS=(polar-ring polar-global square-ring square-global)
@@ -137,9 +141,10 @@ done
 if [ -d /tmp/triton_cache ]; then
     tar czf - -C /tmp triton_cache | split -b 15M - "$OUT/triton_cache.tgz.part-"
     parts=$(ls "$OUT"/triton_cache.tgz.part-* | wc -l)
-    if [ "$parts" -gt 4 ]; then  # the device returns at most 8 files, and the logs come first
+    others=$(ls "$OUT" | grep -vc '^triton_cache.tgz.part-')
+    if [ $(( parts + others )) -gt 8 ]; then  # the device returns at most 8 files, and the results come first
         rm "$OUT"/triton_cache.tgz.part-*
-        echo "triton_cache.tgz left out: $parts parts of 15 MiB" | tee -a "$OUT/summary.txt"
+        echo "triton_cache.tgz left out: $parts parts of 15 MiB beside $others result files" | tee -a "$OUT/summary.txt"
     fi
 fi
 echo "total $(( $(date +%s) - START )) s" | tee -a "$OUT/summary.txt"

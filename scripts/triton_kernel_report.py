@@ -18,6 +18,7 @@ Examples:
     python scripts/triton_kernel_report.py --k 7 --candidates               # every auto candidate at k = 7
     python scripts/triton_kernel_report.py --k 7 --variants polar-ring --kernels fused_forward_kernel \\
         --dtypes float32,bfloat16 --out-per-group 32,64,128
+    python scripts/triton_kernel_report.py --roofline H100,H200 --dtypes float32,bfloat16  # no compiling
 """
 from __future__ import annotations
 
@@ -58,6 +59,10 @@ def parse_args(argv=None):
     parser.add_argument("--in-per-group", type=int, default=32, help="input channels per group (fused kernel)")
     parser.add_argument("--out-per-group", default="32", help="comma-separated outputs per group (block sizes)")
     parser.add_argument("--groups", type=int, default=1, help="groups (direct kernels' block sizes)")
+    parser.add_argument("--roofline", metavar="GPUS",
+                        help=f"instead of compiling: each SortConv2d layer of {', '.join(ROOFLINE_MODELS)} (their "
+                             "default input size and batch) with its FLOPs, bytes and time bounds on these GPUs "
+                             f"({', '.join(GPUS)}) for --dtypes float32 (TF32) or bfloat16")
     parser.add_argument("--candidates", action="store_true",
                         help="every block-size candidate backend='auto' times, not only the first")
     args = parser.parse_args(argv)
@@ -139,6 +144,81 @@ def compile_kernel(fn, dtype, meta: dict, arch: int, folder: Path) -> dict:
     return cells
 
 
+# Peaks of the GPUs the issue measures on (NVIDIA's datasheets, SXM, dense): memory bandwidth in bytes/s, tensor-core
+# TF32 and BF16 and plain FP32 arithmetic in operations/s.
+GPUS = {"H100": dict(bandwidth=3.35e12, tf32=495e12, bf16=990e12, fp32=67e12),
+        "H200": dict(bandwidth=4.8e12, tf32=495e12, bf16=990e12, fp32=67e12)}
+ROOFLINE_MODELS = {"scnn_p_rs_7": 100, "ri_resnet18": 32, "ri_densenet40": 32}
+
+
+def layer_roofline(shape, geometry, element_bytes: int) -> Dict[str, float]:
+    """Arithmetic and memory of one SortConv2d layer (a ``bench_sortconv.LayerShape``), forward and
+    forward+backward, for three designs: the convolution itself (what cuDNN must at least move), materialised
+    columns (the columns path: the sorted columns written and read back, in the backward again with their
+    gradient) and the gemm path (the input read once per block of 64 outputs; in the backward the input gradient's
+    window values written and read back by ``F.fold``). ``sort ops``: comparators (two min/max each) and bilinear
+    taps (a multiply-add each) per forward, plain FP32 work, done twice more in the gemm backward."""
+    k, groups = shape.kernel_size, shape.groups
+    out_h = (shape.height + 2 * shape.pad - shape.dilation * (k - 1) - 1) // shape.stride + 1
+    out_w = (shape.width + 2 * shape.pad - shape.dilation * (k - 1) - 1) // shape.stride + 1
+    positions = shape.batch * out_h * out_w
+    windows = positions * shape.in_channels
+    macs = positions * shape.out_channels * (shape.in_channels // groups) * k * k
+    x = shape.batch * shape.in_channels * shape.height * shape.width * element_bytes
+    w = shape.out_channels * (shape.in_channels // groups) * k * k * element_bytes
+    out = positions * shape.out_channels * element_bytes
+    columns = windows * k * k * element_bytes
+    output_blocks = -(-(shape.out_channels // groups) // 64)
+    taps = int((geometry.tap_weights != 0).sum())
+    sort_ops = windows * (2 * len(geometry.comparators()) + taps)
+    conv_fwd, conv_bwd = x + w + out, out + x + w + x + w
+    return {
+        "GFLOP fwd": 2 * macs / 1e9, "sort Gop fwd": sort_ops / 1e9,
+        "conv MB fwd": conv_fwd / 1e6, "conv MB f+b": (conv_fwd + conv_bwd) / 1e6,
+        "columns MB fwd": (conv_fwd + 2 * columns) / 1e6,
+        "columns MB f+b": (conv_fwd + 2 * columns + conv_bwd + 6 * columns) / 1e6,
+        "gemm MB fwd": (conv_fwd + (output_blocks - 1) * x) / 1e6,
+        "gemm MB f+b": (conv_fwd + (output_blocks - 1) * x + conv_bwd + 2 * columns * 4 // element_bytes) / 1e6,
+    }
+
+
+def roofline(models: Dict[str, int], gpu: str, dtype: str) -> List[List[str]]:
+    """One row per distinct SortConv2d layer of ``models`` (name: batch) with :func:`layer_roofline` and the
+    time bounds on ``gpu`` (milliseconds, forward / forward+backward): the larger of memory at full bandwidth and
+    products on tensor cores (plus, for SC, its sorting on the plain FP32 units)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_sortconv import model_layer_shapes
+
+    from timm_sortconv.ops.geometry import get_geometry
+
+    peak = GPUS[gpu]
+    tensor = peak["bf16" if dtype == "bfloat16" else "tf32"]
+    element = 2 if dtype == "bfloat16" else 4
+    rows = []
+    for name, batch in models.items():
+        shapes, variant = model_layer_shapes(name, batch)
+        sampling, sorting = variant.split("/")[0].rsplit("-", 1)
+        for shape in shapes:
+            cells = layer_roofline(shape, get_geometry(shape.kernel_size, sampling, sorting), element)
+
+            def bound(megabytes: float, flop_factor: float, sort_factor: float) -> float:
+                return 1e3 * max(megabytes * 1e6 / peak["bandwidth"], flop_factor * cells["GFLOP fwd"] * 1e9 / tensor
+                                 + sort_factor * cells["sort Gop fwd"] * 1e9 / peak["fp32"])
+
+            rows.append([name, shape.label(), f"{cells['GFLOP fwd']:.2f}", f"{cells['sort Gop fwd']:.2f}",
+                         f"{cells['conv MB fwd']:.0f} / {cells['conv MB f+b']:.0f}",
+                         f"{cells['columns MB fwd']:.0f} / {cells['columns MB f+b']:.0f}",
+                         f"{cells['gemm MB fwd']:.0f} / {cells['gemm MB f+b']:.0f}",
+                         f"{bound(cells['conv MB fwd'], 1, 0):.3f} / {bound(cells['conv MB f+b'], 3, 0):.3f}",
+                         f"{bound(cells['columns MB fwd'], 1, 1):.3f} / {bound(cells['columns MB f+b'], 3, 2):.3f}",
+                         f"{bound(cells['gemm MB fwd'], 1, 1):.3f} / {bound(cells['gemm MB f+b'], 3, 3):.3f}"])
+    return rows
+
+
+ROOFLINE_HEADER = ["model", "layer", "GFLOP fwd", "sort Gop fwd", "conv MB fwd / f+b", "columns MB fwd / f+b",
+                   "gemm MB fwd / f+b", "conv bound ms", "columns bound ms", "gemm bound ms"]
+
+
 def blocks(meta: dict) -> str:
     return " ".join(f"{name[6:]}={value}" for name, value in meta.items() if name.startswith("BLOCK_")) + \
         f" w={meta['num_warps']}"
@@ -146,6 +226,14 @@ def blocks(meta: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.roofline:
+        for gpu in args.roofline.split(","):
+            for dtype in args.dtypes:
+                print(f"\n### {gpu}, {dtype}: bounds of each SortConv2d layer (ms, forward / forward+backward)\n")
+                print("| " + " | ".join(ROOFLINE_HEADER) + " |\n|" + "---|" * len(ROOFLINE_HEADER))
+                for row in roofline(ROOFLINE_MODELS, gpu, dtype):
+                    print("| " + " | ".join(row) + " |")
+        return 0
     # Compile every kernel afresh (a cached kernel would report no compile time).
     os.environ["TRITON_ALWAYS_COMPILE"] = "1"
     import triton

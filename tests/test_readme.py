@@ -1,12 +1,14 @@
-"""Every command of README.md and of the model cards runs as written, on a CPU-only machine.
+"""Every command of README.md, of ``docs/timm_scripts.md`` and of the model cards runs as written, offline, on a
+CPU-only machine.
 
-Quick checks: Python blocks are executed, and every shell command (of the README, the cards and
-``model_cards/README.md``) is checked: the files it runs exist and its flags parse with the tool's own parser.
+Quick checks: Python blocks are executed, and every shell command (of the README, the timm scripts' page, the cards
+and ``model_cards/README.md``) is checked: the files it runs exist and its flags parse with the tool's own parser.
 
-The slow tests run the commands themselves, in order, with ``CUDA_VISIBLE_DEVICES`` empty, in a folder laid out as
-the clone (``scripts/`` and ``.venv`` linked, a copy of ``model_cards/results``) with tiny data sets in
-``DATA/mnist`` and ``DATA/NWPU-RESISC45``, so that they write nothing into the clone. What a test changes in a
-command to make it take seconds is listed in :data:`SHORTER` (the schedules' epochs, the demo's image counts);
+The slow tests run the commands themselves, in order, with ``CUDA_VISIBLE_DEVICES`` empty and ``HF_HUB_OFFLINE=1``,
+in a folder laid out as the clone (``scripts/``, ``timm_sortconv/`` and ``.venv`` linked, a copy of
+``model_cards/results``), so that they write nothing into the clone: the README's commands with their own data
+folder (the MNIST sample in the package), the cards' with a tiny MNIST in ``DATA/mnist``. What a test changes in a
+command to make it take seconds is listed in :data:`SHORTER`: the number of epochs and of samples, nothing else;
 ``python`` is the interpreter running the tests. Commands that run timm's own scripts (``TIMM/...``) run when
 ``TIMM_SCRIPTS_DIR`` names a folder that holds them (``conftest.NO_TIMM_SCRIPTS`` says why CI has none); their
 launcher part is always checked.
@@ -22,7 +24,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from PIL import Image
 from test_data import make_mnist
 
 from conftest import NO_TIMM_SCRIPTS, TIMM_SCRIPTS_DIR
@@ -53,6 +54,7 @@ def commands(block):
 README = (REPO / "README.md").read_text()
 PYTHON_BLOCKS = blocks(README, "python")
 SHELL_BLOCKS = blocks(README, "bash")
+TIMM_BLOCKS = blocks((REPO / "docs" / "timm_scripts.md").read_text(), "bash")
 CARDS = sorted(CARDS_DIR.glob("scnn_*.md"))
 # a card's commands: in backticks, mnist_results.py first (its one or two stages), then validate.py
 CARD_COMMANDS = {card.stem: re.findall(r"`(python scripts/[^`]+)`", card.read_text()) for card in CARDS}
@@ -128,11 +130,18 @@ def check(command):
         pytest.fail(f"command with no check: {command}")
 
 
-@pytest.mark.parametrize("index", range(len(SHELL_BLOCKS)))
-def test_shell_block_commands_parse(index, monkeypatch):
+@pytest.mark.parametrize("block", SHELL_BLOCKS + TIMM_BLOCKS)
+def test_shell_block_commands_parse(block, monkeypatch):
     monkeypatch.chdir(REPO)  # paths in the README are relative to the clone
-    for command in commands(SHELL_BLOCKS[index]):
+    for command in commands(block):
         check(command)
+
+
+def test_readme_commands_read_the_data_in_the_package():
+    # a fresh clone has no data folder: every data folder the README names is the sample shipped in the package
+    named = [word for block in SHELL_BLOCKS for command in commands(block) for word in
+             re.findall(r"(?:--data-dir|start RUNS) (\S+)", command)]
+    assert named and set(named) == {"timm_sortconv/data/mnist_sample"}
 
 
 @pytest.mark.parametrize("card", [*CARD_COMMANDS, "README"])
@@ -150,7 +159,7 @@ def test_model_card_commands_parse_and_name_only_the_clones_folders(card, monkey
 
 @pytest.mark.skipif(not TIMM_SCRIPTS_DIR, reason=NO_TIMM_SCRIPTS)
 def test_timm_script_commands_parse():
-    launched = [shlex.split(c) for block in SHELL_BLOCKS for c in commands(block) if "-m timm_sortconv.run" in c]
+    launched = [shlex.split(c) for block in TIMM_BLOCKS for c in commands(block) if "-m timm_sortconv.run" in c]
     assert len(launched) >= 2
     for words in launched:
         parse_timm_script(Path(words[3]).name, words[4:])
@@ -158,16 +167,18 @@ def test_timm_script_commands_parse():
 
 # ------------------------------------------------------------------------------------------ running the commands
 
-# What a test adds to a command (found by a word it contains) so that it takes seconds on the tiny data; the rest
-# runs as written. The paper's schedules run one epoch (the NWPU one on one batch, 10 images) and the demo trains
-# on 50 images and sweeps 8.
+# What a test adds to a command (found by a word it contains, the first entry that matches) so that it takes
+# seconds: the number of epochs and of samples; the rest runs as written. Training runs one epoch on 200 images
+# (validation on 100), sweeps read 10-20 images, the demo trains on 50 images and sweeps 8.
+SAMPLES = ["--train-samples", "200", "--val-samples", "100"]
 SHORTER = [
     # No loader workers under torchrun: on CPython 3.11.7 a worker forked while another thread of the rank holds the
     # interpreter's thread-state lock hangs forever (python/cpython#112275, fixed in later 3.11 releases and 3.12);
     # seen once here, rank 0 waiting on its validation worker and rank 1 in DDP's buffer broadcast.
-    (".venv/bin/torchrun", ["--epochs", "1", "-j", "0"]),
-    ("scripts/configs/nwpu_resnet18.yaml", ["--epochs", "1", "--train-split", "train:10"]),
-    ("scripts/configs/mnist_scnn.yaml", ["--epochs", "1"]),
+    (".venv/bin/torchrun", ["--epochs", "1", "-j", "0", *SAMPLES]),
+    ("scripts/train.py", ["--epochs", "1", *SAMPLES]),
+    ("scripts/mnist_results.py", ["--epochs", "1", "--rot-samples", "10", *SAMPLES]),
+    ("scripts/validate.py", ["--samples", "20"]),
     ("TIMM/train.py", ["--epochs", "1"]),
     ("scripts/demo.py", ["--train-samples", "50", "--samples", "8"]),
 ]
@@ -175,8 +186,8 @@ NOT_RUN = {
     "bash scripts/bootstrap.sh": "the set-up itself: CI runs it before the tests",
     f"{PYTHON} -m pytest -q": "this test suite",
     f"{PYTHON} -m timm_sortconv.check --quick": "tests/test_check.py runs it (test_quick_check_on_the_cpu)",
-    "bash scripts/paper_protocol.sh start RUNS DATA/mnist scnn_p_rs_7": "a 100-epoch run in the background: "
-    "tests/test_train.py runs the script on a tiny configuration, stopped and started again",
+    "bash scripts/paper_protocol.sh start RUNS timm_sortconv/data/mnist_sample scnn_p_rs_7": "a 100-epoch run in the "
+    "background: tests/test_train.py runs the script on a tiny configuration, stopped and started again",
     "bash scripts/paper_protocol.sh status RUNS scnn_p_rs_7": "the status of that run",
 }
 
@@ -185,14 +196,11 @@ NOT_RUN = {
 def clone(tmp_path):
     """A folder laid out as the clone for the documented commands, with tiny data sets."""
     (tmp_path / "scripts").symlink_to(REPO / "scripts")
+    (tmp_path / "timm_sortconv").symlink_to(REPO / "timm_sortconv")  # the MNIST sample the README's commands read
     (tmp_path / ".venv").symlink_to(Path(sys.prefix))
     shutil.copytree(CARDS_DIR / "results", tmp_path / "model_cards" / "results")
     # training split 205, validation 41: one batch of 100 for each of torchrun's two processes
-    make_mnist(tmp_path / "DATA" / "mnist", num_train=246, num_test=12)
-    nwpu_class = tmp_path / "DATA" / "NWPU-RESISC45" / "airport"
-    nwpu_class.mkdir(parents=True)
-    for i in range(401):  # NWPU-RESISC45's split: a 400-image training pool per class, the rest for testing
-        Image.new("RGB", (8, 8), (i % 256, i // 256, 60)).save(nwpu_class / f"airport_{i:03d}.png")
+    make_mnist(tmp_path / "DATA" / "mnist", num_train=246, num_test=12)  # the cards' data folder
     if TIMM_SCRIPTS_DIR:
         (tmp_path / "TIMM").symlink_to(Path(TIMM_SCRIPTS_DIR).resolve())
     return tmp_path
@@ -216,16 +224,16 @@ def run_as_written(command, folder):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("index", range(len(SHELL_BLOCKS)))
-def test_readme_commands_run(index, clone):
+@pytest.mark.parametrize("block", SHELL_BLOCKS + TIMM_BLOCKS)
+def test_readme_commands_run(block, clone):
     ran = []
-    for command in commands(SHELL_BLOCKS[index]):
+    for command in commands(block):
         if command in NOT_RUN or ("TIMM/" in command and not TIMM_SCRIPTS_DIR):
             continue
         run_as_written(command, clone)
         ran.append(command)
     if not ran:
-        pytest.skip("; ".join(NOT_RUN.get(c, NO_TIMM_SCRIPTS) for c in commands(SHELL_BLOCKS[index])))
+        pytest.skip("; ".join(NOT_RUN.get(c, NO_TIMM_SCRIPTS) for c in commands(block)))
 
 
 # One card of each kind: a 2,000-image sweep, a full sweep beside the baseline, and weights trained in two stages.

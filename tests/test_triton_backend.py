@@ -646,3 +646,18 @@ def test_kernels_compile_for_sm90(tmp_path):
         cells = report.compile_kernel(load_kernels(geometry)[kernel], dtype, meta, 90, tmp_path)
         dot = triton_backend.KERNEL_PATHS[kernel] in ("fused", "gemm")
         assert cells["SASS"] > 0 and (cells["mma"] > 0) == dot, (kernel, cells)
+
+
+def test_roofline_counts_a_layers_products_and_the_bytes_each_design_moves():
+    report = load_script(SCRIPTS / "triton_kernel_report.py", "triton_kernel_report")
+    bench = load_script(SCRIPTS / "bench_sortconv.py", "bench_sortconv")
+    shape = bench.LayerShape(100, 32, 32, 28, 28, 7)  # the SCNN's 7x7 layer
+    geometry = get_geometry(7, "polar", "ring")
+    cells = report.layer_roofline(shape, geometry, 4)
+    assert cells["GFLOP fwd"] == pytest.approx(2 * 100 * 28 * 28 * 32 * 32 * 49 / 1e9)  # 7.87
+    columns = 100 * 32 * 28 * 28 * 49 * 4 / 1e6  # 492 MB of sorted columns in float32
+    assert cells["columns MB fwd"] == pytest.approx(cells["conv MB fwd"] + 2 * columns)
+    assert cells["conv MB fwd"] < cells["gemm MB fwd"] + 1e-9 < cells["columns MB fwd"]
+    assert cells["gemm MB f+b"] < cells["columns MB f+b"] / 3  # no columns and no column gradient in memory
+    half = report.layer_roofline(shape, geometry, 2)  # bfloat16 halves what the convolution moves
+    assert half["conv MB fwd"] == pytest.approx(cells["conv MB fwd"] / 2)

@@ -1,0 +1,330 @@
+#!/usr/bin/env python3
+"""The numbers of README.md, RESULTS.md and BENCHMARKS.md, written from the stored results they come from.
+
+A figure that a reader meets in more than one document has one home: a stored result (JSON or CSV, each with the
+command, date and machine that measured it), from which every document's copy is written. In a document, a
+generated block is the text between ``<!-- docs: NAME -->`` and ``<!-- /docs -->``; NAME is one of :data:`BLOCKS`,
+and the same NAME may appear in several documents (it is the same text in each). Everything outside the blocks is
+written by hand and holds no figure that another document holds.
+
+    python scripts/docs.py            # rewrite the blocks from the stored results
+    python scripts/docs.py --check    # exit 1 naming every block that differs (tests/test_docs.py runs it)
+
+Stored results read here:
+
+* ``results/benchmarks/*.csv``: CPU layer, training and twin benchmarks; the GPU's training steps and layers.
+* ``results/demo/``: the demo's rotation sweep (``scripts/demo.py`` as the README runs it) and how it was run.
+* ``model_cards/results/full/*.json``: the bundled MNIST models (``scripts/mnist_results.py``).
+* ``scripts/research/results/decision/``: the decision table (``scripts/research/decision_table.py``).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Callable, Dict, Iterable, List, Sequence, Tuple
+
+REPO = Path(__file__).resolve().parents[1]
+DOCUMENTS = ("README.md", "RESULTS.md", "BENCHMARKS.md")
+BENCH = REPO / "results" / "benchmarks"
+MARK = re.compile(r"(<!-- docs: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /docs -->)", re.S)
+ISA_NAMES = {"avx512": "AVX-512", "avx2": "AVX2"}
+
+
+def read_csv(path: Path) -> List[Dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def span(values: Iterable[float], digits: int = 2, suffix: str = "x") -> str:
+    values = sorted(values)
+    low, high = f"{values[0]:.{digits}f}", f"{values[-1]:.{digits}f}"
+    return f"{low}{suffix}" if low == high else f"{low}-{high}{suffix}"
+
+
+def threads_label(row: Dict[str, str]) -> str:
+    return f"{row['threads']}, {'CPU time' if row['clock'] == 'cpu' else 'wall clock'}"
+
+
+# ---------------------------------------------------------------------------------------------------- speed
+
+def cpu_groups() -> Dict[Tuple[str, str, str], List[Dict[str, str]]]:
+    groups: Dict[Tuple[str, str, str], List[Dict[str, str]]] = {}
+    for row in read_csv(BENCH / "cpu_layers.csv"):
+        groups.setdefault((row["isa"], row["threads"], row["clock"]), []).append(row)
+    return groups
+
+
+def speed() -> str:
+    """CPU layers per instruction set and threads, the SCNN's training step against its twin's, and the GPU's
+    training steps against the twins': the speed headlines of README.md and BENCHMARKS.md."""
+    training = {(r["isa"], r["threads"]): float(r["images_s"]) / float(r["baseline_images_s"])
+                for r in read_csv(BENCH / "cpu_training.csv") if r["precision"] == "float32"}
+    lines = ["| CPU (fused kernel) | threads, clock | layer rows | SC/conv forward | SC/conv forward+backward | "
+             "`scnn_p_rs_7` training images/s / twin's |", "|---|---|---|---|---|---|"]
+    machine = ""
+    for (isa, threads, clock), rows in cpu_groups().items():
+        machine = rows[0]["machine"]
+        fwd = [float(r["sc_fwd_ms"]) / float(r["conv_fwd_ms"]) for r in rows]
+        fb = [float(r["sc_fb_ms"]) / float(r["conv_fb_ms"]) for r in rows]
+        lines.append(f"| {ISA_NAMES[isa]} | {threads_label(rows[0])} | {len(rows)} | {span(fwd)} | {span(fb)} | "
+                     f"{training[(isa, threads)]:.2f} |")
+    gpu_rows = read_csv(BENCH / "gpu_training.csv")
+    lines += ["", f"Measured on {machine}, 2026-11-25/26 (`BENCHMARKS.md` has the tables and commands).", "",
+              "| GPU training step (`backend=\"auto\"`) | float32 images/s / twin's | bfloat16 autocast |",
+              "|---|---|---|"]
+    by_model: Dict[str, Dict[str, float]] = {}
+    for r in gpu_rows:
+        by_model.setdefault(r["model"], {})[r["precision"]] = float(r["images_s"]) / float(r["twin_images_s"])
+    for model, ratios in by_model.items():
+        lines.append(f"| `{model}` | {ratios['fp32']:.2f} | {ratios['bf16']:.2f} |")
+    layers = [r for r in read_csv(BENCH / "gpu_layers.csv") if r["k"] == "7"]
+    def extent(part: str) -> str:
+        return (f"{min(float(r[part + '_min']) for r in layers):.1f}-"
+                f"{max(float(r[part + '_max']) for r in layers):.1f}x")
+
+    lines += ["", f"On the GPU ({gpu_rows[0]['gpu'].split(',')[0]}, {gpu_rows[0]['date'][:10]}, commit "
+              f"{gpu_rows[0]['commit']}) the 7x7 layers took {extent('fwd_fp32')} the convolution's time forward and "
+              f"{extent('fb_fp32')} forward+backward (float32)."]
+    return "\n".join(lines)
+
+
+def cpu_layers(isa: str) -> Callable[[], str]:
+    def block() -> str:
+        groups = {key[1]: rows for key, rows in cpu_groups().items() if key[0] == isa}
+        one, two = groups["1"], groups["2"]
+        head = ["shape", "variant"] + [f"{t}T {c}" for t in (1, 2) for c in
+                                       ("conv fwd", "conv f+b", "SC fwd", "SC f+b", "SC/conv fwd", "SC/conv f+b")]
+        lines = [f"`1T`: `{one[0]['command']}` ({one[0]['date']}). `2T`: `{two[0]['command']}` ({two[0]['date']}). "
+                 f"Package at {one[0]['commit']}; milliseconds.", "",
+                 "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for a, b in zip(one, two):
+            assert (a["shape"], a["variant"]) == (b["shape"], b["variant"])
+            cells = [a["shape"], a["variant"]]
+            for r in (a, b):
+                cells += [r["conv_fwd_ms"], r["conv_fb_ms"], r["sc_fwd_ms"], r["sc_fb_ms"],
+                          f"{float(r['sc_fwd_ms']) / float(r['conv_fwd_ms']):.2f}x",
+                          f"{float(r['sc_fb_ms']) / float(r['conv_fb_ms']):.2f}x"]
+            lines.append("| " + " | ".join(cells) + " |")
+        return "\n".join(lines)
+    return block
+
+
+def cpu_training() -> str:
+    rows = read_csv(BENCH / "cpu_training.csv")
+    lines = [f"`{rows[0]['command'].replace(' --threads 1 --clock cpu', ' [--threads 1 --clock cpu]')}` (AVX2 rows: "
+             "`ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2` before it), "
+             f"{rows[0]['date']}, package at {rows[0]['commit']}. A step: forward, cross-entropy, backward and Adam "
+             "on 100 images of 1x28x28.", "",
+             "| instruction set | threads, clock | precision | `scnn_baseline_7` images/s | `scnn_p_rs_7` images/s | "
+             "ratio |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {ISA_NAMES[r['isa']]} | {threads_label(r)} | {r['precision']} | {r['baseline_images_s']} | "
+                     f"{r['images_s']} | {float(r['images_s']) / float(r['baseline_images_s']):.2f} |")
+    return "\n".join(lines)
+
+
+def cpu_twins() -> str:
+    rows = read_csv(BENCH / "cpu_twins.csv")
+    columns = [("avx512", "1"), ("avx512", "2"), ("avx2", "1"), ("avx2", "2")]
+    titles = [f"{ISA_NAMES[isa]}, {t} thread{'s' if t == '2' else ''}" for isa, t in columns]
+    models = list(dict.fromkeys((r["model"], r["twin"]) for r in rows))
+    cell = {(r["model"], r["isa"], r["threads"]): r for r in rows}
+    lines = [f"`{rows[0]['command'].replace(' --threads 1 --clock cpu', ' [--threads 1 --clock cpu]')}` "
+             f"(AVX2: with `ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2`), {rows[0]['date']}, package at "
+             f"{rows[0]['commit']}; 1 thread on CPU time. Training images/s, SC / twin (ratio):", "",
+             "| SC model (input, batch) | twin | " + " | ".join(titles) + " |", "|---|---|" + "---|" * 4]
+    for model, twin in models:
+        first = cell[(model, "avx512", "1")]
+        cells = []
+        for isa, t in columns:
+            r = cell[(model, isa, t)]
+            ratio = float(r["train_images_s"]) / float(r["twin_train_images_s"])
+            cells.append(f"{r['train_images_s']} / {r['twin_train_images_s']} (**{ratio:.2f}**)")
+        lines.append(f"| `{model}` ({first['train_size']}x{first['train_size']}, {first['batch']}) | `{twin}` | "
+                     + " | ".join(cells) + " |")
+    lines += ["", "Inference of one image, milliseconds, SC / twin (ratio):", "",
+              "| SC model (input) | twin | " + " | ".join(titles) + " |", "|---|---|" + "---|" * 4]
+    for model, twin in models:
+        first = cell[(model, "avx512", "1")]
+        cells = []
+        for isa, t in columns:
+            r = cell[(model, isa, t)]
+            cells.append(f"{r['latency_ms']} / {r['twin_latency_ms']} "
+                         f"(**{float(r['latency_ms']) / float(r['twin_latency_ms']):.2f}x**)")
+        lines.append(f"| `{model}` ({first['latency_size']}x{first['latency_size']}) | `{twin}` | " + " | ".join(cells)
+                     + " |")
+    return "\n".join(lines)
+
+
+def gpu() -> str:
+    rows = read_csv(BENCH / "gpu_training.csv")
+    layers = read_csv(BENCH / "gpu_layers.csv")
+    lines = [f"{rows[0]['gpu']}; commit {rows[0]['commit']}, {rows[0]['date']} UTC. Training steps (Adam, median of "
+             f"20 after a warm-up step; SC on `backend=\"auto\"`): `{rows[0]['command']}`", "",
+             "| model | precision | batch | images/s | twin | its images/s | SC / twin |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| `{r['model']}` | {r['precision']} | {r['batch']} | {r['images_s']} | `{r['twin']}` | "
+                     f"{r['twin_images_s']} | {float(r['images_s']) / float(r['twin_images_s']):.2f} |")
+    lines += ["", f"The models' SortConv2d layers at their input size, SC on {layers[0]['backend']} against "
+              f"`F.conv2d` (median of 20, CUDA events; ranges over each model's layers): `{layers[0]['command']}`", "",
+              "| model | layers | k | forward fp32 | forward+backward fp32 | forward bf16 | forward+backward bf16 |",
+              "|---|---|---|---|---|---|---|"]
+    for r in layers:
+        cells = [f"{r[f'{part}_min']}-{r[f'{part}_max']}x" for part in ("fwd_fp32", "fb_fp32", "fwd_bf16", "fb_bf16")]
+        lines.append(f"| `{r['model']}` | {r['layers']} | {r['k']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------- accuracy
+
+# The bundled models and the row each one's weights come from; the control is a RESULTS row without weights.
+# (model, its training stages' rows, the last holding the weights' figures, what it is)
+MNIST_ROWS = (
+    ("scnn_baseline_7", ("scnn_baseline_7",), "plain CNN, the paper's baseline (bundled)"),
+    ("scnn_p_rs_7", ("scnn_p_rs_7-paper",), "the paper's P-RS-7 on its 100-epoch schedule (bundled)"),
+    ("scnn_p_rs_7_blur", ("scnn_p_rs_7_blur",), "P-RS-7 with a blur (bundled)"),
+    ("scnn_p_rs_7_canon", ("scnn_p_rs_7_canon",), "P-RS-7 turned to the principal axis first (bundled)"),
+    ("scnn_p_c2_7_canon", ("scnn_p_c2_7_canon", "scnn_p_c2_7_canon-ft4"),
+     "half-turn orbit sorting + the turn (bundled)"),
+    ("scnn_baseline_7", ("scnn_baseline_7-canon1-e5",), "control: plain CNN + the canonical turn (not shipped)"),
+)
+
+
+def mnist() -> str:
+    sys.path.insert(0, str(REPO))
+    from timm_sortconv.cli.mnist_results import PAPER
+
+    lines = ["| model | what | MNIST | paper | MNIST-rot | paper | training |", "|---|---|---|---|---|---|---|"]
+    for model, rows, what in MNIST_ROWS:
+        stages = [json.loads((REPO / "model_cards" / "results" / "full" / f"{row}.json").read_text()) for row in rows]
+        result = stages[-1]
+        paper = PAPER.get(model, (None, None)) if rows[-1] in (model, f"{model}-paper") else (None, None)
+        cells = [f"{result['mnist_test_top1']:.2f}%", f"{paper[0]:.2f}%" if paper[0] else "-",
+                 f"{result['mnist_rot_top1']:.2f}%", f"{paper[1]:.2f}%" if paper[1] else "-",
+                 " + ".join(str(stage["epochs"]) for stage in stages) + " epoch" + "s" * (sum(
+                     stage["epochs"] for stage in stages) > 1)]
+        lines.append(f"| `{model}` | {what} | " + " | ".join(cells) + " |")
+    lines += ["", "MNIST: all 10,000 test images; MNIST-rot: all 360,000 (the test set turned by 0, 10, ..., 350 "
+              "degrees). Rows, commands and per-angle CSVs: `model_cards/results/full/`."]
+    return "\n".join(lines)
+
+
+DEMO = REPO / "results" / "demo"
+DEMO_ANGLES = (0, 30, 60, 90, 130, 180, 270, 310)
+
+
+def demo() -> str:
+    meta = json.loads((DEMO / "demo.json").read_text())
+    rows = read_csv(DEMO / "rotation_sweep.csv")
+    models = [name for name in rows[0] if name != "angle"]
+    by_angle = {int(float(r["angle"])): r for r in rows}
+    lines = ["| angle | " + " | ".join(str(a) for a in DEMO_ANGLES) + " | mean of 36 |",
+             "|---|" + "---|" * (len(DEMO_ANGLES) + 1)]
+    for name in models:
+        label = meta["labels"].get(name, name)
+        values = [float(by_angle[a][name]) for a in DEMO_ANGLES]
+        mean = sum(float(r[name]) for r in rows) / len(rows)
+        lines.append(f"| {label} | " + " | ".join(f"{v:.1f}" for v in values) + f" | **{mean:.2f}** |")
+    lines += ["", f"Top-1 % on the sample's {meta['test_images']} test images after one epoch on "
+              f"{meta['train_images']:,}; `{meta['command']}` took {meta['minutes']:.1f} min on {meta['machine']} "
+              f"({meta['date']}, the kernel's {meta['isa']} build, {meta['load']}). Another instruction set trains to "
+              "other figures (a training step's sums run in another order)."]
+    return "\n".join(lines)
+
+
+def record_demo(folder: Path, minutes: float, load: str) -> None:
+    """Stores the demo's sweep (``rotation_sweep.csv`` of its ``--output`` folder) with how it ran, for :func:`demo`:
+    the README's command, its minutes (measured by the caller, e.g. with ``time``), the machine and the load."""
+    import platform
+    import shutil
+    import time
+
+    import torch
+
+    sys.path.insert(0, str(REPO))
+    from timm_sortconv.ops import cpu_backend
+
+    DEMO.mkdir(parents=True, exist_ok=True)
+    shutil.copy(folder / "rotation_sweep.csv", DEMO / "rotation_sweep.csv")
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    meta = {"command": ".venv/bin/python scripts/demo.py", "minutes": minutes, "load": load,
+            "machine": f"{model}, {torch.get_num_threads()} threads", "isa": cpu_backend.cpu_isa(),
+            "date": time.strftime("%Y-%m-%d", time.gmtime()), "train_images": 5000, "test_images": 500,
+            "labels": {"scnn_p_rs_3": "`scnn_p_rs_3` (SC)", "scnn_baseline_3": "`scnn_baseline_3` (same parameters)"}}
+    (DEMO / "demo.json").write_text(json.dumps(meta, indent=1) + "\n")
+
+
+def decision() -> str:
+    sys.path.insert(0, str(REPO / "scripts" / "research"))
+    import decision_table
+
+    return decision_table.table(decision_table.RESULTS)
+
+
+BLOCKS: Dict[str, Callable[[], str]] = {
+    "speed": speed, "cpu-layers-avx512": cpu_layers("avx512"), "cpu-layers-avx2": cpu_layers("avx2"),
+    "cpu-training": cpu_training, "cpu-twins": cpu_twins, "gpu": gpu, "mnist": mnist, "demo": demo,
+    "decision": decision,
+}
+
+
+def render(text: str, cache: Dict[str, str]) -> str:
+    """``text`` with every generated block's body written afresh (``cache``: bodies made so far)."""
+    def body(match: re.Match) -> str:
+        name = match.group("name")
+        if name not in BLOCKS:
+            raise KeyError(f"unknown block {name!r}; accepted: {', '.join(BLOCKS)}")
+        if name not in cache:
+            cache[name] = BLOCKS[name]().rstrip("\n") + "\n"
+        return match.group(1) + cache[name] + match.group(4)
+    return MARK.sub(body, text)
+
+
+def differences(documents: Sequence[str] = DOCUMENTS) -> List[str]:
+    """``document: block`` for every block whose text is not what the stored results give."""
+    cache: Dict[str, str] = {}
+    found = []
+    for name in documents:
+        text = (REPO / name).read_text()
+        fresh = render(text, cache)
+        for old, new in zip(MARK.finditer(text), MARK.finditer(fresh)):
+            if old.group("body") != new.group("body"):
+                found.append(f"{name}: {old.group('name')}")
+    return found
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="only say which blocks differ (exit 1 if any)")
+    parser.add_argument("--record-demo", metavar="DIR", help="store the demo run in DIR (its --output) as the demo's "
+                        "result, with --minutes and --load, then rewrite the blocks")
+    parser.add_argument("--minutes", type=float, help="with --record-demo: the demo's wall time")
+    parser.add_argument("--load", default="", help="with --record-demo: the load it ran under, in words")
+    args = parser.parse_args(argv)
+    if args.record_demo:
+        if args.minutes is None:
+            parser.error("--record-demo needs --minutes (the demo's measured wall time)")
+        record_demo(Path(args.record_demo), args.minutes, args.load)
+    if args.check:
+        found = differences()
+        for entry in found:
+            print(f"differs from its stored results: {entry} (run python scripts/docs.py)")
+        return 1 if found else 0
+    cache: Dict[str, str] = {}
+    for name in DOCUMENTS:
+        path = REPO / name
+        text = path.read_text()
+        fresh = render(text, cache)
+        if fresh != text:
+            path.write_text(fresh)
+            print(f"{name}: rewrote {', '.join(m.group('name') for m in MARK.finditer(fresh))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
