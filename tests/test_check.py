@@ -1,8 +1,12 @@
 """``python -m timm_sortconv.check``: the command users run to check and measure SC on their machine.
 
-CI runs it on the CPU with ``--quick`` (test_quick_check_on_the_cpu); the other tests check what it covers and
-that a backend that disagrees with the reference path fails it.
+CI runs it on the CPU with ``--quick`` (test_quick_check_on_the_cpu); the other tests check what it covers, that
+a backend that disagrees with the reference path fails it, and that its speed section prints a ratio only where
+the machine let it measure one.
 """
+import functools
+import itertools
+import os
 import subprocess
 import sys
 
@@ -136,3 +140,102 @@ def test_on_cuda_each_triton_path_is_checked_where_auto_may_take_it(monkeypatch)
     assert sizes == {"auto": {3, 5, 7}, "triton": {3, 5, 7}, "triton[columns]": {3, 5, 7}, "triton[direct]": {3},
                      "triton[fused]": {3}, "triton[gemm]": {3, 5, 7}}
     assert {c.dtype for c in cases} == {"float32", "bfloat16", "float16"}
+
+
+def test_measure_takes_turns_and_keeps_each_functions_least_cpu_time(monkeypatch):
+    now = {"cpu": 0.0, "wall": 0.0}
+    monkeypatch.setattr(check, "cpu_clock", lambda: now["cpu"])
+    monkeypatch.setattr(check, "wall_clock", lambda: now["wall"])
+    loads = iter([0.5, 3.0])  # before the rounds, after them
+    monkeypatch.setattr(check, "load_average", lambda: next(loads))
+    costs = {"sc": iter([9.0, 3.0, 2.0, 5.0]), "conv": iter([9.0, 1.0, 4.0, 1.0])}  # the warm-up call's first
+    order = []
+
+    def call(name):  # runs for its cost in CPU seconds, and twice that in wall-clock seconds
+        order.append(name)
+        cost = next(costs[name])
+        now["cpu"] += cost
+        now["wall"] += 2 * cost
+
+    timing = check.measure({name: functools.partial(call, name) for name in costs}, 3, CPU)
+    assert order == ["sc", "conv"] * 4
+    assert timing.seconds == {"sc": 2.0, "conv": 1.0} and timing.cpu_share == 0.5 and timing.load == 3.0
+
+
+@pytest.fixture
+def speed_section(monkeypatch, capsys):
+    """Runs ``check --quick`` cut to its speed section (no agreement case; the real layers and training steps
+    of its model) on 2 PyTorch threads, with clocks that advance by a millisecond of wall-clock time at each
+    reading and by ``share`` of one of CPU time, and the load average ``load``; gives the report from its speed
+    section on, and the PyTorch threads each reading of the CPU clock saw."""
+    monkeypatch.setattr(check, "agreement_cases", lambda device: [])
+
+    def run(share: float, load: float):
+        threads_seen = set()
+        cpu = itertools.count(0, share * 1e-3)
+
+        def cpu_clock():
+            threads_seen.add(torch.get_num_threads())
+            return next(cpu)
+
+        monkeypatch.setattr(check, "wall_clock", itertools.count(0, 1e-3).__next__)
+        monkeypatch.setattr(check, "cpu_clock", cpu_clock)
+        monkeypatch.setattr(check, "load_average", lambda: load)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            assert check.main(["--device", "cpu", "--quick"]) == 0
+            assert torch.get_num_threads() == 2  # restored after the speed section
+        finally:
+            torch.set_num_threads(threads)
+        out = capsys.readouterr().out
+        return out[out.index("## Speed"):], threads_seen
+
+    return run
+
+
+def _ratio_cells(text):
+    """The ratio cells of the speed section's rows: the last two of each layer row, the last of the step row."""
+    layers = [line.split(" | ") for line in text.splitlines() if line.startswith("| scnn_p_rs_7 | (2, ")]
+    steps = [line.split(" | ") for line in text.splitlines() if line.startswith("| scnn_p_rs_7 | scnn_baseline_7 |")]
+    assert len(layers) == 6 and len(steps) == 1
+    return [cell.rstrip(" |") for row in layers for cell in row[-2:]] + [steps[0][-1].rstrip(" |")]
+
+
+def test_on_an_idle_machine_the_ratios_are_printed_with_the_load_and_the_threads(speed_section):
+    text, threads_seen = speed_section(share=1.0, load=0.25)
+    assert threads_seen == {1}
+    assert "on 1 PyTorch thread (of 2 by default)" in text
+    for when in ("before", "after"):
+        assert f"Load average (1 minute) {when}: 0.25, on {os.cpu_count()} logical CPUs." in text
+    assert _ratio_cells(text) == ["1.00x"] * 13  # every call timed alike by the fake clocks
+    assert "not measured" not in text
+
+
+@pytest.mark.parametrize("share, load_per_cpu, reason", [
+    (0.5, 0.25, "this process ran 50% of the time it was timed, load {load:.1f} on {cpus} logical CPUs"),
+    (1.0, 2.0, "load {load:.1f} on {cpus} logical CPUs")], ids=["waited for a core", "load average"])
+def test_on_a_busy_machine_a_note_replaces_the_ratios(speed_section, share, load_per_cpu, reason):
+    cpus = os.cpu_count()
+    text, _ = speed_section(share=share, load=load_per_cpu * cpus)
+    reason = reason.format(cpus=cpus, load=load_per_cpu * cpus)
+    note = f"not measured: the machine is busy ({reason}); rerun on an idle machine"
+    assert _ratio_cells(text) == [note] * 13
+    times = [line.split(" | ")[2:6] for line in text.splitlines() if line.startswith("| scnn_p_rs_7 | (2, ")]
+    assert all(float(cell) > 0 for row in times for cell in row)  # the times measured are still shown
+
+
+def test_on_a_gpu_measure_keeps_the_median_of_cuda_event_times_and_the_load_rule(monkeypatch):
+    from timm_sortconv.ops.triton_backend import tuning
+
+    times = iter([1.0, 5.0, 2.0, 3.0, 3.0, 4.0])  # sc, conv, sc, conv, ...
+    monkeypatch.setattr(tuning, "seconds", lambda fn, device: (fn(), next(times))[1])
+    monkeypatch.setattr(check, "load_average", lambda: 0.0)
+    calls = []
+    timing = check.measure({"sc": lambda: calls.append("sc"), "conv": lambda: calls.append("conv")}, 3,
+                           torch.device("cuda"))
+    assert calls == ["sc", "conv"] * 4  # the warm-up calls, then three rounds
+    assert timing.seconds == {"sc": 2.0, "conv": 4.0} and timing.cpu_share is None
+    assert timing.ratio("sc", "conv") == "0.50x"
+    busy = check.Timing(timing.seconds, None, 2.0 * os.cpu_count())
+    assert busy.ratio("sc", "conv").startswith("not measured: the machine is busy (load ")

@@ -19,10 +19,31 @@ It prints a markdown report (and writes it to the file ``--output`` names, if an
    that agreed and the ones left out with the reason.
 4. **Speed** of SC (``backend="auto"``) against ``F.conv2d`` on the ``SortConv2d`` layers of the package's
    models at their input size (forward, and forward+backward), and training steps of the models against
-   their ``nn.Conv2d`` twins (``*_baseline``). Times are medians, CUDA events on a GPU.
+   their ``nn.Conv2d`` twins (``*_baseline``). Each function is called once (which compiles kernels, and lets
+   auto decide), then SC and what it is compared with take turns for a number of rounds, so that a change in
+   the machine's load falls on both alike. On the CPU the time of a call is the CPU time of the process
+   (``time.process_time``) on one PyTorch thread, and the least of the rounds is kept: time the process spent
+   waiting for a core is not counted, and with one thread no thread of its own waits at a parallel region for
+   another that lost its core (which, on a busy machine, makes a call of well under a millisecond take tens).
+   On a GPU it is the median of CUDA-event times. The 1-minute load average before and after, the logical CPUs
+   and the PyTorch threads are printed beside the times.
 
-``--quick`` checks the same cases, and times one small model at batch 2 with two repeats: the CPU run CI
-makes. The exit status is 1 when a case disagrees.
+   **Too busy to measure.** A ratio is printed only where the times hold; elsewhere its cells say
+   "not measured: the machine is busy (...); rerun on an idle machine". The machine counts as busy for a row
+   when either
+   - (CPU) the process ran for less than ``LEAST_CPU_SHARE`` (80%) of the wall-clock time of the row's timed
+     calls: with one thread and a core to itself it runs for nearly all of it, so a lower share measures
+     directly that other processes held the cores while the row was timed; or
+   - the 1-minute load average, read before and after the row's rounds, is above ``MOST_LOAD_PER_CPU`` (1.5)
+     per logical CPU. The check itself adds at most one per logical CPU (the agreement section runs on
+     PyTorch's threads), so it trips only where other processes add at least half a unit per logical CPU; it
+     catches a busy machine where a short row happened to run in a quiet moment, with caches and memory
+     bandwidth still shared.
+   Both are read during the measurement itself, not set as limits on the times, so the rule holds on a fast
+   machine and a slow one alike.
+
+``--quick`` checks the same cases, and times one small model at batch 2 in five rounds: the CPU run CI makes.
+The exit status is 1 when a case disagrees.
 """
 from __future__ import annotations
 
@@ -31,6 +52,7 @@ import contextlib
 import functools
 import os
 import platform
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -52,6 +74,13 @@ KERNEL_SIZES = (3, 5, 7)
 # (batch, channels, outputs, size, groups): a dense layer (the fused or columns path on a GPU) and a
 # depthwise one (the direct path).
 LAYERS = ((2, 16, 16, 9, 1), (2, 8, 8, 9, 8))
+# Too busy to measure (the module's docstring): the least share of the wall-clock time of its timed calls that the
+# process must have run for on the CPU, and the most 1-minute load average per logical CPU.
+LEAST_CPU_SHARE = 0.8
+MOST_LOAD_PER_CPU = 1.5
+# The speed section's clocks (tests replace them).
+wall_clock = time.perf_counter
+cpu_clock = time.process_time
 # Models timed, with their nn.Conv2d twins and batch sizes (the paper's; --quick: the first, batch 2).
 MODELS = {"scnn_p_rs_7": ("scnn_baseline_7", 100), "ri_resnet18": ("ri_resnet18_baseline", 32),
           "ri_densenet40": ("ri_densenet40_baseline", 32)}
@@ -216,11 +245,65 @@ def check_case(case: Case, device: torch.device) -> Tuple[float, float, str]:
     return error, tolerance(got[0].dtype if autocast else torch.float32), ""
 
 
-def _seconds(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
-    from .ops.triton_backend.tuning import median_seconds
+def load_average() -> Optional[float]:
+    """The 1-minute load average, or None where the system gives none."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):  # AttributeError: not on this system (Windows)
+        return None
 
-    fn()  # warm-up: compiles kernels, and auto decides
-    return median_seconds(fn, repeats, device)
+
+@dataclass(frozen=True)
+class Timing:
+    """Seconds per call of functions timed taking turns, and what the machine did meanwhile."""
+
+    seconds: Dict[str, float]
+    cpu_share: Optional[float]  # the process's CPU time over the wall time of the timed calls (None on a GPU)
+    load: Optional[float]  # the higher 1-minute load average read before and after the rounds (None: unknown)
+
+    def busy(self) -> str:
+        """The note that replaces a ratio of these times where the machine was too busy (the module's
+        docstring gives the rule), or "" where the times hold."""
+        cpus = os.cpu_count() or 1
+        load = "load unknown" if self.load is None else f"load {self.load:.1f} on {cpus} logical CPUs"
+        if self.cpu_share is not None and self.cpu_share < LEAST_CPU_SHARE:
+            reason = f"this process ran {self.cpu_share:.0%} of the time it was timed, {load}"
+        elif self.load is not None and self.load > MOST_LOAD_PER_CPU * cpus:
+            reason = load
+        else:
+            return ""
+        return f"not measured: the machine is busy ({reason}); rerun on an idle machine"
+
+    def ratio(self, numerator: str, denominator: str) -> str:
+        """``seconds[numerator] / seconds[denominator]``, or the note where the machine was too busy."""
+        return self.busy() or f"{self.seconds[numerator] / self.seconds[denominator]:.2f}x"
+
+
+def measure(fns: Dict[str, Callable[[], object]], rounds: int, device: torch.device) -> Timing:
+    """Times each of ``fns`` after a warm-up call each: ``rounds`` rounds in which they take turns; on the CPU
+    the least CPU time of the process per call, on a GPU the median of CUDA-event times."""
+    from .ops.triton_backend.tuning import seconds
+
+    for fn in fns.values():
+        fn()
+    loads = [load_average()]
+    samples: Dict[str, List[float]] = {name: [] for name in fns}
+    wall = 0.0
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            if device.type == "cuda":
+                samples[name].append(seconds(fn, device))
+                continue
+            wall_start, cpu_start = wall_clock(), cpu_clock()
+            fn()
+            samples[name].append(cpu_clock() - cpu_start)
+            wall += wall_clock() - wall_start
+    loads.append(load_average())
+    load = None if None in loads else max(loads)
+    if device.type == "cuda":
+        return Timing({name: statistics.median(values) for name, values in samples.items()}, None, load)
+    return Timing({name: min(values) for name, values in samples.items()}, sum(map(sum, samples.values())) / wall,
+                  load)
 
 
 def _model_layers(model: nn.Module, batch: int, device: torch.device) -> List[Tuple[nn.Module, torch.Size]]:
@@ -242,7 +325,7 @@ def _model_layers(model: nn.Module, batch: int, device: torch.device) -> List[Tu
     return list(found.values())
 
 
-def _layer_rows(name: str, batch: int, repeats: int, device: torch.device) -> List[List[str]]:
+def _layer_rows(name: str, batch: int, rounds: int, device: torch.device) -> List[List[str]]:
     import timm
 
     model = timm.create_model(name).to(device)
@@ -256,7 +339,7 @@ def _layer_rows(name: str, batch: int, repeats: int, device: torch.device) -> Li
         def conv():
             return nn.Conv2d._conv_forward(module, x, module.weight, module.bias)
 
-        times = {}
+        fns = {}
         for label, fn in (("conv", conv), ("sc", sc)):
             def forward(fn=fn):
                 with torch.no_grad():
@@ -266,15 +349,18 @@ def _layer_rows(name: str, batch: int, repeats: int, device: torch.device) -> Li
                 out = fn()
                 out.backward(torch.ones_like(out))
 
-            times[label] = (_seconds(forward, repeats, device), _seconds(forward_backward, repeats, device))
+            fns[f"{label} fwd"], fns[f"{label} f+b"] = forward, forward_backward
+        timing = measure(fns, rounds, device)
         layer = (f"{tuple(shape)} -> {module.out_channels}, k={module.kernel_size[0]}, stride {module.stride[0]}, "
                  f"groups {module.groups}, {module.sampling}-{module.sorting}")
-        rows.append([name, layer, *(f"{t * 1e3:.3f}" for t in (*times["conv"], *times["sc"])),
-                     f"{times['sc'][0] / times['conv'][0]:.2f}x", f"{times['sc'][1] / times['conv'][1]:.2f}x"])
+        rows.append([name, layer, *(f"{timing.seconds[key] * 1e3:.3f}" for key in ("conv fwd", "conv f+b", "sc fwd",
+                                                                                   "sc f+b")),
+                     timing.ratio("sc fwd", "conv fwd"), timing.ratio("sc f+b", "conv f+b")])
     return rows
 
 
-def _training_seconds(name: str, batch: int, steps: int, device: torch.device) -> float:
+def _training_step(name: str, batch: int, device: torch.device) -> Callable[[], None]:
+    """One Adam training step of the model ``name`` on a fixed random batch."""
     import timm
 
     model = timm.create_model(name).to(device).train()
@@ -288,7 +374,24 @@ def _training_seconds(name: str, batch: int, steps: int, device: torch.device) -
         F.cross_entropy(model(images), labels).backward()
         optimizer.step()
 
-    return _seconds(step, steps, device)
+    return step
+
+
+@contextlib.contextmanager
+def _torch_threads(count: int) -> Iterator[None]:
+    """PyTorch's intra-op threads set to ``count`` inside the block, and restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _load_line(when: str) -> str:
+    load = load_average()
+    return (f"Load average (1 minute) {when}: {'unknown' if load is None else f'{load:.2f}'}, on "
+            f"{os.cpu_count()} logical CPUs.")
 
 
 DECISION_HEADER = ["configuration", "chosen", "timed", "first call (compile and check)", "left out"]
@@ -346,7 +449,7 @@ def parse_args(argv=None):
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu",
                         help="where to check and measure (default: cuda when there is a GPU)")
     parser.add_argument("--quick", action="store_true",
-                        help="fewer repeats, one small model at batch 2 (the CPU run CI makes)")
+                        help="fewer rounds, one small model at batch 2 (the CPU run CI makes)")
     parser.add_argument("--output", default=None, metavar="FILE",
                         help="also write the markdown report to FILE (default: print it only)")
     args = parser.parse_args(argv)
@@ -385,22 +488,39 @@ def main(argv=None) -> int:
         report("## What auto decided", "")
         report.table(DECISION_HEADER, decision_rows(TUNER.decisions()))
 
-    repeats = 2 if args.quick else 20
+    rounds = 5 if args.quick else 20
     models = dict(list(MODELS.items())[:1]) if args.quick else MODELS
     quick_batch = 2
-    report("## Speed", "", f"Milliseconds, median of {repeats} after a warm-up call; SC with backend='auto'.", "")
-    # generators, so that each model's rows are printed as soon as they are measured
-    layer_rows = (row for name, (_, batch) in models.items()
-                  for row in _layer_rows(name, quick_batch if args.quick else batch, repeats, device))
-    report.table(["model", "layer (input -> outputs)", "conv fwd", "conv f+b", "SC fwd", "SC f+b", "SC/conv fwd",
-                  "SC/conv f+b"], layer_rows)
+    default_threads = torch.get_num_threads()
+    report("## Speed", "")
+    rule = f"the 1-minute load average stayed at most {MOST_LOAD_PER_CPU} per logical CPU"
+    if device.type == "cuda":
+        report(f"Milliseconds, CUDA events, on 1 PyTorch thread (of {default_threads} by default): the median of "
+               f"{rounds} rounds in which SC (backend='auto') and what it is compared with take turns, after a warm-up "
+               f"call each. A ratio is printed only where {rule}.", "")
+    else:
+        report(f"Milliseconds of the process's CPU time per call, on 1 PyTorch thread (of {default_threads} by "
+               f"default): the least of {rounds} rounds in which SC (backend='auto') and what it is compared with "
+               "take turns, after a warm-up call each. A ratio is printed only where the process ran for at least "
+               f"{LEAST_CPU_SHARE:.0%} of the wall-clock time of its timed calls and {rule}.", "")
+    report(_load_line("before"), "")
+    with _torch_threads(1):
+        # generators, so that each model's rows are printed as soon as they are measured
+        layer_rows = (row for name, (_, batch) in models.items()
+                      for row in _layer_rows(name, quick_batch if args.quick else batch, rounds, device))
+        report.table(["model", "layer (input -> outputs)", "conv fwd", "conv f+b", "SC fwd", "SC f+b", "SC/conv fwd",
+                      "SC/conv f+b"], layer_rows)
 
-    def step_row(name: str, twin: str, batch: int) -> List[str]:
-        sc, plain = (_training_seconds(model, batch, repeats, device) for model in (name, twin))
-        return [name, twin, str(batch), f"{sc * 1e3:.1f}", f"{plain * 1e3:.1f}", f"{sc / plain:.2f}x"]
+        def step_row(name: str, twin: str, batch: int) -> List[str]:
+            timing = measure({"sc": _training_step(name, batch, device), "twin": _training_step(twin, batch, device)},
+                             rounds, device)
+            return [name, twin, str(batch), f"{timing.seconds['sc'] * 1e3:.1f}", f"{timing.seconds['twin'] * 1e3:.1f}",
+                    timing.ratio("sc", "twin")]
 
-    step_rows = (step_row(name, twin, quick_batch if args.quick else batch) for name, (twin, batch) in models.items())
-    report.table(["model", "nn.Conv2d twin", "batch", "SC step ms", "twin step ms", "SC / twin"], step_rows)
+        step_rows = (step_row(name, twin, quick_batch if args.quick else batch)
+                     for name, (twin, batch) in models.items())
+        report.table(["model", "nn.Conv2d twin", "batch", "SC step ms", "twin step ms", "SC / twin"], step_rows)
+    report(_load_line("after"), "")
     report(f"Done in {time.perf_counter() - start:.0f} s.")
     if args.output:
         with open(args.output, "w") as out:
