@@ -88,8 +88,33 @@ def speed() -> str:
 
     lines += ["", f"On the GPU ({gpu_rows[0]['gpu'].split(',')[0]}, {gpu_rows[0]['date'][:10]}, commit "
               f"{gpu_rows[0]['commit']}) the 7x7 layers took {extent('fwd_fp32')} the convolution's time forward and "
-              f"{extent('fb_fp32')} forward+backward (float32)."]
+              f"{extent('fb_fp32')} forward+backward (float32), on {layers[0]['backend']}."]
     return "\n".join(lines)
+
+
+def speed_brief() -> str:
+    """The speed headline in three sentences (README.md), from the same rows as :func:`speed`."""
+    fwd, fb = [], []
+    for rows in cpu_groups().values():
+        fwd += [float(r["sc_fwd_ms"]) / float(r["conv_fwd_ms"]) for r in rows]
+        fb += [float(r["sc_fb_ms"]) / float(r["conv_fb_ms"]) for r in rows]
+    training = [float(r["images_s"]) / float(r["baseline_images_s"]) for r in read_csv(BENCH / "cpu_training.csv")
+                if r["precision"] == "float32"]
+    layers = read_csv(BENCH / "cpu_layers.csv")
+    gpu_rows = read_csv(BENCH / "gpu_training.csv")
+    by_model: Dict[str, List[float]] = {}
+    for r in gpu_rows:
+        by_model.setdefault(r["model"], []).append(float(r["images_s"]) / float(r["twin_images_s"]))
+    gpu_layers = [r for r in read_csv(BENCH / "gpu_layers.csv") if r["k"] == "7"]
+    return (f"On a CPU ({layers[0]['machine'].split(' (')[0]}; AVX-512 and AVX2, 1 and 2 threads) the fused kernel "
+            f"takes {span(fwd)} the time of `F.conv2d` for a layer's forward and {span(fb)} for forward and backward "
+            f"({len(layers) // 4} layer shapes x 4 settings), and `scnn_p_rs_7` trains at {span(training, suffix='')} "
+            f"of its plain twin's images/s. On an {gpu_rows[0]['gpu'].split(',')[0]} "
+            f"({gpu_rows[0]['date'][:10]}) training ran at "
+            + ", ".join(f"{span(ratios, suffix='')} (`{model}`)" for model, ratios in by_model.items())
+            + f" of the twins' speed, the 7x7 layers at {min(float(r['fb_fp32_min']) for r in gpu_layers):.0f}-"
+              f"{max(float(r['fb_fp32_max']) for r in gpu_layers):.0f}x the convolution's forward+backward "
+              "(`BENCHMARKS.md`: tables, commands, machines).")
 
 
 def cpu_layers(isa: str) -> Callable[[], str]:
@@ -213,6 +238,22 @@ def mnist() -> str:
     return "\n".join(lines)
 
 
+def mnist_brief() -> str:
+    """The bundled models' MNIST / MNIST-rot in two sentences (README.md), from the rows of :func:`mnist`."""
+    sys.path.insert(0, str(REPO))
+    from timm_sortconv.cli.mnist_results import PAPER
+
+    parts = []
+    for model, rows, _ in MNIST_ROWS:
+        result = json.loads((REPO / "model_cards" / "results" / "full" / f"{rows[-1]}.json").read_text())
+        paper = PAPER.get(model) if rows[-1] in (model, f"{model}-paper") else None
+        name = f"`{model}`" + (" + `canonicalize=moment1` (not shipped)" if rows[-1].endswith("canon1-e5") else "")
+        parts.append(f"{name} {result['mnist_test_top1']:.2f} / {result['mnist_rot_top1']:.2f}"
+                     + (f" (paper {paper[0]:.2f} / {paper[1]:.2f})" if paper else ""))
+    return ("MNIST / MNIST-rot top-1 % (all 10,000 test images; all 360,000 turned ones): " + "; ".join(parts)
+            + " (RESULTS.md: every row, its command and the peers).")
+
+
 DEMO = REPO / "results" / "demo"
 DEMO_ANGLES = (0, 30, 60, 90, 130, 180, 270, 310)
 
@@ -267,7 +308,7 @@ def decision() -> str:
 
 
 BLOCKS: Dict[str, Callable[[], str]] = {
-    "speed": speed, "cpu-layers-avx512": cpu_layers("avx512"), "cpu-layers-avx2": cpu_layers("avx2"),
+    "speed": speed, "speed-brief": speed_brief, "mnist-brief": mnist_brief, "cpu-layers-avx512": cpu_layers("avx512"), "cpu-layers-avx2": cpu_layers("avx2"),
     "cpu-training": cpu_training, "cpu-twins": cpu_twins, "gpu": gpu, "mnist": mnist, "demo": demo,
     "decision": decision,
 }
