@@ -7,8 +7,9 @@
 # out of git (.git/info/exclude): .carry/wheels and .carry/mnist. Then, on the device, one call (10 minutes
 # at most per call, so the stages run in order of priority and each is cut off at the time left):
 #     run(command="bash scripts/gpu_check.sh", carry=[".carry"])
-# or name the stages: models throughput check tests warmup table profile mnist (default: all but mnist, in
-# this order: the models' layers and training steps took 113 s on an H200, the check compiles for longer). Results are
+# or name the stages: prewarm models throughput profile check tests warmup table mnist (default: all but mnist,
+# in this order: what the GPU issue needs first, the models' layers and training steps; the check compiles for
+# longer). Results are
 # written to $OUT (the device returns at most 8 files): <stage>.log (the benchmark stages' logs are their
 # markdown tables), results.jsonl (every measurement of the benchmark stages, one JSON object per line, written as
 # it is made), summary.txt with the versions, clocks and each stage's status and time, and
@@ -31,6 +32,7 @@
 #               (auto), each path (backend="triton-<path>": fused, columns, gemm), and the reference path
 #   profile     torch.profiler's kernel times of forward+backward at the SCNN's layers, columns and gemm
 #               paths, float32 and bf16: where the time goes (sorting kernels, cuBLAS, F.fold)
+#   prewarm     compiles the kernels the models stage needs, in parallel processes (their output is not kept)
 #   models      the SortConv2d layers of scnn_p_rs_7, ri_resnet18 and ri_densenet40: cuDNN, backend="auto",
 #               each path, the reference path; what auto decided (every candidate's time and first call, which
 #               compiles); every compiled kernel's registers and spills on the device
@@ -58,7 +60,7 @@ fi
 
 OUT=${OUT:-$PWD/gpu_check_out}
 mkdir -p "$OUT"
-STAGES=${*:-models throughput check tests warmup table profile}
+STAGES=${*:-prewarm models throughput profile check tests warmup table}
 
 if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \
@@ -79,7 +81,8 @@ fi
 } 2>&1 | tee "$OUT/summary.txt"
 
 # DRY_RUN=1 runs the benchmark stages' code on tiny CPU tensors (Triton's interpreter) to check this script here.
-BENCH="$PYTHON scripts/bench_sortconv.py --device cuda --json $OUT/results.jsonl${DRY_RUN:+ --dry-run}"
+WARM="$PYTHON scripts/bench_sortconv.py --device cuda${DRY_RUN:+ --dry-run}"  # runs whose output is not kept
+BENCH="$WARM --json $OUT/results.jsonl"
 [ -n "${DRY_RUN:-}" ] && export TRITON_INTERPRET=1
 # The SC columns of the layer tables: backend="auto" as users get it, then each path of the Triton backend
 PATHS=auto,fused,columns,gemm
@@ -114,9 +117,9 @@ for name in $STAGES; do
         jobs=()
         for variant in "${VARIANTS[@]}"; do
             for k in 3 5 7; do
-                jobs+=("$BENCH --shapes gpu --variants $variant --kernel-sizes $k --precisions fp32,bf16,fp16 --triton-paths $PATHS --repeats 0 --skip-reference > /dev/null")
+                jobs+=("$WARM --shapes gpu --variants $variant --kernel-sizes $k --precisions fp32,bf16,fp16 --triton-paths $PATHS --repeats 0 --skip-reference > /dev/null")
             done
-            jobs+=("$BENCH --shapes scnn_p_rs_7,ri_resnet18,ri_densenet40 --variants $variant --precisions fp32,bf16 --triton-paths $PATHS --repeats 0 --skip-reference > /dev/null")
+            jobs+=("$WARM --shapes scnn_p_rs_7,ri_resnet18,ri_densenet40 --variants $variant --precisions fp32,bf16 --triton-paths $PATHS --repeats 0 --skip-reference > /dev/null")
         done
         printf '%s\n' "${jobs[@]}" > /tmp/warmup_jobs.txt
         stage warmup "xargs -P 12 -I{} bash -c '{}' < /tmp/warmup_jobs.txt" ;;
@@ -124,6 +127,17 @@ for name in $STAGES; do
         stage table "$BENCH --shapes gpu --kernel-sizes 3,5,7 --precisions fp32,bf16,fp16 --triton-paths $PATHS --repeats 20" ;;
     profile)
         stage profile "$BENCH --shapes scnn_p_rs_7 --precisions fp32,bf16 --triton-paths columns,gemm --repeats 3 --skip-reference --profile" ;;
+    prewarm)
+        # The models' layers run once, untimed, one process per model and precision: Triton compiles their kernels
+        # (every candidate auto checks, and each path) in parallel, so that the models stage times warm kernels.
+        jobs=()
+        for model in scnn_p_rs_7 ri_resnet18 ri_densenet40; do
+            for precision in fp32 bf16; do
+                jobs+=("$WARM --shapes $model --precisions $precision --triton-paths $PATHS --repeats 0 --skip-reference > /dev/null")
+            done
+        done
+        printf '%s\n' "${jobs[@]}" > /tmp/prewarm_jobs.txt
+        stage prewarm "xargs -P 6 -I{} bash -c '{}' < /tmp/prewarm_jobs.txt" ;;
     models)
         stage models "$BENCH --shapes scnn_p_rs_7,ri_resnet18,ri_densenet40 --precisions fp32,bf16 --triton-paths $PATHS --repeats 20 --reference-repeats 1" ;;
     throughput)
@@ -135,7 +149,7 @@ for name in $STAGES; do
         mkdir -p "$OUT/mnist_run"
         cp /tmp/train/mnist_run/{last.pth.tar,summary.csv,args.yaml} "$OUT/mnist_run/" 2>/dev/null ;;
     *)
-        echo "unknown stage $name; accepted: prepare check tests warmup table profile models throughput mnist" | tee -a "$OUT/summary.txt" ;;
+        echo "unknown stage $name; accepted: prepare prewarm models throughput profile check tests warmup table mnist" | tee -a "$OUT/summary.txt" ;;
     esac
 done
 if [ -d /tmp/triton_cache ]; then
