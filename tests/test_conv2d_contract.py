@@ -3,11 +3,14 @@
 Each case is a valid random configuration (kernel, stride, padding, dilation, groups, padding mode, bias,
 dtype, batched or unbatched input, sampling, sorting, stride alignment), changed in at most one place to a
 value that may be wrong (a non-positive stride or dilation, negative padding, a float, a bad padding string,
-groups that do not divide, mixed dtypes, the wrong channels, dimensions or size). The properties asserted:
+groups that do not divide, mixed dtypes, an integer or bool input, the wrong channels, dimensions or size).
+Integer inputs are also drawn for every kernel size the fuzz draws, each integer dtype with each. The
+properties asserted:
 
 * the Sorting Convolution accepts a case exactly when PyTorch's convolution does, and where both refuse,
-  with the same exception class and a message of one line that names what was changed (the input, when
-  nothing was);
+  with the same exception class (or a subclass of it: tensors that do not fit together raise
+  ``ShapeError`` and ``DtypeError``, ``RuntimeError`` as in PyTorch and ``ValueError`` or ``TypeError`` too)
+  and a message of one line that names what was changed (the input, when nothing was);
 * where both accept, the output has the same shape and dtype, and the same values wherever Sorting
   Convolution must equal the convolution: a ``1 x 1`` kernel on PyTorch's grid, and a constant input read
   without zeros (every window constant, so that sampling and sorting change nothing), for every sampling.
@@ -22,7 +25,10 @@ strict one, and the test asserts that instead (:func:`pytorch_quirk`):
   adds it unchecked, while it refuses the same call with ``padding=0``; Sorting Convolution refuses it;
 * an input of the wrong dimensions with a non-zero ``padding_mode`` meets ``F.pad`` first in ``nn.Conv2d``,
   whose error is a ``NotImplementedError`` of five lines; Sorting Convolution raises the ``RuntimeError`` of
-  one line that ``nn.Conv2d`` raises with zero padding.
+  one line that ``nn.Conv2d`` raises with zero padding;
+* a bool input meets a kernel that has no bool version in ``nn.Conv2d`` where it has no bias or pads with
+  ``"reflect"`` or ``"replicate"`` (a ``NotImplementedError``), and the check of its dtype elsewhere (a
+  ``RuntimeError``); Sorting Convolution refuses every integer and bool input with the ``RuntimeError``.
 ``SortConv2d``'s own limits (square kernels, floating-point tensors) have tests of their own at the end.
 """
 import collections
@@ -37,11 +43,14 @@ from timm.layers import Conv2dSame
 
 from timm_sortconv import SortConv2d, SortConv2dSame, sort_conv2d
 from timm_sortconv.ops import PADDING_MODES, SAMPLINGS, SORTINGS
+from timm_sortconv.ops.checks import DtypeError, ShapeError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 CASES = 300
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+INTEGER_DTYPES = (torch.int64, torch.int32, torch.uint8, torch.bool)
+KERNEL_SIZES = (1, 1, 2, 3, 3, 4, 5)  # drawn from: 1 and 3 twice as often
 # Values an argument may be changed to, valid ones among them.
 BAD_VALUES = {
     "stride": [0, -1, (1, 0), 1.5, True, (1, 2, 3), (), None, (2,), np.int64(2)],
@@ -51,13 +60,14 @@ BAD_VALUES = {
     "padding_mode": ["mirror", "zero"],
 }
 # Changes of the input (and, for the functional form, of the weight and bias).
-INPUT_CHANGES = ["dtype", "bias dtype", "channels", "2-D", "5-D", "no pixels", "small", "empty batch"]
+INPUT_CHANGES = ["dtype", "integer dtype", "bias dtype", "channels", "2-D", "5-D", "no pixels", "small",
+                 "empty batch"]
 FUNCTIONAL_CHANGES = ["weight 3-D", "bias shape", "weight dtype"]
 
 
 def random_case(rng: random.Random, layer: bool, arguments: bool = True) -> dict:
     """A valid configuration, then at most one change (of the input only, unless ``arguments``)."""
-    k = rng.choice([1, 1, 2, 3, 3, 4, 5])
+    k = rng.choice(KERNEL_SIZES)
     groups = rng.choice([1, 1, 2])
     case = dict(
         k=k, groups=groups, in_channels=groups * rng.randint(1, 2), out_channels=groups * rng.randint(1, 2),
@@ -78,6 +88,8 @@ def random_case(rng: random.Random, layer: bool, arguments: bool = True) -> dict
             what = rng.choice(INPUT_CHANGES + ([] if layer else FUNCTIONAL_CHANGES))
             if what in ("bias dtype", "bias shape") and not case["bias"]:
                 return case
+            if what == "integer dtype":
+                case["integer_dtype"] = rng.choice(INTEGER_DTYPES)
         else:
             value = rng.choice(BAD_VALUES[what] + ([2] if what == "stride" else []))
             if (what in ("padding", "dilation") and isinstance(value, (tuple, list)) and len(value) != 2
@@ -123,7 +135,8 @@ def tensors(case: dict, seed: int):
     weight = torch.randn(weight_shape, generator=generator, dtype=torch.float64)
     bias = torch.randn(case["out_channels"] + (change == "bias shape"), generator=generator, dtype=torch.float64)
     other = other_dtype(dtype)
-    return (x.to(other if change == "dtype" else dtype), weight.to(other if change == "weight dtype" else dtype),
+    input_dtype = {"dtype": other, "integer dtype": case.get("integer_dtype")}.get(change, dtype)
+    return (x.to(input_dtype), weight.to(other if change == "weight dtype" else dtype),
             bias.to(other if change == "bias dtype" else dtype) if case["bias"] else None)
 
 
@@ -158,9 +171,12 @@ def compare(case: dict, expected, got, counts: dict, values: bool = True) -> Non
         return
     if expected[0] == "error":
         assert kind == "error", f"{case}: PyTorch refuses ({expected[1]!r}), Sorting Convolution accepts"
-        wrong_dims = isinstance(expected[1], NotImplementedError) and case["change"] in ("2-D", "5-D")
-        expected_class = RuntimeError if wrong_dims else type(expected[1])
-        assert type(value) is expected_class, f"{case}: {value!r} where PyTorch raises {expected[1]!r}"
+        unimplemented = isinstance(expected[1], NotImplementedError) and case["change"] in ("2-D", "5-D",
+                                                                                              "integer dtype")
+        expected_class = RuntimeError if unimplemented else type(expected[1])
+        assert type(value) is expected_class or (type(value) in (ShapeError, DtypeError)
+                                                 and isinstance(value, expected_class)), \
+            f"{case}: {value!r} where PyTorch raises {expected[1]!r}"
         message = str(value)
         assert message and "\n" not in message, f"{case}: {message!r}"
         change = case["change"] or "input"
@@ -288,6 +304,32 @@ def test_sort_conv2d_same_accepts_and_refuses_what_timm_conv2d_same_does():
         compare(case, outcome(lambda: conv(x)), outcome(lambda: layer(x)), counts,
                 values=case["k"] == 1 and case["stride"] == 1)
     assert counts["accepted"] > CASES // 12 and counts["refused"] > CASES // 12, counts
+
+
+@pytest.mark.parametrize("k", sorted(set(KERNEL_SIZES)))
+def test_integer_inputs_are_refused_as_by_nn_conv2d_with_every_kernel_size(k):
+    """Every integer dtype with every kernel size the fuzz draws, on random arguments: ``nn.Conv2d`` and
+    ``F.conv2d`` (floating-point weights) refuse the input, and so do ``SortConv2d`` and ``sort_conv2d``,
+    before the input is padded or centred (where reading it half a pixel on would make it float)."""
+    rng = random.Random(k)
+    counts = collections.Counter()
+    for index, dtype in enumerate(INTEGER_DTYPES * 3):
+        case = dict(random_case(rng, layer=True, arguments=False), k=k, change="integer dtype", integer_dtype=dtype)
+        x, weight, bias = tensors(case, index)
+        conv = nn.Conv2d(**layer_args(case), dtype=case["dtype"])
+        layer = SortConv2d(**layer_args(case), dtype=case["dtype"], sampling=case["sampling"],
+                           sorting=case["sorting"], stride_align=case["stride_align"])
+        layer.load_state_dict(conv.state_dict())
+        refusals = [outcome(lambda: layer(x))]
+        compare(case, outcome(lambda: conv(x)), refusals[0], counts)
+        args = dict(stride=case["stride"], padding=case["padding"], dilation=case["dilation"], groups=case["groups"])
+        refusals.append(outcome(lambda: sort_conv2d(x, weight, bias, **args, sampling=case["sampling"],
+                                                    sorting=case["sorting"])))
+        compare(dict(case, stride_align="corner"), outcome(lambda: F.conv2d(x, weight, bias, **args)), refusals[1],
+                counts)
+        for _, error in refusals:
+            assert isinstance(error, DtypeError) and f"not accepted; got input {dtype}" in str(error), (case, error)
+    assert counts == {"refused": 2 * 3 * len(INTEGER_DTYPES)}, counts
 
 
 def test_mixed_dtypes_are_cast_by_autocast():

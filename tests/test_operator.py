@@ -216,6 +216,28 @@ def test_autocast_keeps_float32_for_the_reference_backend_and_float64(count_call
     assert out64.dtype == torch.float64
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.bool])
+def test_the_operator_refuses_an_integer_input_and_the_wrong_channels_as_the_layers_do(dtype, autocast):
+    """Called directly, the operator refuses what ``SortConv2d`` and ``sort_conv2d`` refuse at their entry, with
+    the same errors: an integer or bool input beside float32 weights (a ``RuntimeError`` as from ``F.conv2d``, and
+    a ``TypeError``; autocast casts floating-point tensors only) and an input with other channels than the weight
+    expects (a ``ValueError``, and a ``RuntimeError``)."""
+    op = torch.ops.timm_sortconv.sort_conv2d
+    options = ([1, 1], [0, 0, 0, 0], [1, 1], 1, "polar", "ring", "auto")
+    weight, bias = randn(4, 2, 3, 3, dtype=torch.float32), randn(4, seed=1, dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with pytest.raises(RuntimeError, match=rf"floating-point tensors \(float16, bfloat16, float32, float64\): "
+                                               rf"integer, bool and complex ones are not accepted; got input {dtype}, "
+                                               rf"weight torch.float32, bias torch.float32$") as info:
+            op(torch.ones(1, 2, 6, 6, dtype=dtype), weight, bias, *options)
+        assert isinstance(info.value, TypeError)
+        with pytest.raises(ValueError, match=r"input has 3 channels \(shape \[1, 3, 6, 6\]\) but the weight "
+                                             r"\[4, 2, 3, 3\] with groups=1 expects 2$") as info:
+            op(randn(1, 3, 6, 6, dtype=torch.float32), weight, bias, *options)
+        assert isinstance(info.value, RuntimeError)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["scnn_p_rs_3", "ri_resnet18", "ri_vgg16", "ri_densenet40"])
 def test_create_model_passes_the_backend_to_every_layer(name):

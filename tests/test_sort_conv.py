@@ -6,6 +6,7 @@ naive loop implementation written here from the specification, gradients, dtypes
 """
 import math
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from conftest import quick_first
-from timm_sortconv import SortConv2d, sort_conv2d
+from timm_sortconv import SortConv2d, SortConv2dSame, sort_conv2d
 from timm_sortconv.ops.geometry import get_geometry
 from timm_sortconv.ops.reference import sorted_patches
 
@@ -686,3 +687,58 @@ def test_mixed_dtypes_are_refused_outside_autocast(dtypes):
                        for d, shape in zip(dtypes, [(1, 2, 6, 6), (2, 2, 3, 3), (2,)]))
     with pytest.raises(RuntimeError, match=rf"one dtype \(outside autocast.*input {dtypes[0]}, weight {dtypes[1]}"):
         sort_conv2d(x, weight, bias)
+
+
+def raised_before_the_operator(info) -> bool:
+    """Whether the error of ``info`` (``pytest.raises``) was raised by timm_sortconv's checks at the call's entry:
+    its last frame in ``timm_sortconv/ops/checks.py`` and none in PyTorch's operator dispatch (``torch/_ops.py``,
+    ``torch/_library/``), whose frames would put dozens of lines between the caller's line and the message."""
+    paths = [Path(str(entry.path)).parts for entry in info.traceback]
+    return paths[-1][-3:] == ("timm_sortconv", "ops", "checks.py") and not any(
+        parts[-2:] == ("torch", "_ops.py") or "_library" in parts for parts in paths)
+
+
+@pytest.mark.parametrize("call", ["layer", "unbatched layer", "same layer", "functional", "functional groups"])
+def test_a_channel_mismatch_is_a_value_error_raised_before_the_operator(call):
+    """A ``ValueError`` naming the channels expected, raised where the call begins; a ``RuntimeError`` too, the
+    class ``nn.Conv2d`` raises for it, so that its callers' ``except`` clauses catch it."""
+    x = torch.randn(1, 4, 8, 8)
+    run = {
+        "layer": lambda: SortConv2d(3, 8, 3)(x),
+        "unbatched layer": lambda: SortConv2d(3, 8, 3)(x[0]),
+        "same layer": lambda: SortConv2dSame(3, 8, 3, stride=2)(x),
+        "functional": lambda: sort_conv2d(x, torch.randn(8, 3, 3, 3)),
+        "functional groups": lambda: sort_conv2d(x, torch.randn(8, 1, 3, 3), groups=2),
+    }[call]
+    with pytest.raises(ValueError, match=r"^sort_conv2d: input has 4 channels \(shape \[(1, )?4, 8, 8\]\) but the "
+                                         r"weight \[8, [13], 3, 3\] with groups=[12] expects [23]$") as info:
+        run()
+    assert isinstance(info.value, RuntimeError) and raised_before_the_operator(info)
+
+
+def test_groups_that_do_not_divide_the_weight_are_a_value_error_raised_before_the_operator():
+    with pytest.raises(ValueError, match=r"^groups=4 must divide the weight's 6 output channels \(weight shape "
+                                         r"\(6, 1, 3, 3\)\)$") as info:
+        sort_conv2d(torch.randn(1, 4, 8, 8), torch.randn(6, 1, 3, 3), groups=4)
+    assert isinstance(info.value, RuntimeError) and raised_before_the_operator(info)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.bool])
+@pytest.mark.parametrize("size", [5, 6])
+def test_an_integer_input_is_refused_as_by_nn_conv2d(dtype, size):
+    """``nn.Conv2d`` refuses an integer or bool input with a ``RuntimeError``, and so does every entry of SC, also
+    where a strided layer reads an odd-sized input half a pixel on (which would make it float): a
+    ``DtypeError``, a ``TypeError`` too, that names what is accepted."""
+    x = torch.ones(1, 2, size, size, dtype=dtype)
+    conv = nn.Conv2d(2, 4, 2, stride=2)
+    with pytest.raises(RuntimeError):
+        conv(x)
+    weight, bias = conv.weight.detach(), conv.bias.detach()
+    for run in (lambda: SortConv2d.from_conv(conv)(x), lambda: SortConv2dSame(2, 4, 2, stride=2)(x),
+                lambda: sort_conv2d(x, weight, bias, stride=2), lambda: sort_conv2d(x, weight, stride=2)):
+        with pytest.raises(RuntimeError, match=rf"^sort_conv2d needs floating-point tensors \(float16, bfloat16, "
+                                               rf"float32, float64\): integer, bool and complex ones are not "
+                                               rf"accepted; got input {dtype}, weight torch.float32$") as info:
+            run()
+        assert isinstance(info.value, TypeError) and raised_before_the_operator(info)
+

@@ -13,14 +13,14 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Optional, Union
+from typing import List, Optional, Union
 
 import timm
 import torch
 from timm.models import save_for_hf
 
-__all__ = ["PretrainedLoadError", "HUB_ORG", "PACKAGE_WEIGHTS_DIR", "bundled_weights_dir", "save_pretrained",
-           "push_folder", "fill_hf_cache", "load_pretrained"]
+__all__ = ["PretrainedLoadError", "HUB_ORG", "PACKAGE_WEIGHTS_DIR", "bundled_models", "bundled_weights_dir",
+           "save_pretrained", "push_folder", "fill_hf_cache", "load_pretrained"]
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
@@ -60,6 +60,12 @@ def bundled_weights_dir() -> Path:
     """
     override = os.environ.get(WEIGHTS_DIR_ENV)
     return Path(override) if override else PACKAGE_WEIGHTS_DIR
+
+
+def bundled_models() -> List[str]:
+    """The names of the models whose weights are bundled (``<model>.safetensors`` in
+    :func:`bundled_weights_dir`), sorted: those ``timm.create_model(name, pretrained=True)`` loads offline."""
+    return sorted(path.stem for path in bundled_weights_dir().glob("*.safetensors"))
 
 
 def save_pretrained(model: torch.nn.Module, out_dir: Union[str, Path], model_card: Optional[Union[str, Path]] = None,

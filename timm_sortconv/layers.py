@@ -99,7 +99,7 @@ class SortConv2d(nn.Conv2d):
         self.stride_align = check_stride_align(stride_align)
 
     def _conv_forward(self, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        check_input(input)
+        check_input(input, weight, self.groups)
         if self.stride_align == "centre":
             input = centre_grid(input, [self.kernel_size[0], self.kernel_size[1]], [self.stride[0], self.stride[1]],
                                 [self._reversed_padding_repeated_twice[2], self._reversed_padding_repeated_twice[0]],
@@ -173,7 +173,7 @@ class SortConv2dSame(SortConv2d):
                          device, dtype, sampling=sampling, sorting=sorting, backend=backend, stride_align=stride_align)
 
     def _conv_forward(self, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        check_input(input)
+        check_input(input, weight, self.groups)
         if self.stride_align == "centre":
             input = centre_grid_same(input, [self.kernel_size[0], self.kernel_size[1]],
                                      [self.stride[0], self.stride[1]], [self.dilation[0], self.dilation[1]])

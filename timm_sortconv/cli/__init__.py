@@ -9,7 +9,9 @@
 * :mod:`.push_to_hub`: publish trained weights (and their card) to the Hugging Face Hub, or bundle them.
 
 :func:`run` is how each tool starts: a problem with the user's input (a missing data folder, a bad
-option value, a model name timm does not know) ends the process with one ``error:`` line, without a traceback.
+option value, a model name timm does not know, ``--pretrained`` for a model without weights, a data set whose
+images have other channels than the model takes) ends the process with one ``error:`` line, without a
+traceback.
 """
 from __future__ import annotations
 
@@ -20,8 +22,8 @@ import re
 import sys
 from typing import Callable, Optional, Sequence
 
-__all__ = ["CommandError", "KeyValueArgs", "add_data_args", "add_input_args", "check_model_name", "key_value",
-           "parse_key_values", "run", "unknown_model_message"]
+__all__ = ["CommandError", "KeyValueArgs", "add_data_args", "add_input_args", "check_input_channels",
+           "check_model_name", "key_value", "no_weights_message", "parse_key_values", "run", "unknown_model_message"]
 
 
 class CommandError(Exception):
@@ -51,14 +53,52 @@ def check_model_name(name: str) -> None:
         raise CommandError(unknown_model_message(name.split(".")[0]))
 
 
-# timm.create_model's errors for a name it does not know (timm/models/_factory.py, _registry.py)
+def no_weights_message(name: str) -> str:
+    """What to tell a user who asked for the pretrained weights of ``name``, a model that has none: the models
+    whose weights are bundled (:func:`timm_sortconv.hub.bundled_models`)."""
+    from ..hub import bundled_models
+
+    return (f"{name} has no pretrained weights here; models with weights (bundled): {', '.join(bundled_models())}; "
+            "leave out --pretrained to start it at random initialisation")
+
+
+def check_input_channels(dataset, dataset_name: str, model: str, data_config: dict, input_size_given: bool) -> None:
+    """Raises :class:`CommandError` when the images of ``dataset`` (``PIL`` images, as every data set of
+    :func:`timm_sortconv.data.create_dataset` gives them) have other channels than ``data_config``'s input size
+    says (the model's input, which the loader normalises to), naming the option that fixes it: ``--in-chans``,
+    or ``--input-size`` where the user gave that. ``model`` is the option and name, as ``--model NAME``.
+
+    timm's image folders convert their images to the model's channels; the paper's data sets give theirs as
+    they are (MNIST and Outex grayscale, NWPU RGB), where a model of the other kind fails on the first batch."""
+    if len(dataset) == 0:
+        return
+    image = dataset[0][0]
+    if not hasattr(image, "getbands"):
+        return
+    bands = len(image.getbands())
+    channels, height, width = data_config["input_size"]
+    if bands == channels:
+        return
+    fix = f"--input-size {bands} {height} {width}" if input_size_given else f"--in-chans {bands}"
+    raise CommandError(f"{model} takes {channels} input channels but {dataset_name or 'the image folder'} has "
+                       f"{bands}; pass {fix} to build it for {bands}-channel input, or a model that takes "
+                       f"{bands} channel{'' if bands == 1 else 's'}")
+
+
+# timm.create_model's errors for a name it does not know (timm/models/_factory.py, _registry.py), and for
+# pretrained=True where the model's pretrained config names no weights (timm/models/_builder.py)
 _UNKNOWN_MODEL = re.compile(r"Unknown model \((?P<name>[^()]+)\)")
 _UNKNOWN_TAG = re.compile(r"Invalid pretrained tag \((?P<tag>[^()]+)\) for (?P<name>\S+?)\.?")
+_NO_WEIGHTS = re.compile(r"No pretrained weights exist for (?P<name>.+?)\. Use `pretrained=False` for random init\.")
 
 
-def _model_name_error(error: RuntimeError) -> Optional[str]:
-    """The one-line message for timm's error about an unknown model name or pretrained tag, else None."""
+def _model_error(error: RuntimeError) -> Optional[str]:
+    """The one-line message for timm's error about an unknown model name or pretrained tag, or about a model
+    without pretrained weights, else None."""
     text = str(error)
+    match = _NO_WEIGHTS.fullmatch(text)
+    if match:
+        return no_weights_message(match["name"])
     match = _UNKNOWN_MODEL.fullmatch(text)
     if match:
         return unknown_model_message(match["name"])
@@ -76,7 +116,8 @@ def run(main: Callable[[Optional[Sequence[str]]], object], argv: Optional[Sequen
     """Runs ``main(argv)`` with timm's logging, turning input errors into ``error: ...`` and exit status 2.
 
     Input errors are :class:`CommandError`, a data folder in the wrong layout, and ``timm.create_model``'s
-    error for a model name (or pretrained tag) it does not know, which every tool's model options reach."""
+    errors for a model name (or pretrained tag) it does not know and for the pretrained weights of a model that
+    has none, which every tool's model options reach."""
     from timm import utils
 
     from ..data import DatasetLayoutError
@@ -88,7 +129,7 @@ def run(main: Callable[[Optional[Sequence[str]]], object], argv: Optional[Sequen
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
     except RuntimeError as error:
-        message = _model_name_error(error)
+        message = _model_error(error)
         if message is None:
             raise
         print(f"error: {message}", file=sys.stderr)

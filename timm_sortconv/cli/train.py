@@ -54,7 +54,7 @@ from timm.utils import load_checkpoint_metadata
 
 from .. import models  # noqa: F401  (registers the SC models with timm)
 from ..data import cap_samples, create_dataset, create_train_loader, is_sortconv_dataset, resolve_data_config
-from . import CommandError, KeyValueArgs, add_data_args, add_input_args, key_value, run
+from . import CommandError, KeyValueArgs, add_data_args, add_input_args, check_input_channels, key_value, run
 from .validate import check_image_folder
 
 _logger = logging.getLogger("train")
@@ -248,22 +248,12 @@ def build_datasets(args, data_config):
                        input_img_mode="RGB" if data_config["input_size"][0] == 3 else "L")
     dataset_train = create_dataset(args.dataset, root=args.data_dir, split=args.train_split, **options)
     dataset_train = cap_samples(dataset_train, args.train_samples, seed=args.seed)
-    check_channels(dataset_train, data_config["input_size"][0], args.dataset)
+    check_input_channels(dataset_train, args.dataset, f"--model {args.model}", data_config, args.input_size is not None)
     dataset_eval = None
     if args.val_split:
         dataset_eval = create_dataset(args.dataset, root=args.data_dir, split=args.val_split, **options)
         dataset_eval = cap_samples(dataset_eval, args.val_samples, seed=args.seed)
     return dataset_train, dataset_eval
-
-
-def check_channels(dataset, channels: int, name: str) -> None:
-    """Fails early, and clearly, when the data's channels differ from the model's input channels."""
-    image = dataset[0][0]
-    bands = len(image.getbands()) if hasattr(image, "getbands") else None
-    if bands is not None and bands != channels:
-        raise CommandError(f"data set {name or 'image folder'} gives {bands}-channel images but the model takes "
-                         f"{channels} channels: pass --in-chans {bands} (and --mean/--std with {bands} value(s)) "
-                         "or use another model")
 
 
 def train_one_epoch(epoch, task, loader, optimizer, lr_scheduler, loss_scaler, amp_autocast, saver, args, device,

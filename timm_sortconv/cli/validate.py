@@ -29,7 +29,7 @@ from ..data import RotatedDataset, cap_samples, create_dataset, is_sortconv_data
 from ..invariance import PerAngle, accuracy_sweep, accuracy_table, plot_sweep, read_sweep_csv, write_sweep_csv
 from ..layers import SortConv2d
 from ..rotation import parse_rotations
-from . import CommandError, KeyValueArgs, add_data_args, add_input_args, key_value, run
+from . import CommandError, KeyValueArgs, add_data_args, add_input_args, check_input_channels, key_value, run
 
 _logger = logging.getLogger("validate")
 
@@ -163,12 +163,16 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, PerAngle]:
     device = torch.device(args.device)
     label = args.label or args.model
     models = {label: build_model(args.model, args.checkpoint, args.pretrained, args)}
+    options = {label: f"--model {args.model}"}  # the option that named each model, for the messages
     if args.baseline_model:
         label = args.baseline_model if args.baseline_model not in models else f"{args.baseline_model} (baseline)"
         models[label] = build_model(args.baseline_model, args.baseline_checkpoint, args.baseline_pretrained, args)
+        options[label] = f"--baseline-model {args.baseline_model}"
     data_configs = {label: resolve_data_config(vars(args), model=model, dataset=args.dataset)
                     for label, model in models.items()}
     sweep = build_sweep(args, channels=next(iter(data_configs.values()))["input_size"][0])
+    for label, option in options.items():
+        check_input_channels(sweep, args.dataset, option, data_configs[label], args.input_size is not None)
     _logger.info(f"Evaluating {sweep.num_images} images x {len(sweep.angles)} angles of {args.dataset or 'folder'} "
                  f"split {args.split!r}")
     amp_dtype = (torch.bfloat16 if args.amp_dtype == "bfloat16" else torch.float16) if args.amp else None

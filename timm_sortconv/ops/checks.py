@@ -4,7 +4,12 @@
 refuse the rest with the exception class PyTorch raises for it, in one line that names the argument and what
 is accepted: ``TypeError`` for a value of the wrong type, ``ValueError`` where ``nn.Conv2d``'s constructor
 refuses (a padding string, ``groups``, ``padding_mode``), ``RuntimeError`` where the convolution itself
-refuses (a non-positive stride, dilation or kernel size, negative padding, tensors that do not fit together).
+refuses (a non-positive stride, dilation or kernel size, negative padding, an input of the wrong dimensions or
+size). Tensors that do not fit together, which ``F.conv2d`` refuses with a ``RuntimeError``, raise
+:class:`ShapeError` (an input whose channels the weight does not expect, a bias of the wrong size, ``groups``
+that do not divide the weight's output channels) and :class:`DtypeError` (an integer or bool input beside
+floating-point weights): each is a ``RuntimeError``, as ``nn.Conv2d``'s callers catch it, and a ``ValueError``
+or ``TypeError``, the mistake it is.
 Sorting Convolution's own limits (a square kernel, floating-point tensors, a sampling, sorting and backend it
 knows) are ``ValueError`` and ``TypeError``; :func:`.geometry.check_kernel_size` checks the kernel size and
 :func:`.geometry.check_variant` the variant, where the geometry is built.
@@ -14,7 +19,9 @@ Each check runs once per call, at the entry it belongs to:
 * :func:`layer_arguments`: a layer's constructor (``nn.Conv2d`` checks some of them only at the first call;
   a layer refuses them when it is built);
 * :func:`functional_arguments`: :func:`~timm_sortconv.sort_conv2d`'s arguments other than the tensors;
-* :func:`check_input`: the input's dimensions and size, where a call begins (``sort_conv2d``, a layer's forward);
+* :func:`check_input`: the input's dimensions, size, dtype and channels against the weight, where a call begins
+  (``sort_conv2d``, a layer's forward), so that the error comes from the caller's line, not from inside the
+  operator, and before the input is padded or centred;
 * :func:`check_tensors` and :func:`check_size`: the tensors, in the operator
   (:mod:`.operator`), below autocast: autocast casts the tensors to one dtype first, so that mixed dtypes are
   refused only outside it, as by ``F.conv2d``.
@@ -27,13 +34,24 @@ from typing import Optional, Sequence, Tuple, Type, Union
 import torch
 from torch import Tensor
 
-__all__ = ["PADDING_MODES", "check_input", "check_size", "check_tensors", "functional_arguments",
-           "layer_arguments"]
+__all__ = ["DtypeError", "PADDING_MODES", "ShapeError", "check_input", "check_size", "check_tensors",
+           "functional_arguments", "layer_arguments"]
 
 PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
 PADDING_STRINGS = ("same", "valid")
 
 IntPair = Union[int, Sequence[int]]
+
+
+class ShapeError(ValueError, RuntimeError):
+    """Tensors whose shapes do not fit together: an input whose channels the weight does not expect, a bias of
+    the wrong size, ``groups`` that do not divide the weight's output channels. A ``RuntimeError``, the class
+    ``F.conv2d`` raises for them, and a ``ValueError``, the mistake it is."""
+
+
+class DtypeError(TypeError, RuntimeError):
+    """A tensor that is not floating-point beside floating-point ones (an integer or bool input, floating-point
+    weights): a ``RuntimeError``, the class ``F.conv2d`` raises for it, and a ``TypeError``, the mistake it is."""
 
 
 def _int(value) -> int:
@@ -100,6 +118,18 @@ def _pairs(stride: IntPair, padding: Union[str, IntPair], dilation: IntPair
     return stride_pair, pairs[1], _positive(pairs[2], dilation, "dilation")
 
 
+def _not_floating(dtypes: str) -> str:
+    """The message for tensors that are not all floating-point, ``dtypes`` naming each one's dtype."""
+    return ("sort_conv2d needs floating-point tensors (float16, bfloat16, float32, float64): integer, bool and "
+            "complex ones are not accepted; got " + dtypes)
+
+
+def _channels_message(input: Tensor, weight: Tensor, groups: int) -> str:
+    """The message for an input whose channels (dimension -3, batched or not) ``weight`` does not expect."""
+    return (f"sort_conv2d: input has {input.shape[-3]} channels (shape {list(input.shape)}) but the weight "
+            f"{list(weight.shape)} with groups={groups} expects {weight.shape[1] * groups}")
+
+
 def check_padding_mode(padding_mode: str) -> str:
     """Returns ``padding_mode`` if it is one of :data:`PADDING_MODES`, else raises ``ValueError``."""
     if padding_mode not in PADDING_MODES:
@@ -138,45 +168,58 @@ def functional_arguments(weight: Tensor, stride: IntPair, padding: Union[str, In
     if weight.shape[0] < 1:
         raise RuntimeError(f"weight of shape {tuple(weight.shape)} has no output channels; it needs at least one")
     if weight.shape[0] % groups:
-        raise RuntimeError(f"groups={groups} must divide the weight's {weight.shape[0]} output channels "
-                           f"(weight shape {tuple(weight.shape)})")
+        raise ShapeError(f"groups={groups} must divide the weight's {weight.shape[0]} output channels "
+                         f"(weight shape {tuple(weight.shape)})")
     return stride_pair, padding_pair, dilation_pair, groups
 
 
-def check_input(input: Tensor) -> None:
-    """Raises ``RuntimeError`` unless ``input`` is 3-D (unbatched) or 4-D (batched) with pixels (only its batch
-    may be empty), as ``F.conv2d`` wants it. The layers' forward calls it first (TorchScript compiles it), so
-    that the centring of a strided grid (:mod:`timm_sortconv.grid`) sees an input it can centre."""
+def check_input(input: Tensor, weight: Tensor, groups: int) -> None:
+    """Raises an error naming what is wrong with ``input`` for ``weight`` and what is accepted: unless it is 3-D
+    (unbatched) or 4-D (batched) with pixels (only its batch may be empty), as ``F.conv2d`` wants it
+    (``RuntimeError``), with floating-point tensors (:class:`DtypeError` where their dtypes differ, as
+    ``F.conv2d`` refuses them, else ``TypeError``), with the channels the weight expects with ``groups``
+    (:class:`ShapeError`). The layers' forward calls it first (TorchScript compiles it), so that the centring
+    of a strided grid (:mod:`timm_sortconv.grid`) sees an input it can centre, and an integer input is refused
+    before it is read half a pixel on, which would make it float."""
     if input.dim() != 3 and input.dim() != 4:
         raise RuntimeError(f"sort_conv2d expects a 3-D (C, H, W) or 4-D (N, C, H, W) input, got a {input.dim()}-D "
                            f"input of shape {list(input.shape)}")
-    # (a traced size is a tensor; the example being traced has pixels)
-    if not torch.jit.is_tracing() and (input.shape[-1] == 0 or input.shape[-2] == 0):
+    # (a traced size is a tensor; the example being traced has pixels and the channels the weight expects, and
+    # the operator checks the channels of every call)
+    tracing = torch.jit.is_tracing()
+    if not tracing and (input.shape[-1] == 0 or input.shape[-2] == 0):
         raise RuntimeError(f"sort_conv2d: the input of shape {list(input.shape)} has no pixels; only its batch may "
                            "be empty")
+    if not input.is_floating_point() or not weight.is_floating_point():
+        dtypes = f"input {input.dtype}, weight {weight.dtype}"
+        if input.dtype != weight.dtype:
+            raise DtypeError(_not_floating(dtypes))
+        raise TypeError(_not_floating(dtypes))
+    if not tracing and input.shape[-3] != weight.shape[1] * groups:
+        raise ShapeError(_channels_message(input, weight, groups))
 
 
 def check_tensors(input: Tensor, weight: Tensor, bias: Optional[Tensor], groups: int) -> None:
     """Raises an error naming what is wrong with the tensors of a call and what is accepted: floating-point
     tensors of one dtype on one device, an input (4-D: :func:`check_input` ran at the entry) whose channels
-    the weight expects, a bias per output channel."""
+    the weight expects, a bias per output channel. Tensors that are not all floating-point are a
+    :class:`DtypeError` where their dtypes differ (``F.conv2d`` refuses them), else a ``TypeError`` (an integer
+    input with integer weights, which ``F.conv2d`` convolves and sorting does not)."""
     tensors = {"input": input, "weight": weight, "bias": bias}
     tensors = {name: t for name, t in tensors.items() if t is not None}
+    dtypes = ", ".join(f"{name} {t.dtype}" for name, t in tensors.items())
     if not all(t.is_floating_point() for t in tensors.values()):
-        raise TypeError("sort_conv2d needs floating-point tensors (float16, bfloat16, float32, float64), got "
-                        + ", ".join(f"{name} {t.dtype}" for name, t in tensors.items()))
+        raise (DtypeError if len({t.dtype for t in tensors.values()}) > 1 else TypeError)(_not_floating(dtypes))
     if len({t.device for t in tensors.values()}) > 1:
         raise RuntimeError("sort_conv2d needs its tensors on one device, got "
                            + ", ".join(f"{name} on {t.device}" for name, t in tensors.items()))
     if len({t.dtype for t in tensors.values()}) > 1:
-        raise RuntimeError("sort_conv2d needs its tensors in one dtype (outside autocast, as F.conv2d), got "
-                           + ", ".join(f"{name} {t.dtype}" for name, t in tensors.items()))
-    if input.shape[1] != weight.shape[1] * groups:
-        raise RuntimeError(f"sort_conv2d: input has {input.shape[1]} channels (shape {tuple(input.shape)}) but the "
-                           f"weight {tuple(weight.shape)} with groups={groups} expects {weight.shape[1] * groups}")
+        raise RuntimeError("sort_conv2d needs its tensors in one dtype (outside autocast, as F.conv2d), got " + dtypes)
+    if input.shape[-3] != weight.shape[1] * groups:
+        raise ShapeError(_channels_message(input, weight, groups))
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise RuntimeError(f"sort_conv2d: bias of shape {tuple(bias.shape)} does not match {weight.shape[0]} "
-                           "output channels")
+        raise ShapeError(f"sort_conv2d: bias of shape {tuple(bias.shape)} does not match {weight.shape[0]} "
+                         "output channels")
 
 
 def check_size(input: Tensor, weight: Tensor, padding: Sequence[int], dilation: Sequence[int]) -> None:

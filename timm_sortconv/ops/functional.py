@@ -86,7 +86,7 @@ def sort_conv2d(
             raise TypeError(f"sort_conv2d expects a torch.Tensor {name}, got {type(tensor).__name__}")
     stride, padding, dilation, groups = functional_arguments(weight, stride, padding, dilation, groups,
                                                              padding_mode)
-    check_input(input)
+    check_input(input, weight, groups)
     # int(): while tracing, sizes are tensors; the kernel size is a constant of the traced graph.
     k = check_kernel_size(tuple(int(size) for size in weight.shape[2:]))
     get_geometry(k, sampling, sorting)  # checks the variant; built now, outside any traced region, and cached
