@@ -239,9 +239,9 @@ def launch_settings(kernel: str, geometry: SortGeometry, dtype: torch.dtype, gro
         meta = dict(COMPUTE=compute, BLOCK_P=block_p, BLOCK_C=block_c, num_warps=warps, num_stages=1)
         return dict(meta, STORE_COLUMNS=bool(need_weight)) if kernel == "record_kernel" else meta
     if path == "gemm":
-        block_p, block_o, warps = blocks
+        block_p, block_o, block_c, warps = blocks
         meta = dict(COMPUTE=compute, ACCUMULATE=compute, PRECISION=_dot_precision(dtype), BLOCK_P=block_p,
-                    BLOCK_O=block_o, num_warps=warps, num_stages=1)
+                    BLOCK_O=block_o, BLOCK_C=block_c, num_warps=warps, num_stages=1)
         return dict(meta, HAS_BIAS=has_bias) if kernel == "gemm_forward_kernel" else meta
     if path == "fused":
         block_p, block_c, block_o, warps = blocks
@@ -464,7 +464,8 @@ def _gemm_backward(grad_out, x, weight, call: _Call, need_input: bool, need_weig
             images = end - first
             part = x[first:end]
             windows = torch.empty(images, call.channels, call.slots, positions, dtype=accumulate, device=x.device)
-            grid = (triton.cdiv(images * positions, meta["BLOCK_P"]), call.channels)
+            grid = (triton.cdiv(images * positions, meta["BLOCK_P"]), call.groups,
+                    triton.cdiv(call.in_per_group, meta["BLOCK_C"]))
             kernels["gemm_input_backward_kernel"][grid](
                 part, weights, grad_out[first:end], windows, call.in_per_group, call.out_per_group,
                 *call.position_args(part, images), *grad_out.stride(), *windows.stride()[:3], **meta)
@@ -473,11 +474,12 @@ def _gemm_backward(grad_out, x, weight, call: _Call, need_input: bool, need_weig
         meta = _settings("gemm_weight_backward_kernel", call, x.dtype, blocks)
         blocks_of_positions = triton.cdiv(call.batch * positions, meta["BLOCK_P"])
         output_blocks = triton.cdiv(call.out_per_group, meta["BLOCK_O"])
-        splits = config.gemm_splits(call.channels * output_blocks, blocks_of_positions,
+        channel_blocks = call.groups * triton.cdiv(call.in_per_group, meta["BLOCK_C"])
+        splits = config.gemm_splits(channel_blocks * output_blocks, blocks_of_positions,
                                     _multiprocessors(x.device) if x.is_cuda else 0)
         partial = torch.empty(splits, call.channels, call.slots, call.out_per_group, dtype=accumulate,
                               device=x.device)
-        kernels["gemm_weight_backward_kernel"][(splits, call.channels, output_blocks)](
+        kernels["gemm_weight_backward_kernel"][(splits, channel_blocks, output_blocks)](
             x, grad_out, partial, call.in_per_group, call.out_per_group, call.channels, blocks_of_positions, splits,
             *call.position_args(x, call.batch), *grad_out.stride(), **meta)
         summed = partial.sum(0).view(call.groups, call.in_per_group, call.slots, call.out_per_group)
@@ -520,7 +522,7 @@ _FORWARD_PATHS = {"direct": _direct_forward, "fused": _fused_forward, "gemm": _g
                   "columns": _columns_forward}
 _BACKWARD_PATHS = {"direct": _direct_backward, "gemm": _gemm_backward, "columns": _columns_backward}
 _BLOCK_NAMES = {"columns": ("P", "C", "w"), "fused": ("P", "C", "O", "w"), "direct": ("P", "J", "w"),
-                "gemm": ("P", "O", "w")}
+                "gemm": ("P", "O", "C", "w")}
 
 
 def _reference_forward(x, weight, bias, call: _Call):

@@ -94,6 +94,9 @@ GEMM_MAX_SLOTS = 49
 GEMM_MAX_SLOTS_FLOAT64 = 25
 GEMM_MAX_BLOCK_O = 64
 GEMM_NARROW_SLOTS = 25
+# Input channels per step of the gemm kernels' reduction, by the window's samples (at most): 4 for 3x3 windows
+# (K = 64 per step), 2 for 5x5 (64), 1 beyond (7x7: 64).
+GEMM_STEP_CHANNELS = ((9, 4), (25, 2), (10 ** 9, 1))
 # The weight gradient's kernel splits the positions so that the GPU has this many programs per multiprocessor
 # (its grid is otherwise channels x output blocks: 32 programs for a 32 -> 32 layer).
 GEMM_WEIGHT_PROGRAMS_PER_SM = 4
@@ -190,15 +193,23 @@ def fused_candidates(slots: int, out_per_group: int) -> Tuple[Tuple[int, int, in
     return (64, FUSED_BLOCK_C, block_o, 4), (32, FUSED_BLOCK_C, block_o, 4)
 
 
-def gemm_candidates(slots: int, out_per_group: int, backward: bool = False) -> Tuple[Tuple[int, int, int], ...]:
-    """(BLOCK_P, BLOCK_O, num_warps) of the gemm kernels: one lane (position) per thread, the group's outputs
-    in blocks of at most GEMM_MAX_BLOCK_O (tl.dot's N >= 16). The backward of windows of more than
-    GEMM_NARROW_SLOTS samples also tries blocks of 16 outputs: in the sm_90 report its kernels spill with 32
-    (k = 7: 88-336 bytes) and not with 16, which sorts the windows once per 16 outputs instead."""
+def gemm_candidates(slots: int, out_per_group: int, backward: bool = False) -> Tuple[Tuple[int, int, int, int], ...]:
+    """(BLOCK_P, BLOCK_O, BLOCK_C, num_warps) of the gemm kernels: one position per thread, the group's outputs in
+    blocks of at most GEMM_MAX_BLOCK_O (tl.dot's N >= 16), and BLOCK_C input channels per step of the reduction
+    (GEMM_STEP_CHANNELS: more for smaller windows, whose K of 16 or 32 per channel makes a shallow product) or one
+    (first in the backward, whose kernels spill with more).
+    The backward of windows of more than GEMM_NARROW_SLOTS samples tries blocks of 16 outputs and one channel: in
+    the sm_90 report its kernels spill with 32 outputs (k = 7: 88-336 bytes) and not with 16, which sorts the
+    windows once per 16 outputs instead."""
     block_o = max(16, min(GEMM_MAX_BLOCK_O, _next_power_of_two(out_per_group)))
     if backward and slots > GEMM_NARROW_SLOTS:
-        return tuple(dict.fromkeys(((128, 16, 4), (128, min(block_o, 32), 4))))
-    return (128, block_o, 4), (64, block_o, 2)
+        return tuple(dict.fromkeys(((128, 16, 1, 4), (128, min(block_o, 32), 1, 4))))
+    channels = next(count for most, count in GEMM_STEP_CHANNELS if slots <= most)
+    if channels == 1:
+        return (128, block_o, 1, 4), (64, block_o, 1, 2)
+    if backward:  # in the sm_90 report the backward kernels spill with several channels (k = 3: 8-392 bytes)
+        return (128, block_o, 1, 4), (128, block_o, channels, 4)
+    return (128, block_o, channels, 4), (128, block_o, 1, 4)
 
 
 def gemm_splits(programs: int, position_blocks: int, multiprocessors: int) -> int:

@@ -569,14 +569,16 @@ def _direct_backward_kernel(geometry: SortGeometry) -> str:
     return kernel.source()
 
 
-# The gemm kernels: an implicit GEMM with one (position, input channel) window per lane and one input channel
-# per step of the reduction. A program's lanes are its BLOCK_P positions ([1, BLOCK_P] tensors, one lane per
-# thread), so sorting is elementwise and needs no data movement between threads; the sorted slots of the
-# channel are joined into one [BLOCK_P, K] operand (K = gemm_depth(k * k): the slots, zero-padded to a power
-# of two of at least 16, the smallest depth of tl.dot) and multiplied with the channel's [K, BLOCK_O] weight
-# tile by one tl.dot: the product runs on tensor cores with one layout conversion of the operand per channel.
-_GEMM_LANES = "1, BLOCK_P"
-_GEMM_BLOCKS = "BLOCK_P: tl.constexpr, BLOCK_O: tl.constexpr"
+# The gemm kernels: an implicit GEMM with one (position, input channel) window per lane. A program's lanes are
+# BLOCK_C input channels of one group by its BLOCK_P positions ([BLOCK_C, BLOCK_P] tensors; one position per
+# thread and BLOCK_C lanes in each), so sorting is elementwise and needs no data movement between threads. Each
+# step of the reduction takes BLOCK_C channels: their sorted slots are joined into one [BLOCK_P, BLOCK_C * K]
+# operand (K = gemm_depth(k * k): a channel's slots, zero-padded to a power of two of at least 16, the smallest
+# depth of tl.dot; column c * K + i is slot i of channel c) and multiplied with those channels' [BLOCK_C * K,
+# BLOCK_O] weight tile by one tl.dot: the product runs on tensor cores with one layout conversion of the operand
+# per step. Several channels per step give the small windows (k = 3: K = 16) a deeper product per conversion.
+_GEMM_LANES = "BLOCK_C, BLOCK_P"
+_GEMM_BLOCKS = "BLOCK_P: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_C: tl.constexpr"
 _GEMM_TYPES = "COMPUTE: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr"
 
 
@@ -585,27 +587,40 @@ def gemm_depth(slots: int) -> int:
     return max(16, tile_width(slots))
 
 
-def _gemm_operand(kernel: _Kernel, values: Sequence[str], name: str) -> None:
-    """``name`` = the [BLOCK_P, K] tile whose column i holds ``values[i]`` (lane tensors), zeros beyond."""
+def _gemm_channels(kernel: _Kernel, first: str) -> None:
+    """The program's channel block from its first channel ``first`` in ``group``: ``cc`` [BLOCK_C], ``c_ok``,
+    ``chan`` (the channels' indices in the input); the operand's rows ``rc`` (channel in the block) and ``rq``
+    (slot) and which hold a weight, ``row_ok`` [BLOCK_C * K]. (``lane_ok`` [BLOCK_C, BLOCK_P] follows the
+    positions: ``c_ok[:, None] & p_ok[None, :]``.)"""
     depth = gemm_depth(kernel.slots)
-    tile = kernel.join(kernel.padded(list(values), depth, kernel.lanes, "COMPUTE"), depth, kernel.lanes)
-    kernel.write(f"{name} = tl.reshape({tile}, [BLOCK_P, {depth}])")
+    kernel.write(f"c0 = {first}",
+                 "cc = tl.arange(0, BLOCK_C)",
+                 "c_ok = c0 + cc < in_per_group",
+                 "chan = (group * in_per_group + c0 + cc).to(tl.int64)",
+                 f"r = tl.arange(0, BLOCK_C * {depth})",
+                 f"rc = r // {depth}",
+                 f"rq = r % {depth}",
+                 f"row_ok = (rq < {kernel.slots}) & (c0 + rc < in_per_group)")
 
 
 def _gemm_sorted_operand(kernel: _Kernel) -> None:
-    """``a``: the [BLOCK_P, K] operand of input channel ``channel``: the lanes' windows read, sampled, sorted."""
-    kernel.write("x_lane = x_ptr + pos + channel.to(tl.int64) * sxc")
+    """``a``: the [BLOCK_P, BLOCK_C * K] operand of the program's channels: the lanes' windows read, sampled,
+    sorted, and joined (zeros beyond each channel's slots)."""
+    depth = gemm_depth(kernel.slots)
+    kernel.write("x_lane = x_ptr + pos + (chan * sxc)[:, None]")
     kernel.load_window()
     for segment in kernel.geometry.segments:
         kernel.sort_segment(segment, record=False)
-    _gemm_operand(kernel, [f"s{i}" for i in range(kernel.slots)], "a")
+    values = kernel.padded([f"s{i}" for i in range(kernel.slots)], depth, kernel.lanes, "COMPUTE")
+    tile = kernel.join(values, depth, kernel.lanes)  # [BLOCK_C, BLOCK_P, K]
+    kernel.write(f"a = tl.reshape(tl.permute({tile}, (1, 0, 2)), [BLOCK_P, BLOCK_C * {depth}])")
 
 
 def _gemm_weight_tile(kernel: _Kernel) -> Tuple[str, str]:
-    """Pointers [K, BLOCK_O] of the channel's weights (``w`` laid out [channel, slot, out_per_group]; a group's
-    channels are consecutive) and their mask, for ``channel`` and the outputs ``o``."""
-    return (f"w_ptr + (channel * {kernel.slots} + kq)[:, None] * out_per_group + o[None, :]",
-            f"(kq < {kernel.slots})[:, None] & o_ok[None, :]")
+    """Pointers [BLOCK_C * K, BLOCK_O] of the channels' weights (``w`` laid out [channel, slot, out_per_group];
+    a group's channels are consecutive) and their mask, for the operand's rows and the outputs ``o``."""
+    return (f"w_ptr + ((group * in_per_group + c0 + rc) * {kernel.slots} + rq)[:, None] * out_per_group + o[None, :]",
+            "row_ok[:, None] & o_ok[None, :]")
 
 
 def _gemm_grad_tile() -> Tuple[str, str]:
@@ -617,8 +632,8 @@ def _gemm_grad_tile() -> Tuple[str, str]:
 
 def _gemm_forward_kernel(geometry: SortGeometry) -> str:
     """out[image, group * out_per_group + o, position] for a block of positions and of one group's outputs:
-    for each input channel of the group, the lanes' windows sorted, joined into the [BLOCK_P, K] operand and
-    multiplied with the channel's weights into the [BLOCK_P, BLOCK_O] accumulator. Grid: (position blocks,
+    for each block of BLOCK_C input channels of the group, the lanes' windows sorted, joined into the operand and
+    multiplied with the channels' weights into the [BLOCK_P, BLOCK_O] accumulator. Grid: (position blocks,
     output blocks, groups)."""
     kernel = _Kernel(geometry, "gemm_forward_kernel",
                      f"x_ptr, w_ptr, bias_ptr, out_ptr, in_per_group, out_per_group, {_POSITION_ARGS}, sob, soc, soh, "
@@ -629,12 +644,11 @@ def _gemm_forward_kernel(geometry: SortGeometry) -> str:
     w("group = tl.program_id(2)",
       "o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)",
       "o_ok = o < out_per_group",
-      f"kq = tl.arange(0, {gemm_depth(kernel.slots)})",
-      "lane_ok = p_ok[None, :]",
       "acc = tl.zeros([BLOCK_P, BLOCK_O], ACCUMULATE)",
-      "for c in range(0, in_per_group):")
+      "for step in range(0, in_per_group, BLOCK_C):")
     w.depth += 1
-    w("channel = group * in_per_group + c")
+    _gemm_channels(kernel, "step")
+    w("lane_ok = c_ok[:, None] & p_ok[None, :]")
     _gemm_sorted_operand(kernel)
     w(f"w_tile = tl.load({pointers}, mask={mask}, other=0.0)",
       "acc = tl.dot(a.to(w_ptr.dtype.element_ty), w_tile, acc, input_precision=PRECISION, out_dtype=ACCUMULATE)")
@@ -644,11 +658,12 @@ def _gemm_forward_kernel(geometry: SortGeometry) -> str:
 
 
 def _gemm_input_backward_kernel(geometry: SortGeometry) -> str:
-    """The input gradient's window values, per block of positions and one input channel: the lanes' windows
-    sorted again recording the swaps; the sorted slots' gradient [BLOCK_P, K] = the output gradient times the
-    channel's weights (tl.dot per block of the group's outputs); split per slot, sent back through the swaps
-    and the transposed taps, and written as ``windows[image, channel, q, l]`` (strides swb, swc, swq), which
-    ``F.fold`` sums per input pixel (no atomics: deterministic). Grid: (position blocks, channels)."""
+    """The input gradient's window values, per block of positions and BLOCK_C input channels of one group: the
+    lanes' windows sorted again recording the swaps; the sorted slots' gradient [BLOCK_P, BLOCK_C * K] = the
+    output gradient times the channels' weights (tl.dot per block of the group's outputs); split per slot, sent
+    back through the swaps and the transposed taps, and written as ``windows[image, channel, q, l]`` (strides
+    swb, swc, swq), which ``F.fold`` sums per input pixel (no atomics: deterministic). Grid: (position blocks,
+    groups, channel blocks)."""
     kernel = _Kernel(geometry, "gemm_input_backward_kernel",
                      f"x_ptr, w_ptr, grad_out_ptr, windows_ptr, in_per_group, out_per_group, {_POSITION_ARGS}, "
                      f"sgb, sgc, sgh, sgw, swb, swc, swq, {_GEMM_TYPES}, {_GEMM_BLOCKS}", _GEMM_LANES)
@@ -657,15 +672,14 @@ def _gemm_input_backward_kernel(geometry: SortGeometry) -> str:
     kernel.positions()
     pointers, mask = _gemm_weight_tile(kernel)
     grad_pointers, grad_mask = _gemm_grad_tile()
-    w("channel = tl.program_id(1)",
-      "group = channel // in_per_group",
-      f"kq = tl.arange(0, {depth})",
-      "lane_ok = p_ok[None, :]",
-      "x_lane = x_ptr + pos + channel.to(tl.int64) * sxc")
+    w("group = tl.program_id(1)")
+    _gemm_channels(kernel, "tl.program_id(2) * BLOCK_C")
+    w("lane_ok = c_ok[:, None] & p_ok[None, :]",
+      "x_lane = x_ptr + pos + (chan * sxc)[:, None]")
     kernel.load_window()
     for segment in geometry.segments:
         kernel.sort_segment(segment, record=True)
-    w(f"gs = tl.zeros([BLOCK_P, {depth}], ACCUMULATE)",
+    w(f"gs = tl.zeros([BLOCK_P, BLOCK_C * {depth}], ACCUMULATE)",
       "for o0 in range(0, out_per_group, BLOCK_O):")
     w.depth += 1
     w("o = o0 + tl.arange(0, BLOCK_O)",
@@ -675,13 +689,13 @@ def _gemm_input_backward_kernel(geometry: SortGeometry) -> str:
       "gs = tl.dot(g.to(w_ptr.dtype.element_ty), tl.trans(w_tile), gs, input_precision=PRECISION, "
       "out_dtype=ACCUMULATE)")
     w.depth -= 1
-    w(f"gs = tl.reshape(gs.to(COMPUTE), [{kernel.lanes}, {depth}])")
+    w(f"gs = tl.permute(tl.reshape(gs.to(COMPUTE), [BLOCK_P, BLOCK_C, {depth}]), (1, 0, 2))")
     kernel.split("gs", depth, [f"g{i}" for i in range(kernel.slots)], kernel.lanes)
     started: set = set()
     for segment in geometry.segments:
         kernel.unsort_segment(segment)
         kernel.window_gradients(segment, started)
-    w("windows_lane = windows_ptr + (image * swb + l)[None, :] + channel.to(tl.int64) * swc")
+    w("windows_lane = windows_ptr + (image * swb + l)[None, :] + (chan * swc)[:, None]")
     kernel.store_slots(kernel.window_gradient_values(started), "windows_lane", "swq", "lane_ok",
                        "windows_ptr.dtype.element_ty")
     return kernel.source()
@@ -689,10 +703,10 @@ def _gemm_input_backward_kernel(geometry: SortGeometry) -> str:
 
 def _gemm_weight_backward_kernel(geometry: SortGeometry) -> str:
     """The weight gradient's partial sums: per split of the position blocks (blocks ``split``, ``split +
-    splits``, ...), input channel and block of the group's outputs, the sum over the split's positions of the
-    sorted slots [K, BLOCK_P] times the output gradient [BLOCK_P, BLOCK_O] (tl.dot), written to
-    ``partial[split, channel, slot, o]``; the caller sums the splits in a fixed order (deterministic).
-    Grid: (splits, channels, output blocks)."""
+    splits``, ...), block of BLOCK_C input channels of one group and block of the group's outputs, the sum over
+    the split's positions of the sorted slots [BLOCK_C * K, BLOCK_P] times the output gradient [BLOCK_P, BLOCK_O]
+    (tl.dot), written to ``partial[split, channel, slot, o]``; the caller sums the splits in a fixed order
+    (deterministic). Grid: (splits, groups x channel blocks, output blocks)."""
     kernel = _Kernel(geometry, "gemm_weight_backward_kernel",
                      f"x_ptr, grad_out_ptr, partial_ptr, in_per_group, out_per_group, channels, n_blocks, splits, "
                      f"{_POSITION_ARGS}, sgb, sgc, sgh, sgw, {_GEMM_TYPES}, {_GEMM_BLOCKS}", _GEMM_LANES)
@@ -700,24 +714,24 @@ def _gemm_weight_backward_kernel(geometry: SortGeometry) -> str:
     depth = gemm_depth(kernel.slots)
     grad_pointers, grad_mask = _gemm_grad_tile()
     w("split = tl.program_id(0)",
-      "channel = tl.program_id(1)",
-      "group = channel // in_per_group",
+      "channel_blocks = tl.cdiv(in_per_group, BLOCK_C)",
+      "group = tl.program_id(1) // channel_blocks",
       "o = tl.program_id(2) * BLOCK_O + tl.arange(0, BLOCK_O)",
       "o_ok = o < out_per_group",
-      f"kq = tl.arange(0, {depth})",
-      f"acc = tl.zeros([{depth}, BLOCK_O], ACCUMULATE)",
-      "for block in range(split, n_blocks, splits):")
+      f"acc = tl.zeros([BLOCK_C * {depth}, BLOCK_O], ACCUMULATE)")
+    _gemm_channels(kernel, "(tl.program_id(1) % channel_blocks) * BLOCK_C")
+    w("for block in range(split, n_blocks, splits):")
     w.depth += 1
     kernel.positions(block="block")
-    w("lane_ok = p_ok[None, :]")
+    w("lane_ok = c_ok[:, None] & p_ok[None, :]")
     _gemm_sorted_operand(kernel)
     w(f"g = tl.load({grad_pointers}, mask={grad_mask}, other=0.0)",
       "acc = tl.dot(tl.trans(a).to(grad_out_ptr.dtype.element_ty), g, acc, input_precision=PRECISION, "
       "out_dtype=ACCUMULATE)")
     w.depth -= 1
-    w(f"partial = partial_ptr + ((split * channels + channel) * {kernel.slots} + kq)[:, None].to(tl.int64) "
-      "* out_per_group + o[None, :]",
-      f"tl.store(partial, acc.to(partial_ptr.dtype.element_ty), mask=(kq < {kernel.slots})[:, None] & o_ok[None, :])")
+    w(f"partial = partial_ptr + ((split * channels + group * in_per_group + c0 + rc) * {kernel.slots} + rq)[:, None]"
+      ".to(tl.int64) * out_per_group + o[None, :]",
+      "tl.store(partial, acc.to(partial_ptr.dtype.element_ty), mask=row_ok[:, None] & o_ok[None, :])")
     return kernel.source()
 
 
