@@ -145,14 +145,15 @@ class _Kernel:
         self.temporaries += 1
         return f"t{self.temporaries}_"
 
-    def positions(self, window: bool = True, block: str = "tl.program_id(0)") -> None:
+    def positions(self, window: bool = True, block: str = "tl.program_id(0)", tile: bool = True) -> None:
         """Lane positions of the program's block (``block``: its index among the blocks of positions):
         ``p`` (flat over the launch's images), ``p_ok``, ``image``
         and ``l`` (the position in its image); with ``window``, ``pos`` [1, BLOCK_P] (the offset of each
         window's top-left corner in x) and for the window tile ``wq`` (its first axis: window position or
         slot), ``win_off`` [W, 1, 1] (each window position's offset from the corner) and ``win_in``
         [W, 1, BLOCK_P] (whether it lies inside the input: zero padding is a masked read); the tap weights
-        ``tw{n}``."""
+        ``tw{n}``; without ``tile``, only ``pos`` and the window's top-left row and column ``ih0``, ``iw0`` (for
+        loads of one position each, :meth:`window_bounds`)."""
         w = self.write
         k = self.k
         # Index arithmetic in int64: no offset overflows on large tensors (and Triton's interpreter checks
@@ -168,8 +169,9 @@ class _Kernel:
         if window:
             w("ih0 = (l // out_w) * stride_h - pad_t",
               "iw0 = (l % out_w) * stride_w - pad_l",
-              "pos = (image * sxb + ih0 * sxh + iw0 * sxw)[None, :]",
-              f"win_row = (wq // {k}).to(tl.int64) * dil_h",
+              "pos = (image * sxb + ih0 * sxh + iw0 * sxw)[None, :]")
+        if window and tile:
+            w(f"win_row = (wq // {k}).to(tl.int64) * dil_h",
               f"win_col = (wq % {k}).to(tl.int64) * dil_w",
               "win_off = (win_row * sxh + win_col * sxw)[:, None, None]",
               "win_h = win_row[:, None] + ih0[None, :]",
@@ -218,12 +220,44 @@ class _Kernel:
         self.write(f"{zero} = tl.zeros([{shape}], {dtype})")
         return [value or zero for value in values] + [zero] * (width - len(values))
 
-    def load_window(self) -> None:
+    def load_window(self, each: bool = False) -> None:
         """``v{q}`` for every window position q a sample reads, of every lane: one masked load of the
-        ``[lanes, W]`` tile at ``x_lane`` (each lane's window corner; ``lane_ok``: which lanes exist)."""
+        ``[lanes, W]`` tile at ``x_lane`` (each lane's window corner; ``lane_ok``: which lanes exist), or with
+        ``each`` one load of a lane tensor per position (scalar offsets; the masks from the window's rows and
+        columns, :meth:`window_bounds`)."""
+        if each:
+            for q in self.used:
+                r, c = divmod(q, self.k)
+                self.write(f"v{q} = tl.load(x_lane + ({r} * dil_h) * sxh + ({c} * dil_w) * sxw, "
+                           f"mask=lane_ok & row_ok{r} & col_ok{c}, other=0.0).to(COMPUTE)")
+            return
         self.write("win = tl.permute(tl.load(x_lane[None, :, :] + win_off, mask=lane_ok[None, :, :] & win_in, "
                    "other=0.0), (1, 2, 0)).to(COMPUTE)")
         self.split("win", self.width, [f"v{q}" if q in self.used else None for q in range(self.width)], self.lanes)
+
+    def load_window_rows(self) -> None:
+        """``v{q}`` for every window position q a sample reads, one masked load per window row: a ``[W8, lanes]``
+        tile (W8: the next power of two of k) at ``x_lane`` plus the row's offset, split into the row's values
+        (the masks from :meth:`window_bounds` and the row's columns ``row_cols``)."""
+        width = tile_width(self.k)
+        self.write(f"row_j = tl.arange(0, {width})",
+                   f"row_cols = ((row_j < {self.k})[:, None] & (iw0[None, :] + row_j[:, None] * dil_w >= 0) "
+                   "& (iw0[None, :] + row_j[:, None] * dil_w < W))[:, None, :]",
+                   "row_off = (row_j.to(tl.int64) * dil_w * sxw)[:, None, None]")
+        for r in sorted({q // self.k for q in self.used}):
+            tile = self.temporary()
+            self.write(f"{tile} = tl.permute(tl.load(x_lane[None, :, :] + ({r} * dil_h) * sxh + row_off, "
+                       f"mask=(lane_ok & row_ok{r})[None, :, :] & row_cols, other=0.0), (1, 2, 0)).to(COMPUTE)")
+            names = [f"v{q}" if q in self.used else None for q in range(r * self.k, (r + 1) * self.k)]
+            self.split(tile, width, names, self.lanes)
+
+    def window_bounds(self) -> None:
+        """``row_ok{r}`` / ``col_ok{c}`` [1, BLOCK_P]: whether row r / column c of each lane's window lies inside
+        the input (for :meth:`load_window` with ``each``)."""
+        for r in sorted({q // self.k for q in self.used}):
+            self.write(f"row_ok{r} = ((ih0 + {r} * dil_h >= 0) & (ih0 + {r} * dil_h < H))[None, :]")
+        for c in sorted({q % self.k for q in self.used}):
+            self.write(f"col_ok{c} = ((iw0 + {c} * dil_w >= 0) & (iw0 + {c} * dil_w < W))[None, :]")
 
     def slot_tile(self, base: str, stride: str, segment: Tuple[int, int], mask: str) -> Tuple[str, str]:
         """(pointers, mask) of the ``[shape, Ws]`` tile of a segment's slots (``Ws``: the tile width of its
@@ -577,6 +611,12 @@ def _direct_backward_kernel(geometry: SortGeometry) -> str:
 # depth of tl.dot; column c * K + i is slot i of channel c) and multiplied with those channels' [BLOCK_C * K,
 # BLOCK_O] weight tile by one tl.dot: the product runs on tensor cores with one layout conversion of the operand
 # per step. Several channels per step give the small windows (k = 3: K = 16) a deeper product per conversion.
+# Their windows are read one position at a time (the forward's and the weight gradient's: a lane tensor per
+# position, with masks from the window's rows and columns) or one window row at a time (the input gradient's,
+# whose longer program would compile for 20-30 s with a load per position), and the input gradient's window values
+# are written one row at a time: with a whole window as one tile (as the other kernels read it), Triton 3.6 (the
+# Triton of torch 2.10-2.11) keeps the tile in local memory, spilling 600-4,000 bytes per thread at k = 5 and 7
+# in the sm_90 report, where Triton 3.8 keeps it in registers.
 _GEMM_LANES = "BLOCK_C, BLOCK_P"
 _GEMM_BLOCKS = "BLOCK_P: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_C: tl.constexpr"
 _GEMM_TYPES = "COMPUTE: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr"
@@ -608,7 +648,7 @@ def _gemm_sorted_operand(kernel: _Kernel) -> None:
     sorted, and joined (zeros beyond each channel's slots)."""
     depth = gemm_depth(kernel.slots)
     kernel.write("x_lane = x_ptr + pos + (chan * sxc)[:, None]")
-    kernel.load_window()
+    kernel.load_window(each=True)
     for segment in kernel.geometry.segments:
         kernel.sort_segment(segment, record=False)
     values = kernel.padded([f"s{i}" for i in range(kernel.slots)], depth, kernel.lanes, "COMPUTE")
@@ -639,7 +679,8 @@ def _gemm_forward_kernel(geometry: SortGeometry) -> str:
                      f"x_ptr, w_ptr, bias_ptr, out_ptr, in_per_group, out_per_group, {_POSITION_ARGS}, sob, soc, soh, "
                      f"sow, {_GEMM_TYPES}, HAS_BIAS: tl.constexpr, {_GEMM_BLOCKS}", _GEMM_LANES)
     w = kernel.write
-    kernel.positions()
+    kernel.positions(tile=False)
+    kernel.window_bounds()
     pointers, mask = _gemm_weight_tile(kernel)
     w("group = tl.program_id(2)",
       "o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)",
@@ -669,14 +710,15 @@ def _gemm_input_backward_kernel(geometry: SortGeometry) -> str:
                      f"sgb, sgc, sgh, sgw, swb, swc, swq, {_GEMM_TYPES}, {_GEMM_BLOCKS}", _GEMM_LANES)
     w = kernel.write
     depth = gemm_depth(kernel.slots)
-    kernel.positions()
+    kernel.positions(tile=False)
     pointers, mask = _gemm_weight_tile(kernel)
     grad_pointers, grad_mask = _gemm_grad_tile()
     w("group = tl.program_id(1)")
     _gemm_channels(kernel, "tl.program_id(2) * BLOCK_C")
     w("lane_ok = c_ok[:, None] & p_ok[None, :]",
       "x_lane = x_ptr + pos + (chan * sxc)[:, None]")
-    kernel.load_window()
+    kernel.window_bounds()
+    kernel.load_window_rows()
     for segment in geometry.segments:
         kernel.sort_segment(segment, record=True)
     w(f"gs = tl.zeros([BLOCK_P, BLOCK_C * {depth}], ACCUMULATE)",
@@ -696,8 +738,11 @@ def _gemm_input_backward_kernel(geometry: SortGeometry) -> str:
         kernel.unsort_segment(segment)
         kernel.window_gradients(segment, started)
     w("windows_lane = windows_ptr + (image * swb + l)[None, :] + (chan * swc)[:, None]")
-    kernel.store_slots(kernel.window_gradient_values(started), "windows_lane", "swq", "lane_ok",
-                       "windows_ptr.dtype.element_ty")
+    values = kernel.window_gradient_values(started)
+    k = kernel.k
+    for row in range(k):
+        kernel.store_slots(values[row * k:(row + 1) * k], f"windows_lane + {row * k} * swq", "swq", "lane_ok",
+                           "windows_ptr.dtype.element_ty")
     return kernel.source()
 
 
@@ -722,7 +767,8 @@ def _gemm_weight_backward_kernel(geometry: SortGeometry) -> str:
     _gemm_channels(kernel, "(tl.program_id(1) % channel_blocks) * BLOCK_C")
     w("for block in range(split, n_blocks, splits):")
     w.depth += 1
-    kernel.positions(block="block")
+    kernel.positions(block="block", tile=False)
+    kernel.window_bounds()
     w("lane_ok = c_ok[:, None] & p_ok[None, :]")
     _gemm_sorted_operand(kernel)
     w(f"g = tl.load({grad_pointers}, mask={grad_mask}, other=0.0)",
