@@ -614,8 +614,8 @@ def _direct_backward_kernel(geometry: SortGeometry) -> str:
 # Their windows are read one position at a time (the forward's and the weight gradient's: a lane tensor per
 # position, with masks from the window's rows and columns) or one window row at a time (the input gradient's,
 # whose longer program would compile for 20-30 s with a load per position), and the input gradient's window values
-# are written one row at a time: with a whole window as one tile (as the other kernels read it), Triton 3.6 (the
-# Triton of torch 2.10-2.11) keeps the tile in local memory, spilling 600-4,000 bytes per thread at k = 5 and 7
+# are written one row at a time: with a whole window as one tile (as the other kernels read it), Triton 3.6 (with torch
+# 2.11) keeps the tile in local memory, spilling 600-4,000 bytes per thread at k = 5 and 7
 # in the sm_90 report, where Triton 3.8 keeps it in registers.
 _GEMM_LANES = "BLOCK_C, BLOCK_P"
 _GEMM_BLOCKS = "BLOCK_P: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_C: tl.constexpr"
