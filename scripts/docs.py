@@ -162,26 +162,21 @@ def cpu_twins() -> str:
              f"(AVX2: with `ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2`), {rows[0]['date']}, package at "
              f"{rows[0]['commit']}; 1 thread on CPU time. Training images/s, SC / twin (ratio):", "",
              "| SC model (input, batch) | twin | " + " | ".join(titles) + " |", "|---|---|" + "---|" * 4]
+    def pair(r: Dict[str, str], sc: str, twin: str, suffix: str) -> str:
+        return f"{r[sc]} / {r[twin]} (**{float(r[sc]) / float(r[twin]):.2f}{suffix}**)"
+
     for model, twin in models:
         first = cell[(model, "avx512", "1")]
-        cells = []
-        for isa, t in columns:
-            r = cell[(model, isa, t)]
-            ratio = float(r["train_images_s"]) / float(r["twin_train_images_s"])
-            cells.append(f"{r['train_images_s']} / {r['twin_train_images_s']} (**{ratio:.2f}**)")
         lines.append(f"| `{model}` ({first['train_size']}x{first['train_size']}, {first['batch']}) | `{twin}` | "
-                     + " | ".join(cells) + " |")
+                     + " | ".join(pair(cell[(model, isa, t)], "train_images_s", "twin_train_images_s", "")
+                                  for isa, t in columns) + " |")
     lines += ["", "Inference of one image, milliseconds, SC / twin (ratio):", "",
               "| SC model (input) | twin | " + " | ".join(titles) + " |", "|---|---|" + "---|" * 4]
     for model, twin in models:
         first = cell[(model, "avx512", "1")]
-        cells = []
-        for isa, t in columns:
-            r = cell[(model, isa, t)]
-            cells.append(f"{r['latency_ms']} / {r['twin_latency_ms']} "
-                         f"(**{float(r['latency_ms']) / float(r['twin_latency_ms']):.2f}x**)")
-        lines.append(f"| `{model}` ({first['latency_size']}x{first['latency_size']}) | `{twin}` | " + " | ".join(cells)
-                     + " |")
+        lines.append(f"| `{model}` ({first['latency_size']}x{first['latency_size']}) | `{twin}` | "
+                     + " | ".join(pair(cell[(model, isa, t)], "latency_ms", "twin_latency_ms", "x")
+                                  for isa, t in columns) + " |")
     return "\n".join(lines)
 
 
