@@ -91,7 +91,9 @@ TWO_LANES_MAX_SLOTS = 25
 # The gemm kernels keep one lane per thread: its window values, sorted samples (and in the input gradient's
 # kernel the recorded swaps and the slots' gradient) in registers.
 GEMM_MAX_SLOTS = 49
-GEMM_MAX_SLOTS_FLOAT64 = 25
+# float64 values take two registers each: in the sm_90 report (Triton 3.8) the gemm kernels spill in float64 from
+# k = 3 on (the forward 96 bytes; k = 5 and 7: 120-368), so float64 takes them only when named.
+GEMM_MAX_SLOTS_FLOAT64 = 0
 GEMM_MAX_BLOCK_O = 64
 GEMM_NARROW_SLOTS = 25
 # Input channels per step of the gemm kernels' reduction, by the window's samples (at most): 4 for 3x3 windows
@@ -116,7 +118,7 @@ def window_limit(path: str, backward: bool = False, double: bool = False) -> int
     """The most samples per window for which a path's kernels are taken without being forced (``backward``:
     its backward; ``double``: float64, whose values take two registers each), 0 for none: FUSED_MAX_SLOTS,
     DIRECT_MAX_SLOTS, DIRECT_BACKWARD_MAX_SLOTS and GEMM_MAX_SLOTS, in float64 DIRECT_MAX_SLOTS_FLOAT64 for the
-    direct forward, GEMM_MAX_SLOTS_FLOAT64 for the gemm kernels and no fused kernel."""
+    direct forward and neither the fused nor the gemm kernels (GEMM_MAX_SLOTS_FLOAT64)."""
     if path == "fused":
         return 0 if double else FUSED_MAX_SLOTS
     if path == "direct":
