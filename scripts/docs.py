@@ -275,21 +275,19 @@ def demo() -> str:
 def record_demo(folder: Path, minutes: float, load: str) -> None:
     """Stores the demo's sweep (``rotation_sweep.csv`` of its ``--output`` folder) with how it ran, for :func:`demo`:
     the README's command, its minutes (measured by the caller, e.g. with ``time``), the machine and the load."""
-    import platform
     import shutil
     import time
 
     import torch
 
     sys.path.insert(0, str(REPO))
+    from timm_sortconv.check import cpu_model
     from timm_sortconv.ops import cpu_backend
 
     DEMO.mkdir(parents=True, exist_ok=True)
     shutil.copy(folder / "rotation_sweep.csv", DEMO / "rotation_sweep.csv")
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
     meta = {"command": ".venv/bin/python scripts/demo.py", "minutes": minutes, "load": load,
-            "machine": f"{model}, {torch.get_num_threads()} threads", "isa": cpu_backend.cpu_isa(),
+            "machine": f"{cpu_model()}, {torch.get_num_threads()} threads", "isa": cpu_backend.cpu_isa(),
             "date": time.strftime("%Y-%m-%d", time.gmtime()), "train_images": 5000, "test_images": 500,
             "labels": {"scnn_p_rs_3": "`scnn_p_rs_3` (SC)", "scnn_baseline_3": "`scnn_baseline_3` (same parameters)"}}
     (DEMO / "demo.json").write_text(json.dumps(meta, indent=1) + "\n")

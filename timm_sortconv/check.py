@@ -111,6 +111,16 @@ class Case:
         return self.backend + (f"[{self.path}]" if self.path else "")
 
 
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``'s first ``model name``), else what ``platform`` says."""
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as info:
+            names = [line.split(":", 1)[1].strip() for line in info if line.startswith("model name")]
+        if names:
+            return names[0]
+    return platform.processor() or platform.machine()
+
+
 def _environment(device: torch.device) -> List[Tuple[str, str]]:
     from . import __version__
     from .ops import cpu_backend
@@ -129,12 +139,7 @@ def _environment(device: torch.device) -> List[Tuple[str, str]]:
         rows += [("GPU", f"{props.name}, compute capability {props.major}.{props.minor}, "
                          f"{props.total_memory / 2**30:.1f} GiB, {props.multi_processor_count} multiprocessors"),
                  ("CUDA (PyTorch's)", str(torch.version.cuda))]
-    model = platform.processor() or platform.machine()
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as info:
-            names = [line.split(":", 1)[1].strip() for line in info if line.startswith("model name")]
-        model = names[0] if names else model
-    rows += [("CPU", f"{model}, {os.cpu_count()} logical cores, {torch.get_num_threads()} PyTorch threads"),
+    rows += [("CPU", f"{cpu_model()}, {os.cpu_count()} logical cores, {torch.get_num_threads()} PyTorch threads"),
              ("CPU instruction set (PyTorch's level)", torch.backends.cpu.get_cpu_capability()),
              ("SC CPU kernel level", cpu_backend.cpu_isa()),
              ("Backends available", ", ".join(available_backends()))]

@@ -43,7 +43,6 @@ import importlib.util
 import json
 import math
 import os
-import platform
 import shlex
 import sys
 import time
@@ -57,7 +56,8 @@ import torch.nn.functional as F
 
 import local_rotation
 from ablation import create_model, load_split, rotated_sweep, summarise, sweep_correct
-from timm_sortconv.cli import CommandError, run
+from timm_sortconv.check import cpu_model
+from timm_sortconv.cli import run
 from timm_sortconv.rotation import rotate_each
 
 RESULTS = Path(__file__).resolve().parent / "results" / "decision"
@@ -194,19 +194,12 @@ class Trainer:
 
 def machine() -> Dict:
     """The CPU, its widest vector extension, and the load average (the seconds depend on all three)."""
-    flags, model = "", platform.processor()
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and not model:
-                model = line.split(":", 1)[1].strip()
-            if line.startswith("flags"):
-                flags = line
-                model = model or ""
-                break
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
-        pass
+        flags = ""
     isa = "avx512" if " avx512f" in flags else "avx2" if " avx2" in flags else "other"
-    return {"cpu": model, "isa": isa, "threads": torch.get_num_threads(), "load_average": list(os.getloadavg())}
+    return {"cpu": cpu_model(), "isa": isa, "threads": torch.get_num_threads(), "load_average": list(os.getloadavg())}
 
 
 def build(row: Row, classes: int = 10, in_chans: Optional[int] = None, channels: Optional[Sequence[int]] = None
