@@ -251,12 +251,12 @@ class _Kernel:
             names = [f"v{q}" if q in self.used else None for q in range(r * self.k, (r + 1) * self.k)]
             self.split(tile, width, names, self.lanes)
 
-    def window_bounds(self) -> None:
+    def window_bounds(self, columns: bool = True) -> None:
         """``row_ok{r}`` / ``col_ok{c}`` [1, BLOCK_P]: whether row r / column c of each lane's window lies inside
-        the input (for :meth:`load_window` with ``each``)."""
+        the input (for :meth:`load_window` with ``each``; :meth:`load_window_rows` needs the rows only)."""
         for r in sorted({q // self.k for q in self.used}):
             self.write(f"row_ok{r} = ((ih0 + {r} * dil_h >= 0) & (ih0 + {r} * dil_h < H))[None, :]")
-        for c in sorted({q % self.k for q in self.used}):
+        for c in sorted({q % self.k for q in self.used} if columns else ()):
             self.write(f"col_ok{c} = ((iw0 + {c} * dil_w >= 0) & (iw0 + {c} * dil_w < W))[None, :]")
 
     def slot_tile(self, base: str, stride: str, segment: Tuple[int, int], mask: str) -> Tuple[str, str]:
@@ -717,7 +717,7 @@ def _gemm_input_backward_kernel(geometry: SortGeometry) -> str:
     _gemm_channels(kernel, "tl.program_id(2) * BLOCK_C")
     w("lane_ok = c_ok[:, None] & p_ok[None, :]",
       "x_lane = x_ptr + pos + (chan * sxc)[:, None]")
-    kernel.window_bounds()
+    kernel.window_bounds(columns=False)
     kernel.load_window_rows()
     for segment in geometry.segments:
         kernel.sort_segment(segment, record=True)
