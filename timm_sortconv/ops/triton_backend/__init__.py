@@ -12,11 +12,11 @@ runs one of them for a call):
   atomics.
 * ``fused`` (forward, windows of at most 9 samples: k = 3): an implicit GEMM; each sorted slot tile goes
   straight into ``tl.dot``.
-* ``gemm`` (windows of at most 49 samples, k <= 7): an implicit GEMM with one window per thread: a channel's
-  sorted slots of a block of positions are one ``[positions, K]`` operand of ``tl.dot`` (K: the slots padded
-  to a power of two >= 16). Its backward sorts again: one kernel records the swaps and sends the slots'
-  gradient (a ``tl.dot`` of the output gradient and the weights) back to the window values, which ``F.fold``
-  gathers per input pixel; another sums the weight gradient's ``tl.dot`` products over splits of the
+* ``gemm`` (windows of at most 49 samples, k <= 7; not taken by ``auto`` in float64): an implicit GEMM with
+  one position per thread: the sorted slots of BLOCK_C channels at a block of positions are one
+  ``[positions, BLOCK_C * K]`` operand of ``tl.dot`` (K: a channel's slots padded to a power of two >= 16).
+  Its backward sorts again: one kernel records the swaps and sends the slots' gradient (a ``tl.dot`` of the
+  output gradient and the weights) back to the window values, which ``F.fold`` gathers per input pixel; another sums the weight gradient's ``tl.dot`` products over splits of the
   positions, added in a fixed order. No columns are written to memory.
 * ``columns``: sorted columns written for a bounded chunk of images and multiplied by cuBLAS. Also the
   backward of every call that is not direct: the weight and column gradients are cuBLAS products, a kernel
@@ -453,13 +453,13 @@ def _gemm_backward(grad_out, x, weight, call: _Call, need_input: bool, need_weig
     input kernel, ``F.fold`` gathering them per pixel), the weight gradient from partial sums over splits of
     the positions, added in a fixed order. Both sort the windows again from ``x``."""
     accumulate = torch.float64 if x.dtype == torch.float64 else torch.float32
-    weights = _channel_major(weight, call)
     kernels = load_kernels(call.geometry)
     positions = call.out_h * call.out_w
     grad_input = grad_weight = None
     if need_input:
         meta = _settings("gemm_input_backward_kernel", call, x.dtype, blocks)
         grad_input = torch.empty_like(x, memory_format=torch.contiguous_format)
+        weights = _channel_major(weight, call)
         for first, end in _chunks(call, call.slots * torch.finfo(accumulate).bits // 8):
             images = end - first
             part = x[first:end]

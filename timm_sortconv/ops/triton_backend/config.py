@@ -11,8 +11,8 @@ Which kernels compute a call:
   output tile with ``tl.dot``; the windows are sorted once per block of ``BLOCK_O`` outputs (once in all
   where the group has at most ``FUSED_MAX_BLOCK_O``).
 * ``"gemm"`` (windows of at most ``GEMM_MAX_SLOTS`` samples): an implicit GEMM with one window per lane and
-  one input channel per step: the channel's sorted slots of a block of positions are one [positions, K]
-  operand (K: the slots padded to a power of two >= 16) of a ``tl.dot`` with the channel's weights. Its
+  BLOCK_C input channels per step: their sorted slots at a block of positions are one [positions, BLOCK_C * K]
+  operand (K: a channel's slots padded to a power of two >= 16) of a ``tl.dot`` with their weights. Its
   backward sorts again: the input gradient's kernel records the swaps and sends the slots' gradient (another
   ``tl.dot``) back to the window values, which ``F.fold`` gathers per input pixel; the weight gradient's
   kernel sums ``tl.dot`` products over splits of the positions, added up in a fixed order (no atomics).
@@ -88,8 +88,8 @@ AUTO_MAX_KERNEL_SIZE = 7
 # Windows of at most this many samples get block sizes with two lanes per thread among the candidates.
 TWO_LANES_MAX_SLOTS = 25
 
-# The gemm kernels keep one lane per thread: its window values, sorted samples (and in the input gradient's
-# kernel the recorded swaps and the slots' gradient) in registers.
+# The gemm kernels keep one position per thread, BLOCK_C lanes (channels) each: their window values, sorted
+# samples (and in the input gradient's kernel the recorded swaps and the slots' gradient) in registers.
 GEMM_MAX_SLOTS = 49
 # float64 values take two registers each: in the sm_90 report (Triton 3.8) the gemm kernels spill in float64 from
 # k = 3 on (the forward 96 bytes; k = 5 and 7: 120-368), so float64 takes them only when named.
