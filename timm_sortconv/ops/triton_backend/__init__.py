@@ -16,8 +16,9 @@ runs one of them for a call):
   one position per thread: the sorted slots of BLOCK_C channels at a block of positions are one
   ``[positions, BLOCK_C * K]`` operand of ``tl.dot`` (K: a channel's slots padded to a power of two >= 16).
   Its backward sorts again: one kernel records the swaps and sends the slots' gradient (a ``tl.dot`` of the
-  output gradient and the weights) back to the window values, which ``F.fold`` gathers per input pixel; another sums the weight gradient's ``tl.dot`` products over splits of the
-  positions, added in a fixed order. No columns are written to memory.
+  output gradient and the weights) back to the window values, which ``F.fold`` gathers per input pixel;
+  another sums the weight gradient's ``tl.dot`` products over splits of the positions, added in a fixed
+  order. No columns are written to memory.
 * ``columns``: sorted columns written for a bounded chunk of images and multiplied by cuBLAS. Also the
   backward of every call that is not direct: the weight and column gradients are cuBLAS products, a kernel
   sorts again recording the swaps (and writing the columns), another replays them in reverse to send the
