@@ -214,15 +214,24 @@ MNIST_ROWS = (
 )
 
 
-def mnist() -> str:
+def mnist_entries() -> List[Tuple[str, str, List[Dict], Tuple]]:
+    """(model, what it is, its training stages' rows as stored, the paper's (MNIST, MNIST-rot) or (None, None))
+    for :data:`MNIST_ROWS`: the paper's figures only where the row is the paper's network and schedule."""
     sys.path.insert(0, str(REPO))
     from timm_sortconv.cli.mnist_results import PAPER
 
-    lines = ["| model | what | MNIST | paper | MNIST-rot | paper | training |", "|---|---|---|---|---|---|---|"]
+    entries = []
     for model, rows, what in MNIST_ROWS:
         stages = [json.loads((REPO / "model_cards" / "results" / "full" / f"{row}.json").read_text()) for row in rows]
-        result = stages[-1]
         paper = PAPER.get(model, (None, None)) if rows[-1] in (model, f"{model}-paper") else (None, None)
+        entries.append((model, what, stages, paper))
+    return entries
+
+
+def mnist() -> str:
+    lines = ["| model | what | MNIST | paper | MNIST-rot | paper | training |", "|---|---|---|---|---|---|---|"]
+    for model, what, stages, paper in mnist_entries():
+        result = stages[-1]
         cells = [f"{result['mnist_test_top1']:.2f}%", f"{paper[0]:.2f}%" if paper[0] else "-",
                  f"{result['mnist_rot_top1']:.2f}%", f"{paper[1]:.2f}%" if paper[1] else "-",
                  " + ".join(str(stage["epochs"]) for stage in stages) + " epoch" + "s" * (sum(
@@ -235,16 +244,12 @@ def mnist() -> str:
 
 def mnist_brief() -> str:
     """The bundled models' MNIST / MNIST-rot in two sentences (README.md), from the rows of :func:`mnist`."""
-    sys.path.insert(0, str(REPO))
-    from timm_sortconv.cli.mnist_results import PAPER
-
     parts = []
-    for model, rows, _ in MNIST_ROWS:
-        result = json.loads((REPO / "model_cards" / "results" / "full" / f"{rows[-1]}.json").read_text())
-        paper = PAPER.get(model) if rows[-1] in (model, f"{model}-paper") else None
-        name = f"`{model}`" + (" + `canonicalize=moment1` (not shipped)" if rows[-1].endswith("canon1-e5") else "")
+    for model, _, stages, paper in mnist_entries():
+        result = stages[-1]
+        name = f"`{model}`" + (" + `canonicalize=moment1` (not shipped)" if result["name"].endswith("canon1-e5") else "")
         parts.append(f"{name} {result['mnist_test_top1']:.2f} / {result['mnist_rot_top1']:.2f}"
-                     + (f" (paper {paper[0]:.2f} / {paper[1]:.2f})" if paper else ""))
+                     + (f" (paper {paper[0]:.2f} / {paper[1]:.2f})" if paper[0] else ""))
     return ("MNIST / MNIST-rot top-1 % (all 10,000 test images; all 360,000 turned ones): " + "; ".join(parts)
             + " (RESULTS.md: every row, its command and the peers).")
 
