@@ -171,6 +171,9 @@ class Trainer:
                 "seconds": self.seconds}
 
     def load(self, state: dict) -> None:
+        # The checkpoint was written in training mode; e2cnn's convolutions hold an expanded ``filter`` buffer
+        # only in eval mode, so the model must be in the same mode to take the same keys.
+        self.model.train()
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step, self.seconds = state["step"], state["seconds"]
