@@ -24,6 +24,10 @@ training-set sizes, with the networks laid out as the paper's SCNN (:data:`ROWS`
   interleaved rounds on this machine, with the CPU and the load average; ``s/epoch`` is that times the 1,000
   steps of an epoch of 50,000 images.
 
+**The attempts** (rows with ``attempt``, at most two rounds): SC configurations meant to beat the augmented plain
+CNN and the E(2)-CNN at the smallest size (:data:`RIVALS`); they run at that size only, and on the local task,
+and have a table of their own (:func:`attempts_table`).
+
 Runs are jobs, done in a fixed order (every row at 1,000 images first, seed by seed, then 5,000, then 50,000,
 then the local task), each writing ``<results>/<row>/<job>.json``; a job whose JSON exists is skipped.
 Training checkpoints every ``--checkpoint-every`` steps under ``--output`` (outside the repository), so a killed
@@ -79,6 +83,7 @@ class Row:
     augment: bool = False
     time_of: Optional[str] = None
     what: str = ""
+    attempt: int = 0  # 0: a row of the table; 1, 2: a round of attempts at an SC model that beats the others
 
 
 ROWS = (
@@ -92,8 +97,16 @@ ROWS = (
     Row("p_c2_7_canon+aug", "scnn_p_c2_7_canon", augment=True, what="`scnn_p_c2_7_canon` + rotation augmentation"),
     Row("e2cnn_c8", "e2cnn", {"channels": [32, 32, 64, 64, 128, 128]}, time_of="p_rs_7",
         what="E(2)-CNN C8, the SCNN's channels, trained for P-RS-7's time"),
+    # The attempts: SC configurations meant to beat the augmented plain CNN and the E(2)-CNN at 1,000 images
+    # (scnn_options.py's ``sorted_convs``: SC in the first convolutions only, plain ones after).
+    Row("sc2+canon", "scnn_p_rs_7", {"canonicalize": "moment1", "sorted_convs": 2}, attempt=1,
+        what="SC in the first 2 convolutions, plain after, + the canonical turn (`moment1`)"),
+    Row("sc2+aug", "scnn_p_rs_7", {"sorted_convs": 2}, augment=True, attempt=1,
+        what="SC in the first 2 convolutions, plain after, + rotation augmentation"),
 )
 ROW_NAMES = tuple(row.name for row in ROWS)
+#: The rows the attempts are measured against.
+RIVALS = ("plain+aug", "e2cnn_c8")
 
 
 @dataclass(frozen=True)
@@ -109,11 +122,11 @@ class Job:
 
 def jobs(rows: Sequence[Row], sizes: Sequence[int], seeds: Sequence[int], big_seeds: Sequence[int],
          local: bool) -> List[Job]:
-    """Every job, in the order of the module docstring."""
+    """Every job, in the order of the module docstring (the attempts at the smallest size only)."""
     found = []
     for size in sorted(sizes):
         for seed in (big_seeds if size >= EPOCH_IMAGES else seeds):
-            found += [Job(row, size, seed) for row in rows]
+            found += [Job(row, size, seed) for row in rows if not row.attempt or size == min(sizes)]
     if local:
         found += [Job(row, 0, 0) for row in rows]
     return found
@@ -242,15 +255,30 @@ def measure_timing(rows: Sequence[Row], rounds: int, steps: int, channels: Optio
 
 def timing(results: Path, rows: Sequence[Row], rounds: int = 3, steps: int = 5,
            channels: Optional[Sequence[int]] = None) -> Dict:
-    """``timing.json`` under ``results``: measured once for ``rows`` (again where a row is missing from it)."""
+    """``timing.json`` under ``results``: measured once for ``rows``. Rows missing from a stored file are
+    measured (with ``p_rs_7``, whose stored time then scales theirs, so that a busier minute does not move
+    them) and added under ``added``; the stored rows' times are kept, since the ``time_of`` rows' steps were
+    fixed by them."""
     path = results / "timing.json"
-    if path.is_file():
-        stored = json.loads(path.read_text())
-        if {row.name for row in rows} <= set(stored["seconds_per_step"]):
-            return stored
-    print(f"timing the training steps of {', '.join(row.name for row in rows)} ...", flush=True)
-    result = measure_timing(rows, rounds, steps, channels)
-    result["command"] = "python scripts/research/decision_table.py " + " ".join(map(shlex.quote, sys.argv[1:]))
+    command = "python scripts/research/decision_table.py " + " ".join(map(shlex.quote, sys.argv[1:]))
+    stored = json.loads(path.read_text()) if path.is_file() else None
+    missing = [row for row in rows if stored is None or row.name not in stored["seconds_per_step"]]
+    if not missing:
+        return stored
+    reference = next(row for row in ROWS if row.name == "p_rs_7")
+    if stored is not None and reference.name in stored["seconds_per_step"]:
+        print(f"timing the training steps of {', '.join(row.name for row in missing)} against p_rs_7 ...", flush=True)
+        result = measure_timing([reference, *[row for row in missing if row is not reference]], rounds, steps, channels)
+        scale = stored["seconds_per_step"][reference.name] / result["seconds_per_step"][reference.name]
+        for row in missing:
+            stored["seconds_per_step"][row.name] = result["seconds_per_step"][row.name] * scale
+        stored.setdefault("added", []).append({**{k: v for k, v in result.items() if k != "seconds_per_step"},
+                                               "rows": [row.name for row in missing], "scale": scale,
+                                               "measured": result["seconds_per_step"], "command": command})
+        result = stored
+    else:
+        print(f"timing the training steps of {', '.join(row.name for row in rows)} ...", flush=True)
+        result = dict(measure_timing(rows, rounds, steps, channels), command=command)
     results.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
     return result
@@ -415,7 +443,7 @@ def table(results: Path, sizes: Sequence[int] = (1000, 5000, 50000)) -> str:
     head = ("| row | " + " | ".join(f"MNIST-rot, {size:,} images: mean / worst (seeds)" for size in sizes)
             + f" | MNIST, {max(sizes):,} | local turns: mean / retained | params | s/epoch |")
     lines = [head, "|---|" + "---|" * (len(sizes) + 4)]
-    for row in ROWS:
+    for row in (row for row in ROWS if not row.attempt):
         runs = found.get(row.name, {})
         cells = []
         for size in sizes:
@@ -432,9 +460,52 @@ def table(results: Path, sizes: Sequence[int] = (1000, 5000, 50000)) -> str:
     return "\n".join(lines)
 
 
+def _mean_se(values: Sequence[float]) -> Tuple[float, float]:
+    values = np.asarray(values, dtype=float)
+    return values.mean(), (values.std(ddof=1) / math.sqrt(len(values)) if len(values) > 1 else float("nan"))
+
+
+def attempts_table(results: Path, size: int = 1000) -> str:
+    """The attempts (:data:`ROWS` with ``attempt``) at ``size`` images against :data:`RIVALS`: MNIST-rot mean over
+    seeds ± the standard error between seeds, each difference with the standard error of the difference
+    (``sqrt(se1^2 + se2^2)``), and whether the attempt beats every rival by more than two of those."""
+    found = load_results(results)
+    times_path = results / "timing.json"
+    times = json.loads(times_path.read_text())["seconds_per_step"] if times_path.is_file() else {}
+    rivals = {name: [r["mnist_rot"]["mean"] for r in found.get(name, {}).get(f"n{size}", [])] for name in RIVALS}
+    head = (f"| round | attempt | MNIST-rot, {size:,} images: mean / worst (seeds) | "
+            + " | ".join(f"minus `{name}`" for name in RIVALS) + " | beats both by > 2 SE | local turns: mean / retained "
+            "| s/epoch |")
+    lines = [head, "|---|---|---|" + "---|" * len(RIVALS) + "---|---|---|"]
+    for row in (row for row in ROWS if row.attempt):
+        runs = found.get(row.name, {})
+        seeds = runs.get(f"n{size}", [])
+        means = [r["mnist_rot"]["mean"] for r in seeds]
+        cells = [str(row.attempt), row.what or row.name]
+        cells.append(f"{_stats(means)} / {_stats([r['mnist_rot']['worst'] for r in seeds])} ({len(seeds)})"
+                     if seeds else "-")
+        wins = []
+        for name in RIVALS:
+            if len(means) > 1 and len(rivals[name]) > 1:
+                (mean, se), (rival, rival_se) = _mean_se(means), _mean_se(rivals[name])
+                error = math.hypot(se, rival_se)
+                wins.append(mean - rival > 2 * error)
+                cells.append(f"{mean - rival:+.2f} ± {error:.2f}")
+            else:
+                wins.append(None)
+                cells.append("-")
+        cells.append("-" if None in wins else "yes" if all(wins) else "no")
+        one = runs.get("one", [])
+        cells.append(f"{one[0]['mean']:.2f} / {one[0]['retained']:.3f}" if one else "-")
+        cells.append(f"{times[row.name] * EPOCH_IMAGES / BATCH:.0f}" if row.name in times else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("action", choices=("run", "table"))
+    parser.add_argument("action", choices=("run", "table", "timing"),
+                        help="run: the jobs; table: print the tables; timing: only measure timing.json's missing rows")
     parser.add_argument("--data-dir", help="MNIST folder (IDX files)")
     parser.add_argument("--output", default="output/decision",
                         help="checkpoints, claims and the sweep cache (keep it outside the repository)")
@@ -459,7 +530,15 @@ def main(argv=None) -> None:
     parser.add_argument("--timing-steps", type=int, default=5, help="training steps per row and round")
     args = parser.parse_args(argv)
     if args.action == "table":
-        print(table(Path(args.results), sorted(args.sizes)))
+        print(table(Path(args.results), sorted(args.sizes)) + "\n\n" + attempts_table(Path(args.results),
+                                                                                    min(args.sizes)))
+        return
+    if args.action == "timing":
+        torch.set_num_threads(args.threads)
+        rows = [row for row in ROWS if not args.rows or row.name in args.rows]
+        timed = {name for row in rows for name in (row.name, row.time_of) if name}
+        timing(Path(args.results), [row for row in ROWS if row.name in timed], args.timing_rounds, args.timing_steps,
+               args.channels)
         return
     if not args.data_dir:
         parser.error("run needs --data-dir (the MNIST folder)")

@@ -65,9 +65,12 @@ def test_augmented_batches_turn_each_image_by_its_own_angle_fixed_by_the_step(ta
 
 def test_jobs_run_every_row_at_the_smallest_size_first_and_one_seed_at_50000(table):
     found = table.jobs(table.ROWS, [50000, 1000, 5000], [0, 1, 2], [0], local=True)
+    rows, attempts = [row for row in table.ROWS if not row.attempt], [row for row in table.ROWS if row.attempt]
+    assert len(rows) == 8 and attempts  # the attempts run at the smallest size and on the local task only
     sizes = [job.size for job in found]
-    assert sizes == [1000] * 24 + [5000] * 24 + [50000] * 8 + [0] * 8
-    assert [job.seed for job in found[:9]] == [0] * 8 + [1]
+    assert sizes == [1000] * 3 * len(table.ROWS) + [5000] * 24 + [50000] * 8 + [0] * len(table.ROWS)
+    assert [job.seed for job in found[:len(table.ROWS) + 1]] == [0] * len(table.ROWS) + [1]
+    assert not any(job.row.attempt for job in found if job.size > 1000)
     assert {job.seed for job in found if job.size == 50000} == {0}
     assert found[-1].name == "one_seed0" and found[0].name == "n1000_seed0"
 
@@ -120,6 +123,49 @@ def test_a_tiny_table_runs_records_and_is_not_rerun(table, tmp_path, capsys):
     line = next(line for line in markdown.splitlines() if "`scnn_p_rs_7`" in line)
     mean = sum(results[f"p_rs_7/n50_seed{s}"]["mnist_rot"]["mean"] for s in (0, 1)) / 2
     assert f"{mean:.2f} ± " in line and "(2)" in line and line.count("|") == len((50, 100)) + 6
+
+
+def fake_result(row, size, seed, mean):
+    return {"row": row, "task": "mnist", "train_images": size, "seed": seed, "params": 10,
+            "mnist_rot": {"mean": mean, "worst": mean - 5}}
+
+
+def test_an_attempt_beats_its_rivals_only_by_more_than_two_standard_errors_of_the_difference(table, tmp_path):
+    attempt = next(row.name for row in table.ROWS if row.attempt)
+    other = [row.name for row in table.ROWS if row.attempt][1]
+    means = {"plain+aug": [94.0, 94.2, 94.4], "e2cnn_c8": [92.0, 92.5, 93.0],  # SEs 0.115 and 0.289
+             attempt: [95.0, 95.2, 95.4],  # +1.0 ± 0.16 and +2.7 ± 0.31: beats both
+             other: [94.5, 94.7, 94.9]}  # +0.5 ± 0.16 (> 2 SE) and +2.2 ± 0.31: beats both too
+    for row, values in means.items():
+        for seed, mean in enumerate(values):
+            path = tmp_path / row / f"n1000_seed{seed}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(fake_result(row, 1000, seed, mean)))
+    lines = {line.split(" | ")[1]: line for line in table.attempts_table(tmp_path).splitlines()[2:]}
+    first = next(line for what, line in lines.items() if what.startswith("SC in the first 2") and "canon" in what)
+    assert "95.20 ± 0.12 / 90.20 ± 0.12 (3)" in first and "+1.00 ± 0.16" in first and "+2.70 ± 0.31" in first
+    assert "| yes |" in first
+    (tmp_path / other / "n1000_seed2.json").write_text(json.dumps(fake_result(other, 1000, 2, 93.0)))
+    second = table.attempts_table(tmp_path).splitlines()[3]  # now 94.07 ± 0.52: -0.13 against plain+aug
+    assert "| no |" in second and "-0.13 ± " in second
+    (tmp_path / "e2cnn_c8" / "n1000_seed1.json").unlink()
+    (tmp_path / "e2cnn_c8" / "n1000_seed2.json").unlink()  # one seed: no standard error, no verdict
+    assert all(line.split(" | ")[-4] == "-" for line in table.attempts_table(tmp_path).splitlines()[2:])
+
+
+def test_rows_missing_from_the_timing_are_added_scaled_by_the_reference_and_the_stored_times_kept(
+        table, tmp_path, monkeypatch):
+    stored = {"seconds_per_step": {"p_rs_7": 0.5, "e2cnn_c8": 0.25}, "batch": 50}
+    (tmp_path / "timing.json").write_text(json.dumps(stored))
+    measured = {"p_rs_7": 1.0, "sc2+canon": 0.8}  # a minute twice as slow as the stored one
+    monkeypatch.setattr(table, "measure_timing", lambda rows, *a: {"seconds_per_step": {
+        row.name: measured[row.name] for row in rows}, "machine_before": {}, "date": "now"})
+    rows = [row for row in table.ROWS if row.name in ("p_rs_7", "e2cnn_c8", "sc2+canon")]
+    result = table.timing(tmp_path, rows)
+    assert result["seconds_per_step"] == {"p_rs_7": 0.5, "e2cnn_c8": 0.25, "sc2+canon": 0.4}
+    assert result["added"][0]["rows"] == ["sc2+canon"] and result["added"][0]["scale"] == 0.5
+    assert json.loads((tmp_path / "timing.json").read_text()) == result
+    assert table.timing(tmp_path, rows) == result  # nothing missing: nothing measured again
 
 
 def test_bad_sizes_are_refused_naming_what_is_accepted(table, capsys):
