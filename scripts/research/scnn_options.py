@@ -31,15 +31,11 @@ and without them.
 """
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from typing import Dict, Sequence, Tuple, Union
 
 import timm
-import torch
 import torch.nn as nn
-import torch.nn.functional as F
-from timm.layers import register_notrace_module
 
 from timm_sortconv.antialias import DOWNSAMPLES, BlurPool2d, GaussianBlur2d, create_downsample, gaussian_kernel1d
 from timm_sortconv.grid import CentredMaxPool2d

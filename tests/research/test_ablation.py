@@ -4,7 +4,6 @@ bookkeeping is what is checked)."""
 import base64
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -7,7 +7,6 @@ put into a built SCNN, keep its parameters, its ``state_dict`` keys and its exac
 invariance, and change what it computes as the same layers built in would; the moment strength ignores turns
 and separates an oriented shape from a round one.
 """
-import math
 
 import pytest
 import timm

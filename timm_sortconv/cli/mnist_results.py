@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from ..invariance import read_sweep_csv
-from . import CommandError, key_value, run
+from . import key_value, run
 from . import train as train_tool
 from . import validate as validate_tool
 
