@@ -794,7 +794,8 @@ def main_cuda(args, variants: List[str], variant_given: bool) -> None:
             print("| " + " | ".join(row) + " |")
         for decision in decisions:
             RECORD("decision", configuration=decision.configuration, chosen=decision.chosen.name,
-                   seconds=decision.seconds, checked_seconds=decision.checked_seconds, rejected=decision.rejected)
+                   seconds=decision.seconds, checked_seconds=decision.checked_seconds, rejected=decision.rejected,
+                   compile_seconds=decision.compile_seconds, compile_failures=decision.compile_failures)
 
 
 def parse_args(argv=None):

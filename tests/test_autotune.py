@@ -130,6 +130,42 @@ def test_a_candidate_that_fails_to_compile_or_launch_is_left_out(tuner):
     assert tuner.decisions()[0].chosen.name == "reference path"
 
 
+def test_candidates_are_compiled_in_parallel_threads_before_any_is_checked(tuner):
+    """Every candidate's ``prepare`` runs, two at once (a barrier of two would time out one at a time), before
+    the first checked run; a failing ``prepare`` is dropped (its checked run reports the error), and the
+    decision records the parallel compile's wall time."""
+    import threading
+
+    barrier, order = threading.Barrier(2, timeout=30), []
+
+    def prepared(name, fail=False):
+        def prepare(x):
+            order.append(f"prepare {name}")
+            barrier.wait()
+            assert threading.current_thread() is not threading.main_thread()
+            if fail:
+                raise RuntimeError("ptxas fatal")
+        return prepare
+
+    def checked(name, result):
+        def run(x):
+            order.append(f"run {name}")
+            return result(x)
+        return run
+
+    tuner.compile_threads = 2
+    first = Candidate("first", checked("first", right), prepare=prepared("first"))
+    second = Candidate("second", checked("second", right), prepare=prepared("second", fail=True))
+    plain, _ = make("no prepare", right)
+    decide(tuner, [first, second, plain])
+    assert sorted(order[:2]) == ["prepare first", "prepare second"]
+    assert order[2:] == ["run first", "run second"]  # the checked runs, after every compile (timing: the clock)
+    decision, = tuner.decisions()
+    assert decision.rejected == {} and decision.compile_seconds > 0
+    assert decision.compile_failures == {"second": "failed: RuntimeError: ptxas fatal"}
+    assert set(decision.checked_seconds) == {"first", "second", "no prepare"}
+
+
 def test_a_candidate_whose_timing_fails_is_left_out(tuner):
     kernel, _ = make("kernel", right)
 
@@ -439,6 +475,7 @@ def test_triton_candidates_follow_the_rule():
     backward = triton_backend.candidates("backward", call, x)
     assert [c.name.split(" (")[0] for c in backward] == ["triton columns backward"] * 2 + ["triton gemm backward"] * 2
     assert all(c.deterministic for c in backward)
+    assert all(c.prepare is not None for c in backward)  # compiled in parallel before the checks
     depthwise, call, x = triton_call(8, 8, 8, k=7)
     # 49 slots: the direct kernels spill, and the fused kernel takes 9 at most: the columns and gemm paths
     for kind in ("forward", "backward"):

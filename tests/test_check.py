@@ -95,10 +95,12 @@ def test_decision_rows_name_the_choice_the_times_and_what_was_left_out():
     timed = Decision("k=3 polar-ring float32", Candidate("fused", print), {"fused": 1e-4, "reference": 2.5e-3},
                      {"direct": "disagrees (relative error 1e-1)"}, {"fused": 12.5, "direct": 3.25})
     untimed = Decision("k=7 square-global bfloat16", Candidate("reference", print))
-    assert check.decision_rows([timed, untimed]) == [
+    compiled = Decision("k=5", Candidate("gemm", print), {}, {}, {"gemm": 0.5}, 7.25, {"fused": "failed: ptxas"})
+    assert check.decision_rows([timed, untimed, compiled]) == [
         ["k=3 polar-ring float32", "fused", "fused 0.100 ms; reference 2.500 ms", "fused 12.50 s; direct 3.25 s",
          "direct: disagrees (relative error 1e-1)"],
-        ["k=7 square-global bfloat16", "reference", "-", "-", "-"]]
+        ["k=7 square-global bfloat16", "reference", "-", "-", "-"],
+        ["k=5", "gemm", "-", "parallel compile 7.25 s; fused failed to compile: failed: ptxas; gemm 0.50 s", "-"]]
     assert len(check.DECISION_HEADER) == 5
 
 

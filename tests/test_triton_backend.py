@@ -542,6 +542,55 @@ def test_each_thread_runs_the_path_its_calls_name(monkeypatch):
     assert errors == [] and ran == {"columns": {"columns"}, "gemm": {"gemm"}}
 
 
+class FakeKernel:
+    """Stands for a compiled kernel: records each launch (``kernel[grid](...)``) and each compile
+    (``kernel.warmup(..., grid=grid)``) with the arguments Triton specializes on (tensors: dtype, shape,
+    strides; the rest: values)."""
+
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def record(self, mode, grid, args, meta):
+        described = tuple((a.dtype, tuple(a.shape), a.stride()) if isinstance(a, torch.Tensor) else a for a in args)
+        self.log.append((mode, self.name, tuple(grid), described, tuple(sorted(meta.items()))))
+
+    def __getitem__(self, grid):
+        return lambda *args, **meta: self.record("launch", grid, args, meta)
+
+    def warmup(self, *args, grid, **meta):
+        self.record("compile", grid, args, meta)
+
+
+PATH_CALLS = [("forward", path, None) for path in ("direct", "fused", "columns", "gemm")] + [
+    ("backward", path, needs) for path in ("direct", "columns", "gemm")
+    for needs in ((True, True), (True, False), (False, True))]
+
+
+@pytest.mark.parametrize("kind, path, needs", PATH_CALLS)
+def test_prepare_compiles_each_kernel_a_path_launches_for_the_same_arguments(kind, path, needs, monkeypatch):
+    """auto compiles its candidates in parallel first (triton_backend.prepare): each launch of the path's code
+    becomes a compile of the same kernel with the same arguments, hence the specialization the checked run
+    launches, found in the cache."""
+    log = []
+    monkeypatch.setattr(triton_backend, "load_kernels",
+                        lambda geometry: {name: FakeKernel(name, log) for name in triton_backend.KERNELS})
+    monkeypatch.setattr(config, "column_images", lambda bytes_per_image, batch: 2)  # chunks of 2 of 3 images
+    x, weight = torch.randn(3, 4, 9, 8), torch.randn(6, 2, 3, 3)
+    call = triton_backend._Call.of(x, weight, get_geometry(3, "polar", "ring"), (1, 1), (1, 1), 2, (1, 1, 1, 1))
+    if kind == "forward":
+        function, args = triton_backend._FORWARD_PATHS[path], (x, weight, torch.randn(6), call)
+    else:
+        function, args = triton_backend._BACKWARD_PATHS[path], (torch.randn(3, 6, 9, 8), x, weight, call, *needs)
+    function(*args)
+    launched = [entry[1:] for entry in log if entry[0] == "launch"]
+    assert launched and len(launched) == len(log)
+    log.clear()
+    triton_backend.prepare(function, *args)
+    assert [entry[0] for entry in log] == ["compile"] * len(launched)
+    assert [entry[1:] for entry in log] == launched
+    assert not getattr(triton_backend._COMPILE_ONLY, "active", False)  # launches run again after it
+
+
 def test_precision_follows_cudnn_allow_tf32(monkeypatch):
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
     assert triton_backend._dot_precision(torch.float32) == "tf32"

@@ -399,16 +399,26 @@ def _load_line(when: str) -> str:
             f"{os.cpu_count()} logical CPUs.")
 
 
-DECISION_HEADER = ["configuration", "chosen", "timed", "first call (compile and check)", "left out"]
+DECISION_HEADER = ["configuration", "chosen", "timed", "first call (parallel compile, then each check)", "left out"]
+
+
+def _first_call(d) -> str:
+    """The parallel compile's seconds (and its failures), then each candidate's checked call's seconds."""
+    parts = []
+    if d.compile_seconds:
+        failed = "".join(f"; {name} failed to compile: {why}" for name, why in d.compile_failures.items())
+        parts.append(f"parallel compile {d.compile_seconds:.2f} s{failed}")
+    parts += [f"{name} {seconds:.2f} s" for name, seconds in d.checked_seconds.items()]
+    return "; ".join(parts) or "-"
 
 
 def decision_rows(decisions) -> List[List[str]]:
     """Rows of ``DECISION_HEADER`` for backend="auto"'s decisions (``TUNER.decisions()``): per configuration the
-    kernel kept, the times of those timed, each candidate's first (checked) call, which compiled its kernels
-    where Triton's cache did not hold them, and those left out with the reason."""
+    kernel kept, the times of those timed, the candidates' parallel compile and each one's first (checked) call,
+    and those left out with the reason."""
     return [[d.configuration, d.chosen.name,
              "; ".join(f"{name} {seconds * 1e3:.3f} ms" for name, seconds in d.seconds.items()) or "-",
-             "; ".join(f"{name} {seconds:.2f} s" for name, seconds in d.checked_seconds.items()) or "-",
+             _first_call(d),
              "; ".join(f"{name}: {why}" for name, why in d.rejected.items()) or "-"] for d in decisions]
 
 

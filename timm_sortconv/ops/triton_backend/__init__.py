@@ -53,7 +53,9 @@ the number of memory operations times the square of the program's length, so the
 whole windows as wide tiles (:mod:`.source`) and the columns path's backward is two kernels: every kernel
 ``auto`` can take for k <= 7 compiles for sm_90 in seconds (``scripts/triton_kernel_report.py`` compiles
 them for any GPU architecture, without one). Integer arguments are not specialized, so other batch sizes
-or image sizes reuse the compiled kernels.
+or image sizes reuse the compiled kernels. ``auto``'s first call of a configuration compiles its candidates
+in parallel threads first (:func:`prepare`: each candidate's code with every launch replaced by a compile of
+the same kernel for the same arguments), so the wait is about the slowest compile, not their sum.
 
 Under Triton's interpreter (``TRITON_INTERPRET=1``, set before Triton is imported) the backend takes CPU
 tensors, which is how its correctness is tested without a GPU; natively it takes CUDA tensors only.
@@ -62,6 +64,8 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
+import contextlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
@@ -82,7 +86,7 @@ except ImportError:  # CPU-only installs
     triton = None
 
 __all__ = ["BACKWARD_KERNELS", "KERNELS", "KERNEL_PATHS", "MAX_KERNEL_SIZE", "SUPPORTED_DTYPES", "backward", "candidates", "forward",
-           "launch_settings", "supports_triton", "tuned_backward", "tuned_forward"]
+           "launch_settings", "prepare", "supports_triton", "tuned_backward", "tuned_forward"]
 
 # Triton's interpreter runs the kernels with NumPy, on CPU tensors.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -257,6 +261,32 @@ def launch_settings(kernel: str, geometry: SortGeometry, dtype: torch.dtype, gro
     return dict(meta, NEED_X=bool(need_input), NEED_W=bool(need_weight))
 
 
+# Set in a thread while :func:`prepare` runs a candidate there: its launches compile instead of running.
+_COMPILE_ONLY = threading.local()
+
+
+def _launch(kernel, grid: tuple):
+    """``kernel[grid]``, the launcher every path calls; while :func:`prepare` runs in this thread, a call that
+    compiles ``kernel`` for the same arguments (the same specialization, hence the same cache entry) without
+    running it."""
+    if getattr(_COMPILE_ONLY, "active", False):
+        return functools.partial(kernel.warmup, grid=grid)
+    return kernel[grid]
+
+
+def prepare(path_function, *args, **kwargs) -> None:
+    """Compiles the kernels ``path_function(*args, **kwargs)`` launches, without running them (what
+    ``auto`` calls in parallel threads before checking its candidates). The path's own tensor work still
+    runs, on buffers the kernels did not fill, under ``torch.no_grad`` on the arguments' device."""
+    device = next(a.device for a in args if isinstance(a, torch.Tensor))
+    _COMPILE_ONLY.active = True
+    try:
+        with torch.no_grad(), torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            path_function(*args, **kwargs)
+    finally:
+        _COMPILE_ONLY.active = False
+
+
 def _settings(kernel: str, call: _Call, dtype: torch.dtype, blocks: Optional[tuple], **flags) -> dict:
     return launch_settings(kernel, call.geometry, dtype, call.groups, call.in_per_group, call.out_per_group,
                            blocks=blocks, **flags)
@@ -270,7 +300,7 @@ def _direct_grid(call: _Call, meta: dict) -> tuple:
 def _direct_forward(x, weight, bias, call: _Call, blocks: Optional[tuple] = None):
     out = _empty_output(x, call)
     meta = _settings("direct_forward_kernel", call, x.dtype, blocks, has_bias=bias is not None)
-    load_kernels(call.geometry)["direct_forward_kernel"][_direct_grid(call, meta)](
+    _launch(load_kernels(call.geometry)["direct_forward_kernel"], _direct_grid(call, meta))(
         x, _slot_major(weight, call), bias if bias is not None else x, out, call.in_per_group, call.out_per_group,
         *call.position_args(x, call.batch), *out.stride(), **meta)
     return out
@@ -300,7 +330,7 @@ def _fused_occupancy(x, call: _Call) -> Tuple[int, int]:
 def _fused_forward(x, weight, bias, call: _Call, blocks: Optional[tuple] = None):
     out = _empty_output(x, call)
     meta = _settings("fused_forward_kernel", call, x.dtype, blocks, has_bias=bias is not None)
-    load_kernels(call.geometry)["fused_forward_kernel"][_fused_grid(call, meta)](
+    _launch(load_kernels(call.geometry)["fused_forward_kernel"], _fused_grid(call, meta))(
         x, _slot_major(weight, call), bias if bias is not None else x, out, call.in_per_group, call.out_per_group,
         *call.position_args(x, call.batch), *out.stride(), **meta)
     return out
@@ -322,7 +352,7 @@ def _launch_columns(x, columns, column_strides, call: _Call, first: int, end: in
     """Sorted columns of images [first, end) into ``columns`` (strides: image, channel, slot)."""
     meta = _settings("columns_kernel", call, x.dtype, blocks)
     part = x[first:end]
-    load_kernels(call.geometry)["columns_kernel"][_column_grid(call, meta, end - first)](
+    _launch(load_kernels(call.geometry)["columns_kernel"], _column_grid(call, meta, end - first))(
         part, columns, call.channels, *call.position_args(part, end - first), *column_strides, **meta)
 
 
@@ -390,7 +420,7 @@ def _columns_backward(grad_out, x, weight, call: _Call, need_input: bool, need_w
             if need_input:
                 swaps = torch.empty(call.channels, words, images, positions, dtype=torch.int32, device=x.device)
                 swap_strides = (swaps.stride(2), swaps.stride(0), swaps.stride(1))
-                kernels["record_kernel"][_column_grid(call, record, images)](
+                _launch(kernels["record_kernel"], _column_grid(call, record, images))(
                     part, columns, swaps, call.channels, *call.position_args(part, images), *column_strides,
                     *swap_strides, **record)
             else:
@@ -403,7 +433,7 @@ def _columns_backward(grad_out, x, weight, call: _Call, need_input: bool, need_w
                 grad_columns = torch.matmul(weight_rows.transpose(1, 2), grad_part)  # [channel, slot, image, l]
                 windows = torch.empty(images, call.channels, call.slots, positions, dtype=accumulate,
                                       device=x.device)
-                kernels["replay_kernel"][_column_grid(call, replay, images)](
+                _launch(kernels["replay_kernel"], _column_grid(call, replay, images))(
                     swaps, grad_columns, windows, call.channels, images * positions, positions, *swap_strides,
                     positions, call.slots * images * positions, images * positions, *windows.stride()[:3], **replay)
                 del grad_columns, swaps
@@ -424,7 +454,7 @@ def _direct_backward(grad_out, x, weight, call: _Call, need_input: bool, need_we
     grad_w = torch.zeros(weight_slots.shape, dtype=accumulate, device=x.device) if need_weight else weight_slots
     assert grad_x.stride() == x.stride()
     meta = _settings("direct_backward_kernel", call, x.dtype, blocks, need_input=need_input, need_weight=need_weight)
-    load_kernels(call.geometry)["direct_backward_kernel"][_direct_grid(call, meta)](
+    _launch(load_kernels(call.geometry)["direct_backward_kernel"], _direct_grid(call, meta))(
         x, weight_slots, grad_out, grad_x, grad_w, call.in_per_group, call.out_per_group,
         *call.position_args(x, call.batch), *grad_out.stride(), **meta)
     grad_input = grad_x.to(x.dtype) if need_input else None
@@ -442,7 +472,7 @@ def _gemm_forward(x, weight, bias, call: _Call, blocks: Optional[tuple] = None):
     meta = _settings("gemm_forward_kernel", call, x.dtype, blocks, has_bias=bias is not None)
     grid = (triton.cdiv(call.batch * call.out_h * call.out_w, meta["BLOCK_P"]),
             triton.cdiv(call.out_per_group, meta["BLOCK_O"]), call.groups)
-    load_kernels(call.geometry)["gemm_forward_kernel"][grid](
+    _launch(load_kernels(call.geometry)["gemm_forward_kernel"], grid)(
         x, _channel_major(weight, call), bias if bias is not None else x, out, call.in_per_group, call.out_per_group,
         *call.position_args(x, call.batch), *out.stride(), **meta)
     return out
@@ -467,7 +497,7 @@ def _gemm_backward(grad_out, x, weight, call: _Call, need_input: bool, need_weig
             windows = torch.empty(images, call.channels, call.slots, positions, dtype=accumulate, device=x.device)
             grid = (triton.cdiv(images * positions, meta["BLOCK_P"]), call.groups,
                     triton.cdiv(call.in_per_group, meta["BLOCK_C"]))
-            kernels["gemm_input_backward_kernel"][grid](
+            _launch(kernels["gemm_input_backward_kernel"], grid)(
                 part, weights, grad_out[first:end], windows, call.in_per_group, call.out_per_group,
                 *call.position_args(part, images), *grad_out.stride(), *windows.stride()[:3], **meta)
             grad_input[first:end] = _fold(windows.view(images, call.channels * call.slots, positions), call).to(x.dtype)
@@ -480,7 +510,7 @@ def _gemm_backward(grad_out, x, weight, call: _Call, need_input: bool, need_weig
                                     _multiprocessors(x.device) if x.is_cuda else 0)
         partial = torch.empty(splits, call.channels, call.slots, call.out_per_group, dtype=accumulate,
                               device=x.device)
-        kernels["gemm_weight_backward_kernel"][(splits, channel_blocks, output_blocks)](
+        _launch(kernels["gemm_weight_backward_kernel"], (splits, channel_blocks, output_blocks))(
             x, grad_out, partial, call.in_per_group, call.out_per_group, call.channels, blocks_of_positions, splits,
             *call.position_args(x, call.batch), *grad_out.stride(), **meta)
         summed = partial.sum(0).view(call.groups, call.in_per_group, call.slots, call.out_per_group)
@@ -582,9 +612,12 @@ def candidates(kind: str, call: _Call, x: torch.Tensor) -> List[tuning.Candidate
     for path in paths:
         for blocks in config.blocks_of(path, call.slots, call.groups, call.out_per_group, kind == "backward"):
             sizes = " ".join(f"{name}={size}" for name, size in zip(_BLOCK_NAMES[path], blocks))
-            # The direct backward adds its gradients with atomics: sums in a varying order.
-            found.append(tuning.Candidate(f"triton {path} {kind} ({sizes})", functools.partial(table[path], blocks=blocks),
-                                          deterministic=not (kind == "backward" and path == "direct")))
+            run = functools.partial(table[path], blocks=blocks)
+            # The direct backward adds its gradients with atomics: sums in a varying order. The interpreter
+            # compiles nothing.
+            found.append(tuning.Candidate(f"triton {path} {kind} ({sizes})", run,
+                                          deterministic=not (kind == "backward" and path == "direct"),
+                                          prepare=None if INTERPRETED else functools.partial(prepare, run)))
     return found
 
 

@@ -6,7 +6,9 @@ padding, device, and the settings that change a result or the choice: TF32 and d
 first call
 
 1. runs the reference path, whose result the call returns;
-2. runs every candidate (a kernel path with one of its block sizes, :mod:`.config`) on the same inputs
+2. compiles the candidates' kernels in parallel threads (each candidate's ``prepare``: Triton releases the
+   GIL while it compiles, so a first call costs the slowest compile rather than the sum of all), then
+   runs every candidate (a kernel path with one of its block sizes, :mod:`.config`) on the same inputs
    (or inputs of the same configuration that the caller's checker makes, below): a candidate that raises
    (it failed to compile or to launch) or whose result disagrees with the reference's
    (:func:`disagreement`) is left out for this configuration, with one warning naming it and the
@@ -48,41 +50,51 @@ import statistics
 import threading
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["REPEATS", "TUNE_ENV", "TUNER", "Candidate", "Decision", "Tuner", "all_finite", "capturing", "disagreement",
-           "finite_check", "median_seconds", "seconds", "tie_free_like", "tolerance", "tuning_enabled", "upcast", "zeroed"]
+__all__ = ["COMPILE_THREADS", "REPEATS", "TUNE_ENV", "TUNER", "Candidate", "Decision", "Tuner", "all_finite",
+           "capturing", "disagreement", "finite_check", "median_seconds", "prepare_all", "seconds", "tie_free_like",
+           "tolerance", "tuning_enabled", "upcast", "zeroed"]
 
 TUNE_ENV = "TIMM_SORTCONV_TUNE"
 # Timed runs per candidate, after its checked run (which compiled it and warmed the caches).
 REPEATS = 5
+# At most this many threads compile a decision's candidates (each holds its candidate's buffers meanwhile).
+COMPILE_THREADS = 8
 
 
 @dataclass(frozen=True)
 class Candidate:
     """One way to compute a call: ``run(*args)`` returns its result (a tensor, or a tuple of tensors and
-    Nones); ``deterministic``: whether its result is the same on every run (no atomic additions)."""
+    Nones); ``deterministic``: whether its result is the same on every run (no atomic additions);
+    ``prepare(*args)``, where given: compiles the kernels ``run(*args)`` would launch, without running them
+    (safe to call from another thread; an error there is left for ``run`` to raise)."""
 
     name: str
     run: Callable[..., Any]
     deterministic: bool = True
+    prepare: Optional[Callable[..., Any]] = None
 
 
 @dataclass
 class Decision:
     """What a configuration runs, and why: the chosen candidate, the seconds each timed one took
     (empty where the choice was not timed), the candidates left out with the reason, and the wall seconds of
-    each candidate's checked call (its first call in the process: compiling its kernels, where they were not
-    in Triton's cache, and the check), which is what the decision cost beyond the timed runs."""
+    each candidate's checked call (its first call in the process: the check, and compiling what the parallel
+    compile left), and the wall seconds of that parallel compile (``compile_seconds``; with the timed runs,
+    what the decision cost) and its failures by candidate (``compile_failures``: reported, not left out)."""
 
     configuration: str
     chosen: Candidate
     seconds: Dict[str, float] = field(default_factory=dict)
     rejected: Dict[str, str] = field(default_factory=dict)
     checked_seconds: Dict[str, float] = field(default_factory=dict)
+    compile_seconds: float = 0.0
+    compile_failures: Dict[str, str] = field(default_factory=dict)
 
 
 def tuning_enabled() -> bool:
@@ -223,6 +235,24 @@ def median_seconds(fn: Callable[[], Any], repeats: int, device: torch.device) ->
     return statistics.median(seconds(fn, device) for _ in range(repeats))
 
 
+def prepare_all(candidates: Sequence[Candidate], args: tuple, threads: int) -> Dict[str, str]:
+    """Every candidate's ``prepare(*args)``, ``threads`` at a time; returns the failures by candidate name.
+    A failure does not leave a candidate out: a kernel that failed to compile is not cached, so its checked
+    run compiles it again and reports the error there."""
+    def prepare(candidate: Candidate) -> Optional[str]:
+        try:
+            candidate.prepare(*args)
+        except Exception as error:
+            return _failure(error)
+        return None
+    if threads <= 1 or len(candidates) <= 1:
+        problems = [prepare(candidate) for candidate in candidates]
+    else:
+        with ThreadPoolExecutor(min(threads, len(candidates)), thread_name_prefix="timm_sortconv-compile") as pool:
+            problems = list(pool.map(prepare, candidates))
+    return {c.name: problem for c, problem in zip(candidates, problems) if problem is not None}
+
+
 def _time(candidate: Candidate, args: tuple, device: torch.device) -> float:
     return median_seconds(lambda: candidate.run(*args), REPEATS, device)
 
@@ -237,6 +267,8 @@ class Tuner:
         self._lock = threading.Lock()
         # Seconds one candidate takes on given arguments; tests replace it.
         self.timer: Callable[[Candidate, tuple, torch.device], float] = _time
+        # Threads that compile the candidates of a decision (Triton's compiler runs outside the GIL).
+        self.compile_threads = min(os.cpu_count() or 1, COMPILE_THREADS)
 
     def decisions(self) -> List[Decision]:
         """The decisions made so far, in order."""
@@ -284,6 +316,11 @@ class Tuner:
     def _decide(self, configuration: str, reference: Candidate, candidates: Sequence[Candidate], args: tuple,
                 expected, device: torch.device, deterministic: bool) -> Decision:
         decision = Decision(configuration, reference)
+        preparing = [candidate for candidate in candidates if candidate.prepare is not None]
+        if preparing:
+            start = time.perf_counter()
+            decision.compile_failures = prepare_all(preparing, args, self.compile_threads)
+            decision.compile_seconds = time.perf_counter() - start
         agreed = []
         for candidate in candidates:
             start = time.perf_counter()
