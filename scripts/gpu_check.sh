@@ -7,12 +7,11 @@
 # out of git (.git/info/exclude): .carry/wheels and .carry/mnist. Then, on the device, one call (10 minutes
 # at most per call, so the stages run in order of priority and each is cut off at the time left):
 #     run(command="bash scripts/gpu_check.sh", carry=[".carry"])
-# or name the stages: prewarm models throughput profile check tests warmup table mnist (default: all but mnist,
-# in this order: what the GPU issue needs first, the models' layers and training steps; the check compiles for
-# longer). Results are
-# written to $OUT (the device returns at most 8 files): <stage>.log (the benchmark stages' logs are their
-# markdown tables), results.jsonl (every measurement of the benchmark stages, one JSON object per line, written as
-# it is made), summary.txt with the versions, clocks and each stage's status and time, and
+# or name the stages: prewarm models throughput firstcall profile check tests warmup table mnist (default: all
+# but mnist, in this order: what the GPU issue needs first, the models' layers and training steps; the check
+# compiles for longer). Results are written to $OUT (the device returns at most 8 files): <stage>.log (the
+# benchmark stages' logs are their markdown tables), results.jsonl (every measurement of the benchmark stages,
+# one JSON object per line, written as it is made), summary.txt with the versions, clocks and each stage's status and time, and
 # triton_cache.tgz.part-aa, -ab, ...: the compiled kernels, a gzipped tar split into 15 MiB parts (the device
 # returns files up to 16 MiB). Copy the parts to .carry/ before the next call, which then starts from them (a
 # machine given back loses its files): on a fresh H200 the check stage compiles for more than 530 s (its rows
@@ -37,6 +36,9 @@
 #               each path, the reference path; what auto decided (every candidate's time and first call, which
 #               compiles); every compiled kernel's registers and spills on the device
 #   throughput  training steps of the three models (backend="auto") against their *_baseline twins
+#   firstcall   the first call of new geometries with an empty Triton cache: scnn_p_rs_7's layers, float32,
+#               forward and backward once on backend="auto"; the log's decision table gives each configuration's
+#               parallel compile and checked calls (the goal: <= 30 s per geometry)
 #   mnist       the paper's MNIST protocol (scripts/configs/mnist_scnn.yaml, 100 epochs) on the Triton
 #               backend, for $MNIST_MODEL (default scnn_p_rs_7; e.g. scnn_p_rs_7_canon); $OUT/mnist_run gets its last checkpoint, summary.csv and args.yaml. It takes more
 #               than one call: copy $OUT/mnist_run to .carry/mnist_run and call again to resume from it
@@ -60,7 +62,7 @@ fi
 
 OUT=${OUT:-$PWD/gpu_check_out}
 mkdir -p "$OUT"
-STAGES=${*:-prewarm models throughput profile check tests warmup table}
+STAGES=${*:-prewarm models throughput firstcall profile check tests warmup table}
 
 if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \
@@ -142,6 +144,9 @@ for name in $STAGES; do
         stage models "$BENCH --shapes scnn_p_rs_7,ri_resnet18,ri_densenet40 --precisions fp32,bf16 --triton-paths $PATHS --repeats 20 --reference-repeats 1" ;;
     throughput)
         stage throughput "$BENCH --shapes none --throughput --precisions fp32,bf16 --steps 20" ;;
+    firstcall)
+        rm -rf /tmp/triton_cold
+        stage firstcall "TRITON_CACHE_DIR=/tmp/triton_cold $BENCH --shapes scnn_p_rs_7 --precisions fp32 --triton-paths auto --repeats 0 --skip-reference" ;;
     mnist)
         resume=""
         [ -f .carry/mnist_run/last.pth.tar ] && resume="--resume .carry/mnist_run/last.pth.tar"
@@ -149,7 +154,7 @@ for name in $STAGES; do
         mkdir -p "$OUT/mnist_run"
         cp /tmp/train/mnist_run/{last.pth.tar,summary.csv,args.yaml} "$OUT/mnist_run/" 2>/dev/null ;;
     *)
-        echo "unknown stage $name; accepted: prepare prewarm models throughput profile check tests warmup table mnist" | tee -a "$OUT/summary.txt" ;;
+        echo "unknown stage $name; accepted: prepare prewarm models throughput firstcall profile check tests warmup table mnist" | tee -a "$OUT/summary.txt" ;;
     esac
 done
 if [ -d /tmp/triton_cache ]; then
