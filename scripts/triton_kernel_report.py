@@ -28,6 +28,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Dict, List
 
@@ -65,6 +66,9 @@ def parse_args(argv=None):
                              f"({', '.join(GPUS)}) for --dtypes float32 (TF32) or bfloat16")
     parser.add_argument("--candidates", action="store_true",
                         help="every block-size candidate backend='auto' times, not only the first")
+    parser.add_argument("--compile-threads", type=int, metavar="N",
+                        help="instead of the table: the wall time of compiling the selected kernels one after "
+                             "another, then in N threads (as backend='auto' compiles its candidates)")
     args = parser.parse_args(argv)
     from timm_sortconv.ops.triton_backend import KERNELS
 
@@ -224,6 +228,54 @@ def blocks(meta: dict) -> str:
         f" w={meta['num_warps']}"
 
 
+def compile_jobs(args):
+    """``(row cells, kernel, dtype, meta)`` of every kernel, geometry, dtype and block size selected."""
+    from timm_sortconv.ops.geometry import get_geometry
+    from timm_sortconv.ops.triton_backend import BACKWARD_KERNELS, KERNEL_PATHS, config, launch_settings
+    from timm_sortconv.ops.triton_backend.source import load_kernels
+
+    for kernel in args.kernels:
+        outputs = args.out_per_group if KERNEL_PATHS[kernel] in ("fused", "direct", "gemm") else args.out_per_group[:1]
+        for k in args.k:
+            for variant in args.variants:
+                geometry = get_geometry(k, *variant.rsplit("-", 1))
+                fn = load_kernels(geometry)[kernel]
+                path = KERNEL_PATHS[kernel]
+                backward = kernel in BACKWARD_KERNELS
+                for dtype_name in args.dtypes:
+                    dtype = DTYPES[dtype_name]
+                    in_auto = k <= config.AUTO_MAX_KERNEL_SIZE and k * k <= config.window_limit(
+                        path, backward, dtype == torch.float64)
+                    for out_per_group in outputs:
+                        every = config.blocks_of(path, k * k, args.groups, out_per_group, backward)
+                        for candidate in (every if args.candidates else every[:1]):
+                            meta = launch_settings(kernel, geometry, dtype, args.groups, args.in_per_group,
+                                                   out_per_group, blocks=candidate)
+                            yield ([kernel, str(k), variant, dtype_name, blocks(meta), "yes" if in_auto else "no"],
+                                   fn, dtype, meta)
+
+
+def compile_in_threads(args, jobs) -> int:
+    """Compiles ``jobs`` one after another, then in ``args.compile_threads`` threads; prints both wall times."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(job):
+        with tempfile.TemporaryDirectory() as folder:
+            compile_kernel(job[1], job[2], job[3], args.arch, Path(folder))
+
+    print(f"{len(jobs)} kernels ({', '.join(sorted({job[0][0] for job in jobs}))}), k {args.k}, {os.cpu_count()} CPUs")
+    start = time.perf_counter()
+    for job in jobs:
+        one(job)
+    serial = time.perf_counter() - start
+    start = time.perf_counter()
+    with ThreadPoolExecutor(args.compile_threads) as pool:
+        list(pool.map(one, jobs))
+    threaded = time.perf_counter() - start
+    print(f"one thread: {serial:.1f} s; {args.compile_threads} threads: {threaded:.1f} s ({serial / threaded:.2f}x)")
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.roofline:
@@ -238,11 +290,9 @@ def main(argv=None) -> int:
     os.environ["TRITON_ALWAYS_COMPILE"] = "1"
     import triton
 
-    from timm_sortconv.ops.geometry import get_geometry
-    from timm_sortconv.ops.triton_backend import BACKWARD_KERNELS, KERNEL_PATHS, config, launch_settings
-    from timm_sortconv.ops.triton_backend.source import load_kernels
-
     print(f"Triton {triton.__version__}, torch {torch.__version__}, target sm_{args.arch}\n")
+    if args.compile_threads:
+        return compile_in_threads(args, list(compile_jobs(args)))
     columns = ["kernel", "k", "variant", "dtype", "blocks", "auto", "regs", "spill B", "shared B",
                "layout conversions", "SASS",
                *SASS_GROUPS, "compile CPU s"]
@@ -250,34 +300,16 @@ def main(argv=None) -> int:
     print("|" + "---|" * len(columns))
     failed = False
     with tempfile.TemporaryDirectory() as folder:
-        for kernel in args.kernels:
-            outputs = args.out_per_group if KERNEL_PATHS[kernel] in ("fused", "direct", "gemm") \
-                else args.out_per_group[:1]
-            for k in args.k:
-                for variant in args.variants:
-                    geometry = get_geometry(k, *variant.rsplit("-", 1))
-                    fn = load_kernels(geometry)[kernel]
-                    path = KERNEL_PATHS[kernel]
-                    backward = kernel in BACKWARD_KERNELS
-                    for dtype_name in args.dtypes:
-                        dtype = DTYPES[dtype_name]
-                        in_auto = k <= config.AUTO_MAX_KERNEL_SIZE and k * k <= config.window_limit(
-                            path, backward, dtype == torch.float64)
-                        for out_per_group in outputs:
-                            every = config.blocks_of(path, k * k, args.groups, out_per_group, backward)
-                            for candidate in (every if args.candidates else every[:1]):
-                                meta = launch_settings(kernel, geometry, dtype, args.groups, args.in_per_group,
-                                                       out_per_group, blocks=candidate)
-                                row: List[str] = [kernel, str(k), variant, dtype_name, blocks(meta),
-                                                  "yes" if in_auto else "no"]
-                                try:
-                                    cells = compile_kernel(fn, dtype, meta, args.arch, Path(folder))
-                                    row += [str(cells[name]) for name in columns[6:]]
-                                except Exception as error:  # report every kernel, then fail
-                                    failed = True
-                                    message = str(error).strip().splitlines()
-                                    row.append(f"FAILED: {type(error).__name__}: {message[0] if message else ''}"[:200])
-                                print("| " + " | ".join(row) + " |", flush=True)
+        for cells, fn, dtype, meta in compile_jobs(args):
+            row = list(cells)
+            try:
+                compiled = compile_kernel(fn, dtype, meta, args.arch, Path(folder))
+                row += [str(compiled[name]) for name in columns[6:]]
+            except Exception as error:  # report every kernel, then fail
+                failed = True
+                message = str(error).strip().splitlines()
+                row.append(f"FAILED: {type(error).__name__}: {message[0] if message else ''}"[:200])
+            print("| " + " | ".join(row) + " |", flush=True)
     return 1 if failed else 0
 
 

@@ -52,6 +52,7 @@ kernel_test = pytest.mark.skipif(not (INTERPRETED or NATIVE),
 def test_kernels_in_the_interpreter():
     # There every test runs but this one and those that need CUDA or Triton's compiler (run here).
     skip = ("test_kernels_in_the_interpreter", "test_supports_on_cuda", "test_kernels_compile_for_sm90",
+            "test_compile_threads_compiles_the_selected_kernels_alone_and_in_threads",
             "test_never_chosen_for_cpu_tensors")
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
                              " and ".join(f"not {name}" for name in skip), __file__],
@@ -695,6 +696,22 @@ def test_kernels_compile_for_sm90(tmp_path):
         cells = report.compile_kernel(load_kernels(geometry)[kernel], dtype, meta, 90, tmp_path)
         dot = triton_backend.KERNEL_PATHS[kernel] in ("fused", "gemm")
         assert cells["SASS"] > 0 and (cells["mma"] > 0) == dot, (kernel, cells)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(INTERPRETED or not ptxas_available(), reason="compiles with Triton's NVIDIA backend (ptxas)")
+def test_compile_threads_compiles_the_selected_kernels_alone_and_in_threads(capsys):
+    # What auto's parallel compile relies on: Triton's compiler runs kernels in threads at once (the wall time
+    # is the benchmark's; here that it compiles the jobs both ways and says so).
+    report = load_script(SCRIPTS / "triton_kernel_report.py", "triton_kernel_report")
+    args = report.parse_args(["--k", "3", "--variants", "polar-ring", "--kernels", "columns_kernel,direct_forward_kernel",
+                              "--compile-threads", "2"])
+    jobs = list(report.compile_jobs(args))
+    assert [job[0][0] for job in jobs] == ["columns_kernel", "direct_forward_kernel"]
+    assert report.compile_in_threads(args, jobs) == 0
+    out = capsys.readouterr().out
+    assert "2 kernels (columns_kernel, direct_forward_kernel), k [3]" in out and "one thread: " in out
+    assert "2 threads: " in out
 
 
 def test_roofline_counts_a_layers_products_and_the_bytes_each_design_moves():
