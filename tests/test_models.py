@@ -24,7 +24,8 @@ ALL = SCNNS + SCNN_BASELINES + RI + RI_BASELINES
 # networks), every stride and pooling tiles the map, so a quarter turn maps each layer's grid onto itself.
 FAMILIES = {"scnn_p_rs_3": 28, "ri_vgg16": 32, "ri_resnet18": 18, "ri_densenet40": 15}
 # Every registered SC entrypoint, its default input side, and three other sides of both parities.
-SC_ENTRYPOINTS = SCNNS + ["scnn_p_rs_7_canon", "scnn_p_c2_7_canon", "scnn_p_rs_7_blur"] + RI
+BEYOND_THE_PAPER = ["scnn_p_rs_7_canon", "scnn_p_c2_7_canon", "scnn_p_rs_7_blur", "scnn_p_rs_7_early_canon"]
+SC_ENTRYPOINTS = SCNNS + BEYOND_THE_PAPER + RI
 OTHER_SIZES = {28: (27, 30, 33), 128: (127, 130, 97)}
 # Small inputs every family accepts (RI-VGG16 pools five times).
 SMALL = {"scnn": 28, "ri_vgg16": 32, "ri_resnet18": 16, "ri_densenet40": 16}
@@ -51,8 +52,7 @@ def _quarter_turn_error(model, x):
 
 
 def test_registry_holds_every_entrypoint():
-    beyond_the_paper = ["scnn_p_rs_7_canon", "scnn_p_c2_7_canon", "scnn_p_rs_7_blur"]
-    assert sorted(timm.list_models("scnn_*")) == sorted(SCNNS + SCNN_BASELINES + beyond_the_paper)
+    assert sorted(timm.list_models("scnn_*")) == sorted(SCNNS + SCNN_BASELINES + BEYOND_THE_PAPER)
     assert sorted(timm.list_models("ri_*")) == sorted(RI + RI_BASELINES)
 
 
@@ -192,6 +192,44 @@ def test_sc_models_sort_every_spatial_convolution_and_match_their_baseline(name)
     for m in convs:
         assert isinstance(m, SortConv2d) == (m.kernel_size != (1, 1))
     assert not any(isinstance(m, SortConv2d) for m in baseline.modules())
+
+
+def test_sorted_convs_sorts_the_first_convolutions_and_leaves_the_rest_plain():
+    """``sorted_convs=0`` computes what the plain twin computes with the same weights, 6 is the SC network, and 2
+    keeps the first two blocks' maps (turning with the input) and makes the four others plain;
+    ``scnn_p_rs_7_early_canon`` is P-RS-7 with 2 and the first moment's turn."""
+    channels = (4, 4, 8, 8, 8, 8)
+    torch.manual_seed(0)
+    paper = timm.create_model("scnn_p_rs_3", channels=channels).double().eval()
+    randomise_batchnorm(paper)
+    x = torch.randn(2, 1, 28, 28, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    plain = timm.create_model("scnn_baseline_3", channels=channels).double().eval()
+    plain.load_state_dict(paper.state_dict())
+    outputs = {}
+    for n in (0, 2, 6):
+        torch.manual_seed(0)
+        model = timm.create_model("scnn_p_rs_3", channels=channels, sorted_convs=n).double().eval()
+        assert list(model.state_dict()) == list(paper.state_dict())
+        model.load_state_dict(paper.state_dict())
+        convs = [m.conv for m in model.features if hasattr(m, "conv")]
+        assert [isinstance(c, SortConv2d) for c in convs] == [True] * n + [False] * (6 - n)
+        with torch.no_grad():
+            outputs[n] = model(x)
+            if n == 2:
+                early = model.features[:2]
+                torch.testing.assert_close(early(x), paper.features[:2](x))
+                torch.testing.assert_close(early(torch.rot90(x, 1, (2, 3))), torch.rot90(early(x), 1, (2, 3)))
+                assert _quarter_turn_error(model, x) > 1e-6  # the plain layers see the turn
+    with torch.no_grad():
+        torch.testing.assert_close(outputs[0], plain(x))
+        torch.testing.assert_close(outputs[6], paper(x), rtol=0, atol=0)
+    assert not torch.allclose(outputs[2], outputs[6])
+    early = timm.create_model("scnn_p_rs_7_early_canon")
+    assert early.canonicalize.order == 1 and _num_params(early) == _num_params(timm.create_model("scnn_baseline_7"))
+    assert [isinstance(m.conv, SortConv2d) for m in early.features if hasattr(m, "conv")] == [True] * 2 + [False] * 4
+    for bad in (7, -1, 2.0, True):
+        with pytest.raises(ValueError, match="sorted_convs must be a whole number of convolutions from 0 to 6"):
+            timm.create_model("scnn_p_rs_3", sorted_convs=bad)
 
 
 def test_scnn_variants_come_from_their_names():

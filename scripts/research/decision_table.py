@@ -98,9 +98,9 @@ ROWS = (
     Row("e2cnn_c8", "e2cnn", {"channels": [32, 32, 64, 64, 128, 128]}, time_of="p_rs_7",
         what="E(2)-CNN C8, the SCNN's channels, trained for P-RS-7's time"),
     # The attempts: SC configurations meant to beat the augmented plain CNN and the E(2)-CNN at 1,000 images
-    # (scnn_options.py's ``sorted_convs``: SC in the first convolutions only, plain ones after).
+    # (SCNN's ``sorted_convs``: SC in the first convolutions only, plain ones after).
     Row("sc2+canon", "scnn_p_rs_7", {"canonicalize": "moment1", "sorted_convs": 2}, attempt=1,
-        what="SC in the first 2 convolutions, plain after, + the canonical turn (`moment1`)"),
+        what="SC in the first 2 convolutions, plain after, + the canonical turn (`scnn_p_rs_7_early_canon`)"),
     Row("sc2+aug", "scnn_p_rs_7", {"sorted_convs": 2}, augment=True, attempt=1,
         what="SC in the first 2 convolutions, plain after, + rotation augmentation"),
 )

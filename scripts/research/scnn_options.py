@@ -15,13 +15,7 @@ downsampling and other padding modes, put into a built ``timm_sortconv.models.SC
   ``pretrained_cfg`` mean and std, MNIST's 0.1307 and 0.3081: the background is -0.42) or ``"unit"`` (mean 0,
   std 1: the pixels on [0, 1] as ``ToTensor`` alone gives them, the background 0, the value the first layer pads
   with). It sets the model's ``pretrained_cfg`` (a copy), which the research tools normalise with.
-* ``sorted_convs``: how many of the six convolutions, from the input on, stay sorting convolutions (6, the
-  default: all as built); the others become ``nn.Conv2d`` with the same weights. SC then gives the early layers
-  their invariance to the turns of small patches and leaves the later layers free to see orientation (a digit's
-  6 from its 9), which a network sorted throughout cannot. It gives up the exact quarter-turn invariance below:
-  a model with fewer than six relies on a canonical turn (``canonicalize``) or on augmentation for whole turns.
-
-Why the others keep SC's exact invariance to quarter turns: the layers have no parameters (their kernels are buffers,
+Why they keep SC's exact invariance to quarter turns: the layers have no parameters (their kernels are buffers,
 not saved, so the ``state_dict`` keys stay those of the model) and their kernels are symmetric under
 ``torch.rot90``: :class:`GaussianBlur2d` has an odd kernel centred on a pixel, and :class:`BlurPool2d`'s output
 pixels sit where a 2x2 pooling's tiles are centred, which a quarter turn maps onto themselves on an even-sized
@@ -46,7 +40,7 @@ __all__ = ["DOWNSAMPLES", "INPUT_NORMS", "OPTIONS", "PADDING_MODES", "BlurPool2d
 
 PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
 #: The keyword arguments this module takes beside a model's own.
-OPTIONS = ("blur_sigma", "downsample", "padding_mode", "input_norm", "sorted_convs")
+OPTIONS = ("blur_sigma", "downsample", "padding_mode", "input_norm")
 INPUT_NORMS = ("model", "unit")
 
 
@@ -58,7 +52,7 @@ def _blur_sigmas(blur_sigma: Union[float, Sequence[float]]) -> Tuple[float, ...]
 
 
 def apply_options(model: nn.Module, blur_sigma: Union[float, Sequence[float]] = 0.0, downsample: str = "max",
-                  padding_mode: str = "zeros", input_norm: str = "model", sorted_convs: int = 6) -> SCNN:
+                  padding_mode: str = "zeros", input_norm: str = "model") -> SCNN:
     """``model`` (an ``SCNN``, with its pooling as built) given the options of the module docstring, in place.
 
     Every argument is checked before anything changes. The blur becomes a child ``pre`` of each block, before
@@ -72,14 +66,10 @@ def apply_options(model: nn.Module, blur_sigma: Union[float, Sequence[float]] = 
         raise ValueError(f"padding_mode={padding_mode!r} is not accepted; use one of {PADDING_MODES}")
     if input_norm not in INPUT_NORMS:
         raise ValueError(f"input_norm={input_norm!r} is not accepted; use one of {INPUT_NORMS}")
-    if isinstance(sorted_convs, bool) or not isinstance(sorted_convs, int) or not 0 <= sorted_convs <= 6:
-        raise ValueError(f"sorted_convs must be a whole number of convolutions from 0 to 6, got {sorted_convs!r}")
     pools = [i for i, m in enumerate(model.features) if isinstance(m, nn.MaxPool2d)]
     stride_align = "centre" if isinstance(model.features[pools[0]], CentredMaxPool2d) else "corner"
     create_downsample(downsample, stride_align)  # checks the name
     blocks = [i for i, m in enumerate(model.features) if isinstance(m, ConvNormAct)]
-    for index in blocks[sorted_convs:]:
-        model.features[index].conv = _plain_copy(model.features[index].conv)
     for index, sigma in zip(blocks, sigmas):
         block = model.features[index]
         block.conv.padding_mode = padding_mode  # nn.Conv2d and SortConv2d read it on every call
@@ -94,21 +84,6 @@ def apply_options(model: nn.Module, blur_sigma: Union[float, Sequence[float]] = 
         cfg = getattr(model, "pretrained_cfg", None) or {}  # the bare SCNN class has none
         model.pretrained_cfg = {**cfg, "mean": (0.0,) * channels, "std": (1.0,) * channels}
     return model
-
-
-def _plain_copy(conv: nn.Conv2d) -> nn.Conv2d:
-    """An ``nn.Conv2d`` of ``conv``'s arguments holding its parameters (a plain convolution stays itself)."""
-    if type(conv) is nn.Conv2d:
-        return conv
-    if any(s != 1 for s in conv.stride):
-        raise ValueError("sorted_convs: a strided sorting convolution has no plain twin here (SCNN's are stride 1)")
-    plain = nn.Conv2d(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
-                      conv.dilation, conv.groups, conv.bias is not None, conv.padding_mode,
-                      device=conv.weight.device, dtype=conv.weight.dtype)
-    plain.weight = conv.weight
-    if conv.bias is not None:
-        plain.bias = conv.bias
-    return plain
 
 
 def split_options(kwargs: Dict) -> Tuple[Dict, Dict]:

@@ -82,43 +82,11 @@ def test_padding_mode_and_blur_compute_what_the_layers_built_in_compute(options)
         torch.testing.assert_close(block(x), block.act(block.bn(built(options.GaussianBlur2d(0.5)(x)))))
 
 
-def test_sorted_convs_keeps_the_first_convolutions_sorting_and_makes_the_rest_plain(options):
-    """``sorted_convs=0`` computes what the plain twin computes with the same weights; ``sorted_convs=2`` keeps the
-    first two blocks (and their quarter-turn equivariance) and makes the four others plain."""
-    from timm_sortconv import SortConv2d
-    channels = (4, 4, 8, 8, 8, 8)
-    torch.manual_seed(0)
-    paper = timm.create_model("scnn_p_rs_3", channels=channels).double().eval()
-    randomise_batchnorm(paper)
-    x = randn(2, 1, 28, 28)
-    plain = timm.create_model("scnn_baseline_3", channels=channels).double().eval()
-    for n in (0, 2, 6):
-        model = options.create_model("scnn_p_rs_3", channels=channels, sorted_convs=n).double().eval()
-        model.load_state_dict(paper.state_dict())
-        assert list(model.state_dict()) == list(paper.state_dict())
-        convs = [m.conv for m in model.features if isinstance(m, nn.Module) and hasattr(m, "conv")]
-        assert [isinstance(c, SortConv2d) for c in convs] == [True] * n + [False] * (6 - n)
-        with torch.no_grad():
-            if n == 0:
-                plain.load_state_dict(paper.state_dict())
-                torch.testing.assert_close(model(x), plain(x))
-            if n == 2:  # the sorted blocks: the paper's maps, turning with the input
-                early = model.features[:2]
-                torch.testing.assert_close(early(x), paper.features[:2](x))
-                torch.testing.assert_close(early(torch.rot90(x, 1, (2, 3))), torch.rot90(early(x), 1, (2, 3)))
-                assert quarter_turn_error(model, x) > 1e-6  # the plain layers see the turn
-                assert not torch.allclose(model(x), paper(x))
-            if n == 6:
-                torch.testing.assert_close(model(x), paper(x), rtol=0, atol=0)
-
-
 @pytest.mark.parametrize("kwargs, match", [
     (dict(blur_sigma=-1), "blur_sigma"), (dict(blur_sigma=(1, 2)), "six"),
     (dict(downsample="median"), r"downsample='median' is not accepted; use one of 'max', 'avg', 'blur-max', 'blur-avg'"),
     (dict(padding_mode="edge"), "padding_mode='edge' is not accepted"),
     (dict(input_norm="imagenet"), r"input_norm='imagenet' is not accepted; use one of \('model', 'unit'\)"),
-    (dict(sorted_convs=7), "sorted_convs must be a whole number of convolutions from 0 to 6, got 7"),
-    (dict(sorted_convs=2.5), "sorted_convs must be"),
 ])
 def test_bad_options_are_refused_before_anything_changes(options, kwargs, match):
     model = timm.create_model("scnn_p_rs_3", channels=(2,) * 6)

@@ -1,7 +1,9 @@
 """SCNN: the MNIST network of the Sorting Convolution paper, in its 12 SC variants and its plain baseline,
 and ``scnn_p_rs_7_canon`` / ``scnn_p_c2_7_canon``, P-RS-7 turned to its principal axis first (the second with
 half-turn orbit sorting, ``sorting='c2'``), and ``scnn_p_rs_7_blur``, P-RS-7 with a blurred input and blurred
-max pooling (:mod:`timm_sortconv.antialias`), for scenes whose parts are turned independently.
+max pooling (:mod:`timm_sortconv.antialias`), for scenes whose parts are turned independently, and
+``scnn_p_rs_7_early_canon``, which sorts in its first two convolutions only and turns its input by its first
+angular moment.
 
 Six convolutions with 32, 32, 64, 64, 128, 128 channels, each followed by BatchNorm and ReLU; 2x2 max
 pooling after the second and the fourth; the first four have a ``K x K`` kernel (K = 3, 5 or 7), the
@@ -60,6 +62,11 @@ class SCNN(SequentialClassifierMixin, nn.Module):
             and ``'blur-max'`` (``scnn_p_rs_7_blur``) ring-sorted SC keeps its accuracy on scenes whose parts are
             turned independently (RESULTS.md, "Local rotations"). Neither adds parameters or ``state_dict`` keys,
             and both keep the exact invariance to quarter turns.
+        sorted_convs: how many of the six convolutions, from the input on, sort (6, the default: all; the
+            others are ``nn.Conv2d`` with the same parameters). With 2, the early layers' responses ignore how
+            small patches are turned, and the later layers still see orientation (a 6 from a 9), which a network
+            sorted throughout cannot; whole turns are then left to ``canonicalize='moment1'`` (the network is no
+            longer invariant to quarter turns by its layers). ``scnn_p_rs_7_early_canon``.
         drop_rate: dropout before the classifier.
         bn_momentum, bn_eps: BatchNorm settings (timm's ``train.py`` passes them when asked).
 
@@ -81,6 +88,7 @@ class SCNN(SequentialClassifierMixin, nn.Module):
             canonicalize: Optional[str] = None,
             input_blur: float = 0.,
             downsample: str = 'max',
+            sorted_convs: int = 6,
             drop_rate: float = 0.,
             bn_momentum: float = 0.1,
             bn_eps: float = 1e-5,
@@ -96,6 +104,9 @@ class SCNN(SequentialClassifierMixin, nn.Module):
             raise ValueError(f"input_blur must be a number of pixels >= 0 (0: no blur), got {input_blur!r}")
         conv_layer = get_conv_layer(sampling, sorting, backend, stride_align)
         create_downsample(downsample, stride_align)  # checks the name before anything is built
+        if isinstance(sorted_convs, bool) or not isinstance(sorted_convs, int) or not 0 <= sorted_convs <= 6:
+            raise ValueError(f"sorted_convs must be a whole number of convolutions from 0 to 6, got {sorted_convs!r}")
+        plain_layer = get_conv_layer(None, None, backend, stride_align)
         self.num_classes = num_classes
         self.in_chans = in_chans
         self.drop_rate = drop_rate
@@ -114,7 +125,8 @@ class SCNN(SequentialClassifierMixin, nn.Module):
                 layers.append(create_downsample(downsample, stride_align, **dd))
                 net_stride *= 2
             pre = GaussianBlur2d(input_blur, **dd) if idx == 0 and input_blur else None
-            layers.append(ConvNormAct(prev_chs, chs, k, conv_layer, bn_momentum, bn_eps, pre=pre, **dd))
+            layer = conv_layer if idx < sorted_convs else plain_layer
+            layers.append(ConvNormAct(prev_chs, chs, k, layer, bn_momentum, bn_eps, pre=pre, **dd))
             prev_chs = chs
         self.features = nn.Sequential(*layers)
         self.feature_info.append(dict(num_chs=prev_chs, reduction=net_stride, module=f'features.{len(layers) - 1}'))
@@ -167,6 +179,7 @@ default_cfgs = generate_default_cfgs({
     'scnn_p_rs_7_canon.mnist': _cfg(**_pretrained('scnn_p_rs_7_canon')),
     'scnn_p_c2_7_canon.mnist': _cfg(**_pretrained('scnn_p_c2_7_canon')),
     'scnn_p_rs_7_blur.mnist': _cfg(**_pretrained('scnn_p_rs_7_blur')),
+    'scnn_p_rs_7_early_canon.mnist': _cfg(**_pretrained('scnn_p_rs_7_early_canon')),
 })
 
 
@@ -285,3 +298,15 @@ def scnn_p_rs_7_blur(pretrained: bool = False, **kwargs: Any) -> SCNN:
     kwargs.setdefault('input_blur', 0.7)
     kwargs.setdefault('downsample', 'blur-max')
     return _create_scnn('scnn_p_rs_7_blur', 7, 'polar', 'ring', pretrained, **kwargs)
+
+
+@register_model
+def scnn_p_rs_7_early_canon(pretrained: bool = False, **kwargs: Any) -> SCNN:
+    """P-RS-7 that sorts in its first two convolutions only (``sorted_convs=2``; the other four are plain) with
+    its input turned by its first angular moment (``canonicalize='moment1'``): exactly invariant to quarter
+    turns (the turn), the early responses unchanged by small turned patches (SC), and the later layers free to
+    see a digit's orientation. Above the plain CNN with rotation augmentation and the E(2)-CNN when trained on
+    1,000 images (RESULTS.md, "When to pick SC"). The same weights' shapes as ``scnn_baseline_7``."""
+    kwargs.setdefault('canonicalize', 'moment1')
+    kwargs.setdefault('sorted_convs', 2)
+    return _create_scnn('scnn_p_rs_7_early_canon', 7, 'polar', 'ring', pretrained, **kwargs)
