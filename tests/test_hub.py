@@ -275,6 +275,19 @@ def test_card_of_the_paper_schedule_says_so(tmp_path):
     assert "after epoch 53 of 100 kept (validation top-1 98.53%)" in card and "**not** the paper's" not in card
 
 
+@pytest.mark.slow
+def test_card_of_the_early_sorting_model_names_its_partial_sorting_and_its_turn(tmp_path):
+    row = tmp_path / "early.json"
+    row.write_text(json.dumps(_row("scnn_p_rs_7_early_canon", epochs=5, mnist_rot_images=10000)))
+    out = tmp_path / "cards"
+    subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "model_cards.py"), str(row), "--out", str(out)],
+                   check=True, capture_output=True)
+    card = (out / "scnn_p_rs_7_early_canon.md").read_text()
+    assert "Sorting Convolution in its first two layers" in card and "`sorted_convs=2`" in card
+    assert "`canonicalize='moment1'`" in card and "principal axis" not in card
+    assert "| the paper (scnn_p_rs_7, 100 epochs) |" in card and "rings of 8, 16, 24 values" in card
+
+
 @pytest.mark.parametrize("card", sorted((REPO_ROOT / "model_cards").glob("scnn_*.md")), ids=lambda p: p.stem)
 def test_every_card_describes_shipped_weights(card):
     assert card.stem in SHIPPED

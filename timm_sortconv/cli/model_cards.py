@@ -58,23 +58,37 @@ BLURRED = ("; a fixed Gaussian blur of 0.7 pixels before the first convolution a
            "image are turned independently")
 
 
+EARLY_CANONICAL = ("; only the first two convolutions sort (`sorted_convs=2`), the other four are plain `nn.Conv2d`, "
+                   "so the later layers see a digit's orientation (a 6 from a 9); each input image is first turned "
+                   "about its centre by the angle of its first-order angular moment (`canonicalize='moment1'`, no "
+                   "parameters), which turns a quarter-turned image into the same image")
+
+
+def _stem(model: str) -> str:
+    return model.removesuffix("_canon").removesuffix("_early").removesuffix("_blur")
+
+
 def base_model(model: str) -> str:
-    """The paper's model name behind one of ours: without the canonical turn, the blur, and orbit sorting."""
-    return model.removesuffix("_canon").removesuffix("_blur").replace("_c2_", "_rs_").replace("_c4_", "_rs_")
+    """The paper's model name behind one of ours: without the canonical turn, the blur, sorting in the first
+    convolutions only, and orbit sorting."""
+    return _stem(model).replace("_c2_", "_rs_").replace("_c4_", "_rs_")
 
 
 def describe(model: str) -> str:
-    canonical = model.endswith("_canon")
-    _, variant, *rest = model.removesuffix("_canon").removesuffix("_blur").split("_")
+    early = model.endswith("_early_canon")
+    canonical = model.endswith("_canon") and not early
+    _, variant, *rest = _stem(model).split("_")
     k = rest[-1]
     if variant == "baseline":
         return (f"the plain-convolution twin of the SCNNs (`nn.Conv2d` everywhere, {k}x{k} kernels in the first "
                 f"four layers): the paper's baseline, not rotation invariant")
     sampling, sorting = variant, rest[0]
     rings = ", ".join(str(8 * r) for r in range(1, int(k) // 2 + 1))
-    return (f"an SCNN with Sorting Convolution in all six layers: {SAMPLING[sampling]}, {SORTING[sorting]}; "
+    return (f"an SCNN with Sorting Convolution in {'its first two' if early else 'all six'} layers: "
+            f"{SAMPLING[sampling]}, {SORTING[sorting]}; "
             f"{k}x{k} kernels in the first four layers (rings of {rings} values), 3x3 in the last two"
-            + (CANONICAL if canonical else "") + (BLURRED if model.endswith("_blur") else ""))
+            + (CANONICAL if canonical else "") + (EARLY_CANONICAL if early else "")
+            + (BLURRED if model.endswith("_blur") else ""))
 
 
 def angle_table(row, exact: bool = True) -> str:
@@ -192,7 +206,7 @@ def training_lines(row) -> str:
 
 def card(row, params: int) -> str:
     model = row["model"]
-    # the paper has no canonical turn, blur nor orbit sorting: its P-RS model of the same kernel size
+    # the paper has no canonical turn, blur, partial sorting nor orbit sorting: its P-RS model of the same kernel size
     paper_model = base_model(model)
     paper_mnist, paper_rot = PAPER.get(paper_model, (None, None))
     swept = (f"all 10,000 test images x {len(row['angles'])} angles (the paper's full MNIST-rot, 360,000 images)"
