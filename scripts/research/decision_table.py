@@ -105,8 +105,9 @@ ROWS = (
         what="SC in the first 2 convolutions, plain after, + rotation augmentation"),
 )
 ROW_NAMES = tuple(row.name for row in ROWS)
-#: The rows the attempts are measured against.
+#: The rows the attempts must beat, and one more they are compared with (the canonical turn alone).
 RIVALS = ("plain+aug", "e2cnn_c8")
+ALSO_COMPARED = ("plain+canon",)
 
 
 @dataclass(frozen=True)
@@ -468,15 +469,17 @@ def _mean_se(values: Sequence[float]) -> Tuple[float, float]:
 def attempts_table(results: Path, size: int = 1000) -> str:
     """The attempts (:data:`ROWS` with ``attempt``) at ``size`` images against :data:`RIVALS`: MNIST-rot mean over
     seeds ± the standard error between seeds, each difference with the standard error of the difference
-    (``sqrt(se1^2 + se2^2)``), and whether the attempt beats every rival by more than two of those."""
+    (``sqrt(se1^2 + se2^2)``), whether the attempt beats every rival by more than two of those, and the
+    difference from each row of :data:`ALSO_COMPARED`."""
     found = load_results(results)
     times_path = results / "timing.json"
     times = json.loads(times_path.read_text())["seconds_per_step"] if times_path.is_file() else {}
-    rivals = {name: [r["mnist_rot"]["mean"] for r in found.get(name, {}).get(f"n{size}", [])] for name in RIVALS}
+    rivals = {name: [r["mnist_rot"]["mean"] for r in found.get(name, {}).get(f"n{size}", [])]
+              for name in RIVALS + ALSO_COMPARED}
     head = (f"| round | attempt | MNIST-rot, {size:,} images: mean / worst (seeds) | "
-            + " | ".join(f"minus `{name}`" for name in RIVALS) + " | beats both by > 2 SE | local turns: mean / retained "
-            "| s/epoch |")
-    lines = [head, "|---|---|---|" + "---|" * len(RIVALS) + "---|---|---|"]
+            + " | ".join(f"minus `{name}`" for name in RIVALS) + " | beats both by > 2 SE | "
+            + " | ".join(f"minus `{name}`" for name in ALSO_COMPARED) + " | local turns: mean / retained | s/epoch |")
+    lines = [head, "|---|---|---|" + "---|" * (len(RIVALS) + len(ALSO_COMPARED)) + "---|---|---|"]
     for row in (row for row in ROWS if row.attempt):
         runs = found.get(row.name, {})
         seeds = runs.get(f"n{size}", [])
@@ -484,17 +487,20 @@ def attempts_table(results: Path, size: int = 1000) -> str:
         cells = [str(row.attempt), row.what or row.name]
         cells.append(f"{_stats(means)} / {_stats([r['mnist_rot']['worst'] for r in seeds])} ({len(seeds)})"
                      if seeds else "-")
-        wins = []
-        for name in RIVALS:
-            if len(means) > 1 and len(rivals[name]) > 1:
-                (mean, se), (rival, rival_se) = _mean_se(means), _mean_se(rivals[name])
-                error = math.hypot(se, rival_se)
-                wins.append(mean - rival > 2 * error)
-                cells.append(f"{mean - rival:+.2f} ± {error:.2f}")
-            else:
-                wins.append(None)
+        def minus(name: str) -> Optional[bool]:
+            """The difference's cell; whether it exceeds two standard errors (None: fewer than 2 seeds)."""
+            if len(means) < 2 or len(rivals[name]) < 2:
                 cells.append("-")
+                return None
+            (mean, se), (rival, rival_se) = _mean_se(means), _mean_se(rivals[name])
+            error = math.hypot(se, rival_se)
+            cells.append(f"{mean - rival:+.2f} ± {error:.2f}")
+            return mean - rival > 2 * error
+
+        wins = [minus(name) for name in RIVALS]
         cells.append("-" if None in wins else "yes" if all(wins) else "no")
+        for name in ALSO_COMPARED:
+            minus(name)
         one = runs.get("one", [])
         cells.append(f"{one[0]['mean']:.2f} / {one[0]['retained']:.3f}" if one else "-")
         cells.append(f"{times[row.name] * EPOCH_IMAGES / BATCH:.0f}" if row.name in times else "-")
