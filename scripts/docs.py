@@ -210,6 +210,8 @@ MNIST_ROWS = (
     ("scnn_p_rs_7_canon", ("scnn_p_rs_7_canon",), "P-RS-7 turned to the principal axis first (bundled)"),
     ("scnn_p_c2_7_canon", ("scnn_p_c2_7_canon", "scnn_p_c2_7_canon-ft4"),
      "half-turn orbit sorting + the turn (bundled)"),
+    ("scnn_p_rs_7_early_canon", ("scnn_p_rs_7_early_canon",),
+     "sorting in the first two layers only + the first moment's turn (bundled)"),
     ("scnn_baseline_7", ("scnn_baseline_7-canon1-e5",), "control: plain CNN + the canonical turn (not shipped)"),
 )
 

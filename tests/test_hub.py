@@ -311,7 +311,7 @@ def _sample_accuracy():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["scnn_p_rs_7_canon", "scnn_p_c2_7_canon"])
+@pytest.mark.parametrize("name", ["scnn_p_rs_7_canon", "scnn_p_c2_7_canon", "scnn_p_rs_7_early_canon"])
 def test_shipped_canonical_models_are_flat_between_the_quarter_turns(name):
     """On the sample's 500 test digits, each bundled canonical model is as accurate at 30 and 45 degrees as
     upright (within 2 points), while the bundled ``scnn_p_rs_7`` (no canonical turn) loses more than twice
