@@ -65,8 +65,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
-import contextlib
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -281,7 +280,7 @@ def prepare(path_function, *args, **kwargs) -> None:
     device = next(a.device for a in args if isinstance(a, torch.Tensor))
     _COMPILE_ONLY.active = True
     try:
-        with torch.no_grad(), torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        with torch.no_grad(), torch.cuda.device(device) if device.type == "cuda" else nullcontext():
             path_function(*args, **kwargs)
     finally:
         _COMPILE_ONLY.active = False
