@@ -285,6 +285,13 @@ def timing(results: Path, rows: Sequence[Row], rounds: int = 3, steps: int = 5,
     return result
 
 
+def timing_of(rows: Sequence[Row], args) -> Dict:
+    """:func:`timing` for ``rows`` and the rows whose time they train for, with the command line's settings."""
+    timed = {name for row in rows for name in (row.name, row.time_of) if name}
+    return timing(Path(args.results), [row for row in ROWS if row.name in timed], args.timing_rounds,
+                  args.timing_steps, args.channels)
+
+
 def steps_for(row: Row, base: int, times: Dict) -> int:
     """``base`` steps, or for a ``time_of`` row as many as fit in that row's time for ``base`` steps."""
     if not row.time_of:
@@ -390,9 +397,7 @@ def run_all(args) -> None:
         rows = [row for row in rows if row.model != "e2cnn"]
     results = Path(args.results)
     torch.set_num_threads(args.threads)
-    timed = {name for row in rows for name in (row.name, row.time_of) if name}
-    times = timing(results, [row for row in ROWS if row.name in timed], args.timing_rounds, args.timing_steps,
-                   args.channels)
+    times = timing_of(rows, args)
     todo = [job for job in jobs(rows, args.sizes, args.seeds, args.big_seeds, not args.no_local)
             if not (results / job.row.name / f"{job.name}.json").is_file()]
     if not todo:
@@ -417,11 +422,21 @@ def run_all(args) -> None:
             claim.release()
 
 
-def _stats(values: Sequence[float]) -> str:
+def _mean_se(values: Sequence[float]) -> Tuple[float, float]:
+    """The mean and the standard error between ``values`` (NaN for one value)."""
     values = np.asarray(values, dtype=float)
-    if len(values) > 1:
-        return f"{values.mean():.2f} ± {values.std(ddof=1) / math.sqrt(len(values)):.2f}"
-    return f"{values.mean():.2f}"
+    return values.mean(), (values.std(ddof=1) / math.sqrt(len(values)) if len(values) > 1 else float("nan"))
+
+
+def _stats(values: Sequence[float]) -> str:
+    mean, se = _mean_se(values)
+    return f"{mean:.2f} ± {se:.2f}" if len(values) > 1 else f"{mean:.2f}"
+
+
+def _step_times(results: Path) -> Dict[str, float]:
+    """``timing.json``'s seconds per training step by row (empty before it is measured)."""
+    path = results / "timing.json"
+    return json.loads(path.read_text())["seconds_per_step"] if path.is_file() else {}
 
 
 def load_results(results: Path) -> Dict[str, Dict[str, List[Dict]]]:
@@ -439,8 +454,7 @@ def table(results: Path, sizes: Sequence[int] = (1000, 5000, 50000)) -> str:
     standard error between seeds, and the seeds' count), upright MNIST at 50,000, the local task, parameters
     and seconds per epoch of 50,000 images."""
     found = load_results(results)
-    times_path = results / "timing.json"
-    times = json.loads(times_path.read_text())["seconds_per_step"] if times_path.is_file() else {}
+    times = _step_times(results)
     head = ("| row | " + " | ".join(f"MNIST-rot, {size:,} images: mean / worst (seeds)" for size in sizes)
             + f" | MNIST, {max(sizes):,} | local turns: mean / retained | params | s/epoch |")
     lines = [head, "|---|" + "---|" * (len(sizes) + 4)]
@@ -461,19 +475,13 @@ def table(results: Path, sizes: Sequence[int] = (1000, 5000, 50000)) -> str:
     return "\n".join(lines)
 
 
-def _mean_se(values: Sequence[float]) -> Tuple[float, float]:
-    values = np.asarray(values, dtype=float)
-    return values.mean(), (values.std(ddof=1) / math.sqrt(len(values)) if len(values) > 1 else float("nan"))
-
-
 def attempts_table(results: Path, size: int = 1000) -> str:
     """The attempts (:data:`ROWS` with ``attempt``) at ``size`` images against :data:`RIVALS`: MNIST-rot mean over
     seeds ± the standard error between seeds, each difference with the standard error of the difference
     (``sqrt(se1^2 + se2^2)``), whether the attempt beats every rival by more than two of those, and the
     difference from each row of :data:`ALSO_COMPARED`."""
     found = load_results(results)
-    times_path = results / "timing.json"
-    times = json.loads(times_path.read_text())["seconds_per_step"] if times_path.is_file() else {}
+    times = _step_times(results)
     rivals = {name: [r["mnist_rot"]["mean"] for r in found.get(name, {}).get(f"n{size}", [])]
               for name in RIVALS + ALSO_COMPARED}
     head = (f"| round | attempt | MNIST-rot, {size:,} images: mean / worst (seeds) | "
@@ -541,10 +549,7 @@ def main(argv=None) -> None:
         return
     if args.action == "timing":
         torch.set_num_threads(args.threads)
-        rows = [row for row in ROWS if not args.rows or row.name in args.rows]
-        timed = {name for row in rows for name in (row.name, row.time_of) if name}
-        timing(Path(args.results), [row for row in ROWS if row.name in timed], args.timing_rounds, args.timing_steps,
-               args.channels)
+        timing_of([row for row in ROWS if not args.rows or row.name in args.rows], args)
         return
     if not args.data_dir:
         parser.error("run needs --data-dir (the MNIST folder)")
