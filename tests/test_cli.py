@@ -148,6 +148,7 @@ def test_the_channels_the_error_names_are_accepted(one_thread, own_stderr):
 @pytest.mark.parametrize("tool", ["validate --pretrained", "validate --baseline-pretrained", "train --pretrained"])
 def test_pretrained_weights_of_a_model_without_them_end_in_one_line_naming_the_models_with_weights(
         tool, tmp_path, capsys, one_thread, own_stderr):
+    """The message names the option that asked for the weights (validate has one per model)."""
     main, argv, name = {
         "validate --pretrained": (validate.main, [*MNIST, "--model", "ri_resnet18", "--pretrained"], "ri_resnet18"),
         "validate --baseline-pretrained": (validate.main, [*MNIST, "--model", "scnn_p_rs_3", "--baseline-model",
@@ -155,11 +156,12 @@ def test_pretrained_weights_of_a_model_without_them_end_in_one_line_naming_the_m
         "train --pretrained": (train.main, [*MNIST, "--model", "ri_resnet18", "--pretrained", "--output",
                                             str(tmp_path)], "ri_resnet18"),
     }[tool]
+    option = tool.split()[1]
     with_weights = bundled_models()
     assert {"scnn_p_rs_3", "scnn_p_rs_7", "scnn_baseline_7"} <= set(with_weights) and name not in with_weights
     assert one_error_line(main, argv, capsys) == (
         f"error: {name} has no pretrained weights here; models with weights (bundled): {', '.join(with_weights)}; "
-        "leave out --pretrained to start it at random initialisation")
+        f"leave out {option} to start it at random initialisation")
     assert list(tmp_path.iterdir()) == []
 
 

@@ -20,10 +20,14 @@ import difflib
 import os
 import re
 import sys
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["CommandError", "KeyValueArgs", "add_data_args", "add_input_args", "check_input_channels",
-           "check_model_name", "key_value", "no_weights_message", "parse_key_values", "run", "unknown_model_message"]
+           "check_model_name", "create_model_or_error", "key_value", "no_weights_message", "parse_key_values", "run",
+           "unknown_model_message"]
 
 
 class CommandError(Exception):
@@ -53,13 +57,27 @@ def check_model_name(name: str) -> None:
         raise CommandError(unknown_model_message(name.split(".")[0]))
 
 
-def no_weights_message(name: str) -> str:
-    """What to tell a user who asked for the pretrained weights of ``name``, a model that has none: the models
-    whose weights are bundled (:func:`timm_sortconv.hub.bundled_models`)."""
+def no_weights_message(name: str, option: str = "--pretrained") -> str:
+    """What to tell a user who asked (with ``option``) for the pretrained weights of ``name``, a model that has
+    none: the models whose weights are bundled (:func:`timm_sortconv.hub.bundled_models`)."""
     from ..hub import bundled_models
 
     return (f"{name} has no pretrained weights here; models with weights (bundled): {', '.join(bundled_models())}; "
-            "leave out --pretrained to start it at random initialisation")
+            f"leave out {option} to start it at random initialisation")
+
+
+def create_model_or_error(name: str, option: str = "--pretrained", **kwargs) -> torch.nn.Module:
+    """``timm.create_model(name, **kwargs)``; timm's error for the pretrained weights of a model that has none
+    becomes a :class:`CommandError` naming ``option``, the command-line option that asked for them (a tool with
+    two models has two)."""
+    from timm.models import create_model
+
+    try:
+        return create_model(name, **kwargs)
+    except RuntimeError as error:
+        if _NO_WEIGHTS.fullmatch(str(error)):
+            raise CommandError(no_weights_message(name, option)) from None
+        raise
 
 
 def check_input_channels(dataset, dataset_name: str, model: str, data_config: dict, input_size_given: bool) -> None:

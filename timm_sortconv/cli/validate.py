@@ -22,14 +22,14 @@ import os
 from typing import Dict, Optional, Sequence
 
 import torch
-from timm.models import create_model
 
 from .. import models  # noqa: F401  (registers the SC models with timm)
 from ..data import RotatedDataset, cap_samples, create_dataset, is_sortconv_dataset, resolve_data_config
 from ..invariance import PerAngle, accuracy_sweep, accuracy_table, plot_sweep, read_sweep_csv, write_sweep_csv
 from ..layers import SortConv2d
 from ..rotation import parse_rotations
-from . import CommandError, KeyValueArgs, add_data_args, add_input_args, check_input_channels, key_value, run
+from . import (CommandError, KeyValueArgs, add_data_args, add_input_args, check_input_channels, create_model_or_error,
+               key_value, run)
 
 _logger = logging.getLogger("validate")
 
@@ -75,8 +75,9 @@ group.add_argument("--compare-csv", nargs="+", default=[], metavar="FILE",
                         "beside the models evaluated now in the table and plot, not re-evaluated")
 
 
-def build_model(name: str, checkpoint: str, pretrained: bool, args) -> torch.nn.Module:
-    """``timm.create_model`` with the weights asked for; hub and local-folder names load their weights."""
+def build_model(name: str, checkpoint: str, pretrained: bool, args, option: str = "--pretrained") -> torch.nn.Module:
+    """``timm.create_model`` with the weights asked for; hub and local-folder names load their weights.
+    ``option`` is the flag that asked for pretrained weights, named in the error for a model without them."""
     from_folder = name.startswith(("hf-hub:", "local-dir:"))
     if checkpoint and not os.path.isfile(checkpoint):
         raise CommandError(f"checkpoint {checkpoint} does not exist")
@@ -89,7 +90,8 @@ def build_model(name: str, checkpoint: str, pretrained: bool, args) -> torch.nn.
     if not (checkpoint or pretrained or from_folder):
         _logger.warning(f"{name}: no weights given (--checkpoint, --pretrained, hf-hub: or local-dir:), "
                         "evaluating it at random initialisation")
-    model = create_model(name, pretrained=pretrained or from_folder, checkpoint_path=checkpoint, **kwargs)
+    model = create_model_or_error(name, option, pretrained=pretrained or from_folder, checkpoint_path=checkpoint,
+                                  **kwargs)
     return model.eval()
 
 
@@ -162,14 +164,15 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, PerAngle]:
             parser.error(f"--rotations: {error}")
     device = torch.device(args.device)
     label = args.label or args.model
-    models = {label: build_model(args.model, args.checkpoint, args.pretrained, args)}
+    evaluated = {label: build_model(args.model, args.checkpoint, args.pretrained, args)}
     options = {label: f"--model {args.model}"}  # the option that named each model, for the messages
     if args.baseline_model:
-        label = args.baseline_model if args.baseline_model not in models else f"{args.baseline_model} (baseline)"
-        models[label] = build_model(args.baseline_model, args.baseline_checkpoint, args.baseline_pretrained, args)
+        label = args.baseline_model if args.baseline_model not in evaluated else f"{args.baseline_model} (baseline)"
+        evaluated[label] = build_model(args.baseline_model, args.baseline_checkpoint, args.baseline_pretrained, args,
+                                       "--baseline-pretrained")
         options[label] = f"--baseline-model {args.baseline_model}"
     data_configs = {label: resolve_data_config(vars(args), model=model, dataset=args.dataset)
-                    for label, model in models.items()}
+                    for label, model in evaluated.items()}
     sweep = build_sweep(args, channels=next(iter(data_configs.values()))["input_size"][0])
     for label, option in options.items():
         check_input_channels(sweep, args.dataset, option, data_configs[label], args.input_size is not None)
@@ -180,7 +183,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, PerAngle]:
         label: accuracy_sweep(model, sweep, data_configs[label], batch_size=args.batch_size,
                               num_workers=args.workers, device=device, use_prefetcher=not args.no_prefetcher,
                               amp_dtype=amp_dtype, channels_last=args.channels_last, label=label)
-        for label, model in models.items()
+        for label, model in evaluated.items()
     }
     shown = dict(results)
     add_compared(shown, args.compare_csv)
@@ -193,7 +196,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, PerAngle]:
         title = (f"{args.dataset or 'image folder'} ({args.split}), {sweep.num_images} images x "
                  f"{len(sweep.angles)} angles" + (", rotated there and back" if args.round_trip else ""))
         try:
-            plot_sweep(args.plot, shown, title, kinds={label: describe(model) for label, model in models.items()})
+            plot_sweep(args.plot, shown, title, kinds={label: describe(model) for label, model in evaluated.items()})
         except ImportError as error:
             raise CommandError(str(error)) from None
         _logger.info(f"Wrote {args.plot}")
