@@ -65,14 +65,20 @@ def test_augmented_batches_turn_each_image_by_its_own_angle_fixed_by_the_step(ta
 
 def test_jobs_run_every_row_at_the_smallest_size_first_and_one_seed_at_50000(table):
     found = table.jobs(table.ROWS, [50000, 1000, 5000], [0, 1, 2], [0], local=True)
-    rows, attempts = [row for row in table.ROWS if not row.attempt], [row for row in table.ROWS if row.attempt]
+    everywhere = [row for row in table.ROWS if not row.sizes]
+    rows, attempts = [row for row in everywhere if not row.attempt], [row for row in everywhere if row.attempt]
     assert len(rows) == 8 and attempts  # the attempts run at the smallest size and on the local task only
+    limited = [row for row in table.ROWS if row.sizes]
+    assert [row.name for row in limited] == ["e2cnn_c8_params"] and limited[0].sizes == (1000,)
     sizes = [job.size for job in found]
-    assert sizes == [1000] * 3 * len(table.ROWS) + [5000] * 24 + [50000] * 8 + [0] * len(table.ROWS)
-    assert [job.seed for job in found[:len(table.ROWS) + 1]] == [0] * len(table.ROWS) + [1]
+    assert sizes == ([1000] * 3 * len(everywhere) + [5000] * 24 + [50000] * 8 + [0] * len(everywhere)
+                     + [1000] * 3)  # the equal-parameter E(2)-CNN last, its three seeds at 1,000 images
+    assert [job.seed for job in found[:len(everywhere) + 1]] == [0] * len(everywhere) + [1]
     assert not any(job.row.attempt for job in found if job.size > 1000)
     assert {job.seed for job in found if job.size == 50000} == {0}
-    assert found[-1].name == "one_seed0" and found[0].name == "n1000_seed0"
+    assert [job.name for job in found[-4:]] == ["one_seed0", "n1000_seed0", "n1000_seed1", "n1000_seed2"]
+    assert {job.row.name for job in found[-3:]} == {"e2cnn_c8_params"} and found[0].name == "n1000_seed0"
+    assert table.jobs(table.ROWS, [5000], [0], [0], local=False)[-1].row.name != "e2cnn_c8_params"
 
 
 def test_a_time_matched_row_gets_the_steps_that_fit_its_rows_time(table):
@@ -80,6 +86,15 @@ def test_a_time_matched_row_gets_the_steps_that_fit_its_rows_time(table):
     rows = {row.name: row for row in table.ROWS}
     assert table.steps_for(rows["e2cnn_c8"], 1000, times) == 2000
     assert table.steps_for(rows["p_rs_7"], 1000, times) == 1000
+
+
+def test_the_equal_parameter_e2cnn_has_the_parameters_of_p_rs_7_within_five_percent(table):
+    pytest.importorskip("e2cnn")
+    rows = {row.name: row for row in table.ROWS}
+    count = {name: sum(p.numel() for p in table.build(rows[name]).parameters())
+             for name in ("p_rs_7", "e2cnn_c8", "e2cnn_c8_params")}
+    assert abs(count["e2cnn_c8_params"] / count["p_rs_7"] - 1) < 0.05
+    assert count["e2cnn_c8"] * 10 < count["p_rs_7"]  # the time-matched row with the SCNN's channels: far fewer
 
 
 def test_a_job_claimed_by_a_live_process_is_left_alone_and_one_of_a_dead_process_is_taken(table, tmp_path):
