@@ -700,6 +700,21 @@ def test_kernels_compile_for_sm90(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.skipif(INTERPRETED or not ptxas_available(), reason="compiles with Triton's NVIDIA backend (ptxas)")
+def test_the_columns_paths_7x7_kernels_keep_their_windows_in_registers(tmp_path):
+    # The 7x7 layers' kernels of the columns path, compiled for an H100: no stack frame (a window kept in local
+    # memory made them 70-100x slower than their memory bound on an H200), and a short program.
+    report = load_script(SCRIPTS / "triton_kernel_report.py", "triton_kernel_report")
+    from timm_sortconv.ops.triton_backend.source import load_kernels
+
+    geometry = get_geometry(7, "polar", "ring")
+    for kernel in ("columns_kernel", "record_kernel", "replay_kernel"):
+        meta = triton_backend.launch_settings(kernel, geometry, torch.float32, 1, 32, 32)
+        cells = report.compile_kernel(load_kernels(geometry)[kernel], torch.float32, meta, 90, tmp_path)
+        assert int(cells["spill B"]) == 0 and int(cells["regs"]) <= 200 and cells["SASS"] < 4000, (kernel, cells)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(INTERPRETED or not ptxas_available(), reason="compiles with Triton's NVIDIA backend (ptxas)")
 def test_compile_threads_compiles_the_selected_kernels_alone_and_in_threads(capsys):
     # What auto's parallel compile relies on: Triton's compiler runs kernels in threads at once (the wall time
     # is the benchmark's; here that it compiles the jobs both ways and says so).

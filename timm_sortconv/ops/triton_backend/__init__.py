@@ -49,10 +49,12 @@ is computed by the operator through the reference path.
 Compilation: Triton compiles a kernel the first time a geometry, dtype and block configuration meets it,
 and keeps it in its cache (``TRITON_CACHE_DIR``, by default ``~/.triton/cache``) for later processes. The
 sorting networks are long straight-line programs, and Triton's coalescing pass takes time that grows with
-the number of memory operations times the square of the program's length, so the kernels read and write
-whole windows as wide tiles (:mod:`.source`) and the columns path's backward is two kernels: every kernel
-``auto`` can take for k <= 7 compiles for sm_90 in seconds (``scripts/triton_kernel_report.py`` compiles
-them for any GPU architecture, without one). Integer arguments are not specialized, so other batch sizes
+the number of memory operations times the square of the program's length, so the fused and direct kernels
+read and write whole windows as wide tiles (:mod:`.source`; the columns and gemm kernels, one window position
+or row per memory operation, which Triton 3.6 keeps in registers) and the columns path's backward is two
+kernels: every kernel ``auto`` can take for k <= 7 compiles for sm_90 without spills, in seconds to tens of
+seconds (``scripts/triton_kernel_report.py`` compiles them for any GPU architecture, without one; its numbers
+are in BENCHMARKS.md). Integer arguments are not specialized, so other batch sizes
 or image sizes reuse the compiled kernels. ``auto``'s first call of a configuration compiles its candidates
 in parallel threads first (:func:`prepare`: each candidate's code with every launch replaced by a compile of
 the same kernel for the same arguments), so the wait is about the slowest compile, not their sum.

@@ -8,12 +8,15 @@ whole window) with the comparator network of :meth:`SortGeometry.comparators`. T
 straight-line code over per-slot tensors (``s0``, ``s1``, ...: one value per lane each), so a lane sorts
 its own window in registers, with no ranks, one-hot matrices or data-dependent indexing.
 
-Memory accesses are *wide*: a lane's whole window is one masked load of a ``[lanes, W]`` tile (``W`` the
-next power of two of ``k * k``), split into its per-position values by a tree of ``tl.split``; the sorted
-columns, the window gradients and each segment's slot gradients or weights are one load or store of such
-a tile, built by a tree of ``tl.join``. A kernel then has a handful of memory operations instead of one
-per slot and window position, which is what bounds its compile time: Triton's coalescing pass walks the
-whole connected program once per memory operation (``scripts/triton_kernel_report.py`` measures it).
+Memory accesses: the fused and direct kernels read a lane's whole window as one masked load of a
+``[lanes, W]`` tile (``W`` the next power of two of ``k * k``), split into its per-position values by a tree
+of ``tl.split``, and load or store each segment's slot values as one such tile, built by a tree of
+``tl.join``: a handful of memory operations instead of one per slot, which is what bounds their compile time
+(Triton's coalescing pass walks the whole connected program once per memory operation). The columns path's
+and the gemm kernels read one window position (or one window row) per load and write one window row per
+store instead: a whole window's tile at k = 5 and 7 is kept in local memory by Triton 3.6 (6-7 KB per thread
+for the 7x7 columns kernels), where lane tensors stay in registers, for a longer compile (7x7 global
+sorting's record kernel: 18-19 s). ``scripts/triton_kernel_report.py`` measures both.
 
 Within a segment the comparators run depth first (:func:`depth_first`): the first half of a segment is
 sorted before the second half's samples are formed. Each wire still meets its comparators in the same
@@ -289,6 +292,21 @@ class _Kernel:
         pointers, tile_mask = self.slot_tile(base, stride, (0, len(values)), mask)
         self.write(f"{operation}({pointers}, tl.permute({tile}, (2, 0, 1)).to({dtype}), mask={tile_mask})")
 
+    def store_rows(self, values: Sequence[str], base: str, stride: str, mask: str, dtype: str) -> None:
+        """``values`` (one per window position, of the lanes' shape) written to ``base + q * stride``, one
+        :meth:`store_slots` per window row: tiles of k values keep each store's layout conversion small, where
+        a whole window's tile made Triton 3.6 keep it in local memory (6 KB per thread at k = 7)."""
+        k = self.k
+        for row in range((len(values) + k - 1) // k):
+            self.store_slots(values[row * k:(row + 1) * k], f"{base} + {row * k} * {stride}", stride, mask, dtype)
+
+    def load_each(self, prefix: str, base: str, stride: str, segment: Tuple[int, int], mask: str,
+                  dtype: str = "COMPUTE") -> None:
+        """``{prefix}{i}`` for the entries i of ``segment``: one load of a lane tensor each at
+        ``base + i * stride`` (no tile to split)."""
+        for i in range(*segment):
+            self.write(f"{prefix}{i} = tl.load({base} + {i} * {stride}, mask={mask}, other=0).to({dtype})")
+
     def sample(self, i: int) -> None:
         """``s{i}`` = sample i of every lane, from the window values."""
         self.write(f"s{i} = " + " + ".join(self.scaled(f"v{q}", weight) for q, weight in self.taps[i]))
@@ -358,14 +376,16 @@ class _Kernel:
 
 def _channel_lanes(kernel: _Kernel, buffers: List[Tuple[str, str, str, str]], window: bool = True) -> None:
     """Lanes of the columns path's kernels: a block of channels ``c`` (rows) by the block of positions,
-    with ``window``: ``x_lane`` pointing at each lane's window corner; per ``(name, pointer, image stride,
-    channel stride)`` a pointer to each lane's entry of a [image, channel, ..., position] buffer (positions
-    contiguous)."""
-    kernel.positions(window)
+    with ``window``: ``x_lane`` pointing at each lane's window corner and the window's row and column masks
+    (:meth:`_Kernel.window_bounds`, for loads of one window position each); per ``(name, pointer, image
+    stride, channel stride)`` a pointer to each lane's entry of a [image, channel, ..., position] buffer
+    (positions contiguous)."""
+    kernel.positions(window, tile=False)
     kernel.write("c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)",
                  "lane_ok = (c < C)[:, None] & p_ok[None, :]")
     if window:
         kernel.write("x_lane = x_ptr + pos + (c.to(tl.int64) * sxc)[:, None]")
+        kernel.window_bounds()
     for name, pointer, image_stride, channel_stride in buffers:
         kernel.write(f"{name} = {pointer} + (image * {image_stride} + l)[None, :] "
                      f"+ (c.to(tl.int64) * {channel_stride})[:, None]")
@@ -381,11 +401,11 @@ def _columns_kernel(geometry: SortGeometry) -> str:
                      f"x_ptr, cols_ptr, C, {_POSITION_ARGS}, scb, scc, scs, COMPUTE: tl.constexpr, {_BLOCKS}",
                      "BLOCK_C, BLOCK_P")
     _channel_lanes(kernel, [("cols_lane", "cols_ptr", "scb", "scc")])
-    kernel.load_window()
+    kernel.load_window(each=True)
     for segment in geometry.segments:
         kernel.sort_segment(segment, record=False)
-    kernel.store_slots([f"s{i}" for i in range(kernel.slots)], "cols_lane", "scs", "lane_ok",
-                       "cols_ptr.dtype.element_ty")
+    kernel.store_rows([f"s{i}" for i in range(kernel.slots)], "cols_lane", "scs", "lane_ok",
+                      "cols_ptr.dtype.element_ty")
     return kernel.source()
 
 
@@ -399,7 +419,7 @@ def _record_kernel(geometry: SortGeometry) -> str:
                      f"COMPUTE: tl.constexpr, STORE_COLUMNS: tl.constexpr, {_BLOCKS}", "BLOCK_C, BLOCK_P")
     w = kernel.write
     _channel_lanes(kernel, [("cols_lane", "cols_ptr", "scb", "scc"), ("swaps_lane", "swaps_ptr", "ssb", "ssc")])
-    kernel.load_window()
+    kernel.load_window(each=True)
     for segment in geometry.segments:
         kernel.sort_segment(segment, record=True)
     if kernel.words:
@@ -407,8 +427,8 @@ def _record_kernel(geometry: SortGeometry) -> str:
                            "tl.int32")
     w("if STORE_COLUMNS:")
     w.depth += 1
-    kernel.store_slots([f"s{i}" for i in range(kernel.slots)], "cols_lane", "scs", "lane_ok",
-                       "cols_ptr.dtype.element_ty")
+    kernel.store_rows([f"s{i}" for i in range(kernel.slots)], "cols_lane", "scs", "lane_ok",
+                      "cols_ptr.dtype.element_ty")
     return kernel.source()
 
 
@@ -426,11 +446,11 @@ def _replay_kernel(geometry: SortGeometry) -> str:
         kernel.load_slots("swaps", "swaps_lane", "ssw", (0, kernel.words), "lane_ok", kernel.lanes, "tl.int32")
     started: set = set()
     for segment in geometry.segments:
-        kernel.load_slots("g", "grad_lane", "sgs", segment, "lane_ok", kernel.lanes)
+        kernel.load_each("g", "grad_lane", "sgs", segment, "lane_ok")
         kernel.unsort_segment(segment)
         kernel.window_gradients(segment, started)
-    kernel.store_slots(kernel.window_gradient_values(started), "windows_lane", "swq", "lane_ok",
-                       "windows_ptr.dtype.element_ty")
+    kernel.store_rows(kernel.window_gradient_values(started), "windows_lane", "swq", "lane_ok",
+                      "windows_ptr.dtype.element_ty")
     return kernel.source()
 
 
@@ -614,8 +634,8 @@ def _direct_backward_kernel(geometry: SortGeometry) -> str:
 # Their windows are read one position at a time (the forward's and the weight gradient's: a lane tensor per
 # position, with masks from the window's rows and columns) or one window row at a time (the input gradient's,
 # whose longer program would compile for 20-30 s with a load per position), and the input gradient's window values
-# are written one row at a time: with a whole window as one tile (as the other kernels read it), Triton 3.6 (with torch
-# 2.11) keeps the tile in local memory, spilling 600-4,000 bytes per thread at k = 5 and 7
+# are written one row at a time: with a whole window as one tile (as the fused and direct kernels read it),
+# Triton 3.6 (with torch 2.11) keeps the tile in local memory, spilling 600-4,000 bytes per thread at k = 5 and 7
 # in the sm_90 report, where Triton 3.8 keeps it in registers.
 _GEMM_LANES = "BLOCK_C, BLOCK_P"
 _GEMM_BLOCKS = "BLOCK_P: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_C: tl.constexpr"
@@ -738,11 +758,8 @@ def _gemm_input_backward_kernel(geometry: SortGeometry) -> str:
         kernel.unsort_segment(segment)
         kernel.window_gradients(segment, started)
     w("windows_lane = windows_ptr + (image * swb + l)[None, :] + (chan * swc)[:, None]")
-    values = kernel.window_gradient_values(started)
-    k = kernel.k
-    for row in range(k):
-        kernel.store_slots(values[row * k:(row + 1) * k], f"windows_lane + {row * k} * swq", "swq", "lane_ok",
-                           "windows_ptr.dtype.element_ty")
+    kernel.store_rows(kernel.window_gradient_values(started), "windows_lane", "swq", "lane_ok",
+                      "windows_ptr.dtype.element_ty")
     return kernel.source()
 
 
