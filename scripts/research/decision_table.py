@@ -102,8 +102,7 @@ ROWS = (
     Row("p_c2_7_canon+aug", "scnn_p_c2_7_canon", augment=True, what="`scnn_p_c2_7_canon` + rotation augmentation"),
     Row("e2cnn_c8", "e2cnn", {"channels": [32, 32, 64, 64, 128, 128]}, time_of="p_rs_7",
         what="E(2)-CNN C8, the SCNN's channels, trained for P-RS-7's time"),
-    # Equal parameters: 4x the channels (554,346 parameters against 576,170) make a step 8.7x P-RS-7's
-    # (timing.json), so 1,000 steps do not fit here; at P-RS-7's time it gets 115 steps, at the smallest size only.
+    # Equal parameters (the module docstring's **Equal parameters**): at P-RS-7's time, the smallest size only.
     Row("e2cnn_c8_params", "e2cnn", {"channels": [128, 128, 256, 256, 512, 512]}, time_of="p_rs_7", sizes=(1000,),
         what="E(2)-CNN C8 with P-RS-7's parameters (4x the channels), trained for P-RS-7's time"),
     # The attempts: SC configurations meant to beat the augmented plain CNN and the E(2)-CNN at 1,000 images
