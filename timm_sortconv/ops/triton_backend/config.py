@@ -29,7 +29,7 @@ Which kernels compute a call:
 call (each path is exact for any call; benchmarks and ``timm_sortconv.check`` compare them that way). The
 path travels with the call as its backend argument, so two threads may run two paths at once.
 
-Every kernel reads a lane's whole window (``k * k`` values) at once, and a lane sorts its segments in
+Every kernel reads a lane's whole window (``k * k`` values) before sorting it, and a lane sorts its segments in
 registers, so the block sizes give each thread one lane, or two for windows of at most
 ``TWO_LANES_MAX_SLOTS`` samples. ``scripts/triton_kernel_report.py --candidates`` compiles every candidate
 for an H100 (sm_90) on any machine and prints registers, spills and compile time; the sm_90 report in
@@ -52,10 +52,10 @@ PATHS = ("direct", "fused", "columns", "gemm")
 # kernel can take them (FUSED_MAX_SEGMENT, FUSED_MAX_SLOTS, enough programs).
 FORWARD_PATH = "fused"
 FUSED_MAX_SEGMENT = 9
-# The fused kernel keeps every sorted slot in tl.dot's operand layout: in the sm_90 report it compiles
-# in 1.3-2.8 s without spills for 3x3 windows in float32, float16 and bfloat16, and spills from 25 samples
-# on (k = 5: 448-632 bytes; k = 7: 2264-2496, compiling for 18-36 s). It is not taken beyond FUSED_MAX_SLOTS
-# samples, orbit sortings included.
+# The fused kernel keeps every sorted slot in tl.dot's operand layout: in the sm_90 report (Triton 3.6 and
+# 3.8) it compiles in 0.5-1.2 s without spills for 3x3 windows in float32, float16 and bfloat16 (the block
+# sizes of fused_candidates), and spills from 25 samples on (k = 5: 150-870 bytes with 32 outputs). It is not
+# taken beyond FUSED_MAX_SLOTS samples, orbit sortings included.
 FUSED_MAX_SLOTS = 9
 # The fused kernel has one program per block of positions and of outputs, each looping over all input
 # channels: with fewer than this many programs per multiprocessor (e.g. 32 images of 8x8 with 256 channels:
@@ -103,8 +103,13 @@ GEMM_STEP_CHANNELS = ((9, 4), (25, 2), (10 ** 9, 1))
 # (its grid is otherwise channels x output blocks: 32 programs for a 32 -> 32 layer).
 GEMM_WEIGHT_PROGRAMS_PER_SM = 4
 
+# The fused kernel's output tile [BLOCK_P, BLOCK_O] and its sorted slot tiles share a thread's registers: in the
+# sm_90 report (Triton 3.6 and 3.8, float32/bfloat16/float16, 3x3 windows) 32 outputs with 4 warps and 64 with
+# 8 warps and 32 positions compile without spills, 64 outputs with 4 warps spill 8-96 bytes and 128 with 4 or
+# 8 warps 8-1,040. Wider groups sort their windows once per block of outputs.
 FUSED_BLOCK_C = 16
-FUSED_MAX_BLOCK_O = 128
+FUSED_MAX_BLOCK_O = 32
+FUSED_WIDE_BLOCK = (32, FUSED_BLOCK_C, 64, 8)
 # Bytes of a chunk's buffers of the columns path (forward: the sorted columns; backward: the columns, their
 # gradient, the window gradients and the recorded swaps together), which bound the images per chunk.
 COLUMN_CHUNK_BYTES = 256 << 20
@@ -190,9 +195,11 @@ def column_candidates(slots: int) -> Tuple[Tuple[int, int, int], ...]:
 
 def fused_candidates(slots: int, out_per_group: int) -> Tuple[Tuple[int, int, int, int], ...]:
     """(BLOCK_P, BLOCK_C, BLOCK_O, num_warps) of the fused forward kernel (windows of at most
-    FUSED_MAX_SLOTS samples): 8 or 4 lanes per thread, sorted once per block of outputs."""
+    FUSED_MAX_SLOTS samples): 8 or 4 lanes per thread, sorted once per block of at most FUSED_MAX_BLOCK_O
+    outputs, and for groups of at least 64 outputs FUSED_WIDE_BLOCK (2 lanes per thread, sorted half as often)."""
     block_o = max(16, min(FUSED_MAX_BLOCK_O, _next_power_of_two(out_per_group)))
-    return (64, FUSED_BLOCK_C, block_o, 4), (32, FUSED_BLOCK_C, block_o, 4)
+    candidates = ((64, FUSED_BLOCK_C, block_o, 4), (32, FUSED_BLOCK_C, block_o, 4))
+    return candidates + ((FUSED_WIDE_BLOCK,) if out_per_group >= FUSED_WIDE_BLOCK[2] else ())
 
 
 def gemm_candidates(slots: int, out_per_group: int, backward: bool = False) -> Tuple[Tuple[int, int, int, int], ...]:

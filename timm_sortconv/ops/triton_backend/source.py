@@ -8,14 +8,14 @@ whole window) with the comparator network of :meth:`SortGeometry.comparators`. T
 straight-line code over per-slot tensors (``s0``, ``s1``, ...: one value per lane each), so a lane sorts
 its own window in registers, with no ranks, one-hot matrices or data-dependent indexing.
 
-Memory accesses: the fused and direct kernels read a lane's whole window as one masked load of a
-``[lanes, W]`` tile (``W`` the next power of two of ``k * k``), split into its per-position values by a tree
-of ``tl.split``, and load or store each segment's slot values as one such tile, built by a tree of
-``tl.join``: a handful of memory operations instead of one per slot, which is what bounds their compile time
-(Triton's coalescing pass walks the whole connected program once per memory operation). The columns path's
-and the gemm kernels read one window position (or one window row) per load and write one window row per
-store instead: a whole window's tile at k = 5 and 7 is kept in local memory by Triton 3.6 (6-7 KB per thread
-for the 7x7 columns kernels), where lane tensors stay in registers, for a longer compile (7x7 global
+Memory accesses: the direct kernels read a lane's whole window as one masked load of a ``[lanes, W]`` tile
+(``W`` the next power of two of ``k * k``), split into its per-position values by a tree of ``tl.split``, and
+load or store each segment's slot values as one such tile, built by a tree of ``tl.join``: a handful of
+memory operations instead of one per slot, which is what bounds their compile time (Triton's coalescing pass
+walks the whole connected program once per memory operation). The fused, columns and gemm kernels read one
+window position (or one window row) per load and write one window row per store instead: Triton 3.6 keeps a
+whole window's tile in local memory there (6-7 KB per thread for the 7x7 columns kernels, 300-2,000 bytes
+for the 3x3 fused kernel), where lane tensors stay in registers, for a longer compile at k = 7 (7x7 global
 sorting's record kernel: 18-19 s). ``scripts/triton_kernel_report.py`` measures both.
 
 Within a segment the comparators run depth first (:func:`depth_first`): the first half of a segment is
@@ -481,7 +481,8 @@ def _fused_forward_kernel(geometry: SortGeometry) -> str:
                      "HAS_BIAS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_O: tl.constexpr",
                      "BLOCK_C, BLOCK_P")
     w = kernel.write
-    kernel.positions()
+    kernel.positions(tile=False)
+    kernel.window_bounds()
     w("group = tl.program_id(2)",
       "o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)",
       "o_ok = o < out_per_group",
@@ -495,7 +496,7 @@ def _fused_forward_kernel(geometry: SortGeometry) -> str:
       "x_lane = x_ptr + pos + ((group * in_per_group + c).to(tl.int64) * sxc)[:, None]",
       f"w_lane = w_ptr + (group * {kernel.slots} * in_per_group + c)[:, None] * out_per_group + o[None, :]",
       "w_ok = c_ok[:, None] & o_ok[None, :]")
-    kernel.load_window()
+    kernel.load_window(each=True)
     for segment in geometry.segments:
         kernel.sort_segment(segment, record=False)
         for i in range(*segment):
@@ -634,7 +635,7 @@ def _direct_backward_kernel(geometry: SortGeometry) -> str:
 # Their windows are read one position at a time (the forward's and the weight gradient's: a lane tensor per
 # position, with masks from the window's rows and columns) or one window row at a time (the input gradient's,
 # whose longer program would compile for 20-30 s with a load per position), and the input gradient's window values
-# are written one row at a time: with a whole window as one tile (as the fused and direct kernels read it),
+# are written one row at a time: with a whole window as one tile (as the direct kernels read it),
 # Triton 3.6 (with torch 2.11) keeps the tile in local memory, spilling 600-4,000 bytes per thread at k = 5 and 7
 # in the sm_90 report, where Triton 3.8 keeps it in registers.
 _GEMM_LANES = "BLOCK_C, BLOCK_P"
