@@ -185,7 +185,7 @@ def test_orbit_sortings_agree_with_reference(path):
 def test_several_blocks_of_positions_channels_and_outputs(path):
     # 3 x 9 x 9 positions (several position blocks and splits of the gemm weight gradient's positions), 20
     # channels (several channel blocks of the columns kernels, two iterations of the fused kernel's channel
-    # loop), and more outputs per group than one block of the fused (128), direct (4) or gemm (64) kernels.
+    # loop), and more outputs per group than one block of the fused (32), direct (4) or gemm (32) kernels.
     geometry = get_geometry(3, "polar", "ring")
     channels, out_per_group = {"direct": (4, 6), "fused": (20, 130), "columns": (20, 20), "gemm": (3, 70)}[path]
     for index in (0, 2):  # groups 1 and depthwise

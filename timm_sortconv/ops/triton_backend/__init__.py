@@ -13,7 +13,7 @@ runs one of them for a call):
 * ``fused`` (forward, windows of at most 9 samples: k = 3): an implicit GEMM; each sorted slot tile goes
   straight into ``tl.dot``.
 * ``gemm`` (windows of at most 49 samples, k <= 7; not taken by ``auto`` in float64): an implicit GEMM with
-  one position per thread: the sorted slots of BLOCK_C channels at a block of positions are one
+  a block of positions per program: the sorted slots of BLOCK_C channels at a block of positions are one
   ``[positions, BLOCK_C * K]`` operand of ``tl.dot`` (K: a channel's slots padded to a power of two >= 16).
   Its backward sorts again: one kernel records the swaps and sends the slots' gradient (a ``tl.dot`` of the
   output gradient and the weights) back to the window values, which ``F.fold`` gathers per input pixel;

@@ -88,13 +88,16 @@ AUTO_MAX_KERNEL_SIZE = 7
 # Windows of at most this many samples get block sizes with two lanes per thread among the candidates.
 TWO_LANES_MAX_SLOTS = 25
 
-# The gemm kernels keep one position per thread, BLOCK_C lanes (channels) each: their window values, sorted
+# The gemm kernels keep a position's BLOCK_C lanes (channels) on one or two threads: their window values, sorted
 # samples (and in the input gradient's kernel the recorded swaps and the slots' gradient) in registers.
 GEMM_MAX_SLOTS = 49
 # float64 values take two registers each: in the sm_90 report (Triton 3.8) the gemm kernels spill in float64 from
 # k = 3 on (the forward 96 bytes; k = 5 and 7: 120-368), so float64 takes them only when named.
 GEMM_MAX_SLOTS_FLOAT64 = 0
-GEMM_MAX_BLOCK_O = 64
+# In the sm_90 report (Triton 3.6 and 3.8, float32 and bfloat16, k = 3, 5, 7) the gemm kernels compile without
+# spills with at most 32 outputs per block and 8 warps for 128 positions or 4 for 64 (gemm_candidates); 64
+# outputs spill 8-344 bytes with Triton 3.8, and 32 outputs with 4 warps for 128 positions 8-176.
+GEMM_MAX_BLOCK_O = 32
 GEMM_NARROW_SLOTS = 25
 # Input channels per step of the gemm kernels' reduction, by the window's samples (at most): 4 for 3x3 windows
 # (K = 64 per step), 2 for 5x5 (64), 1 beyond (7x7: 64).
@@ -203,22 +206,21 @@ def fused_candidates(slots: int, out_per_group: int) -> Tuple[Tuple[int, int, in
 
 
 def gemm_candidates(slots: int, out_per_group: int, backward: bool = False) -> Tuple[Tuple[int, int, int, int], ...]:
-    """(BLOCK_P, BLOCK_O, BLOCK_C, num_warps) of the gemm kernels: one position per thread, the group's outputs in
-    blocks of at most GEMM_MAX_BLOCK_O (tl.dot's N >= 16), and BLOCK_C input channels per step of the reduction
-    (GEMM_STEP_CHANNELS: more for smaller windows, whose K of 16 or 32 per channel makes a shallow product) or one
-    (first in the backward, whose kernels spill with more).
-    The backward of windows of more than GEMM_NARROW_SLOTS samples tries blocks of 16 outputs and one channel: in
-    the sm_90 report its kernels spill with 32 outputs (k = 7: 88-336 bytes) and not with 16, which sorts the
-    windows once per 16 outputs instead."""
+    """(BLOCK_P, BLOCK_O, BLOCK_C, num_warps) of the gemm kernels: 128 positions on 8 warps or 64 on 4 (two
+    threads per position), the group's outputs in blocks of at most GEMM_MAX_BLOCK_O (tl.dot's N >= 16), and
+    BLOCK_C input channels per step of the reduction (GEMM_STEP_CHANNELS: more for smaller windows, whose K of 16
+    or 32 per channel makes a shallow product) or one (first in the backward, whose recorded swaps and gradients
+    take more registers). The backward of windows of more than GEMM_NARROW_SLOTS samples also tries blocks of 16
+    outputs on 4 warps, which sort the windows once per 16 outputs."""
     block_o = max(16, min(GEMM_MAX_BLOCK_O, _next_power_of_two(out_per_group)))
     if backward and slots > GEMM_NARROW_SLOTS:
-        return tuple(dict.fromkeys(((128, 16, 1, 4), (128, min(block_o, 32), 1, 4))))
+        return tuple(dict.fromkeys(((128, block_o, 1, 8), (128, 16, 1, 4))))
     channels = next(count for most, count in GEMM_STEP_CHANNELS if slots <= most)
     if channels == 1:
-        return (128, block_o, 1, 4), (64, block_o, 1, 2)
-    if backward:  # in the sm_90 report the backward kernels spill with several channels (k = 3: 8-392 bytes)
-        return (128, block_o, 1, 4), (128, block_o, channels, 4)
-    return (128, block_o, channels, 4), (128, block_o, 1, 4)
+        return (128, block_o, 1, 8), (64, block_o, 1, 4)
+    if backward:
+        return (128, block_o, 1, 8), (128, block_o, channels, 8)
+    return (128, block_o, channels, 8), (128, block_o, 1, 8)
 
 
 def gemm_splits(programs: int, position_blocks: int, multiprocessors: int) -> int:

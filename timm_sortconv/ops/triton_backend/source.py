@@ -625,8 +625,8 @@ def _direct_backward_kernel(geometry: SortGeometry) -> str:
 
 
 # The gemm kernels: an implicit GEMM with one (position, input channel) window per lane. A program's lanes are
-# BLOCK_C input channels of one group by its BLOCK_P positions ([BLOCK_C, BLOCK_P] tensors; one position per
-# thread and BLOCK_C lanes in each), so sorting is elementwise and needs no data movement between threads. Each
+# BLOCK_C input channels of one group by its BLOCK_P positions ([BLOCK_C, BLOCK_P] tensors, one or two threads
+# per position), so sorting is elementwise and needs no data movement between threads. Each
 # step of the reduction takes BLOCK_C channels: their sorted slots are joined into one [BLOCK_P, BLOCK_C * K]
 # operand (K = gemm_depth(k * k): a channel's slots, zero-padded to a power of two of at least 16, the smallest
 # depth of tl.dot; column c * K + i is slot i of channel c) and multiplied with those channels' [BLOCK_C * K,
