@@ -52,7 +52,7 @@ kernel_test = pytest.mark.skipif(not (INTERPRETED or NATIVE),
 def test_kernels_in_the_interpreter():
     # There every test runs but this one and those that need CUDA or Triton's compiler (run here).
     skip = ("test_kernels_in_the_interpreter", "test_supports_on_cuda", "test_kernels_compile_for_sm90",
-            "test_the_columns_and_fused_kernels_keep_their_windows_in_registers",
+            "test_the_columns_fused_and_gemm_kernels_keep_their_windows_in_registers",
             "test_compile_threads_compiles_the_selected_kernels_alone_and_in_threads",
             "test_never_chosen_for_cpu_tensors")
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
@@ -701,15 +701,18 @@ def test_kernels_compile_for_sm90(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.skipif(INTERPRETED or not ptxas_available(), reason="compiles with Triton's NVIDIA backend (ptxas)")
-def test_the_columns_and_fused_kernels_keep_their_windows_in_registers(tmp_path):
-    # Compiled for an H100: the 7x7 layers' kernels of the columns path and every block size of the 3x3 fused
-    # kernel for a wide group have no stack frame (a window kept in local memory made the columns path 70-100x
+def test_the_columns_fused_and_gemm_kernels_keep_their_windows_in_registers(tmp_path):
+    # Compiled for an H100: the 7x7 layers' kernels of the columns path and every block size of the 3x3 fused and
+    # gemm kernels for a wide group have no stack frame (a window kept in local memory made the columns path 70-100x
     # slower than its memory bound on an H200) and a short program.
     report = load_script(SCRIPTS / "triton_kernel_report.py", "triton_kernel_report")
     from timm_sortconv.ops.triton_backend.source import load_kernels
 
     cases = [(7, kernel, None) for kernel in ("columns_kernel", "record_kernel", "replay_kernel")]
     cases += [(3, "fused_forward_kernel", blocks) for blocks in config.fused_candidates(9, 128)]
+    cases += [(3, kernel, blocks) for kernel in ("gemm_forward_kernel", "gemm_input_backward_kernel",
+                                                 "gemm_weight_backward_kernel")
+              for blocks in config.gemm_candidates(9, 128, backward=kernel != "gemm_forward_kernel")]
     for k, kernel, blocks in cases:
         geometry = get_geometry(k, "polar", "ring")
         meta = triton_backend.launch_settings(kernel, geometry, torch.float32, 1, 128, 128, blocks=blocks)
