@@ -49,10 +49,9 @@ is computed by the operator through the reference path.
 Compilation: Triton compiles a kernel the first time a geometry, dtype and block configuration meets it,
 and keeps it in its cache (``TRITON_CACHE_DIR``, by default ``~/.triton/cache``) for later processes. The
 sorting networks are long straight-line programs, and Triton's coalescing pass takes time that grows with
-the number of memory operations times the square of the program's length, so the direct kernels read and
-write whole windows as wide tiles (:mod:`.source`; the fused, columns and gemm kernels, one window position or
-row per memory operation, which Triton 3.6 keeps in registers) and the columns path's backward is two
-kernels: every kernel ``auto`` can take for k <= 7 compiles for sm_90 without spills, in seconds to tens of
+the number of memory operations times the square of the program's length; the kernels read a window one
+position or row per memory operation, which Triton 3.6 keeps in registers where a whole-window tile spilled
+(:mod:`.source`), and the columns path's backward is two kernels: every kernel ``auto`` can take for k <= 7 compiles for sm_90 without spills, in seconds to tens of
 seconds (``scripts/triton_kernel_report.py`` compiles them for any GPU architecture, without one; its numbers
 are in BENCHMARKS.md). Integer arguments are not specialized, so other batch sizes
 or image sizes reuse the compiled kernels. ``auto``'s first call of a configuration compiles its candidates

@@ -70,12 +70,11 @@ DOT_MIN_CHANNELS = 16
 DIRECT_MAX_OUT_PER_GROUP = 4
 DIRECT_BLOCK_J = 2
 # A direct lane keeps its window, sorted samples and the program's weights in registers. In the sm_90
-# report (BENCHMARKS.md) the forward compiles in 0.4-2.1 s without spills up to 25 samples and spills 8
-# bytes at 49 (k = 7, polar rings, one output per program); the backward, which also keeps the swaps and
-# gradients, compiles for 10-37 s at 25 samples (and spills 16 bytes with polar rings and two outputs) and
-# spills 800-900 bytes at 49; at 9 samples, with 256 positions per program, it compiles in 1.6-3.8 s
-# without spills (with 128, it spilled 4-8 bytes). Windows beyond these sizes take the columns path (auto
-# and backend="triton"; backend="triton-direct" still takes the direct kernels).
+# report (BENCHMARKS.md; Triton 3.6 and 3.8, float32 and bfloat16) the forward compiles in 0.2-1.0 s without
+# spills up to 25 samples and spills 8-80 bytes at 49; the backward, which also keeps the swaps and gradients,
+# compiles without spills at 9 samples (256 positions per program) and spills 80-104 bytes at 49. Windows
+# beyond these sizes take the columns path (auto and backend="triton"; backend="triton-direct" still takes the
+# direct kernels).
 DIRECT_MAX_SLOTS = 25
 DIRECT_BACKWARD_MAX_SLOTS = 9
 # float64 values take two registers each: in the sm_90 report the direct forward spills 72 bytes at 25

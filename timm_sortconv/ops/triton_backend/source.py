@@ -8,15 +8,14 @@ whole window) with the comparator network of :meth:`SortGeometry.comparators`. T
 straight-line code over per-slot tensors (``s0``, ``s1``, ...: one value per lane each), so a lane sorts
 its own window in registers, with no ranks, one-hot matrices or data-dependent indexing.
 
-Memory accesses: the direct kernels read a lane's whole window as one masked load of a ``[lanes, W]`` tile
-(``W`` the next power of two of ``k * k``), split into its per-position values by a tree of ``tl.split``, and
-load or store each segment's slot values as one such tile, built by a tree of ``tl.join``: a handful of
-memory operations instead of one per slot, which is what bounds their compile time (Triton's coalescing pass
-walks the whole connected program once per memory operation). The fused, columns and gemm kernels read one
-window position (or one window row) per load and write one window row per store instead: Triton 3.6 keeps a
-whole window's tile in local memory there (6-7 KB per thread for the 7x7 columns kernels, 300-2,000 bytes
-for the 3x3 fused kernel), where lane tensors stay in registers, for a longer compile at k = 7 (7x7 global
-sorting's record kernel: 18-19 s). ``scripts/triton_kernel_report.py`` measures both.
+Memory accesses: every kernel reads a window one position (or one window row) per load, writes window values
+one window row per store (``[lanes, W]`` tiles built by a tree of ``tl.join``) and the direct backward adds a
+window's input gradient one position per atomic add. A whole window read or written as one tile and split by
+``tl.split`` makes fewer memory operations and a shorter compile (Triton's coalescing pass walks the whole
+connected program once per memory operation), but Triton 3.6 keeps such a tile in local memory (6-7 KB per
+thread for the 7x7 columns kernels, 300-2,400 bytes for the 3x3 fused and the direct kernels), where lane
+tensors stay in registers; the price is a longer compile at k = 7 (7x7 global sorting's record kernel:
+18-19 s). ``scripts/triton_kernel_report.py`` measures both.
 
 Within a segment the comparators run depth first (:func:`depth_first`): the first half of a segment is
 sorted before the second half's samples are formed. Each wire still meets its comparators in the same
@@ -148,17 +147,13 @@ class _Kernel:
         self.temporaries += 1
         return f"t{self.temporaries}_"
 
-    def positions(self, window: bool = True, block: str = "tl.program_id(0)", tile: bool = True) -> None:
+    def positions(self, window: bool = True, block: str = "tl.program_id(0)") -> None:
         """Lane positions of the program's block (``block``: its index among the blocks of positions):
         ``p`` (flat over the launch's images), ``p_ok``, ``image``
         and ``l`` (the position in its image); with ``window``, ``pos`` [1, BLOCK_P] (the offset of each
-        window's top-left corner in x) and for the window tile ``wq`` (its first axis: window position or
-        slot), ``win_off`` [W, 1, 1] (each window position's offset from the corner) and ``win_in``
-        [W, 1, BLOCK_P] (whether it lies inside the input: zero padding is a masked read); the tap weights
-        ``tw{n}``; without ``tile``, only ``pos`` and the window's top-left row and column ``ih0``, ``iw0`` (for
-        loads of one position each, :meth:`window_bounds`)."""
+        window's top-left corner in x) and the corner's row and column ``ih0``, ``iw0`` (for the bounds of
+        :meth:`window_bounds`: zero padding is a masked read); the tap weights ``tw{n}``."""
         w = self.write
-        k = self.k
         # Index arithmetic in int64: no offset overflows on large tensors (and Triton's interpreter checks
         # every int32 operation for overflow, several times slower than the operation itself).
         # (a loop's block index is a Python int in the interpreter: no .to() on it; n_pos is an int32, so the
@@ -167,20 +162,11 @@ class _Kernel:
           f"p = (tl.arange(0, BLOCK_P) + {block} * BLOCK_P).to(tl.int64)",
           "p_ok = p < n_pos",
           "image = p // L",
-          "l = p % L",
-          f"wq = tl.arange(0, {self.width})")
+          "l = p % L")
         if window:
             w("ih0 = (l // out_w) * stride_h - pad_t",
               "iw0 = (l % out_w) * stride_w - pad_l",
               "pos = (image * sxb + ih0 * sxh + iw0 * sxw)[None, :]")
-        if window and tile:
-            w(f"win_row = (wq // {k}).to(tl.int64) * dil_h",
-              f"win_col = (wq % {k}).to(tl.int64) * dil_w",
-              "win_off = (win_row * sxh + win_col * sxw)[:, None, None]",
-              "win_h = win_row[:, None] + ih0[None, :]",
-              "win_w = win_col[:, None] + iw0[None, :]",
-              f"win_in = ((wq < {self.slots})[:, None] & p_ok[None, :] & (win_h >= 0) & (win_h < H) & (win_w >= 0) "
-              "& (win_w < W))[:, None, :]")
         for weight, n in self.weights.items():
             w(f"tw{n} = tl.full([], {weight!r}, COMPUTE)")
 
@@ -223,20 +209,14 @@ class _Kernel:
         self.write(f"{zero} = tl.zeros([{shape}], {dtype})")
         return [value or zero for value in values] + [zero] * (width - len(values))
 
-    def load_window(self, each: bool = False) -> None:
-        """``v{q}`` for every window position q a sample reads, of every lane: one masked load of the
-        ``[lanes, W]`` tile at ``x_lane`` (each lane's window corner; ``lane_ok``: which lanes exist), or with
-        ``each`` one load of a lane tensor per position (scalar offsets; the masks from the window's rows and
-        columns, :meth:`window_bounds`)."""
-        if each:
-            for q in self.used:
-                r, c = divmod(q, self.k)
-                self.write(f"v{q} = tl.load(x_lane + ({r} * dil_h) * sxh + ({c} * dil_w) * sxw, "
-                           f"mask=lane_ok & row_ok{r} & col_ok{c}, other=0.0).to(COMPUTE)")
-            return
-        self.write("win = tl.permute(tl.load(x_lane[None, :, :] + win_off, mask=lane_ok[None, :, :] & win_in, "
-                   "other=0.0), (1, 2, 0)).to(COMPUTE)")
-        self.split("win", self.width, [f"v{q}" if q in self.used else None for q in range(self.width)], self.lanes)
+    def load_window(self) -> None:
+        """``v{q}`` for every window position q a sample reads, of every lane: one load of a lane tensor per
+        position at ``x_lane`` (each lane's window corner; ``lane_ok``: which lanes exist) plus its offset, masked
+        by the window's rows and columns (:meth:`window_bounds`)."""
+        for q in self.used:
+            r, c = divmod(q, self.k)
+            self.write(f"v{q} = tl.load(x_lane + ({r} * dil_h) * sxh + ({c} * dil_w) * sxw, "
+                       f"mask=lane_ok & row_ok{r} & col_ok{c}, other=0.0).to(COMPUTE)")
 
     def load_window_rows(self) -> None:
         """``v{q}`` for every window position q a sample reads, one masked load per window row: a ``[W8, lanes]``
@@ -380,7 +360,7 @@ def _channel_lanes(kernel: _Kernel, buffers: List[Tuple[str, str, str, str]], wi
     (:meth:`_Kernel.window_bounds`, for loads of one window position each); per ``(name, pointer, image
     stride, channel stride)`` a pointer to each lane's entry of a [image, channel, ..., position] buffer
     (positions contiguous)."""
-    kernel.positions(window, tile=False)
+    kernel.positions(window)
     kernel.write("c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)",
                  "lane_ok = (c < C)[:, None] & p_ok[None, :]")
     if window:
@@ -401,7 +381,7 @@ def _columns_kernel(geometry: SortGeometry) -> str:
                      f"x_ptr, cols_ptr, C, {_POSITION_ARGS}, scb, scc, scs, COMPUTE: tl.constexpr, {_BLOCKS}",
                      "BLOCK_C, BLOCK_P")
     _channel_lanes(kernel, [("cols_lane", "cols_ptr", "scb", "scc")])
-    kernel.load_window(each=True)
+    kernel.load_window()
     for segment in geometry.segments:
         kernel.sort_segment(segment, record=False)
     kernel.store_rows([f"s{i}" for i in range(kernel.slots)], "cols_lane", "scs", "lane_ok",
@@ -419,7 +399,7 @@ def _record_kernel(geometry: SortGeometry) -> str:
                      f"COMPUTE: tl.constexpr, STORE_COLUMNS: tl.constexpr, {_BLOCKS}", "BLOCK_C, BLOCK_P")
     w = kernel.write
     _channel_lanes(kernel, [("cols_lane", "cols_ptr", "scb", "scc"), ("swaps_lane", "swaps_ptr", "ssb", "ssc")])
-    kernel.load_window(each=True)
+    kernel.load_window()
     for segment in geometry.segments:
         kernel.sort_segment(segment, record=True)
     if kernel.words:
@@ -481,7 +461,7 @@ def _fused_forward_kernel(geometry: SortGeometry) -> str:
                      "HAS_BIAS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_O: tl.constexpr",
                      "BLOCK_C, BLOCK_P")
     w = kernel.write
-    kernel.positions(tile=False)
+    kernel.positions()
     kernel.window_bounds()
     w("group = tl.program_id(2)",
       "o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)",
@@ -496,7 +476,7 @@ def _fused_forward_kernel(geometry: SortGeometry) -> str:
       "x_lane = x_ptr + pos + ((group * in_per_group + c).to(tl.int64) * sxc)[:, None]",
       f"w_lane = w_ptr + (group * {kernel.slots} * in_per_group + c)[:, None] * out_per_group + o[None, :]",
       "w_ok = c_ok[:, None] & o_ok[None, :]")
-    kernel.load_window(each=True)
+    kernel.load_window()
     for segment in geometry.segments:
         kernel.sort_segment(segment, record=False)
         for i in range(*segment):
@@ -527,9 +507,11 @@ def _each_output(kernel: _Kernel, *lines: str) -> None:
 
 def _direct_prologue(kernel: _Kernel) -> None:
     """The program's group ``g``, its first output ``j0`` and whether output j exists (``out_ok{j}``), the
-    lanes and each output's offset ``out_offset`` [1, BLOCK_P] (output channel 0 of the group)."""
+    lanes and each output's offset ``out_offset`` [1, BLOCK_P] (output channel 0 of the group), and the window's
+    row and column bounds for loads and atomic adds of one window position each."""
     w = kernel.write
     kernel.positions()
+    kernel.window_bounds()
     w("g = tl.program_id(1)",
       "j0 = tl.program_id(2) * BLOCK_J",
       "lane_ok = p_ok[None, :]",
@@ -617,10 +599,10 @@ def _direct_backward_kernel(geometry: SortGeometry) -> str:
         w.depth -= 1
     w("if NEED_X:")
     w.depth += 1
-    values = kernel.window_gradient_values(started)
-    tile = kernel.join(values + values[:1] * (kernel.width - kernel.slots), kernel.width, kernel.lanes)
-    w(f"tl.atomic_add(grad_x_ptr + x_offset[None, :, :] + win_off, "
-      f"tl.permute({tile}, (2, 0, 1)).to(grad_x_ptr.dtype.element_ty), mask=lane_ok[None, :, :] & win_in)")
+    for q in sorted(started):
+        r, c = divmod(q, kernel.k)
+        w(f"tl.atomic_add(grad_x_ptr + x_offset + ({r} * dil_h) * sxh + ({c} * dil_w) * sxw, "
+          f"gv{q}.to(grad_x_ptr.dtype.element_ty), mask=lane_ok & row_ok{r} & col_ok{c})")
     return kernel.source()
 
 
@@ -635,7 +617,7 @@ def _direct_backward_kernel(geometry: SortGeometry) -> str:
 # Their windows are read one position at a time (the forward's and the weight gradient's: a lane tensor per
 # position, with masks from the window's rows and columns) or one window row at a time (the input gradient's,
 # whose longer program would compile for 20-30 s with a load per position), and the input gradient's window values
-# are written one row at a time: with a whole window as one tile (as the direct kernels read it),
+# are written one row at a time: with a whole window as one tile,
 # Triton 3.6 (with torch 2.11) keeps the tile in local memory, spilling 600-4,000 bytes per thread at k = 5 and 7
 # in the sm_90 report, where Triton 3.8 keeps it in registers.
 _GEMM_LANES = "BLOCK_C, BLOCK_P"
@@ -669,7 +651,7 @@ def _gemm_sorted_operand(kernel: _Kernel) -> None:
     sorted, and joined (zeros beyond each channel's slots)."""
     depth = gemm_depth(kernel.slots)
     kernel.write("x_lane = x_ptr + pos + (chan * sxc)[:, None]")
-    kernel.load_window(each=True)
+    kernel.load_window()
     for segment in kernel.geometry.segments:
         kernel.sort_segment(segment, record=False)
     values = kernel.padded([f"s{i}" for i in range(kernel.slots)], depth, kernel.lanes, "COMPUTE")
@@ -700,7 +682,7 @@ def _gemm_forward_kernel(geometry: SortGeometry) -> str:
                      f"x_ptr, w_ptr, bias_ptr, out_ptr, in_per_group, out_per_group, {_POSITION_ARGS}, sob, soc, soh, "
                      f"sow, {_GEMM_TYPES}, HAS_BIAS: tl.constexpr, {_GEMM_BLOCKS}", _GEMM_LANES)
     w = kernel.write
-    kernel.positions(tile=False)
+    kernel.positions()
     kernel.window_bounds()
     pointers, mask = _gemm_weight_tile(kernel)
     w("group = tl.program_id(2)",
@@ -731,7 +713,7 @@ def _gemm_input_backward_kernel(geometry: SortGeometry) -> str:
                      f"sgb, sgc, sgh, sgw, swb, swc, swq, {_GEMM_TYPES}, {_GEMM_BLOCKS}", _GEMM_LANES)
     w = kernel.write
     depth = gemm_depth(kernel.slots)
-    kernel.positions(tile=False)
+    kernel.positions()
     pointers, mask = _gemm_weight_tile(kernel)
     grad_pointers, grad_mask = _gemm_grad_tile()
     w("group = tl.program_id(1)")
@@ -785,7 +767,7 @@ def _gemm_weight_backward_kernel(geometry: SortGeometry) -> str:
     _gemm_channels(kernel, "(tl.program_id(1) % channel_blocks) * BLOCK_C")
     w("for block in range(split, n_blocks, splits):")
     w.depth += 1
-    kernel.positions(block="block", tile=False)
+    kernel.positions(block="block")
     kernel.window_bounds()
     w("lane_ok = c_ok[:, None] & p_ok[None, :]")
     _gemm_sorted_operand(kernel)
