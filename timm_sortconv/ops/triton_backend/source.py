@@ -214,9 +214,14 @@ class _Kernel:
         position at ``x_lane`` (each lane's window corner; ``lane_ok``: which lanes exist) plus its offset, masked
         by the window's rows and columns (:meth:`window_bounds`)."""
         for q in self.used:
-            r, c = divmod(q, self.k)
-            self.write(f"v{q} = tl.load(x_lane + ({r} * dil_h) * sxh + ({c} * dil_w) * sxw, "
-                       f"mask=lane_ok & row_ok{r} & col_ok{c}, other=0.0).to(COMPUTE)")
+            offset, inside = self.window_position(q)
+            self.write(f"v{q} = tl.load(x_lane + {offset}, mask=lane_ok & {inside}, other=0.0).to(COMPUTE)")
+
+    def window_position(self, q: int) -> Tuple[str, str]:
+        """(offset from the window's corner in x, whether it lies inside the input) of window position q, for
+        loads and atomic adds of one position each (the bounds of :meth:`window_bounds`)."""
+        r, c = divmod(q, self.k)
+        return f"({r} * dil_h) * sxh + ({c} * dil_w) * sxw", f"row_ok{r} & col_ok{c}"
 
     def load_window_rows(self) -> None:
         """``v{q}`` for every window position q a sample reads, one masked load per window row: a ``[W8, lanes]``
@@ -600,9 +605,9 @@ def _direct_backward_kernel(geometry: SortGeometry) -> str:
     w("if NEED_X:")
     w.depth += 1
     for q in sorted(started):
-        r, c = divmod(q, kernel.k)
-        w(f"tl.atomic_add(grad_x_ptr + x_offset + ({r} * dil_h) * sxh + ({c} * dil_w) * sxw, "
-          f"gv{q}.to(grad_x_ptr.dtype.element_ty), mask=lane_ok & row_ok{r} & col_ok{c})")
+        offset, inside = kernel.window_position(q)
+        w(f"tl.atomic_add(grad_x_ptr + x_offset + {offset}, gv{q}.to(grad_x_ptr.dtype.element_ty), "
+          f"mask=lane_ok & {inside})")
     return kernel.source()
 
 
