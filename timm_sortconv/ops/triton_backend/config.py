@@ -30,8 +30,9 @@ call (each path is exact for any call; benchmarks and ``timm_sortconv.check`` co
 path travels with the call as its backend argument, so two threads may run two paths at once.
 
 Every kernel reads a lane's whole window (``k * k`` values) before sorting it, and a lane sorts its segments in
-registers, so the block sizes give each thread one lane, or two for windows of at most
-``TWO_LANES_MAX_SLOTS`` samples. ``scripts/triton_kernel_report.py --candidates`` compiles every candidate
+registers, so the block sizes keep a thread's lanes few: one, or two for windows of at most
+``TWO_LANES_MAX_SLOTS`` samples (columns and direct kernels), 2-8 (the 3x3 fused kernel), and a position's
+channels on one or two threads (gemm). ``scripts/triton_kernel_report.py --candidates`` compiles every candidate
 for an H100 (sm_90) on any machine and prints registers, spills and compile time; the sm_90 report in
 BENCHMARKS.md is what the limits below come from. Which candidate is fastest is left to the timing on the
 user's GPU.

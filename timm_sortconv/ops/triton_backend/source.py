@@ -13,7 +13,7 @@ one window row per store (``[lanes, W]`` tiles built by a tree of ``tl.join``) a
 window's input gradient one position per atomic add. A whole window read or written as one tile and split by
 ``tl.split`` makes fewer memory operations and a shorter compile (Triton's coalescing pass walks the whole
 connected program once per memory operation), but Triton 3.6 keeps such a tile in local memory (6-7 KB per
-thread for the 7x7 columns kernels, 300-2,400 bytes for the 3x3 fused and the direct kernels), where lane
+thread for the 7x7 columns kernels, 72-2,360 bytes for the 3x3 fused and the direct kernels), where lane
 tensors stay in registers; the price is a longer compile at k = 7 (7x7 global sorting's record kernel:
 18-19 s). ``scripts/triton_kernel_report.py`` measures both.
 
