@@ -320,12 +320,28 @@ def train_one_epoch(epoch, task, loader, optimizer, lr_scheduler, loss_scaler, a
 
 @torch.inference_mode()
 def validate(task, loader, args, amp_autocast, log_suffix=""):
-    """Loss, top-1 and top-5 accuracy (%) over the whole validation set, all processes together."""
+    """Loss, top-1 and top-5 accuracy (%) over the whole validation set, each image counted once.
+
+    Under torchrun each process evaluates its shard of the set; timm's ordered distributed sampler pads the last
+    shards with repeated images so that every process runs as many batches, and the evaluator drops those. Every
+    progress line sums the counts of all processes so far (a collective, which every process joins at the same
+    batches), so the last line printed is the number returned, which ``summary.csv`` records and the checkpoints
+    are ranked by, and which one process computes on the same images (``scripts/validate.py``).
+    """
     eval_model = task.get_eval_model()
     eval_model.eval()
     evaluator = task.create_evaluator(max_samples=evaluation_sample_limit(loader))
-    last_idx = len(loader) - 1
+    num_batches = len(loader)
     start = time.time()
+
+    def measure(done):
+        metrics = evaluator.compute(distributed=args.distributed)
+        if utils.is_primary(args):
+            _logger.info(f"Test{log_suffix}: [{done:>4d}/{num_batches}]  Loss: {metrics['loss']:.4f}  "
+                         f"Acc@1: {metrics['top1']:.3f}  Acc@5: {metrics['top5']:.3f}  "
+                         f"({time.time() - start:.1f}s)")
+        return metrics
+
     for batch_idx, (input, target) in enumerate(loader):
         if args.no_prefetcher:
             input, target = input.to(task.device), target.to(task.device)
@@ -334,12 +350,9 @@ def validate(task, loader, args, amp_autocast, log_suffix=""):
         with amp_autocast():
             output = eval_model(input)
         evaluator.update(output, target)
-        if utils.is_primary(args) and (batch_idx == last_idx or (batch_idx + 1) % args.log_interval == 0):
-            running = evaluator.summary()
-            _logger.info(f"Test{log_suffix}: [{batch_idx + 1:>4d}/{last_idx + 1}]  Loss: {running['loss']:.4f}  "
-                         f"Acc@1: {running['top1']:.3f}  Acc@5: {running['top5']:.3f}  "
-                         f"({time.time() - start:.1f}s)")
-    return evaluator.compute(distributed=args.distributed)
+        if (batch_idx + 1) % args.log_interval == 0 and batch_idx + 1 < num_batches:
+            measure(batch_idx + 1)
+    return measure(num_batches)
 
 
 def keep_epoch_checkpoint(output_dir: str, epochs_done: int, keep_epochs, source: str) -> None:

@@ -1,0 +1,76 @@
+"""scripts/train.py under torchrun: the validation accuracy it prints, the one it records (summary.csv, the ranked
+checkpoints, ``model_best``) and the one a single process computes for the same weights on the same images are one
+number.
+
+Two CPU processes (gloo) train a 4-channel SCNN for two epochs on 200 images of the MNIST sample in the package and
+validate on 101 of its validation images: 101 is odd, so timm's ordered distributed sampler pads the second process's
+shard with a repeated image, which must not count, and each process's shard has its own accuracy, which must not be
+the one printed.
+"""
+import csv
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from timm_sortconv.cli import validate as validate_tool
+from timm_sortconv.data import mnist_sample_dir
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_SCNN = ["--model", "scnn_p_rs_3", "--model-kwargs", "channels=(4,4,4,4,4,4)"]
+VAL_SAMPLES, SEED, EPOCHS = 101, 7, 2
+# the last progress line of a validation: "Test: [   6/6]  Loss: ...  Acc@1: 40.594  Acc@5: ..."
+FINAL_LINE = re.compile(r"Test: \[\s*(\d+)/\1\]\s+Loss: \S+\s+Acc@1: (\S+)")
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory):
+    output = tmp_path_factory.mktemp("runs")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(REPO / "scripts" / "train.py"), "--device", "cpu", *TINY_SCNN, "--dataset", "sortconv/mnist",
+               "--data-dir", str(mnist_sample_dir()), "--train-split", "train", "--train-samples", "200",
+               "--val-split", "validation", "--val-samples", str(VAL_SAMPLES), "--epochs", str(EPOCHS), "-b", "10",
+               "-vb", "10", "--lr", "3e-2", "--seed", str(SEED), "-j", "0", "--log-interval", "2",
+               "--recovery-interval", "0", "--checkpoint-hist", str(EPOCHS), "--output", str(output),
+               "--experiment", "ddp"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log[-4000:]
+    return output / "ddp", log
+
+
+def single_process_top1(checkpoint: Path) -> float:
+    """validate.py, one process, on the validation images the run used (the same seeded slice)."""
+    results = validate_tool.main([*TINY_SCNN, "--checkpoint", str(checkpoint), "--dataset", "sortconv/mnist",
+                                  "--data-dir", str(mnist_sample_dir()), "--split", "validation", "--samples",
+                                  str(VAL_SAMPLES), "--seed", str(SEED), "-j", "0", "-b", "32"])
+    (per_angle,) = results.values()
+    return per_angle[0.0]
+
+
+@pytest.mark.slow
+def test_printed_recorded_and_single_process_accuracy_agree(ddp_run):
+    run_dir, log = ddp_run
+    assert "process 0 of 2" in log and "process 1 of 2" in log
+    printed = [float(top1) for _, top1 in FINAL_LINE.findall(log)]
+    with open(run_dir / "summary.csv") as f:
+        recorded = [float(row["eval_top1"]) for row in csv.DictReader(f)]
+    assert len(printed) == len(recorded) == EPOCHS
+    ranked = {}
+    for epoch in range(EPOCHS):
+        checkpoint = torch.load(run_dir / f"checkpoint-{epoch}.pth.tar", map_location="cpu", weights_only=False)
+        ranked[epoch] = checkpoint["metric"]
+        single = single_process_top1(run_dir / f"checkpoint-{epoch}.pth.tar")
+        # each image counted once: a whole number of the 101 images
+        assert round(single * VAL_SAMPLES / 100) == pytest.approx(single * VAL_SAMPLES / 100, abs=1e-6)
+        assert recorded[epoch] == pytest.approx(single, abs=1e-9), epoch
+        assert ranked[epoch] == pytest.approx(single, abs=1e-9), epoch
+        assert printed[epoch] == pytest.approx(single, abs=5e-4), epoch  # printed to 3 decimals
+    best = torch.load(run_dir / "model_best.pth.tar", map_location="cpu", weights_only=False)
+    assert best["metric"] == max(ranked.values())
+    assert f"*** Best metric: {max(ranked.values())}" in log
