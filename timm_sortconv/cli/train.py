@@ -259,14 +259,32 @@ def build_datasets(args, data_config):
 def train_one_epoch(epoch, task, loader, optimizer, lr_scheduler, loss_scaler, amp_autocast, saver, args, device,
                     num_epochs):
     """One epoch (or its remainder after a resume); returns the epoch's mean training loss and the seconds its
-    training has run (with those before a resume)."""
+    training has run (with those before a resume).
+
+    The loss is the mean over the images of all processes. ``progress`` (the checkpoint's) holds the loss summed over
+    all processes' images before a resume; process 0 goes on from that sum, the others from 0, so the sums of all
+    processes add up to the epoch's. Progress lines, recovery checkpoints and the result take that sum over all
+    processes (a collective at batches every process reaches), so a line printed under torchrun shows the mean that
+    ``summary.csv`` records, not process 0's share. One process adds its images in the order of an uninterrupted
+    epoch, so its resumed loss is bit-identical; under torchrun the sums are grouped otherwise after a resume and
+    agree to float rounding.
+    """
     progress = task.progress
     start_batch = progress["batch"]
     num_batches = start_batch + len(loader)
     model = task.get_trainable_module()
     task.train()
     batch_time_m, data_time_m = utils.AverageMeter(), utils.AverageMeter()
-    loss_sum, loss_count = progress["loss_sum"], progress["loss_count"]
+    loss_sum, loss_count = (progress["loss_sum"], progress["loss_count"]) if args.rank == 0 else (0.0, 0)
+
+    def all_processes(*values):
+        """``values`` summed over the processes (as they are, in one process)."""
+        if not args.distributed:
+            return values
+        summed = torch.tensor(values, dtype=torch.float64, device=device)
+        dist.all_reduce(summed)
+        return tuple(summed.tolist())
+
     # checkpoints written before the epoch's seconds were kept have none: that part of the epoch counts 0
     seconds, start = progress.get("seconds", 0.0), time.time()
     end = time.time()
@@ -297,25 +315,28 @@ def train_one_epoch(epoch, task, loader, optimizer, lr_scheduler, loss_scaler, a
         end = time.time()
 
         done = batch_idx + 1
-        if utils.is_primary(args) and (done % args.log_interval == 0 or done == num_batches):
-            rate = input.shape[0] * args.world_size / batch_time_m.val
-            rate_avg = input.shape[0] * args.world_size / batch_time_m.avg
-            left_epoch = (num_batches - done) * batch_time_m.avg
-            left_run = left_epoch + (num_epochs - epoch - 1) * num_batches * batch_time_m.avg
-            _logger.info(
-                f"Train: {epoch} [{done:>4d}/{num_batches} ({100. * done / num_batches:>3.0f}%)]  "
-                f"Loss: {loss.item():#.3g} ({loss_sum / loss_count:#.3g})  "
-                f"Time: {batch_time_m.val:.3f}s, {rate:>7.2f}/s  ({batch_time_m.avg:.3f}s, {rate_avg:>7.2f}/s)  "
-                f"LR: {lr:.3e}  Data: {data_time_m.val:.3f} ({data_time_m.avg:.3f})  "
-                f"ETA: epoch {format_eta(left_epoch)}, run {format_eta(left_run)}")
-        if saver is not None and args.recovery_interval and done % args.recovery_interval == 0 and done < num_batches:
-            task.progress = dict(epoch=epoch, batch=done, loss_sum=loss_sum, loss_count=loss_count,
+        if done % args.log_interval == 0 or done == num_batches:
+            batch_sum, batch_count, epoch_sum, epoch_count = all_processes(
+                loss.item() * input.shape[0], input.shape[0], loss_sum, loss_count)
+            if utils.is_primary(args):
+                rate = input.shape[0] * args.world_size / batch_time_m.val
+                rate_avg = input.shape[0] * args.world_size / batch_time_m.avg
+                left_epoch = (num_batches - done) * batch_time_m.avg
+                left_run = left_epoch + (num_epochs - epoch - 1) * num_batches * batch_time_m.avg
+                _logger.info(
+                    f"Train: {epoch} [{done:>4d}/{num_batches} ({100. * done / num_batches:>3.0f}%)]  "
+                    f"Loss: {batch_sum / batch_count:#.3g} ({epoch_sum / epoch_count:#.3g})  "
+                    f"Time: {batch_time_m.val:.3f}s, {rate:>7.2f}/s  ({batch_time_m.avg:.3f}s, {rate_avg:>7.2f}/s)  "
+                    f"LR: {lr:.3e}  Data: {data_time_m.val:.3f} ({data_time_m.avg:.3f})  "
+                    f"ETA: epoch {format_eta(left_epoch)}, run {format_eta(left_run)}")
+        if args.recovery_interval and done % args.recovery_interval == 0 and done < num_batches:
+            epoch_sum, epoch_count = all_processes(loss_sum, loss_count)
+            task.progress = dict(epoch=epoch, batch=done, loss_sum=epoch_sum, loss_count=epoch_count,
                                  seconds=seconds + time.time() - start)
-            saver.save_recovery(epoch, batch_idx=done)
-    totals = torch.tensor([loss_sum, loss_count], dtype=torch.float64, device=device)
-    if args.distributed:
-        dist.all_reduce(totals)
-    return OrderedDict(loss=(totals[0] / totals[1].clamp(min=1)).item(), seconds=seconds + time.time() - start)
+            if saver is not None:
+                saver.save_recovery(epoch, batch_idx=done)
+    epoch_sum, epoch_count = all_processes(loss_sum, loss_count)
+    return OrderedDict(loss=epoch_sum / max(epoch_count, 1), seconds=seconds + time.time() - start)
 
 
 @torch.inference_mode()
