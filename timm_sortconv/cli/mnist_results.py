@@ -8,9 +8,11 @@ finished run is not retrained, an interrupted one resumes)::
     scripts/validate.py --dataset sortconv/mnist_rot --split test ... --plot           -> MNIST-rot, per angle
 
 and writes ``<results>/<name>.json`` (the numbers and the commands), ``<name>.csv`` (accuracy per
-angle) and ``<name>.png`` (the per-angle plot, with ``--compare`` rows drawn beside). MNIST-rot is the
-10,000 test images at 0, 10, ..., 350 degrees (360,000 images); ``--rot-samples N`` sweeps a fixed
-random N of them instead (the same N images for every model with the same ``--seed``).
+angle) and ``<name>.png`` (the per-angle plot, with ``--compare`` rows drawn beside). MNIST-rot is every
+test image of the data folder (MNIST's 10,000; the package's sample has 500) at 0, 10, ..., 350 degrees;
+``--rot-samples N`` sweeps a fixed random N of them instead (the same N images for every model with the same
+``--seed``). The JSON records how many images each evaluation read (``mnist_test_images``,
+``mnist_rot_images``), counted on the data set validate.py builds, not on the options asked for.
 ``--table`` prints the Markdown table of every row in ``<results>``. Options this tool does not know
 go to ``scripts/train.py`` as they are (for instance ``--lr 1e-3``), checked by its parser first, and are
 recorded in the JSON. A finished run is reused only if it was trained with the same settings. The JSON's
@@ -69,7 +71,7 @@ parser.add_argument("--runs", default=os.path.join("output", "mnist"), metavar="
 parser.add_argument("--results", default=os.path.join("output", "mnist", "results"), metavar="DIR",
                     help="JSON, CSV and PNG go here (default: output/mnist/results)")
 parser.add_argument("--rot-samples", type=int, default=None, metavar="N",
-                    help="sweep N random test images instead of all 10,000")
+                    help="sweep N random test images instead of all (MNIST: 10,000)")
 parser.add_argument("--compare", nargs="+", default=[], metavar="NAME",
                     help="rows already in --results to draw beside this one (same --rot-samples and --seed)")
 parser.add_argument("--curve", type=int, nargs="+", default=[], metavar="EPOCH",
@@ -174,17 +176,15 @@ def preset_epochs(args):
         return int(yaml.safe_load(f)["epochs"])
 
 
-def evaluate(args, name, checkpoint, out_dir, rot_samples, compare=()):
-    """MNIST test accuracy and the MNIST-rot sweep of ``rot_samples`` images (None: all), per-angle CSV and plot
-    as ``<out_dir>/<name>.csv|png``; returns (mnist %, per-angle %, commands)."""
+def validate_commands(args, name, checkpoint, out_dir, rot_samples, compare=()):
+    """The validate.py command lines of a row: MNIST test (its CSV path still to add) and the MNIST-rot sweep of
+    ``rot_samples`` images (None: all), with its per-angle CSV and plot as ``<out_dir>/<name>.csv|png``."""
     common = ["--model", args.model, "--checkpoint", checkpoint, "--data-dir", args.data_dir, "--split", "test",
               "-b", "500", "-j", str(args.workers), "--label", name]
     if args.model_kwargs:
         common += ["--model-kwargs", *args.model_kwargs]
-    mnist_csv = os.path.join(tempfile.mkdtemp(prefix="mnist_results_"), f"{name}.csv")  # one number: in the JSON
     validate_script = os.path.join(REPO, "scripts", "validate.py")
-    mnist = [sys.executable, validate_script, "--dataset", "sortconv/mnist", *common,
-             "--results-csv", mnist_csv]
+    mnist = [sys.executable, validate_script, "--dataset", "sortconv/mnist", *common]
     rot = [sys.executable, validate_script, "--dataset", "sortconv/mnist_rot", *common,
            "--results-csv", os.path.join(out_dir, f"{name}.csv"),
            "--plot", os.path.join(out_dir, f"{name}.png")]
@@ -192,14 +192,30 @@ def evaluate(args, name, checkpoint, out_dir, rot_samples, compare=()):
         rot += ["--samples", str(rot_samples), "--seed", str(args.seed)]
     if compare:
         rot += ["--compare-csv", *(os.path.join(args.results, f"{other}.csv") for other in compare)]
+    return mnist, rot
+
+
+def images_swept(command) -> int:
+    """The images a validate.py command line evaluates at each angle, counted on the sweep validate.py builds for
+    it (so a slice larger than the data folder's test set counts the images there are)."""
+    return validate_tool.build_sweep(validate_tool.parser.parse_args(command[2:]), channels=1).num_images
+
+
+def evaluate(args, name, checkpoint, out_dir, rot_samples, compare=()):
+    """MNIST test accuracy and the MNIST-rot sweep of ``rot_samples`` images (None: all), per-angle CSV and plot
+    as ``<out_dir>/<name>.csv|png``; returns (mnist %, per-angle %, commands, the images each evaluated as
+    ``mnist_test_images`` and ``mnist_rot_images``)."""
+    mnist, rot = validate_commands(args, name, checkpoint, out_dir, rot_samples, compare)
+    mnist_csv = os.path.join(tempfile.mkdtemp(prefix="mnist_results_"), f"{name}.csv")  # one number: in the JSON
     try:
-        run_tool(validate_tool, mnist)
+        run_tool(validate_tool, mnist + ["--results-csv", mnist_csv])
         mnist_accuracy = read_csv(mnist_csv)[0.0]
     finally:
         shutil.rmtree(os.path.dirname(mnist_csv), ignore_errors=True)
     run_tool(validate_tool, rot)
+    images = dict(mnist_test_images=images_swept(mnist), mnist_rot_images=images_swept(rot))
     # the MNIST command as recorded prints its table instead of writing the temporary CSV
-    return mnist_accuracy, read_csv(os.path.join(out_dir, f"{name}.csv")), [mnist[:-2], rot]
+    return mnist_accuracy, read_csv(os.path.join(out_dir, f"{name}.csv")), [mnist, rot], images
 
 
 def update_curve(args, name, run_dir, epochs):
@@ -217,28 +233,33 @@ def update_curve(args, name, run_dir, epochs):
         rot_samples = args.rot_samples if epoch == epochs else args.curve_samples
         curve_dir = os.path.join(run_dir, "curve")
         os.makedirs(curve_dir, exist_ok=True)
-        mnist, per_angle, _ = evaluate(args, f"{name}-epoch{epoch}", checkpoint, curve_dir, rot_samples)
+        mnist, per_angle, _, images = evaluate(args, f"{name}-epoch{epoch}", checkpoint, curve_dir, rot_samples)
         points[epoch] = dict(epoch=epoch, mnist_test_top1=mnist, mnist_rot_top1=sum(per_angle.values()) / len(per_angle),
                              mnist_rot_worst_top1=min(per_angle.values()), mnist_rot_upright_top1=per_angle[0.0],
-                             mnist_rot_images=rot_samples or 10000)
+                             **images)
         with open(path + ".tmp", "w") as f:
             json.dump({str(k): points[k] for k in sorted(points)}, f, indent=1)
         os.replace(path + ".tmp", path)
         print(f"curve: epoch {epoch}: MNIST {mnist:.2f}%  MNIST-rot {points[epoch]['mnist_rot_top1']:.2f}% "
-              f"(worst angle {points[epoch]['mnist_rot_worst_top1']:.2f}%)", flush=True)
+              f"(worst angle {points[epoch]['mnist_rot_worst_top1']:.2f}%; {images['mnist_rot_images']} images x "
+              f"{len(per_angle)} angles)", flush=True)
     return points
 
 
 def check_compared(args):
+    """Refuses ``--compare`` rows swept on other images than this row will be: another number of them, or another
+    seed's slice (the whole test set does not depend on the seed)."""
+    if not args.compare:
+        return
+    ours = images_swept(validate_commands(args, "row", "", args.results, args.rot_samples)[1])
+    whole = images_swept(validate_commands(args, "row", "", args.results, None)[1])
     for other in args.compare:
         path = os.path.join(args.results, f"{other}.json")
         if not (os.path.isfile(path) and os.path.isfile(os.path.join(args.results, f"{other}.csv"))):
             parser.error(f"--compare {other}: no {path} and its .csv; run that row first")
         with open(path) as f:
             theirs = json.load(f)
-        ours = args.rot_samples or 10000
-        # a slice depends on its seed; the full test set does not
-        same = theirs["mnist_rot_images"] == ours and (ours == 10000 or theirs["seed"] == args.seed)
+        same = theirs["mnist_rot_images"] == ours and (ours == whole or theirs["seed"] == args.seed)
         if not same:
             parser.error(f"--compare {other} swept {theirs['mnist_rot_images']} images (seed {theirs['seed']}), "
                          f"not {ours} (seed {args.seed}): the curves would not be comparable")
@@ -308,14 +329,14 @@ def main(argv: Optional[Sequence[str]] = None):
     best = max(summary, key=lambda row: float(row["eval_top1"]))
     train_seconds = training_seconds(run_dir, summary)
     start = time.time()
-    mnist, per_angle, eval_commands = evaluate(args, name, os.path.join(run_dir, "model_best.pth.tar"), args.results,
-                                               args.rot_samples, args.compare)
+    mnist, per_angle, eval_commands, images = evaluate(args, name, os.path.join(run_dir, "model_best.pth.tar"),
+                                                       args.results, args.rot_samples, args.compare)
     record = dict(
         name=name, model=args.model, model_kwargs=args.model_kwargs, train_args=train_extra,
         config=os.path.relpath(args.config, REPO),
         epochs=epochs, seed=args.seed, train_minutes=train_seconds / 60, best_epoch=int(best["epoch"]),
-        best_val_top1=float(best["eval_top1"]), mnist_test_top1=mnist,
-        mnist_rot_top1=sum(per_angle.values()) / len(per_angle), mnist_rot_images=args.rot_samples or 10000,
+        best_val_top1=float(best["eval_top1"]), mnist_test_top1=mnist, mnist_test_images=images["mnist_test_images"],
+        mnist_rot_top1=sum(per_angle.values()) / len(per_angle), mnist_rot_images=images["mnist_rot_images"],
         angles=list(per_angle), per_angle_top1=list(per_angle.values()), eval_minutes=(time.time() - start) / 60,
         curve=[curve[epoch] for epoch in sorted(curve)],
         commands=[relative(train_command)] + [relative(c) for c in eval_commands],

@@ -1,0 +1,62 @@
+"""Every count a result file records is the count measured: scripts/mnist_results.py on the MNIST sample in the
+package (500 test images), where the full set's 10,000 and an asked-for slice larger than the set are both wrong.
+
+A 4-channel SCNN trains two epochs on 100 images; its row and the learning curve's point after epoch 1 (asked for
+600 images) each sweep the 500 test images at 36 angles and must say so, in the JSON, the curve and the line
+printed; ``--compare`` accepts rows swept on the same images and refuses others.
+"""
+import contextlib
+import io
+import json
+
+import pytest
+
+from timm_sortconv.cli import mnist_results as results_tool
+from timm_sortconv.data import MNIST, mnist_sample_dir
+
+SAMPLE = str(mnist_sample_dir())
+
+
+@pytest.fixture(scope="module")
+def row(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("rows")
+    common = ["--data-dir", SAMPLE, "--runs", str(folder / "runs"), "--results", str(folder / "res"), "-j", "0",
+              "--model-kwargs", "channels=(4,4,4,4,4,4)"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        record = results_tool.main(["--model", "scnn_p_rs_3", "--name", "sc", *common, "--epochs", "2", "--curve",
+                                    "1", "--curve-samples", "600",
+                                    # train.py's: a short run on a slice of the sample
+                                    "--train-samples", "100", "--val-samples", "50", "-b", "20"])
+    return record, common, folder, out.getvalue()
+
+
+@pytest.mark.slow
+def test_mnist_results_records_the_images_it_evaluated(row):
+    record, _, folder, out = row
+    test_images = len(MNIST(SAMPLE, split="test"))
+    assert test_images == 500
+    assert record["mnist_test_images"] == record["mnist_rot_images"] == test_images
+    assert json.loads((folder / "res" / "sc.json").read_text()) == record
+    (point,) = record["curve"]
+    assert point["epoch"] == 1 and point["mnist_test_images"] == point["mnist_rot_images"] == test_images
+    assert json.loads((folder / "runs" / "sc" / "curve.json").read_text())["1"] == point
+    assert "curve: epoch 1:" in out and "; 500 images x 36 angles)" in out
+    assert "sc: MNIST" in out and "(500 images x 36 angles)" in out and "10000" not in out
+
+
+@pytest.mark.slow
+def test_compare_accepts_rows_swept_on_the_same_images_only(row, capsys):
+    _, common, _, _ = row
+
+    def compared(*extra):
+        args, _ = results_tool.parser.parse_known_args(["--model", "scnn_baseline_3", *common, "--compare", "sc",
+                                                        *extra])
+        results_tool.check_compared(args)
+
+    compared()
+    compared("--rot-samples", "600", "--seed", "3")  # more than the set holds: the whole set, whatever the seed
+    for extra in (["--rot-samples", "20"], ["--rot-samples", "499"]):
+        with pytest.raises(SystemExit):
+            compared(*extra)
+        assert "the curves would not be comparable" in capsys.readouterr().err
