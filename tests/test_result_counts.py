@@ -60,3 +60,13 @@ def test_compare_accepts_rows_swept_on_the_same_images_only(row, capsys):
         with pytest.raises(SystemExit):
             compared(*extra)
         assert "the curves would not be comparable" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_moment_probe_records_the_digits_it_measured(tmp_path):
+    """dip_probe --moments asked for 2,000 digits of the sample's 500 test images measures and records 500."""
+    import dip_probe
+
+    out = tmp_path / "moments.json"
+    dip_probe.main(["--moments", "--data-dir", SAMPLE, "--samples", "2000", "--angles", "30", "--out", str(out)])
+    assert json.loads(out.read_text())["samples"] == len(MNIST(SAMPLE, split="test")) == 500

@@ -217,9 +217,10 @@ def operator_probe(angles, samplings, blob_sigmas, blurs, fields: int, kernel_si
     return rows
 
 
-def moment_probe(data_dir: str, samples: int, angles: List[float], orders=(1, 2, 4)) -> List[dict]:
-    """Per order and angle: the median error (degrees) of :func:`moment_angle` on turned test digits, and
-    the share of digits whose error exceeds 5 degrees (the module docstring defines the error)."""
+def moment_probe(data_dir: str, samples: int, angles: List[float], orders=(1, 2, 4)) -> dict:
+    """Per order and angle (``rows``): the median error (degrees) of :func:`moment_angle` on turned test digits,
+    and the share of digits whose error exceeds 5 degrees (the module docstring defines the error); ``samples``:
+    the digits measured, the first ``samples`` of the 2,000-image slice or all a smaller test set has."""
     images, _ = rotated_sweep(data_dir, 2000, [0.0] + list(angles), "")
     x = images[:, :samples].unsqueeze(2).double() / 255
     rows = []
@@ -230,7 +231,7 @@ def moment_probe(data_dir: str, samples: int, angles: List[float], orders=(1, 2,
             err = torch.remainder(moment_angle(x[i], order) - upright - angle + period / 2, period) - period / 2
             rows.append(dict(order=order, angle=angle, median_error=err.abs().median().item(),
                              share_over_5_degrees=(err.abs() > 5).double().mean().item()))
-    return rows
+    return dict(samples=x.shape[1], rows=rows)
 
 
 def main(argv=None):
@@ -271,13 +272,14 @@ def main(argv=None):
     if not args.data_dir:
         parser.error("--data-dir is needed (or --operator)")
     if args.moments:
-        rows = moment_probe(args.data_dir, args.samples, parse_rotations(args.angles))
+        result = moment_probe(args.data_dir, args.samples, parse_rotations(args.angles))
+        print(f"{result['samples']} test digits")
         print("order | angle | median error (degrees) | digits off by more than 5 degrees")
-        for r in rows:
+        for r in result["rows"]:
             print(f"{r['order']:5d} | {r['angle']:5g} | {r['median_error']:22.3f} | {100 * r['share_over_5_degrees']:.2f}%")
         if args.out:
             with open(args.out, "w") as f:
-                json.dump(dict(samples=args.samples, rows=rows), f, indent=1)
+                json.dump(result, f, indent=1)
         return
     if args.shifts is not None and args.shifts < 0:
         parser.error(f"--shifts {args.shifts}: a number of pixels, 0 or more")
