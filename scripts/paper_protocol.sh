@@ -12,7 +12,8 @@
 #
 # RUNS is a folder for the run (RUNS/<MODEL>-paper/: checkpoints, curve.json) and its log
 # (RUNS/<MODEL>-paper.log, appended to by every session); results (JSON, per-angle CSV, plot) go to
-# RUNS/results/. Keep RUNS outside the repository. A run that is killed, or ends with the session, loses at
+# RUNS/results/. Keep RUNS out of git's way: under the clone's output/ (ignored by git; the README uses
+# output/paper) or outside the clone. A run that is killed, or ends with the session, loses at
 # most the batches since its last recovery checkpoint (every 100 batches), and `start` resumes it with the
 # result of an uninterrupted run. DATA is the folder of the MNIST IDX files. MODEL: scnn_p_rs_7 by default.
 # THREADS (default 1) is the number of CPU threads it uses, so that the machine stays usable beside it.

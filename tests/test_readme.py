@@ -140,7 +140,7 @@ def test_shell_block_commands_parse(block, monkeypatch):
 def test_readme_commands_read_the_data_in_the_package():
     # a fresh clone has no data folder: every data folder the README names is the sample shipped in the package
     named = [word for block in SHELL_BLOCKS for command in commands(block) for word in
-             re.findall(r"(?:--data-dir|start RUNS) (\S+)", command)]
+             re.findall(r"(?:--data-dir|start \S+) (\S+)", command)]
     assert named and set(named) == {"timm_sortconv/data/mnist_sample"}
 
 
@@ -190,9 +190,9 @@ NOT_RUN = {
     "bash scripts/bootstrap.sh": "the set-up itself: CI runs it before the tests",
     f"{PYTHON} -m pytest -q": "this test suite",
     f"{PYTHON} -m timm_sortconv.check --quick": "tests/test_check.py runs it (test_quick_check_on_the_cpu)",
-    "bash scripts/paper_protocol.sh start RUNS timm_sortconv/data/mnist_sample scnn_p_rs_7": "a 100-epoch run in the "
-    "background: tests/test_train.py runs the script on a tiny configuration, stopped and started again",
-    "bash scripts/paper_protocol.sh status RUNS scnn_p_rs_7": "the status of that run",
+    "bash scripts/paper_protocol.sh start output/paper timm_sortconv/data/mnist_sample scnn_p_rs_7": "a 100-epoch run "
+    "in the background: tests/test_train.py runs the script on a tiny configuration, stopped and started again",
+    "bash scripts/paper_protocol.sh status output/paper scnn_p_rs_7": "the status of that run",
 }
 
 
@@ -231,6 +231,7 @@ def run_as_written(command, folder):
 @pytest.mark.slow
 @pytest.mark.parametrize("block", SHELL_BLOCKS + TIMM_BLOCKS)
 def test_readme_commands_run(block, clone):
+    before = set(os.listdir(clone))
     ran = []
     for command in commands(block):
         if command in NOT_RUN or ("TIMM/" in command and not TIMM_SCRIPTS_DIR):
@@ -239,6 +240,18 @@ def test_readme_commands_run(block, clone):
         ran.append(command)
     if not ran:
         pytest.skip("; ".join(NOT_RUN.get(c, NO_TIMM_SCRIPTS) for c in commands(block)))
+    # what they write goes under output/, which git ignores, so git status of a clone stays clean
+    assert set(os.listdir(clone)) - before <= {"output"}
+    assert "/output/" in (REPO / ".gitignore").read_text().splitlines()
+
+
+def test_readme_commands_name_no_output_in_the_clone_outside_output():
+    """Every file or folder a README command is told to write (the runs of paper_protocol.sh, --results-csv, --plot,
+    --output, --runs, --results, --out) is under output/, which git ignores."""
+    named = [(command, word) for block in SHELL_BLOCKS + TIMM_BLOCKS for command in commands(block)
+             for word in re.findall(r"(?:paper_protocol\.sh \w+|--results-csv|--plot|--output|--runs|--results|--out)"
+                                    r" (\S+)", command)]
+    assert named and all(word.startswith("output/") for _, word in named), named
 
 
 # One card of each kind: a 2,000-image sweep, a full sweep beside the baseline, and weights trained in two stages.

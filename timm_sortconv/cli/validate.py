@@ -13,7 +13,7 @@ Example (MNIST-rot on 500 test images, an SCNN against its plain twin)::
     python scripts/validate.py --dataset sortconv/mnist --split test --data-dir DATA/mnist \\
         --model scnn_p_rs_3 --checkpoint output/train/p_rs_3/model_best.pth.tar \\
         --baseline-model scnn_baseline_3 --baseline-checkpoint output/train/baseline_3/model_best.pth.tar \\
-        --rotations 0:360:10 --samples 500 --results-csv sweep.csv --plot sweep.png
+        --rotations 0:360:10 --samples 500 --results-csv output/sweep.csv --plot output/sweep.png
 """
 import argparse
 import glob
@@ -189,6 +189,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, PerAngle]:
     add_compared(shown, args.compare_csv)
 
     print(accuracy_table(shown))
+    for path in (args.results_csv, args.plot):  # e.g. output/sweep.csv on a clone that has no output/ yet
+        if path:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     if args.results_csv:  # the models evaluated now; --compare-csv curves stay in their own files
         write_sweep_csv(args.results_csv, results)
         _logger.info(f"Wrote {args.results_csv}")
