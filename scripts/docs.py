@@ -274,14 +274,33 @@ def demo() -> str:
         lines.append(f"| {label} | " + " | ".join(f"{v:.1f}" for v in values) + f" | **{mean:.2f}** |")
     lines += ["", f"Top-1 % on the sample's {meta['test_images']} test images after one epoch on "
               f"{meta['train_images']:,}; `{meta['command']}` took {meta['minutes']:.1f} min on {meta['machine']} "
-              f"({meta['date']}, the kernel's {meta['isa']} build, {meta['load']}). Another instruction set trains to "
-              "other figures (a training step's sums run in another order)."]
+              f"({meta['date']}, the kernel's {meta['isa']} build, {meta['load']}). " + other_cpus(meta, models, rows)]
     return "\n".join(lines)
+
+
+def other_cpus(meta: dict, models: Sequence[str], rows: List[Dict[str, str]]) -> str:
+    """What the demo's figures depend on, with the same command's upright and mean figures on the other CPUs of
+    ``meta["other_cpus"]`` (as their runs reported them) beside this run's."""
+    def figures(upright, mean):
+        return " and ".join(f"{upright[m]:.1f} / {mean[m]:.2f} ({'SC' if 'baseline' not in m else 'plain'})"
+                            for m in models)
+
+    here = figures({m: float(rows[0][m]) for m in models}, {m: sum(float(r[m]) for r in rows) / len(rows)
+                                                            for m in models})
+    runs = "; ".join(f"on {run['machine']} ({run['date']}, the kernel's {run['isa']} build too, {run['where']}) "
+                     f"{figures(run['upright'], run['mean'])}" for run in meta.get("other_cpus", []))
+    return ("The figures depend on the CPU, not only on its instruction set: PyTorch's CPU libraries (MKL, oneDNN) "
+            "pick their kernels by CPU, so a training step's sums run in another order and one epoch ends at other "
+            "weights; the plain twin, which runs no code of this package, moves too. Upright / mean of 36: "
+            f"{here} here; {runs}.")
 
 
 def record_demo(folder: Path, minutes: float, load: str) -> None:
     """Stores the demo's sweep (``rotation_sweep.csv`` of its ``--output`` folder) with how it ran, for :func:`demo`:
-    the README's command, its minutes (measured by the caller, e.g. with ``time``), the machine and the load."""
+    its command and the images it trained on and swept (from the folder's ``run.json``, which the demo writes), its
+    minutes (measured by the caller, e.g. with ``time``), the machine and the load. The runs on other CPUs
+    (``other_cpus``, each as its run reported it) are kept."""
+    import shlex
     import shutil
     import time
 
@@ -291,12 +310,16 @@ def record_demo(folder: Path, minutes: float, load: str) -> None:
     from timm_sortconv.check import cpu_model
     from timm_sortconv.ops import cpu_backend
 
+    run = json.loads((folder / "run.json").read_text())
+    kept = json.loads((DEMO / "demo.json").read_text()).get("other_cpus", []) if (DEMO / "demo.json").is_file() else []
     DEMO.mkdir(parents=True, exist_ok=True)
     shutil.copy(folder / "rotation_sweep.csv", DEMO / "rotation_sweep.csv")
-    meta = {"command": ".venv/bin/python scripts/demo.py", "minutes": minutes, "load": load,
-            "machine": f"{cpu_model()}, {torch.get_num_threads()} threads", "isa": cpu_backend.cpu_isa(),
-            "date": time.strftime("%Y-%m-%d", time.gmtime()), "train_images": 5000, "test_images": 500,
-            "labels": {"scnn_p_rs_3": "`scnn_p_rs_3` (SC)", "scnn_baseline_3": "`scnn_baseline_3` (same parameters)"}}
+    meta = {"command": shlex.join([".venv/bin/python", "scripts/demo.py", *run["arguments"]]), "minutes": minutes,
+            "load": load, "machine": f"{cpu_model()}, {torch.get_num_threads()} threads", "isa": cpu_backend.cpu_isa(),
+            "date": time.strftime("%Y-%m-%d", time.gmtime()), "train_images": run["train_images"],
+            "test_images": run["test_images"],
+            "labels": {"scnn_p_rs_3": "`scnn_p_rs_3` (SC)", "scnn_baseline_3": "`scnn_baseline_3` (same parameters)"},
+            "other_cpus": kept}
     (DEMO / "demo.json").write_text(json.dumps(meta, indent=1) + "\n")
 
 

@@ -70,3 +70,29 @@ def test_moment_probe_records_the_digits_it_measured(tmp_path):
     out = tmp_path / "moments.json"
     dip_probe.main(["--moments", "--data-dir", SAMPLE, "--samples", "2000", "--angles", "30", "--out", str(out)])
     assert json.loads(out.read_text())["samples"] == len(MNIST(SAMPLE, split="test")) == 500
+
+
+@pytest.mark.slow
+def test_the_demo_records_the_images_it_used_and_docs_stores_them(tmp_path, monkeypatch):
+    """scripts/demo.py writes the images it trained on and swept (run.json); scripts/docs.py --record-demo stores
+    those, and the command with its arguments, instead of the defaults' 5,000 and 500, and keeps the other CPUs' runs."""
+    import shutil
+
+    from conftest import REPO, load_script
+    from timm_sortconv.cli import demo
+
+    output = tmp_path / "demo"
+    demo.main(["--output", str(output), "--train-samples", "50", "--samples", "8", "-j", "0"])
+    assert json.loads((output / "run.json").read_text()) == dict(
+        arguments=["--output", str(output), "--train-samples", "50", "--samples", "8", "-j", "0"], train_images=50,
+        test_images=8)
+    docs = load_script(REPO / "scripts" / "docs.py", "docs_for_counts")
+    stored = tmp_path / "stored"
+    shutil.copytree(REPO / "results" / "demo", stored)
+    monkeypatch.setattr(docs, "DEMO", stored)
+    docs.record_demo(output, minutes=1.0, load="a test")
+    meta = json.loads((stored / "demo.json").read_text())
+    assert (meta["train_images"], meta["test_images"]) == (50, 8)
+    assert meta["command"].startswith(".venv/bin/python scripts/demo.py --output ") and "--samples 8" in meta["command"]
+    assert meta["other_cpus"] == json.loads((REPO / "results" / "demo" / "demo.json").read_text())["other_cpus"]
+    assert "on the sample's 8 test images after one epoch on 50;" in docs.demo()

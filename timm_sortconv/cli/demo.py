@@ -3,7 +3,9 @@
 Trains a small SCNN (``scnn_p_rs_3``: Sorting Convolution with polar sampling and ring sorting) and its
 plain-convolution twin (``scnn_baseline_3``, the same parameters) on MNIST, then evaluates both on the
 test images rotated by 0, 10, ..., 350 degrees (the paper's MNIST-rot protocol on a slice), prints the
-per-angle accuracy table, and writes it as a CSV and a plot. Everything goes under ``--output``.
+per-angle accuracy table, and writes it as a CSV and a plot. Everything goes under ``--output``, with
+``run.json``: the demo's arguments and the images it trained on and swept, counted on the data sets the steps
+read (``scripts/docs.py --record-demo`` stores the run with them).
 
 With no ``--data-dir`` it uses the MNIST sample that ships in the package (6,000 training and 500 test
 images, :func:`timm_sortconv.data.mnist_sample_dir`), so it needs no data folder and no network; with
@@ -29,11 +31,13 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
 from typing import Dict, Optional, Sequence
 
+from ..data import cap_samples, create_dataset
 from ..data.mnist import find_mnist_folder, mnist_sample_dir
 from . import run
 from . import train as train_tool
@@ -92,10 +96,17 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, float]:
     sc, baseline = models[1], models[0]
     csv_path = os.path.join(args.output, "rotation_sweep.csv")
     plot_path = os.path.join(args.output, "rotation_sweep.png")
-    timings["rotation sweep"] = step(validate_tool, "validate.py", [
-        *data, "--split", "test", "--model", sc, "--checkpoint", os.path.join(args.output, sc, "model_best.pth.tar"),
-        "--baseline-model", baseline, "--baseline-checkpoint", os.path.join(args.output, baseline, "model_best.pth.tar"),
-        "--rotations", "0:360:10", "--samples", str(args.samples), "--results-csv", csv_path, "--plot", plot_path])
+    sweep = [*data, "--split", "test", "--model", sc, "--checkpoint", os.path.join(args.output, sc, "model_best.pth.tar"),
+             "--baseline-model", baseline, "--baseline-checkpoint",
+             os.path.join(args.output, baseline, "model_best.pth.tar"), "--rotations", "0:360:10", "--samples",
+             str(args.samples), "--results-csv", csv_path, "--plot", plot_path]
+    timings["rotation sweep"] = step(validate_tool, "validate.py", sweep)
+    # train.py's training split ("train") capped as it caps it; the sweep's images as validate.py builds them
+    train_images = len(cap_samples(create_dataset("sortconv/mnist", root=data_dir, split="train"), args.train_samples))
+    test_images = validate_tool.build_sweep(validate_tool.parser.parse_args(sweep), channels=1).num_images
+    with open(os.path.join(args.output, "run.json"), "w") as f:
+        json.dump(dict(arguments=list(sys.argv[1:] if argv is None else argv), train_images=train_images,
+                       test_images=test_images), f, indent=1)
     print("\n" + "  ".join(f"{name}: {seconds:.0f} s" for name, seconds in timings.items())
           + f"  (total {sum(timings.values()):.0f} s)")
     print(f"{sc} uses Sorting Convolution, {baseline} plain convolutions with the same parameters.")
