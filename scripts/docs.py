@@ -291,7 +291,7 @@ def other_cpus(meta: dict, models: Sequence[str], rows: List[Dict[str, str]]) ->
                      f"{figures(run['upright'], run['mean'])}" for run in meta.get("other_cpus", []))
     return ("The figures depend on the CPU, not only on its instruction set: PyTorch's CPU libraries (MKL, oneDNN) "
             "pick their kernels by CPU, so a training step's sums run in another order and one epoch ends at other "
-            "weights; the plain twin, which runs no code of this package, moves too. Upright / mean of 36: "
+            "weights; the plain twin, which runs no SC kernel, moves too. Upright / mean of 36: "
             f"{here} here; {runs}.")
 
 
