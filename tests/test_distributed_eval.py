@@ -106,8 +106,8 @@ def descendants(pid):
 
 @pytest.mark.slow
 def test_killed_mid_epoch_resumes_to_the_straight_run(ddp_run, tmp_path):
-    """Both processes killed after a recovery checkpoint, then resumed: the straight run's weights and summary (the
-    training loss to float rounding: its sums over the processes are grouped otherwise after a resume)."""
+    """Both processes killed after a recovery checkpoint, then resumed: the straight run's weights and summary, bit
+    for bit (each process goes on from its own loss sum)."""
     straight_dir, _ = ddp_run
     run_dir = tmp_path / "killed"
     command = torchrun(tmp_path, "killed", "--recovery-interval", "3")
@@ -131,7 +131,6 @@ def test_killed_mid_epoch_resumes_to_the_straight_run(ddp_run, tmp_path):
     with open(straight_dir / "summary.csv") as f:
         straight = list(csv.DictReader(f))
     for ours, theirs in zip(resumed, straight, strict=True):
-        assert float(ours.pop("train_loss")) == pytest.approx(float(theirs.pop("train_loss")), rel=1e-12, abs=0)
         ours.pop("train_seconds"), theirs.pop("train_seconds")
         assert ours == theirs
     ours, theirs = (torch.load(d / "last.pth.tar", map_location="cpu", weights_only=False)["state_dict"]

@@ -261,13 +261,12 @@ def train_one_epoch(epoch, task, loader, optimizer, lr_scheduler, loss_scaler, a
     """One epoch (or its remainder after a resume); returns the epoch's mean training loss and the seconds its
     training has run (with those before a resume).
 
-    The loss is the mean over the images of all processes. ``progress`` (the checkpoint's) holds the loss summed over
-    all processes' images before a resume; process 0 goes on from that sum, the others from 0, so the sums of all
-    processes add up to the epoch's. Progress lines, recovery checkpoints and the result take that sum over all
-    processes (a collective at batches every process reaches), so a line printed under torchrun shows the mean that
-    ``summary.csv`` records, not process 0's share. One process adds its images in the order of an uninterrupted
-    epoch, so its resumed loss is bit-identical; under torchrun the sums are grouped otherwise after a resume and
-    agree to float rounding.
+    The loss is the mean over the images of all processes. Progress lines and the result sum each process's running
+    loss over the processes (a collective at batches every process reaches), so a line printed under torchrun shows
+    the mean that ``summary.csv`` records, not process 0's share. ``progress`` (the checkpoint's) holds the sum over
+    all processes' images so far and, under torchrun, each process's own sum (``process_sums``, by rank): after a
+    resume with as many processes each one goes on from its own, adding its images in the order of an uninterrupted
+    epoch, so the resumed loss is bit-identical; with another number of processes, process 0 goes on from the total.
     """
     progress = task.progress
     start_batch = progress["batch"]
@@ -275,7 +274,11 @@ def train_one_epoch(epoch, task, loader, optimizer, lr_scheduler, loss_scaler, a
     model = task.get_trainable_module()
     task.train()
     batch_time_m, data_time_m = utils.AverageMeter(), utils.AverageMeter()
-    loss_sum, loss_count = (progress["loss_sum"], progress["loss_count"]) if args.rank == 0 else (0.0, 0)
+    process_sums = progress.get("process_sums")
+    if process_sums is not None and len(process_sums) == args.world_size:
+        loss_sum, loss_count = process_sums[args.rank]
+    else:
+        loss_sum, loss_count = (progress["loss_sum"], progress["loss_count"]) if args.rank == 0 else (0.0, 0)
 
     def all_processes(*values):
         """``values`` summed over the processes (as they are, in one process)."""
@@ -284,6 +287,13 @@ def train_one_epoch(epoch, task, loader, optimizer, lr_scheduler, loss_scaler, a
         summed = torch.tensor(values, dtype=torch.float64, device=device)
         dist.all_reduce(summed)
         return tuple(summed.tolist())
+
+    def by_process(*values):
+        """``values`` of every process, by rank."""
+        mine = torch.tensor(values, dtype=torch.float64, device=device)
+        rows = [torch.empty_like(mine) for _ in range(args.world_size)]
+        dist.all_gather(rows, mine)
+        return [row.tolist() for row in rows]
 
     # checkpoints written before the epoch's seconds were kept have none: that part of the epoch counts 0
     seconds, start = progress.get("seconds", 0.0), time.time()
@@ -330,9 +340,12 @@ def train_one_epoch(epoch, task, loader, optimizer, lr_scheduler, loss_scaler, a
                     f"LR: {lr:.3e}  Data: {data_time_m.val:.3f} ({data_time_m.avg:.3f})  "
                     f"ETA: epoch {format_eta(left_epoch)}, run {format_eta(left_run)}")
         if args.recovery_interval and done % args.recovery_interval == 0 and done < num_batches:
-            epoch_sum, epoch_count = all_processes(loss_sum, loss_count)
-            task.progress = dict(epoch=epoch, batch=done, loss_sum=epoch_sum, loss_count=epoch_count,
+            task.progress = dict(epoch=epoch, batch=done, loss_sum=loss_sum, loss_count=loss_count,
                                  seconds=seconds + time.time() - start)
+            if args.distributed:
+                sums = by_process(loss_sum, loss_count)
+                task.progress.update(loss_sum=sum(row[0] for row in sums), loss_count=sum(row[1] for row in sums),
+                                     process_sums=sums)
             if saver is not None:
                 saver.save_recovery(epoch, batch_idx=done)
     epoch_sum, epoch_count = all_processes(loss_sum, loss_count)
