@@ -25,14 +25,15 @@ def test_cases_cover_every_variant_size_layer_and_dtype_for_each_backend():
     cases = check.agreement_cases(CPU)
     variants = {(c.sampling, c.sorting) for c in cases}
     assert {("polar", "ring"), ("polar", "global"), ("square", "ring"), ("square", "global")} <= variants
-    assert {sorting for _, sorting in variants} >= {"c4", "c2"}
+    assert {sorting for _, sorting in variants} >= {"c4", "c2", "align"}
     backends_checked = {c.label for c in cases}
     assert "auto" in backends_checked and backends_checked >= {b for b in backends.available_backends()
                                                                if b != "reference" and not b.startswith("triton-")}
     for label in backends_checked:
         mine = [c for c in cases if c.label == label]
         assert {c.k for c in mine} == {3, 5, 7} and {c.dtype for c in mine} == {"float32", "bfloat16"}
-        assert len(mine) == len(variants) * 3 * len(check.LAYERS) * 2
+        assert len(mine) == len(check.variants_of(label)) * 3 * len(check.LAYERS) * 2
+        assert {(c.sampling, c.sorting) for c in mine} == set(check.variants_of(label))
 
 
 def test_the_check_inputs_have_no_ties():
@@ -124,7 +125,7 @@ def test_quick_check_on_the_cpu(tmp_path):
     text = report.read_text()
     for row in ("| PyTorch | " + torch.__version__, "| CPU instruction set (PyTorch's level) |", "| Backends available |"):
         assert row in text
-    agreement = [line for line in text.splitlines() if line.startswith("| auto |") or line.startswith("| cpu |")]
+    agreement = [line for line in text.splitlines() if line.split(" | ")[0] in ("| auto", "| cpu", "| harmonic")]
     assert len(agreement) == len(check.agreement_cases(CPU)) and all(line.endswith("| pass |") for line in agreement)
     layers = [line for line in text.splitlines() if line.startswith("| scnn_p_rs_7 | (2, ")]
     assert len(layers) == 6 and all(float(cell.strip()) > 0 for line in layers for cell in line.split("|")[3:7])

@@ -9,7 +9,8 @@ It prints a markdown report (and writes it to the file ``--output`` names, if an
    backends available.
 2. **Agreement** of every available backend, and of ``backend="auto"``, with the reference path (the
    specification) on the device: forward and the input, weight and bias gradients, for the paper's four
-   variants (polar/square sampling, ring/global sorting) and the orbit sortings (c4, c2), k = 3, 5, 7, a
+   variants (polar/square sampling, ring/global sorting), the orbit sortings (c4, c2) and the alignment
+   (``align``, on the backends that run it), k = 3, 5, 7, a
    dense layer and a depthwise one, in float32 and under each autocast dtype of the device. The reference is
    computed in float64 on the same values (rounded to the autocast dtype under autocast); a case passes when
    the largest difference, relative to the reference's largest value, is within the tolerance ``auto`` checks
@@ -64,12 +65,13 @@ import torch.nn.functional as F
 
 from .ops import available_backends, get_geometry, sort_conv2d
 from .ops.backends import UnsupportedCall, fast_disabled
+from .ops.geometry import ALIGNMENTS
 from .ops.reference import sort_conv2d_reference
 
 __all__ = ["Case", "agreement_cases", "main", "relative_error"]
 
 VARIANTS = (("polar", "ring"), ("polar", "global"), ("square", "ring"), ("square", "global"), ("polar", "c4"),
-            ("polar", "c2"))
+            ("polar", "c2"), ("polar", "align"))
 KERNEL_SIZES = (3, 5, 7)
 # (batch, channels, outputs, size, groups): a dense layer (the fused or columns path on a GPU) and a
 # depthwise one (the direct path).
@@ -177,8 +179,16 @@ def agreement_cases(device: torch.device) -> List[Case]:
     largest = {None: 10 ** 9, "columns": 10 ** 9, "direct": config.window_limit("direct", backward=True),
                "fused": config.window_limit("fused"), "gemm": config.window_limit("gemm", backward=True)}
     return [Case(backend, path, sampling, sorting, k, layer, dtype)
-            for backend, path in _backend_cases(device) for sampling, sorting in VARIANTS for k in KERNEL_SIZES
-            for layer in LAYERS for dtype in dtypes if k * k <= largest[path]]
+            for backend, path in _backend_cases(device) for sampling, sorting in variants_of(backend)
+            for k in KERNEL_SIZES for layer in LAYERS for dtype in dtypes if k * k <= largest[path]]
+
+
+def variants_of(backend: str) -> List[Tuple[str, str]]:
+    """The variants checked on ``backend``: all of them through ``auto``; the aligned ones on the harmonic
+    backend, which runs only those, and the sorting ones on the others."""
+    if backend == "auto":
+        return list(VARIANTS)
+    return [(sampling, sorting) for sampling, sorting in VARIANTS if (sorting in ALIGNMENTS) == (backend == "harmonic")]
 
 
 def _inputs(case: Case, device: torch.device) -> List[torch.Tensor]:

@@ -41,7 +41,9 @@ class SortConv2d(nn.Conv2d):
         sorting: ``"ring"`` (sort each Chebyshev ring, keeps radial structure), ``"global"``, or
             ``"c4"``/``"c2"`` (sort each ring's samples only among those a quarter/half turn apart: exactly
             invariant to quarter/half turns, and keeps the direction modulo 90/180 degrees, for a network
-            whose input is turned by ``canonicalize="moment4"``/``"moment2"``).
+            whose input is turned by ``canonicalize="moment4"``/``"moment2"``), or ``"align"``/``"align-channel"``
+            (no sorting: each window turned back by its own orientation, one per position shared by a group's
+            channels / one per channel, keeping the window's inner order; :mod:`.ops.alignment`).
         backend: ``"auto"``, ``"reference"`` or a fast backend's name.
         stride_align: where a strided layer's grid of windows lies: ``"centre"`` (default: symmetric about
             the image's centre, so that a quarter turn of the input maps it onto itself at every input size;

@@ -214,7 +214,8 @@ def sortify(
         model: any ``nn.Module``; it is modified in place. If ``model`` is itself a convolution the
             converted module is returned, so always use the return value.
         sampling: ``"polar"`` or ``"square"``.
-        sorting: ``"ring"``, ``"global"``, ``"c4"`` or ``"c2"`` (:func:`~timm_sortconv.sort_conv2d`).
+        sorting: ``"ring"``, ``"global"``, ``"c4"``, ``"c2"``, ``"align"`` or ``"align-channel"``
+            (:func:`~timm_sortconv.sort_conv2d`).
         min_kernel_size: square kernels smaller than this stay plain (default 2: only ``1 x 1`` kept, which
             commutes with rotations).
         include: glob pattern(s) (:func:`fnmatch.fnmatchcase`) on qualified module names as printed by

@@ -40,7 +40,8 @@ class SCNN(SequentialClassifierMixin, nn.Module):
     Args:
         kernel_size: kernel of the first four convolutions (odd).
         sampling: ``'polar'`` or ``'square'``, or ``None`` with ``sorting=None`` for ``nn.Conv2d``.
-        sorting: ``'ring'``, ``'global'``, ``'c4'`` or ``'c2'`` (:func:`~timm_sortconv.sort_conv2d`), or ``None``.
+        sorting: ``'ring'``, ``'global'``, ``'c4'``, ``'c2'``, ``'align'`` or ``'align-channel'``
+            (:func:`~timm_sortconv.sort_conv2d`), or ``None``.
         backend: the ``SortConv2d`` backend (``'auto'``, ``'reference'`` or a fast backend's name).
         stride_align: ``'centre'`` (default: every strided layer's grid centred on the image, so that the network
             is exactly invariant to quarter turns at every input size, :mod:`timm_sortconv.grid`) or ``'corner'``

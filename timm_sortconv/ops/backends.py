@@ -29,7 +29,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .reference import sort_conv2d_reference, sort_conv2d_reference_backward
+from .alignment import align_conv2d_harmonic, is_aligned
+from .reference import autograd_backward, sort_conv2d_reference, sort_conv2d_reference_backward
 
 __all__ = ["DISABLE_ENV", "NO_PADDING", "Backend", "UnsupportedCall", "available_backends", "check_backend_name",
            "fast_disabled", "register_backend", "resolve_backend"]
@@ -39,7 +40,7 @@ NO_PADDING = (0, 0, 0, 0)
 
 
 class UnsupportedCall(RuntimeError):
-    """A backend named explicitly cannot run the call (its device, dtype or kernel size)."""
+    """A backend named explicitly cannot run the call (its device, dtype, kernel size or sorting)."""
 
 
 ForwardKernel = Callable[..., torch.Tensor]
@@ -103,6 +104,22 @@ def _reference_backward(grad_output, x, weight, geometry, stride, dilation, grou
 register_backend(Backend("reference", _reference_forward, _reference_backward, lambda *args: True, lambda: True))
 
 
+def _harmonic_forward(x, weight, bias, geometry, stride, dilation, groups, pad=NO_PADDING):
+    return align_conv2d_harmonic(x, weight, bias, geometry, stride, dilation, groups)
+
+
+def _harmonic_backward(grad_output, x, weight, geometry, stride, dilation, groups, need_input, need_weight,
+                       pad=NO_PADDING):
+    return autograd_backward(align_conv2d_harmonic, grad_output, x, weight, geometry, stride, dilation, groups,
+                             need_input, need_weight)
+
+
+# The aligned variants in standard operators (a depthwise convolution, a product, a 1 x 1 convolution): any
+# device and dtype, so auto takes it for every aligned call; the sorting backends do not take them.
+register_backend(Backend("harmonic", _harmonic_forward, _harmonic_backward,
+                         lambda x, weight, bias, geometry, *args: is_aligned(geometry), lambda: True))
+
+
 def available_backends() -> List[str]:
     """Names of the backends usable in this process (a fast one may be missing its compiler, or switched off)."""
     return [name for name, b in _BACKENDS.items() if name == "reference" or (not fast_disabled() and b.available())]
@@ -129,6 +146,6 @@ def resolve_backend(name: str, *args) -> Backend:
     if not backend.available():
         raise RuntimeError(f"backend {name!r} is not available in this process; available: {available_backends()}")
     if not backend.supports(*args):
-        raise UnsupportedCall(f"backend {name!r} does not support this call (device, dtype or kernel size); "
+        raise UnsupportedCall(f"backend {name!r} does not support this call (device, dtype, kernel size or sorting); "
                               "use backend='auto' to fall back to the reference path")
     return backend

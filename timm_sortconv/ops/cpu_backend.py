@@ -71,6 +71,7 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from .alignment import is_aligned
 from .backends import DISABLE_ENV, NO_PADDING, Backend, fast_disabled, register_backend
 from .geometry import SortGeometry
 
@@ -526,6 +527,7 @@ def supports_cpu(x, weight, bias, geometry: SortGeometry, stride, dilation, grou
         all(t.device.type == "cpu" and t.dtype == x.dtype for t in tensors)
         and (x.dtype in SUPPORTED_DTYPES or (x.dtype == torch.bfloat16 and bf16_products()))
         and geometry.kernel_size <= MAX_KERNEL_SIZE
+        and not is_aligned(geometry)
     )
 
 

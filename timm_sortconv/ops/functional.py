@@ -18,6 +18,7 @@ from . import operator  # noqa: F401  (registers torch.ops.timm_sortconv.sort_co
 from .backends import check_backend_name
 from .checks import IntPair, check_input, functional_arguments, int_pair
 from .geometry import check_kernel_size, get_geometry
+from .alignment import align_conv2d_harmonic, is_aligned
 from .reference import sort_conv2d_reference
 
 __all__ = ["sort_conv2d", "sort_conv2d_padded", "sort_conv2d_zero_padded", "resolve_padding"]
@@ -68,7 +69,9 @@ def sort_conv2d(
         padding_mode: ``"zeros"``, ``"reflect"``, ``"replicate"`` or ``"circular"`` (as ``nn.Conv2d``).
         sampling: ``"polar"`` (default) or ``"square"``.
         sorting: ``"ring"`` (default), ``"global"``, or ``"c4"``/``"c2"``: only the samples of a ring that a
-            quarter/half turn maps onto one another are sorted together (see :mod:`.geometry`).
+            quarter/half turn maps onto one another are sorted together (see :mod:`.geometry`); or
+            ``"align"``/``"align-channel"``: instead of sorting, each window is turned back by its own
+            orientation (one per position shared by a group's channels / one per channel, :mod:`.alignment`).
         backend: ``"auto"`` (the fastest backend that supports the call), ``"reference"`` or the name of
             a fast backend (see :func:`timm_sortconv.ops.available_backends`).
 
@@ -123,7 +126,9 @@ def sort_conv2d_zero_padded(input: torch.Tensor, weight: torch.Tensor, bias: Opt
         if torch.onnx.is_in_onnx_export():
             geometry = get_geometry(int(weight.shape[-1]), sampling, sorting)  # a traced size is a tensor
             padded = F.pad(input, padding) if any(padding) else input
-            return sort_conv2d_reference(padded, weight, bias, geometry, (stride[0], stride[1]),
+            # the aligned variants in convolutions and products (the reference path's FFT has no ONNX form)
+            forward = align_conv2d_harmonic if is_aligned(geometry) else sort_conv2d_reference
+            return forward(padded, weight, bias, geometry, (stride[0], stride[1]),
                                          (dilation[0], dilation[1]), groups)
     return torch.ops.timm_sortconv.sort_conv2d(input, weight, bias, stride, padding, dilation, groups, sampling,
                                                sorting, backend)

@@ -53,6 +53,7 @@ from typing import Dict, List, Tuple
 import torch
 
 __all__ = [
+    "ALIGNMENTS",
     "ORBIT_SORTINGS",
     "SAMPLINGS",
     "SORTINGS",
@@ -68,9 +69,12 @@ __all__ = [
 ]
 
 SAMPLINGS = ("square", "polar")
-SORTINGS = ("ring", "global", "c4", "c2")
+SORTINGS = ("ring", "global", "c4", "c2", "align", "align-channel")
 # sorting -> the order of the rotation group whose orbits are sorted
 ORBIT_SORTINGS = {"c4": 4, "c2": 2}
+# The variants that turn each window to its own orientation instead of sorting it (:mod:`.alignment`), and
+# whether one orientation is shared by the channels of a group ("align") or each channel has its own.
+ALIGNMENTS = {"align": "shared", "align-channel": "channel"}
 
 # Tap weights closer than this to 0 or 1 are snapped: cos(pi/2) is 6e-17, not 0, and a tap of weight
 # 6e-17 one step outside the circle's bounding box would leave the window.
@@ -171,7 +175,7 @@ class SortGeometry:
     Attributes:
         kernel_size: ``k`` (odd or even, see the module docstring).
         sampling: ``"square"`` or ``"polar"``.
-        sorting: ``"ring"``, ``"global"``, ``"c4"`` or ``"c2"``.
+        sorting: ``"ring"``, ``"global"``, ``"c4"``, ``"c2"``, ``"align"`` or ``"align-channel"``.
         segments: ``(start, end)`` slot ranges sorted independently, in slot order.
         tap_offsets: ``(k*k, T, 2)`` int64 grid offsets ``(dy, dx)`` of each sample's taps (unused taps
             repeat the first one with weight 0).
@@ -276,8 +280,10 @@ def _build_geometry(k: int, sampling: str, sorting: str) -> SortGeometry:
     n, shift = k // 2, _centre_shift(k)
     rings = _rings(k)
     group = ORBIT_SORTINGS.get(sorting, 0)
-    if group:  # samples and weights in angular order, orbit by orbit; the centre (radius 0) stays alone
-        weight_rings = [ring if radius == 0 else [_angular(ring, shift)[j] for j in orbit_order(len(ring), group)]
+    aligned = sorting in ALIGNMENTS
+    if group or aligned:  # samples and weights in angular order, orbit by orbit; the centre (radius 0) stays alone
+        weight_rings = [ring if radius == 0 else [_angular(ring, shift)[j] for j in
+                                                  orbit_order(len(ring), group or len(ring))]
                         for radius, ring in rings]
     else:
         weight_rings = [ring for _, ring in rings]
@@ -316,7 +322,7 @@ def _build_geometry(k: int, sampling: str, sorting: str) -> SortGeometry:
     if group:  # the centre alone, then each orbit
         segments = tuple(seg for a, b in bounds
                          for seg in ([(a, b)] if b - a == 1 else [(s, s + group) for s in range(a, b, group)]))
-    elif sorting == "ring":
+    elif sorting == "ring" or aligned:
         segments = tuple(bounds)
     else:
         segments = ((0, k * k),)

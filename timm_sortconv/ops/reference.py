@@ -9,7 +9,9 @@ Steps, for an already padded input ``(B, C, Hp, Wp)``:
    padded input: in slot order for square sampling, row-major for polar: ``(B, C, Ho, Wo, k*k)``.
 2. **Sampling.** Square sampling uses them as they are; polar sampling multiplies them by the
    ``(k*k, k*k)`` bilinear interpolation matrix of :mod:`timm_sortconv.ops.geometry`.
-3. **Sorting.** ``torch.sort`` along the last axis, per ring segment or over all slots.
+3. **Sorting.** ``torch.sort`` along the last axis, per ring segment or over all slots; for the aligned
+   variants (``sorting="align"``, ``"align-channel"``) each window turned back by its own orientation instead
+   (:func:`.alignment.aligned_samples`).
 4. **Convolution.** One contraction with the weight rearranged into slot order, per group.
 
 :func:`sort_conv2d_reference_backward` is the same computation's gradient, written out: with the
@@ -18,7 +20,9 @@ so the weight gradient contracts the output gradient with the sorted windows, an
 gradient is the output gradient contracted with the weight, moved back through the permutation
 (``scatter`` with the sort's indices), the sampling matrix (transposed) and the strided slicing
 (accumulated into the padded input). The operator's autograd formula uses it wherever no fast backend
-computes the gradient (its implementations run below autograd, so nothing records the forward there).
+computes the gradient (its implementations run below autograd, so nothing records the forward there). The
+aligned variants' gradient also flows through each window's orientation; it is autograd of the forward,
+recomputed.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from .alignment import aligned_samples, is_aligned
 from .geometry import SortGeometry, row_major_offsets
 
 __all__ = ["sorted_patches", "sort_conv2d_reference", "sort_conv2d_reference_backward"]
@@ -96,9 +101,12 @@ def _sort_segments(samples: torch.Tensor, geometry: SortGeometry) -> Tuple[torch
 
 
 def sorted_patches(x: torch.Tensor, geometry: SortGeometry, stride: Tuple[int, int], dilation: Tuple[int, int],
-                   out_size: Tuple[int, int]) -> torch.Tensor:
-    """The sampled and sorted windows ``(B, C, Ho, Wo, k*k)`` in slot order, for a padded input."""
+                   out_size: Tuple[int, int], groups: int = 1) -> torch.Tensor:
+    """The sampled and sorted (or, for the aligned variants, aligned) windows ``(B, C, Ho, Wo, k*k)`` in slot
+    order, for a padded input; ``groups`` sets which channels share an orientation (``sorting="align"``)."""
     samples = _samples(x, geometry, stride, dilation, out_size)
+    if is_aligned(geometry):
+        return aligned_samples(samples, geometry, groups)
     if len(geometry.segments) == 1:
         return torch.sort(samples, dim=-1).values
     orbit = _orbit_size(geometry)
@@ -127,7 +135,7 @@ def sort_conv2d_reference(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
     k = geometry.kernel_size
     batch, channels = x.shape[0], x.shape[1]
     ho, wo = _output_size(x, k, stride, dilation)
-    cols = sorted_patches(x, geometry, stride, dilation, (ho, wo))
+    cols = sorted_patches(x, geometry, stride, dilation, (ho, wo), groups)
     w = slot_weight(weight, geometry)
     out_channels = w.shape[0]
     cols = cols.reshape(batch, groups, channels // groups, ho, wo, k * k)
@@ -147,6 +155,9 @@ def sort_conv2d_reference_backward(grad_output: torch.Tensor, x: torch.Tensor, w
     Returns ``(grad_x, grad_weight)``, each ``None`` where not asked for. The bias gradient is the output
     gradient summed over batch and positions, which the caller forms.
     """
+    if is_aligned(geometry):
+        return autograd_backward(sort_conv2d_reference, grad_output, x, weight, geometry, stride, dilation, groups,
+                                 need_input, need_weight)
     k, kk = geometry.kernel_size, geometry.kernel_size ** 2
     batch, channels = x.shape[0], x.shape[1]
     ho, wo = _output_size(x, k, stride, dilation)
@@ -177,3 +188,21 @@ def sort_conv2d_reference_backward(grad_output: torch.Tensor, x: torch.Tensor, w
             grad_x[:, :, top: top + (ho - 1) * sh + 1: sh, left: left + (wo - 1) * sw + 1: sw] += grad_samples[..., q]
         grad_x = grad_x.to(x.dtype)
     return grad_x, grad_weight
+
+
+def autograd_backward(forward, grad_output: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                      geometry: SortGeometry, stride: Tuple[int, int], dilation: Tuple[int, int], groups: int,
+                      need_input: bool, need_weight: bool) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """``(grad_x, grad_weight)`` of ``forward(x, weight, None, geometry, stride, dilation, groups)`` by autograd of
+    the forward, recomputed here (so that only ``x`` and ``weight`` are kept for backward). A registered
+    operator's kernels run with autograd's dispatch keys excluded; they are let back in for the recomputation."""
+    excluded = torch._C._dispatch_tls_local_exclude_set()
+    for key in ("AutogradFunctionality", "AutogradOther", "AutogradNestedTensor"):
+        excluded = excluded.remove(getattr(torch._C.DispatchKey, key))
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded), torch.enable_grad():
+        x_ = x.detach().requires_grad_(need_input)
+        weight_ = weight.detach().requires_grad_(need_weight)
+        out = forward(x_, weight_, None, geometry, stride, dilation, groups)
+        wanted = [t for t, need in ((x_, need_input), (weight_, need_weight)) if need]
+        grads = iter(torch.autograd.grad(out, wanted, grad_output))
+    return (next(grads) if need_input else None), (next(grads) if need_weight else None)

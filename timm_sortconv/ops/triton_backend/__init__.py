@@ -73,6 +73,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from ..alignment import is_aligned
 from ..backends import NO_PADDING, Backend, register_backend
 from ..geometry import SortGeometry
 from ..reference import sort_conv2d_reference, sort_conv2d_reference_backward
@@ -677,6 +678,7 @@ def supports_triton(x, weight, bias, geometry: SortGeometry, stride, dilation, g
         and x.dtype in SUPPORTED_DTYPES
         and geometry.kernel_size % 2 == 1
         and geometry.kernel_size <= MAX_KERNEL_SIZE
+        and not is_aligned(geometry)
     )
 
 
