@@ -1,5 +1,6 @@
 """SC as a registered PyTorch operator: its registrations, double backward, torch.compile with the fast
 kernel, TorchScript, torch.export, autocast, and the backend reaching every layer of a model."""
+import contextlib
 import dataclasses
 import warnings
 
@@ -256,3 +257,41 @@ def test_sortify_passes_the_backend_to_every_layer():
     assert len(layers) == 17 and all(m.backend == "reference" for m in layers)
     with pytest.raises(ValueError, match="unknown backend"):
         sortify(timm.create_model("resnet18"), backend="fastest")
+
+
+def test_plain_eager_calls_skip_the_dispatcher_and_agree_with_the_operator_bit_for_bit(count_calls):
+    """A plain eager call runs the backend's kernels without the dispatcher (the registered operator's custom-op
+    layers cost several times a small layer's kernel); under a dispatch mode (what tracing and fake tensors use),
+    the profiler or autocast, the operator is called. Both give the same output and gradients, bit for bit."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from timm_sortconv.ops import operator
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.add(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    counts = count_calls("reference")
+    x, weight, bias = randn(2, 3, 9, 9), randn(4, 3, 5, 5, seed=1), randn(4, seed=2)
+    results = []
+    for mode in ("eager", "dispatch mode", "profiler"):
+        leaves = [t.clone().requires_grad_() for t in (x, weight, bias)]
+        seen = Seen()
+        context = {"eager": contextlib.nullcontext(), "dispatch mode": seen,
+                   "profiler": torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])}[mode]
+        with context:
+            assert operator.plain_eager(*leaves) is (mode == "eager")
+            out = sort_conv2d(*leaves, padding=2, backend="reference")
+            out.backward(torch.ones_like(out))
+        assert ("timm_sortconv.sort_conv2d" in seen.ops) is (mode == "dispatch mode")
+        results.append([out.detach()] + [t.grad for t in leaves])
+    assert counts == {"forward": 3, "backward": 3}
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not operator.plain_eager(x, weight, bias)

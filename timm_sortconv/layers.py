@@ -102,7 +102,7 @@ class SortConv2d(nn.Conv2d):
 
     def _conv_forward(self, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         check_input(input, weight, self.groups)
-        if self.stride_align == "centre":
+        if self.stride_align == "centre" and (self.stride[0] != 1 or self.stride[1] != 1):  # unit strides: centred
             input = centre_grid(input, [self.kernel_size[0], self.kernel_size[1]], [self.stride[0], self.stride[1]],
                                 [self._reversed_padding_repeated_twice[2], self._reversed_padding_repeated_twice[0]],
                                 [self.dilation[0], self.dilation[1]],

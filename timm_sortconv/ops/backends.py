@@ -33,7 +33,7 @@ from .alignment import align_conv2d_harmonic, is_aligned
 from .reference import autograd_backward, sort_conv2d_reference, sort_conv2d_reference_backward
 
 __all__ = ["DISABLE_ENV", "NO_PADDING", "Backend", "UnsupportedCall", "available_backends", "check_backend_name",
-           "fast_disabled", "register_backend", "resolve_backend"]
+           "environment", "fast_disabled", "register_backend", "resolve_backend"]
 
 DISABLE_ENV = "TIMM_SORTCONV_DISABLE_FAST"
 NO_PADDING = (0, 0, 0, 0)
@@ -78,7 +78,26 @@ def _auto_form(backend: Backend) -> Backend:
                    backward=backend.auto_backward or backend.backward)
 
 
-_BACKENDS: Dict[str, Backend] = {}
+class _Registry(Dict[str, Backend]):
+    """The registry: a dict that counts its changes (``version``), so that a caller may keep what it resolved
+    while nothing was registered, replaced or removed."""
+
+    version = 0
+
+    def __setitem__(self, name, backend):
+        super().__setitem__(name, backend)
+        self.version += 1
+
+    def __delitem__(self, name):
+        super().__delitem__(name)
+        self.version += 1
+
+    def pop(self, *args):
+        self.version += 1
+        return super().pop(*args)
+
+
+_BACKENDS: Dict[str, Backend] = _Registry()
 
 
 def register_backend(backend: Backend) -> None:
@@ -89,6 +108,12 @@ def register_backend(backend: Backend) -> None:
 def fast_disabled() -> bool:
     """Whether ``TIMM_SORTCONV_DISABLE_FAST`` switches the fast backends off."""
     return os.environ.get(DISABLE_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def environment() -> Tuple[int, Optional[str]]:
+    """What :func:`resolve_backend`'s answer depends on beside its arguments: the registry's version and the
+    switch of :func:`fast_disabled`, as set; a caller may keep an answer while it is unchanged."""
+    return _BACKENDS.version, os.environ.get(DISABLE_ENV)
 
 
 def _reference_forward(x, weight, bias, geometry, stride, dilation, groups, pad=NO_PADDING):

@@ -34,7 +34,7 @@ from typing import Optional, Sequence, Tuple, Type, Union
 import torch
 from torch import Tensor
 
-__all__ = ["DtypeError", "PADDING_MODES", "ShapeError", "check_input", "check_size", "check_tensors",
+__all__ = ["DtypeError", "PADDING_MODES", "ShapeError", "check_input", "check_shapes", "check_size", "check_tensors",
            "functional_arguments", "layer_arguments"]
 
 PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
@@ -220,6 +220,21 @@ def check_tensors(input: Tensor, weight: Tensor, bias: Optional[Tensor], groups:
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ShapeError(f"sort_conv2d: bias of shape {tuple(bias.shape)} does not match {weight.shape[0]} "
                          "output channels")
+
+
+def check_shapes(input: Tensor, weight: Tensor, bias: Optional[Tensor], groups: int, padding: Sequence[int],
+                 dilation: Sequence[int]) -> None:
+    """The checks of :func:`check_tensors` and :func:`check_size` that depend on sizes: the input's channels,
+    the bias's shape and the padded input's size (the dtypes and devices are checked once per kind of call).
+    An input that is not 4-D is refused here too."""
+    if input.dim() != 4 or input.shape[1] != weight.shape[1] * groups:
+        if input.dim() != 4:
+            raise RuntimeError(f"sort_conv2d expects a 4-D (N, C, H, W) input, got shape {list(input.shape)}")
+        raise ShapeError(_channels_message(input, weight, groups))
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
+        raise ShapeError(f"sort_conv2d: bias of shape {tuple(bias.shape)} does not match {weight.shape[0]} "
+                         "output channels")
+    check_size(input, weight, padding, dilation)
 
 
 def check_size(input: Tensor, weight: Tensor, padding: Sequence[int], dilation: Sequence[int]) -> None:

@@ -14,7 +14,7 @@ from typing import List, Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 
-from . import operator  # noqa: F401  (registers torch.ops.timm_sortconv.sort_conv2d, which this module calls)
+from .operator import plain_eager, sort_conv2d_eager  # (registers torch.ops.timm_sortconv.sort_conv2d)
 from .backends import check_backend_name
 from .checks import IntPair, check_input, functional_arguments, int_pair
 from .geometry import check_kernel_size, get_geometry
@@ -120,9 +120,14 @@ def sort_conv2d_zero_padded(input: torch.Tensor, weight: torch.Tensor, bias: Opt
     checked (TorchScript-able).
 
     This is the registered operator, except during ONNX export, where the reference path's standard
-    operators are exported instead (ONNX runtimes know no ``timm_sortconv`` operator).
+    operators are exported instead (ONNX runtimes know no ``timm_sortconv`` operator), and for plain eager
+    calls (:func:`.operator.plain_eager`), which run the operator's own kernels and autograd formula without the
+    dispatcher (:func:`.operator.sort_conv2d_eager`).
     """
     if not torch.jit.is_scripting():
+        if plain_eager(input, weight, bias):
+            return sort_conv2d_eager(input, weight, bias, stride, padding, dilation, groups, sampling, sorting,
+                                     backend)
         if torch.onnx.is_in_onnx_export():
             geometry = get_geometry(int(weight.shape[-1]), sampling, sorting)  # a traced size is a tensor
             padded = F.pad(input, padding) if any(padding) else input

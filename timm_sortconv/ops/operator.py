@@ -32,38 +32,49 @@ a gradient not asked for), so that compiled backward graphs call the fast backwa
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from .backends import NO_PADDING, Backend, resolve_backend
-from .checks import check_size, check_tensors
-from .geometry import get_geometry
+from .backends import NO_PADDING, Backend, environment, resolve_backend
+from .checks import check_shapes, check_tensors
+from .geometry import SortGeometry, get_geometry
 from .reference import sort_conv2d_reference
 
-__all__ = ["sort_conv2d_backward_op", "sort_conv2d_op"]
+__all__ = ["plain_eager", "sort_conv2d_backward_op", "sort_conv2d_eager", "sort_conv2d_op"]
 
 
-def _pair(values: Sequence[int]) -> Tuple[int, int]:
-    return int(values[0]), int(values[1])
+# (backend name, variant, k, the tensors' devices and dtypes, stride, dilation, groups, the environment) ->
+# (the backend that runs such calls, the geometry): everything a call's plan depends on but its sizes, worked
+# out by the first call of its kind (which also checks the tensors' dtypes and devices) and looked up after.
+_PLANS: Dict[tuple, Tuple[Backend, SortGeometry]] = {}
 
 
 def _call(input: Tensor, weight: Tensor, bias: Optional[Tensor], stride, dilation, groups: int, sampling: str,
-          sorting: str, backend: str):
-    """The geometry, the backend that runs the call and the arguments every kernel takes."""
-    geometry = get_geometry(weight.shape[-1], sampling, sorting)
-    stride, dilation = _pair(stride), _pair(dilation)
-    chosen = resolve_backend(backend, input, weight, bias, geometry, stride, dilation, groups)
-    return chosen, geometry, stride, dilation
+          sorting: str, backend: str) -> Tuple[Backend, SortGeometry]:
+    """The backend that runs the call and its geometry; the first call of a kind checks its tensors' dtypes and
+    devices (:func:`.checks.check_tensors`), which the key then holds."""
+    key = (backend, sampling, sorting, weight.shape[-1], input.device, input.dtype, weight.device, weight.dtype,
+           None if bias is None else (bias.device, bias.dtype), stride[0], stride[1], dilation[0], dilation[1],
+           groups, environment())
+    plan = _PLANS.get(key)
+    if plan is None:
+        check_tensors(input, weight, bias, groups)
+        geometry = get_geometry(weight.shape[-1], sampling, sorting)
+        chosen = resolve_backend(backend, input, weight, bias, geometry, (stride[0], stride[1]),
+                                 (dilation[0], dilation[1]), groups)
+        plan = _PLANS[key] = (chosen, geometry)
+    return plan
 
 
 def _padded_for(chosen: Backend, x: Tensor, pad: Tuple[int, int, int, int]) -> Tuple[Tensor, Tuple[int, ...]]:
     """The input as ``chosen`` takes it: in a layout it reads, and unpadded with ``pad`` for a zero-padding
     backend, else padded here."""
-    layout = _memory_format(x)
-    x = x.contiguous(memory_format=layout if chosen.channels_last else torch.contiguous_format)
+    if not (x.is_contiguous() or (chosen.channels_last and x.is_contiguous(memory_format=torch.channels_last))):
+        x = x.contiguous(memory_format=_memory_format(x) if chosen.channels_last else torch.contiguous_format)
     if chosen.zero_padding or not any(pad):
         return x, pad
     return F.pad(x, pad), NO_PADDING
@@ -81,18 +92,22 @@ def _memory_format(input: Tensor) -> torch.memory_format:
     return torch.channels_last if channels_fastest else torch.contiguous_format
 
 
+def _forward(input: Tensor, weight: Tensor, bias: Optional[Tensor], stride: List[int], padding: List[int],
+             dilation: List[int], groups: int, sampling: str, sorting: str, backend: str) -> Tensor:
+    """The operator's forward: the checks of the call's sizes, the backend's kernel, the promised layout."""
+    chosen, geometry = _call(input, weight, bias, stride, dilation, groups, sampling, sorting, backend)
+    check_shapes(input, weight, bias, groups, padding, dilation)
+    x, pad = _padded_for(chosen, input, tuple(padding))
+    out = chosen.forward(x, weight.contiguous(), None if bias is None else bias.contiguous(), geometry,
+                         (stride[0], stride[1]), (dilation[0], dilation[1]), groups, pad)
+    # the layout the fake kernel promises, whatever the backend returned
+    return out.contiguous(memory_format=_memory_format(input))
+
+
 @torch.library.custom_op("timm_sortconv::sort_conv2d", mutates_args=())
 def sort_conv2d_op(input: Tensor, weight: Tensor, bias: Optional[Tensor], stride: List[int], padding: List[int],
                    dilation: List[int], groups: int, sampling: str, sorting: str, backend: str) -> Tensor:
-    check_tensors(input, weight, bias, groups)
-    check_size(input, weight, padding, dilation)
-    chosen, geometry, stride_, dilation_ = _call(input, weight, bias, stride, dilation, groups, sampling, sorting,
-                                                 backend)
-    x, pad = _padded_for(chosen, input, tuple(int(p) for p in padding))
-    bias = bias.contiguous() if bias is not None else None
-    out = chosen.forward(x, weight.contiguous(), bias, geometry, stride_, dilation_, groups, pad)
-    # the layout the fake kernel promises, whatever the backend returned
-    return out.contiguous(memory_format=_memory_format(input))
+    return _forward(input, weight, bias, stride, padding, dilation, groups, sampling, sorting, backend)
 
 
 def _output_shape(input: Tensor, weight: Tensor, stride, padding, dilation) -> List:
@@ -110,20 +125,29 @@ def _(input, weight, bias, stride, padding, dilation, groups, sampling, sorting,
         memory_format=_memory_format(input))
 
 
+def _backward_kernels(grad_output: Tensor, input: Tensor, weight: Tensor, stride: List[int], padding: List[int],
+                      dilation: List[int], groups: int, sampling: str, sorting: str, backend: str, need_input: bool,
+                      need_weight: bool) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """The gradients of the input and the weight by the backend's backward kernel (``None`` where not asked)."""
+    chosen, geometry = _call(input, weight, None, stride, dilation, groups, sampling, sorting, backend)
+    pad = tuple(padding)
+    x, kernel_pad = _padded_for(chosen, input, pad)
+    grad_x, grad_weight = chosen.backward(grad_output.contiguous(), x, weight.contiguous(), geometry,
+                                          (stride[0], stride[1]), (dilation[0], dilation[1]), groups, need_input,
+                                          need_weight, kernel_pad)
+    if grad_x is not None and x.shape != input.shape:  # padded here: cut the padding off
+        grad_x = grad_x[:, :, pad[2]:pad[2] + input.shape[2], pad[0]:pad[0] + input.shape[3]]
+    return (grad_x.contiguous() if need_input else None), (grad_weight.contiguous() if need_weight else None)
+
+
 @torch.library.custom_op("timm_sortconv::sort_conv2d_backward", mutates_args=())
 def sort_conv2d_backward_op(grad_output: Tensor, input: Tensor, weight: Tensor, stride: List[int],
                             padding: List[int], dilation: List[int], groups: int, sampling: str, sorting: str,
                             backend: str, need_input: bool, need_weight: bool) -> Tuple[Tensor, Tensor]:
-    chosen, geometry, stride_, dilation_ = _call(input, weight, None, stride, dilation, groups, sampling, sorting,
-                                                 backend)
-    pad = tuple(int(p) for p in padding)
-    x, kernel_pad = _padded_for(chosen, input, pad)
-    grad_x, grad_weight = chosen.backward(grad_output.contiguous(), x, weight.contiguous(), geometry, stride_,
-                                          dilation_, groups, need_input, need_weight, kernel_pad)
-    if grad_x is not None and x.shape != input.shape:  # padded here: cut the padding off
-        grad_x = grad_x[:, :, pad[2]:pad[2] + input.shape[2], pad[0]:pad[0] + input.shape[3]]
+    grad_x, grad_weight = _backward_kernels(grad_output, input, weight, stride, padding, dilation, groups, sampling,
+                                            sorting, backend, need_input, need_weight)
     empty = input.new_empty(0)
-    return (grad_x.contiguous() if need_input else empty), (grad_weight.contiguous() if need_weight else empty)
+    return (empty if grad_x is None else grad_x), (empty if grad_weight is None else grad_weight)
 
 
 @sort_conv2d_backward_op.register_fake
@@ -146,13 +170,15 @@ def _reference_gradients(grad_output: Tensor, input: Tensor, weight: Tensor, con
     geometry = get_geometry(weight.shape[-1], sampling, sorting)
     with torch.enable_grad():
         out = sort_conv2d_reference(F.pad(input, padding) if any(padding) else input, weight, None, geometry,
-                                    _pair(stride), _pair(dilation), groups)
+                                    (stride[0], stride[1]), (dilation[0], dilation[1]), groups)
         wanted = [t for t, need in zip((input, weight), needs) if need]
         grads = iter(torch.autograd.grad(out, wanted, grad_output, create_graph=True, allow_unused=True))
     return [next(grads) if need else None for need in needs]
 
 
-def _backward(ctx, grad_output):
+def _gradients(ctx, grad_output: Tensor, kernels: Callable) -> Tuple:
+    """The autograd formula of module docstring: ``kernels(grad_output, input, weight, *config, need_input,
+    need_weight)`` gives the gradients, unless their own graph is being built."""
     input, weight = ctx.saved_tensors
     need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
     grad_input = grad_weight = grad_bias = None
@@ -161,8 +187,7 @@ def _backward(ctx, grad_output):
             grad_input, grad_weight = _reference_gradients(grad_output, input, weight, ctx.config,
                                                            (need_input, need_weight))
         else:
-            grad_input, grad_weight = sort_conv2d_backward_op(grad_output, input, weight, *ctx.config, need_input,
-                                                              need_weight)
+            grad_input, grad_weight = kernels(grad_output, input, weight, *ctx.config, need_input, need_weight)
             grad_input = grad_input if need_input else None
             grad_weight = grad_weight if need_weight else None
     if need_bias:
@@ -170,7 +195,56 @@ def _backward(ctx, grad_output):
     return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None
 
 
+def _backward(ctx, grad_output):
+    return _gradients(ctx, grad_output, sort_conv2d_backward_op)
+
+
 sort_conv2d_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerSortConv2d(torch.autograd.Function):
+    """The operator's forward and autograd formula as a plain ``autograd.Function`` over the same backend kernels,
+    for the calls :func:`plain_eager` lets through: the dispatcher's unboxing of ten arguments and the Python
+    layers of ``torch.library`` around a custom operator's kernels and formula cost several times a small
+    layer's kernel; everything that traces, compiles, exports, profiles or autocasts sees the registered
+    operator instead."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, stride, padding, dilation, groups, sampling, sorting, backend):
+        out = _forward(input, weight, bias, stride, padding, dilation, groups, sampling, sorting, backend)
+        _setup_context(ctx, (input, weight, bias, stride, padding, dilation, groups, sampling, sorting, backend), out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _gradients(ctx, grad_output, _backward_kernels)
+
+
+def plain_eager(input: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
+    """Whether a call may skip the dispatcher: plain tensors, no tracing, compiling or exporting, no dispatch or
+    ``__torch_function__`` mode, no profiler and no autocast. The checks cost about a
+    microsecond."""
+    return (type(input) is Tensor and (type(weight) is Tensor or type(weight) is nn.Parameter)
+            and (bias is None or type(bias) is Tensor or type(bias) is nn.Parameter)
+            and not torch.jit.is_tracing() and not torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+            and not _dispatch_mode_active() and not torch._C._is_torch_function_mode_enabled()
+            and not torch.autograd.profiler._is_profiler_enabled
+            and not torch._C._is_any_autocast_enabled())
+
+
+def _dispatch_mode_active() -> bool:
+    return torch._C._len_torch_dispatch_stack() > 0
+
+
+def sort_conv2d_eager(input: Tensor, weight: Tensor, bias: Optional[Tensor], stride: List[int], padding: List[int],
+                      dilation: List[int], groups: int, sampling: str, sorting: str, backend: str) -> Tensor:
+    """The operator's result for a call :func:`plain_eager` lets through, without the dispatcher: the kernels
+    alone where no gradient is wanted, else through :class:`_EagerSortConv2d`."""
+    if torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad
+                                    or (bias is not None and bias.requires_grad)):
+        return _EagerSortConv2d.apply(input, weight, bias, stride, padding, dilation, groups, sampling, sorting,
+                                      backend)
+    return _forward(input, weight, bias, stride, padding, dilation, groups, sampling, sorting, backend)
 
 
 def _cpu_bf16_args(args, cast_to):
@@ -184,7 +258,7 @@ def _cpu_bf16_args(args, cast_to):
     input, weight, bias, stride, _padding, dilation, groups, sampling, sorting, backend = cast
     if input.dtype != torch.bfloat16:  # float64 stays float64
         return None
-    chosen, *_ = _call(input, weight, bias, stride, dilation, groups, sampling, sorting, backend)
+    chosen, _ = _call(input, weight, bias, stride, dilation, groups, sampling, sorting, backend)
     return cast if chosen.name == "cpu" else None
 
 
