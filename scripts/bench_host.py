@@ -251,6 +251,9 @@ def bench_triton(args) -> None:
                             "conv_fwd_bwd_us": both["conv"], "sc_fwd_bwd_us": both["sc"],
                             "launches": [counts[0][0], counts[1][0]], "torch_calls": [counts[0][1], counts[1][1]],
                             **machine()})
+                last = (f"{where} ({path})", steps["forward+backward"])
+    if args.profile:
+        profile_calls(*last, args.calls)
 
 
 def bench_gpu(args) -> None:
@@ -283,6 +286,28 @@ def bench_gpu(args) -> None:
             emit(args, {"kind": "gpu-host", "model": model_name, "layer": where, "input": list(shape),
                         "conv_fwd_us": times["conv"], "sc_fwd_us": times["sc"], "conv_fwd_bwd_us": both["conv"],
                         "sc_fwd_bwd_us": both["sc"], "gpu": torch.cuda.get_device_name(), **machine()})
+            last = (where, sc_steps["forward+backward"])
+    if args.profile:
+        profile_calls(*last, args.calls)
+
+
+def profile_calls(where: str, step: Callable[[], object], calls: int) -> None:
+    """cProfile of ``calls`` calls of ``step`` (one layer's forward+backward): where the host's time goes, by own
+    time and by cumulative time."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        step()
+    profiler.disable()
+    for order in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(25)
+        print(f"\n### cProfile of {calls} forward+backward calls of {where}, by {order}\n\n```\n"
+              f"{text.getvalue().strip()}\n```")
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -297,6 +322,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--calls", type=int, default=200, help="calls per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", help="append one JSON line per measurement to this file")
+    parser.add_argument("--profile", action="store_true",
+                        help="triton, gpu: after the table, a cProfile of the last layer's forward+backward calls")
     args = parser.parse_args(argv)
     unknown = [m for m in args.models if m not in timm.list_models("*")]
     if unknown:

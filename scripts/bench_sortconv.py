@@ -687,12 +687,16 @@ def cuda_layer_shapes(args, variants: List[str], variant_given: bool, device: to
 
 
 def cuda_training_throughput(name: str, backend: Optional[str], batch: int, steps: int, precision: str,
-                             device: torch.device, input_size: Optional[Sequence[int]] = None) -> float:
-    """Images per second of Adam steps of model ``name`` on ``device`` (SortConv2d layers on ``backend``)."""
+                             device: torch.device, input_size: Optional[Sequence[int]] = None,
+                             compile_mode: str = "eager") -> float:
+    """Images per second of Adam steps of model ``name`` on ``device`` (SortConv2d layers on ``backend``), the
+    model run eagerly or through ``torch.compile(model, mode=compile_mode)`` (its first steps compile)."""
+    torch._dynamo.reset()
     model = timm.create_model(name)
     if backend is not None:
         set_backend(model, backend)
     model.to(device).train()
+    forward = model if compile_mode == "eager" else torch.compile(model, mode=compile_mode)
     input_size = input_size or model.pretrained_cfg["input_size"]
     generator = torch.Generator().manual_seed(0)
     images = torch.randn(batch, *input_size, generator=generator).to(device)
@@ -702,10 +706,13 @@ def cuda_training_throughput(name: str, backend: Optional[str], batch: int, step
     def step():
         optimizer.zero_grad(set_to_none=True)
         with conv_precision(precision, device):
-            loss = F.cross_entropy(model(images), labels)
+            loss = F.cross_entropy(forward(images), labels)
         loss.backward()
         optimizer.step()
 
+    if compile_mode != "eager":  # the compiles, and the CUDA graphs' recording, before the timed steps
+        for _ in range(3):
+            step()
     return batch / cuda_median_times({"step": step}, steps, device)["step"]
 
 
@@ -723,25 +730,27 @@ class JsonLines:
 
 
 RECORD = JsonLines(None)
+COMPILE_MODES = ("eager", "default", "reduce-overhead", "max-autotune-no-cudagraphs")
 
 
 def print_cuda_throughput(args, precisions: Sequence[str], device: torch.device) -> None:
     backend = "auto"  # what users get; on a dry run's CPU tensors, the CPU backend or the reference path
     print(f"\n### Training throughput (Adam, median of {args.steps} steps after a warm-up step; SortConv2d on "
           f"backend {backend!r})\n")
-    print("| model | precision | batch | images/s | baseline twin | its images/s | SC / twin |")
-    print("|---|---|---|---|---|---|---|")
+    print("| model | precision | torch.compile | batch | images/s | baseline twin | its images/s | SC / twin |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, (twin, batch) in CUDA_MODELS.items():
         batch = 2 if args.dry_run else (args.batch or batch)
         size = (1, 28, 28) if args.dry_run and name.startswith("scnn") else (3, 32, 32) if args.dry_run else None
         for precision in precisions:
             mode = "tf32" if precision == "fp32" else precision
-            sc = cuda_training_throughput(name, backend, batch, args.steps, mode, device, size)
-            base = cuda_training_throughput(twin, None, batch, args.steps, mode, device, size)
-            print(f"| {name} | {precision} | {batch} | {sc:.0f} | {twin} | {base:.0f} | {sc / base:.2f} |",
-                  flush=True)
-            RECORD("throughput", model=name, precision=precision, batch=batch, images_s=sc, twin=twin,
-                   twin_images_s=base)
+            for compile_mode in args.compile_modes.split(","):
+                sc = cuda_training_throughput(name, backend, batch, args.steps, mode, device, size, compile_mode)
+                base = cuda_training_throughput(twin, None, batch, args.steps, mode, device, size, compile_mode)
+                print(f"| {name} | {precision} | {compile_mode} | {batch} | {sc:.0f} | {twin} | {base:.0f} | "
+                      f"{sc / base:.2f} |", flush=True)
+                RECORD("throughput", model=name, precision=precision, compile=compile_mode, batch=batch,
+                       images_s=sc, twin=twin, twin_images_s=base)
 
 
 def main_cuda(args, variants: List[str], variant_given: bool) -> None:
@@ -818,6 +827,9 @@ def parse_args(argv=None):
     parser.add_argument("--batch", type=int, default=None, help="batch size for model layers (default: the paper's)")
     parser.add_argument("--throughput", action="store_true",
                         help="whole-model training throughput of scnn_p_rs_7 vs scnn_baseline_7")
+    parser.add_argument("--compile-modes", default="eager",
+                        help="cuda --throughput: comma-separated, of eager, default, reduce-overhead, "
+                             "max-autotune-no-cudagraphs: each model trained as it is or through torch.compile(mode=)")
     parser.add_argument("--e2cnn", action="store_true", help="add an E(2)-CNN model to the throughput table")
     parser.add_argument("--twins", default=None,
                         help=f"comma-separated, of {', '.join(CPU_TWINS)} or 'all': each model's training step "
@@ -847,6 +859,9 @@ def parse_args(argv=None):
     for precision in args.precisions.split(","):
         if precision not in accepted:
             parser.error(f"unknown precision {precision!r} on {args.device}; accepted: {', '.join(accepted)}")
+    for compile_mode in args.compile_modes.split(","):
+        if compile_mode not in COMPILE_MODES:
+            parser.error(f"unknown --compile-modes entry {compile_mode!r}; accepted: {', '.join(COMPILE_MODES)}")
     for path in args.triton_paths.split(","):
         if path not in TRITON_PATHS:
             parser.error(f"unknown Triton path {path!r}; accepted: {', '.join(TRITON_PATHS)}")

@@ -7,9 +7,9 @@
 # out of git (.git/info/exclude): .carry/wheels and .carry/mnist. Then, on the device, one call (10 minutes
 # at most per call, so the stages run in order of priority and each is cut off at the time left):
 #     run(command="bash scripts/gpu_check.sh", carry=[".carry"])
-# or name the stages: prewarm models throughput firstcall profile check tests warmup table mnist (default: all
-# but mnist, in this order: what the GPU issue needs first, the models' layers and training steps; the check
-# compiles for longer). Results are written to $OUT (the device returns at most 8 files): <stage>.log (the
+# or name the stages: prewarm host throughput compile models firstcall profile check tests warmup table mnist
+# (default: all but mnist, in this order: what the GPU issue needs first, the host's share of a call and the
+# training steps, eager and compiled; the models' layers; the check compiles for longer). Results are written to $OUT (the device returns at most 8 files): <stage>.log (the
 # benchmark stages' logs are their markdown tables), results.jsonl (every measurement of the benchmark stages,
 # one JSON object per line, written as it is made), summary.txt with the versions, clocks and each stage's status and time, and
 # triton_cache.tgz.part-aa, -ab, ...: the compiled kernels, a gzipped tar split into 15 MiB parts (the device
@@ -39,6 +39,12 @@
 #   firstcall   the first call of new geometries with an empty Triton cache: scnn_p_rs_7's layers, float32,
 #               forward and backward once on backend="auto"; the log's decision table gives each configuration's
 #               parallel compile and checked calls (the goal: <= 30 s per geometry)
+#   host        the host's share of an SC call (scripts/bench_host.py): the CPU time per call of every SortConv2d
+#               layer of the three models on the GPU against nn.Conv2d (forward, forward+backward), the same on
+#               meta tensors with the launches counted (the proxy measured without a GPU, on this host's CPU), and
+#               a cProfile of one layer's eager calls (where the host's time goes)
+#   compile     training steps of the three models against their twins under torch.compile, default and
+#               reduce-overhead (CUDA graphs), float32
 #   mnist       the paper's MNIST protocol (scripts/configs/mnist_scnn.yaml, 100 epochs) on the Triton
 #               backend, for $MNIST_MODEL (default scnn_p_rs_7; e.g. scnn_p_rs_7_canon); $OUT/mnist_run gets its last checkpoint, summary.csv and args.yaml. It takes more
 #               than one call: copy $OUT/mnist_run to .carry/mnist_run and call again to resume from it
@@ -62,7 +68,7 @@ fi
 
 OUT=${OUT:-$PWD/gpu_check_out}
 mkdir -p "$OUT"
-STAGES=${*:-prewarm models throughput firstcall profile check tests warmup table}
+STAGES=${*:-prewarm host throughput compile models firstcall profile check tests warmup table}
 
 if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \
@@ -144,6 +150,14 @@ for name in $STAGES; do
         stage models "$BENCH --shapes scnn_p_rs_7,ri_resnet18,ri_densenet40 --precisions fp32,bf16 --triton-paths $PATHS --repeats 20 --reference-repeats 1" ;;
     throughput)
         stage throughput "$BENCH --shapes none --throughput --precisions fp32,bf16 --steps 20" ;;
+    host)
+        if [ -n "${DRY_RUN:-}" ]; then
+            stage host "$PYTHON scripts/bench_host.py triton --models ri_densenet40 --rounds 1 --calls 5 --json $OUT/results.jsonl && $PYTHON scripts/bench_host.py cpu --rounds 1 --calls 20"
+        else
+            stage host "$PYTHON scripts/bench_host.py gpu --json $OUT/results.jsonl --profile && $PYTHON scripts/bench_host.py triton --json $OUT/results.jsonl --rounds 3 --calls 100"
+        fi ;;
+    compile)
+        stage compile "$BENCH --shapes none --throughput --precisions fp32 --compile-modes default,reduce-overhead --steps 10" ;;
     firstcall)
         rm -rf /tmp/triton_cold
         stage firstcall "TRITON_CACHE_DIR=/tmp/triton_cold $BENCH --shapes scnn_p_rs_7 --precisions fp32 --triton-paths auto --repeats 0 --skip-reference" ;;
@@ -154,7 +168,7 @@ for name in $STAGES; do
         mkdir -p "$OUT/mnist_run"
         cp /tmp/train/mnist_run/{last.pth.tar,summary.csv,args.yaml} "$OUT/mnist_run/" 2>/dev/null ;;
     *)
-        echo "unknown stage $name; accepted: prepare prewarm models throughput firstcall profile check tests warmup table mnist" | tee -a "$OUT/summary.txt" ;;
+        echo "unknown stage $name; accepted: prepare prewarm host models throughput compile firstcall profile check tests warmup table mnist" | tee -a "$OUT/summary.txt" ;;
     esac
 done
 if [ -d /tmp/triton_cache ]; then

@@ -28,6 +28,12 @@ training-set sizes, with the networks laid out as the paper's SCNN (:data:`ROWS`
 CNN and the E(2)-CNN at the smallest size (:data:`RIVALS`); they run at that size only, and on the local task,
 and have a table of their own (:func:`attempts_table`).
 
+**The aligned convolution** (rows with ``aligned``, :data:`ALIGNED_TASKS`): SC's sorting replaced by turning each
+window back by its own orientation (``sorting="align"``, ``"align-channel"``), in P-RS-7's layout, at most two
+rounds of at most three variants. Each variant runs at the smallest size and on both local tasks (``one``, and
+``pair``: two digits, the label their sum, 19 classes), seeds 0, 1 and 2, with the SC rows' steps; the E(2)-CNN row
+runs both local tasks with those seeds too. :func:`aligned_table` sets each against :data:`ALIGNED_RIVALS`.
+
 **Equal parameters**: the E(2)-CNN with the SCNN's channels has 17x fewer parameters than the SCNN; with 4x the
 channels it has about as many, and a training step 8.7x P-RS-7's, so it runs at P-RS-7's time (115 steps) and
 at the smallest size only (a row with ``sizes``).
@@ -89,6 +95,7 @@ class Row:
     what: str = ""
     attempt: int = 0  # 0: a row of the table; 1, 2: a round of attempts at an SC model that beats the others
     sizes: Tuple[int, ...] = ()  # only at these training-set sizes, after every other job (empty: all, and local)
+    aligned: int = 0  # 1, 2: a round of the aligned convolution's variants (ALIGNED_TASKS, ALIGNED_SEEDS)
 
 
 ROWS = (
@@ -112,7 +119,22 @@ ROWS = (
     Row("sc2+aug", "scnn_p_rs_7", {"sorted_convs": 2}, augment=True, attempt=1,
         what="SC in the first 2 convolutions, plain after, + rotation augmentation"),
 )
+# The aligned convolution (sorting="align"/"align-channel": each window turned back by its own orientation, in
+# the P-RS-7 layout): at most two rounds of at most three variants, each on MNIST-rot after 1,000 images and on
+# both local tasks, seeds 0, 1, 2 (the module docstring's **The aligned convolution**).
+ROWS += (
+    Row("align", "scnn", {"sorting": "align"}, aligned=1,
+        what="aligned convolution, one orientation per position (`sorting=align`), every layer"),
+    Row("align-channel", "scnn", {"sorting": "align-channel"}, aligned=1,
+        what="aligned convolution, one orientation per channel (`sorting=align-channel`), every layer"),
+    Row("align+blur", "scnn", {"sorting": "align", "input_blur": 0.7, "downsample": "blur-max"}, aligned=1,
+        what="`sorting=align` with `scnn_p_rs_7_blur`'s blur before the first layer and blurred max pooling"),
+)
 ROW_NAMES = tuple(row.name for row in ROWS)
+#: The aligned rounds' tasks and seeds, and the rows they are compared with there (the E(2)-CNN on the local tasks
+#: runs these seeds and tasks too).
+ALIGNED_TASKS, ALIGNED_SEEDS = ("one", "pair"), (0, 1, 2)
+ALIGNED_RIVALS = {"one": "e2cnn_c8", "pair": "e2cnn_c8", "mnist": "sc2+canon"}
 #: The rows the attempts must beat, and one more they are compared with (the canonical turn alone).
 RIVALS = ("plain+aug", "e2cnn_c8")
 ALSO_COMPARED = ("plain+canon",)
@@ -121,12 +143,13 @@ ALSO_COMPARED = ("plain+canon",)
 @dataclass(frozen=True)
 class Job:
     row: Row
-    size: int  # training images; 0: the local-rotation task
+    size: int  # training images; 0: a local-rotation task
     seed: int
+    task: str = "one"  # with size 0: the local task of local_rotation.py ("one" or "pair")
 
     @property
     def name(self) -> str:
-        return f"one_seed{self.seed}" if self.size == 0 else f"n{self.size}_seed{self.seed}"
+        return f"{self.task}_seed{self.seed}" if self.size == 0 else f"n{self.size}_seed{self.seed}"
 
 
 def jobs(rows: Sequence[Row], sizes: Sequence[int], seeds: Sequence[int], big_seeds: Sequence[int],
@@ -134,7 +157,7 @@ def jobs(rows: Sequence[Row], sizes: Sequence[int], seeds: Sequence[int], big_se
     """Every job, in the order of the module docstring (the attempts at the smallest size only, the rows with
     ``sizes`` last)."""
     found = []
-    everywhere = [row for row in rows if not row.sizes]
+    everywhere = [row for row in rows if not row.sizes and not row.aligned]
     for size in sorted(sizes):
         for seed in (big_seeds if size >= EPOCH_IMAGES else seeds):
             found += [Job(row, size, seed) for row in everywhere if not row.attempt or size == min(sizes)]
@@ -143,6 +166,16 @@ def jobs(rows: Sequence[Row], sizes: Sequence[int], seeds: Sequence[int], big_se
     for row in rows:
         for size in sorted(set(row.sizes) & set(sizes)):
             found += [Job(row, size, seed) for seed in (big_seeds if size >= EPOCH_IMAGES else seeds)]
+    # The aligned rounds, seed by seed: their local rivals' jobs first, then each round's rows on every task.
+    rivals = [row for row in rows if row.name in set(ALIGNED_RIVALS.values()) and row.name != ALIGNED_RIVALS["mnist"]]
+    for seed in ALIGNED_SEEDS:
+        for task in ALIGNED_TASKS if local else ():
+            found += [Job(row, 0, seed, task) for row in rivals if not (task == "one" and seed == 0)]
+    for round_ in sorted({row.aligned for row in rows if row.aligned}):
+        for seed in ALIGNED_SEEDS:
+            for row in (row for row in rows if row.aligned == round_):
+                found.append(Job(row, min(sizes), seed))
+                found += [Job(row, 0, seed, task) for task in (ALIGNED_TASKS if local else ())]
     return found
 
 
@@ -358,9 +391,9 @@ def run_job(job: Job, args, times: Dict, data: Dict) -> Dict:
     checkpoint = Path(args.output) / row.name / f"{job.name}.pth"
     checkpoint.parent.mkdir(parents=True, exist_ok=True)
     if job.size == 0:
-        train_scenes, test_scenes = data["scenes"]
-        model = build(row, classes=10, in_chans=1, channels=args.channels)
-        images, labels = data["scene_images"], train_scenes.labels
+        train_scenes, test_scenes = data["scenes"][job.task]
+        model = build(row, classes=9 * local_rotation.TASKS[job.task] + 1, in_chans=1, channels=args.channels)
+        images, labels = data["scene_images"][job.task], train_scenes.labels
         steps = steps_for(row, args.local_steps, times)
     else:
         model = build(row, channels=args.channels)
@@ -376,7 +409,7 @@ def run_job(job: Job, args, times: Dict, data: Dict) -> Dict:
               "time_of": row.time_of, "seed": job.seed, "params": params, "steps": steps, "batch": BATCH, "lr": LR,
               "train_seconds": round(trainer.seconds, 1), "machine": machine()}
     if job.size == 0:
-        result.update(task="one", train_scenes=len(images),
+        result.update(task=job.task, train_scenes=len(images),
                       **local_rotation.evaluate(model, test_scenes, 30.0, args.data_seed))
     else:
         sweep_images, sweep_labels = data["sweep"]
@@ -391,15 +424,16 @@ def run_job(job: Job, args, times: Dict, data: Dict) -> Dict:
     return result
 
 
-def load_data(args, need_local: bool) -> Dict:
+def load_data(args, local_tasks: Sequence[str]) -> Dict:
     data = {"slices": {size: load_split(args.data_dir, "train", size, seed=42)[:2] for size in args.sizes},
             "test": load_split(args.data_dir, "test", args.test_samples, seed=42)[:2],
-            "sweep": rotated_sweep(args.data_dir, args.sweep_samples, ANGLES, str(Path(args.output) / "cache"))}
-    if need_local:
-        scene_args = argparse.Namespace(data_dir=args.data_dir, train_scenes=args.local_scenes,
-                                        test_scenes=args.local_test_scenes, canvas=56, seed=args.data_seed)
-        data["scenes"] = local_rotation.load_scenes(scene_args, "one")
-        data["scene_images"] = local_rotation.render(data["scenes"][0])
+            "sweep": rotated_sweep(args.data_dir, args.sweep_samples, ANGLES, str(Path(args.output) / "cache")),
+            "scenes": {}, "scene_images": {}}
+    scene_args = argparse.Namespace(data_dir=args.data_dir, train_scenes=args.local_scenes,
+                                    test_scenes=args.local_test_scenes, canvas=56, seed=args.data_seed)
+    for task in local_tasks:
+        data["scenes"][task] = local_rotation.load_scenes(scene_args, task)
+        data["scene_images"][task] = local_rotation.render(data["scenes"][task][0])
     return data
 
 
@@ -416,7 +450,7 @@ def run_all(args) -> None:
     if not todo:
         print("every job is done")
         return
-    data = load_data(args, any(job.size == 0 for job in todo))
+    data = load_data(args, sorted({job.task for job in todo if job.size == 0}))
     for job in todo:
         out = results / job.row.name / f"{job.name}.json"
         claim = Claim(Path(args.output) / "claims" / f"{job.row.name}-{job.name}")
@@ -428,7 +462,7 @@ def run_all(args) -> None:
             out.write_text(json.dumps(result, indent=1))
             summary = (f"MNIST-rot {result['mnist_rot']['mean']:.2f}, worst {result['mnist_rot']['worst']:.2f}"
                        + (f", MNIST {result['mnist']:.2f}" if "mnist" in result else "") if job.size else
-                       f"one: turns {result['mean']:.2f}, upright {result['upright']:.2f}, "
+                       f"{job.task}: turns {result['mean']:.2f}, upright {result['upright']:.2f}, "
                        f"retained {result['retained']:.3f}")
             print(f"  {summary} ({result['train_seconds']:.0f} s training)", flush=True)
         finally:
@@ -457,7 +491,7 @@ def load_results(results: Path) -> Dict[str, Dict[str, List[Dict]]]:
     found: Dict[str, Dict[str, List[Dict]]] = {}
     for path in sorted(results.glob("*/*.json")):
         result = json.loads(path.read_text())
-        key = "one" if result.get("task") == "one" else f"n{result['train_images']}"
+        key = result["task"] if result.get("task") in local_rotation.TASKS else f"n{result['train_images']}"
         found.setdefault(result["row"], {}).setdefault(key, []).append(result)
     return found
 
@@ -471,14 +505,15 @@ def table(results: Path, sizes: Sequence[int] = (1000, 5000, 50000)) -> str:
     head = ("| row | " + " | ".join(f"MNIST-rot, {size:,} images: mean / worst (seeds)" for size in sizes)
             + f" | MNIST, {max(sizes):,} | local turns: mean / retained | params | s/epoch |")
     lines = [head, "|---|" + "---|" * (len(sizes) + 4)]
-    for row in (row for row in ROWS if not row.attempt):
+    for row in (row for row in ROWS if not row.attempt and not row.aligned):
         runs = found.get(row.name, {})
         cells = []
         for size in sizes:
             seeds = runs.get(f"n{size}", [])
             cells.append(f"{_stats([r['mnist_rot']['mean'] for r in seeds])} / "
                          f"{_stats([r['mnist_rot']['worst'] for r in seeds])} ({len(seeds)})" if seeds else "-")
-        big, one = runs.get(f"n{max(sizes)}", []), runs.get("one", [])
+        big = runs.get(f"n{max(sizes)}", [])
+        one = [r for r in runs.get("one", []) if r["seed"] == 0]  # the table's local column: seed 0
         cells.append(_stats([r["mnist"] for r in big]) if big else "-")
         cells.append(f"{one[0]['mean']:.2f} / {one[0]['retained']:.3f}" if one else "-")
         params = next((r["params"] for r in runs.get(f"n{min(sizes)}", []) + big), None)
@@ -522,10 +557,50 @@ def attempts_table(results: Path, size: int = 1000) -> str:
         cells.append("-" if None in wins else "yes" if all(wins) else "no")
         for name in ALSO_COMPARED:
             minus(name)
-        one = runs.get("one", [])
+        one = [r for r in runs.get("one", []) if r["seed"] == 0]
         cells.append(f"{one[0]['mean']:.2f} / {one[0]['retained']:.3f}" if one else "-")
         cells.append(f"{times[row.name] * EPOCH_IMAGES / BATCH:.0f}" if row.name in times else "-")
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def aligned_table(results: Path, size: int = 1000) -> str:
+    """The aligned rounds (:data:`ROWS` with ``aligned``) against :data:`ALIGNED_RIVALS`, per task: the mean over
+    seeds ± the standard error between seeds, the difference from the rival with the standard error of the
+    difference, and whether it exceeds two of those (the goal: every task); on the local tasks also what the
+    row keeps of its upright accuracy (``retained``, the goal: >= 0.98)."""
+    found = load_results(results)
+    tasks = (("mnist", f"n{size}", f"MNIST-rot, {size:,} images"),) + tuple((t, t, f"`{t}`: mean over turns")
+                                                                           for t in ALIGNED_TASKS)
+
+    def means(name: str, key: str) -> List[float]:
+        runs = found.get(name, {}).get(key, [])
+        return [r["mnist_rot"]["mean"] if key.startswith("n") else r["mean"] for r in runs]
+
+    head = "| round | row | " + " | ".join(f"{title} (seeds) | minus `{ALIGNED_RIVALS[task]}` | > 2 SE"
+                                          for task, _, title in tasks) + " | retained (one / pair) |"
+    lines = [head, "|---|---|" + "---|---|---|" * len(tasks) + "---|"]
+    for row in (row for row in ROWS if row.aligned):
+        cells = [str(row.aligned), row.what or row.name]
+        for task, key, _ in tasks:
+            mine, rival = means(row.name, key), means(ALIGNED_RIVALS[task], key)
+            cells.append(f"{_stats(mine)} ({len(mine)})" if mine else "-")
+            if len(mine) < 2 or len(rival) < 2:
+                cells += ["-", "-"]
+                continue
+            (mean, se), (other, other_se) = _mean_se(mine), _mean_se(rival)
+            error = math.hypot(se, other_se)
+            cells += [f"{mean - other:+.2f} ± {error:.2f}", "yes" if mean - other > 2 * error else "no"]
+        retained = [np.mean([r["retained"] for r in found.get(row.name, {}).get(t, [])] or [float("nan")])
+                    for t in ALIGNED_TASKS]
+        cells.append(" / ".join("-" if math.isnan(v) else f"{v:.3f}" for v in retained))
+        lines.append("| " + " | ".join(cells) + " |")
+    for task in ALIGNED_TASKS:  # the rivals' own rows on the local tasks
+        rival = ALIGNED_RIVALS[task]
+        runs = found.get(rival, {}).get(task, [])
+        if runs:
+            lines.append(f"| rival | `{rival}` on `{task}` | {_stats([r['mean'] for r in runs])} ({len(runs)}), "
+                         f"retained {np.mean([r['retained'] for r in runs]):.3f} |" + " |" * (3 * len(tasks) - 1))
     return "\n".join(lines)
 
 
@@ -558,7 +633,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.action == "table":
         print(table(Path(args.results), sorted(args.sizes)) + "\n\n" + attempts_table(Path(args.results),
-                                                                                    min(args.sizes)))
+                                                                                    min(args.sizes))
+              + "\n\n" + aligned_table(Path(args.results), min(args.sizes)))
         return
     if args.action == "timing":
         torch.set_num_threads(args.threads)

@@ -64,8 +64,10 @@ def test_augmented_batches_turn_each_image_by_its_own_angle_fixed_by_the_step(ta
 
 
 def test_jobs_run_every_row_at_the_smallest_size_first_and_one_seed_at_50000(table):
-    found = table.jobs(table.ROWS, [50000, 1000, 5000], [0, 1, 2], [0], local=True)
-    everywhere = [row for row in table.ROWS if not row.sizes]
+    plain_rows = [row for row in table.ROWS if not row.aligned]
+    # the last five: the E(2)-CNN on the aligned rounds' local tasks (the next test)
+    found = table.jobs(plain_rows, [50000, 1000, 5000], [0, 1, 2], [0], local=True)[:-5]
+    everywhere = [row for row in plain_rows if not row.sizes]
     rows, attempts = [row for row in everywhere if not row.attempt], [row for row in everywhere if row.attempt]
     assert len(rows) == 8 and attempts  # the attempts run at the smallest size and on the local task only
     limited = [row for row in table.ROWS if row.sizes]
@@ -78,7 +80,44 @@ def test_jobs_run_every_row_at_the_smallest_size_first_and_one_seed_at_50000(tab
     assert {job.seed for job in found if job.size == 50000} == {0}
     assert [job.name for job in found[-4:]] == ["one_seed0", "n1000_seed0", "n1000_seed1", "n1000_seed2"]
     assert {job.row.name for job in found[-3:]} == {"e2cnn_c8_params"} and found[0].name == "n1000_seed0"
-    assert table.jobs(table.ROWS, [5000], [0], [0], local=False)[-1].row.name != "e2cnn_c8_params"
+    assert table.jobs(plain_rows, [5000], [0], [0], local=False)[-1].row.name != "e2cnn_c8_params"
+
+
+def test_the_aligned_rounds_run_each_variant_on_mnist_rot_and_both_local_tasks_with_three_seeds(table):
+    found = table.jobs(table.ROWS, [1000, 5000], [0, 1, 2], [0], local=True)
+    aligned = [row for row in table.ROWS if row.aligned]
+    assert 1 <= len({row.aligned for row in aligned}) <= 2 and len(aligned) <= 3 * len({row.aligned for row in aligned})
+    for row in aligned:
+        mine = sorted(job.name for job in found if job.row is row)
+        assert mine == sorted(f"{task}_seed{seed}" for seed in (0, 1, 2) for task in ("n1000", "one", "pair"))
+    # the E(2)-CNN, their rival on the local tasks, runs them with the same seeds (seed 0 of `one` is the table's)
+    rival = sorted(job.name for job in found if job.row.name == "e2cnn_c8" and job.size == 0)
+    assert rival == ["one_seed0", "one_seed1", "one_seed2", "pair_seed0", "pair_seed1", "pair_seed2"]
+    first_aligned = next(i for i, job in enumerate(found) if job.row.aligned)
+    assert all(not job.row.aligned for job in found[:first_aligned])
+    assert not any(job.row.aligned for job in table.jobs(table.ROWS, [1000], [0], [0], local=False) if job.size == 0)
+
+
+def test_an_aligned_row_beats_its_rival_only_by_more_than_two_standard_errors(table, tmp_path):
+    row = next(row.name for row in table.ROWS if row.aligned)
+    def write(name, key, seed, mean):
+        result = ({"row": name, "task": "mnist", "train_images": 1000, "seed": seed, "mnist_rot": {"mean": mean}}
+                  if key == "mnist" else {"row": name, "task": key, "seed": seed, "mean": mean, "retained": 0.99})
+        path = tmp_path / name / f"{'n1000' if key == 'mnist' else key}_seed{seed}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result))
+    for seed, (mine, e2, canon) in enumerate([(92.0, 89.5, 96.5), (92.4, 90.0, 96.7), (92.8, 90.5, 96.9)]):
+        write(row, "one", seed, mine)        # +2.40 ± 0.37 (SEs 0.23 and 0.29): beats the E(2)-CNN
+        write("e2cnn_c8", "one", seed, e2)
+        write(row, "pair", seed, mine - 3)   # +0.00 ± 0.37: does not
+        write("e2cnn_c8", "pair", seed, e2 - 0.6)
+        write(row, "mnist", seed, mine)
+        write("sc2+canon", "mnist", seed, canon)
+    lines = table.aligned_table(tmp_path).splitlines()
+    cells = [cell.strip() for cell in next(l for l in lines if l.startswith("| 1 |")).strip("|").split("|")]
+    assert cells[2:5] == ["92.40 ± 0.23 (3)", "-4.30 ± 0.26", "no"]
+    assert cells[5:8] == ["92.40 ± 0.23 (3)", "+2.40 ± 0.37", "yes"]
+    assert cells[8:11] in (["89.40 ± 0.23 (3)", d, "no"] for d in ("+0.00 ± 0.37", "-0.00 ± 0.37")) and cells[11] == "0.990 / 0.990"
 
 
 def test_a_time_matched_row_gets_the_steps_that_fit_its_rows_time(table):
