@@ -184,9 +184,10 @@ def agreement_cases(device: torch.device) -> List[Case]:
 
 
 def variants_of(backend: str) -> List[Tuple[str, str]]:
-    """The variants checked on ``backend``: all of them through ``auto``; the aligned ones on the harmonic
-    backend, which runs only those, and the sorting ones on the others."""
-    if backend == "auto":
+    """The variants checked on ``backend``: all of them through ``auto`` and on the fused CPU kernel, which runs
+    both kinds; the aligned ones on the harmonic backend, which runs only those, and the sorting ones on the
+    others."""
+    if backend in ("auto", "cpu"):
         return list(VARIANTS)
     return [(sampling, sorting) for sampling, sorting in VARIANTS if (sorting in ALIGNMENTS) == (backend == "harmonic")]
 

@@ -28,6 +28,23 @@ struct Call {
   bool bf16_products = false;
 };
 
+// An aligned call (sorting="align", "align-channel": align_conv_kernel.h): `call` with the harmonic weight (O,
+// C/g * k*k, its rows in the kernel's order) as weight_slots (no slot_to_grid) and no comparators, and the tables
+// of cpu_backend._AlignTables.
+struct AlignCall {
+  Call call;
+  at::Tensor fold;          // (k*k, k*k) float64: folded samples <- samples (slot order)
+  at::Tensor dft;           // (k*k, k*k) float64: harmonic rows <- folded samples, block diagonal
+  at::Tensor blocks;        // (n, 2) int64: (start, size) of dft's diagonal blocks
+  at::Tensor pairs;         // (pairs, 3) int64: the rows of Re S_m and Im S_m, and m
+  at::Tensor first;         // (pairs,) float64: 1 / N for the pairs with m = 1, else 0
+  at::Tensor energy_pairs;  // (pairs,) float64: 2 / N^2
+  at::Tensor fixed;         // (fixed, 2) int64: the other rows, and m where one is a ring's Nyquist term (else 0)
+  at::Tensor energy_fixed;  // (fixed,) float64: 1 / N^2 for a Nyquist row, else 0
+  bool shared = true;       // one orientation per group ("align"), else per channel
+  double relative = 0, tiny = 0;  // alignment.RELATIVE, alignment.TINY
+};
+
 // Whether this build on this CPU multiplies in bfloat16 (AVX-512 BF16).
 bool bf16_products();
 
@@ -39,9 +56,20 @@ at::Tensor forward(const Call& call);
 template <typename scalar_t>
 std::vector<at::Tensor> backward(const Call& call);
 
+template <typename scalar_t>
+at::Tensor align_forward(const AlignCall& align);
+
+// (grad_input of the unpadded input, grad of the harmonic weight (O, C/g * k*k)); either undefined where not needed.
+template <typename scalar_t>
+std::vector<at::Tensor> align_backward(const AlignCall& align);
+
 extern template at::Tensor forward<float>(const Call&);
 extern template at::Tensor forward<double>(const Call&);
 extern template std::vector<at::Tensor> backward<float>(const Call&);
 extern template std::vector<at::Tensor> backward<double>(const Call&);
+extern template at::Tensor align_forward<float>(const AlignCall&);
+extern template at::Tensor align_forward<double>(const AlignCall&);
+extern template std::vector<at::Tensor> align_backward<float>(const AlignCall&);
+extern template std::vector<at::Tensor> align_backward<double>(const AlignCall&);
 
 }  // namespace timm_sortconv_cpu

@@ -1823,13 +1823,51 @@ void backward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scala
   });
 }
 
+// Adds the threads' private input gradients (with fewer images than threads) into grad_input.
+template <typename scalar_t>
+void sum_input_parts(const std::vector<std::vector<scalar_t>>& parts, at::Tensor& grad_input) {
+  scalar_t* dst = grad_input.data_ptr<scalar_t>();
+  for (const auto& part : parts) {
+    for (int64_t i = 0; i < grad_input.numel(); ++i) {
+      dst[i] += part[i];
+    }
+  }
+}
+
+// The threads' (C, k*k, O/g padded) weight-gradient parts summed into a tensor like `weight` (O, C/g * k*k), slot s
+// of each channel at column slot_to_grid[s], channel by channel in parallel: with 512 channels of 3x3 the parts
+// hold millions of values.
+template <typename scalar_t>
+at::Tensor sum_weight_parts(const std::vector<std::vector<scalar_t>>& parts, const at::Tensor& weight,
+                            const Shape& shape, int64_t outputs_padded, const std::vector<int64_t>& slot_to_grid) {
+  const int64_t slots = static_cast<int64_t>(slot_to_grid.size()), cg = shape.in_per_group(),
+                og = shape.out_per_group(), row = cg * slots;
+  at::Tensor grad_weight = at::empty_like(weight);
+  scalar_t* dst = grad_weight.data_ptr<scalar_t>();
+  at::parallel_for(0, shape.channels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t channel = begin; channel < end; ++channel) {
+      const int64_t g = channel / cg, ci = channel % cg;
+      for (int64_t s = 0; s < slots; ++s) {
+        for (int64_t o = 0; o < og; ++o) {
+          scalar_t sum = 0;
+          for (const auto& part : parts) {
+            sum += part[(channel * slots + s) * outputs_padded + o];
+          }
+          dst[(g * og + o) * row + ci * slots + slot_to_grid[s]] = sum;
+        }
+      }
+    }
+  });
+  return grad_weight;
+}
+
 template <typename scalar_t>
 std::vector<at::Tensor> backward_impl(const at::Tensor& grad_output, const at::Tensor& input,
                                       const at::Tensor& weight_slots, const Plan<scalar_t>& plan, const Shape& shape,
                                       const std::vector<int64_t>& slot_to_grid, bool need_input_grad,
                                       bool need_weight_grad, bool bf16) {
   constexpr int64_t half = kVecLanes<scalar_t>;
-  const int64_t slots = plan.slots, og = shape.out_per_group(), cg = shape.in_per_group();
+  const int64_t slots = plan.slots, og = shape.out_per_group();
   const int64_t outputs_padded = (og + half - 1) / half * half;
   const int64_t threads = thread_count(shape.batch * plan.positions() / kLanes<scalar_t>,
                                        2 * multiply_adds(shape, plan.positions(), slots));
@@ -1876,34 +1914,9 @@ std::vector<at::Tensor> backward_impl(const at::Tensor& grad_output, const at::T
     backward_kernel<scalar_t, false>(plan, shape, in, grad_out, w, grad_in, grad_input_parts, grad_weight_parts,
                                      outputs_padded, threads, wp);
   }
-  if (private_grad_input) {
-    scalar_t* dst = grad_input.data_ptr<scalar_t>();
-    for (const auto& part : grad_input_parts) {
-      for (int64_t i = 0; i < input.numel(); ++i) {
-        dst[i] += part[i];
-      }
-    }
-  }
+  if (private_grad_input) sum_input_parts(grad_input_parts, grad_input);
   if (need_weight_grad) {
-    // Sum the threads' (C, k*k, O/g padded) parts into the weight's (O, C/g * k*k) layout (slot s back to its
-    // grid position), channel by channel in parallel: with 512 channels of 3x3 the parts hold millions of values.
-    grad_weight = at::empty_like(weight_slots);
-    scalar_t* dst = grad_weight.data_ptr<scalar_t>();
-    const int64_t row = cg * slots;
-    at::parallel_for(0, shape.channels, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t channel = begin; channel < end; ++channel) {
-        const int64_t g = channel / cg, ci = channel % cg;
-        for (int64_t s = 0; s < slots; ++s) {
-          for (int64_t o = 0; o < og; ++o) {
-            scalar_t sum = 0;
-            for (const auto& part : grad_weight_parts) {
-              sum += part[(channel * slots + s) * outputs_padded + o];
-            }
-            dst[(g * og + o) * row + ci * slots + slot_to_grid[s]] = sum;
-          }
-        }
-      }
-    });
+    grad_weight = sum_weight_parts(grad_weight_parts, weight_slots, shape, outputs_padded, slot_to_grid);
   }
   return {grad_input, grad_weight};
 }

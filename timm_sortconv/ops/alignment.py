@@ -37,7 +37,7 @@ window's scale: ``e`` varies fastest where ``|c|`` is small, and there ``g`` is 
 quotients defined for a window that is exactly flat. The orientation is computed in float32 at least, and the
 gradient flows through it (it is a smooth function of the window wherever ``c != 0``).
 
-Two implementations compute the same function:
+Three implementations compute the same function:
 
 * :func:`aligned_samples`: the specification, used by the reference path: the samples, each ring's FFT, the
   turn, the inverse FFT; then the reference path's product with the weight.
@@ -47,6 +47,10 @@ Two implementations compute the same function:
   an elementwise product with the positions' powers of ``conj(e)``, and a ``1 x 1`` convolution takes the
   product with the weight written in the same Fourier basis. Its backward is autograd of that forward,
   recomputed, so only the input and the weight are kept for backward.
+* the fused CPU kernel (``csrc/align_conv_kernel.h``, the ``"cpu"`` backend, which ``backend="auto"`` takes on the
+  CPU): per block of output positions the same spectra (:attr:`HarmonicTables.analysis` after the sampling taps),
+  turn and product in the same basis, in per-thread buffers, with its backward (through the orientation too)
+  written out; nothing of ``k*k`` times the input's size is written to memory.
 """
 from __future__ import annotations
 
@@ -142,6 +146,7 @@ class HarmonicTables:
     in the same order, so that the turn is a complex product of the two blocks.
 
     Attributes:
+        analysis: ``(k*k, k*k)``: the samples in slot order -> harmonic channels (each ring's real DFT).
         filters: ``(k*k, 1, k, k)``: the window -> harmonic channel filters (sampling and Fourier basis).
         synthesis: ``(k*k, k*k)``: slot-order weights -> harmonic-channel weights (the inverse basis).
         fixed: the number of fixed channels.
@@ -153,6 +158,7 @@ class HarmonicTables:
         largest: the largest ``m``.
     """
 
+    analysis: torch.Tensor
     filters: torch.Tensor
     synthesis: torch.Tensor
     fixed: int
@@ -202,7 +208,8 @@ def harmonic_tables(geometry: SortGeometry, device: torch.device, dtype: torch.d
         pairs = [(m, n) for _, m, n in blocks["re"]]
         to = dict(device=device, dtype=dtype)
         _TABLES[key] = HarmonicTables(
-            filters.to(**to), inverse.to(**to), len(fixed), torch.tensor([m for m, _ in fixed], device=device),
+            analysis.to(**to), filters.to(**to), inverse.to(**to), len(fixed),
+            torch.tensor([m for m, _ in fixed], device=device),
             torch.tensor([m for m, _ in pairs], device=device),
             torch.tensor([1.0 / n if m == 1 else 0.0 for m, n in pairs], **to),
             torch.tensor([2.0 / n ** 2 for _, n in pairs], **to),

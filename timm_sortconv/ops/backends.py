@@ -100,9 +100,19 @@ class _Registry(Dict[str, Backend]):
 _BACKENDS: Dict[str, Backend] = _Registry()
 
 
-def register_backend(backend: Backend) -> None:
-    """Adds a backend; ``auto`` tries fast backends in registration order."""
-    _BACKENDS[backend.name] = backend
+def register_backend(backend: Backend, before: Optional[str] = None) -> None:
+    """Adds a backend; ``auto`` tries fast backends in registration order, or with ``before`` (a registered
+    backend's name) ahead of that one: the fused CPU kernel goes ahead of the harmonic backend, which runs the
+    aligned variants on any device but more slowly."""
+    if before is None or before not in _BACKENDS:
+        _BACKENDS[backend.name] = backend
+        return
+    entries = [(name, b) for name, b in _BACKENDS.items() if name != backend.name]
+    _BACKENDS.clear()
+    for name, b in entries:
+        if name == before:
+            _BACKENDS[backend.name] = backend
+        _BACKENDS[name] = b
 
 
 def fast_disabled() -> bool:
@@ -140,7 +150,8 @@ def _harmonic_backward(grad_output, x, weight, geometry, stride, dilation, group
 
 
 # The aligned variants in standard operators (a depthwise convolution, a product, a 1 x 1 convolution): any
-# device and dtype, so auto takes it for every aligned call; the sorting backends do not take them.
+# device and dtype, so auto takes it for every aligned call that no backend registered ahead of it takes (the
+# fused CPU kernel, where it is built); the other sorting backends do not take them.
 register_backend(Backend("harmonic", _harmonic_forward, _harmonic_backward,
                          lambda x, weight, bias, geometry, *args: is_aligned(geometry), lambda: True))
 

@@ -18,6 +18,13 @@ gathers and sorts again, recording the network's swap decisions, forms the weigh
 sorted panel, and routes the panel's gradient back to the samples by replaying the swaps in reverse,
 then to the input through the same taps.
 
+The aligned variants (``sorting="align"``, ``"align-channel"``: :mod:`.alignment`) have a kernel of their own in the
+same extension (``csrc/align_conv_kernel.h``), on the same blocks, image copies and micro-GEMMs: per block it takes
+every channel's ring spectra (the sampling taps, then each ring's real DFT), the orientation of each group (or
+channel) and the gated turn, and multiplies the block's aligned columns with the weight written in the same
+harmonic basis (done here, per call: ``weight @ to_harmonic``, and the weight gradient back through its
+transpose); its backward recomputes them and runs the gradient back through the turn and the orientation.
+
 The extension is compiled with ``torch.utils.cpp_extension.load`` the first time ``backend="auto"``
 (or ``"cpu"``) needs it (``-O3``, OpenMP through ``at::parallel_for``), once per instruction-set level
 (:data:`ISA_LEVELS`): ``avx512`` (``-march=x86-64-v4``), ``avx2`` (``-march=x86-64-v3``: AVX2 and FMA) and
@@ -38,14 +45,15 @@ rebuilds another's (were the environment left out, each would rewrite the shared
 own paths and ninja would recompile at every switch). A build prints one line to stderr before it starts
 (what it builds, why, about how long it takes) and one when it is done; loading a cached build prints
 nothing. If the build fails (no compiler, no ninja), a warning says why, a lower level is tried, and where
-none builds ``backend="auto"`` uses the reference path. ``TIMM_SORTCONV_DISABLE_FAST=1`` switches the
+none builds ``backend="auto"`` uses the reference path (the harmonic backend for the aligned variants). ``TIMM_SORTCONV_DISABLE_FAST=1`` switches the
 backend off (:func:`timm_sortconv.ops.backends.fast_disabled`).
 
 Supported (``supports_cpu``): CPU tensors of float32 or float64 (input, weight and bias of one
 dtype), and of bfloat16 where the CPU multiplies bfloat16 pairs (AVX-512 BF16: :func:`bf16_products`),
-``k <= 15`` (odd or even), any stride, dilation and groups. A bfloat16 call samples and sorts in float32
-and rounds only the multiplicands to bfloat16 (``csrc/bf16_gemm.h``); ``torch.autocast(dtype=bfloat16)``
-on the CPU makes such calls where this kernel takes them, float32 calls elsewhere (see :mod:`.operator`).
+``k <= 15`` (odd or even), any stride, dilation and groups, every sorting and alignment. A bfloat16 call
+samples and sorts in float32 and rounds only the multiplicands to bfloat16 (``csrc/bf16_gemm.h``; an aligned
+one runs in float32 throughout); ``torch.autocast(dtype=bfloat16)`` on the CPU makes such calls where this
+kernel takes them, float32 calls elsewhere (see :mod:`.operator`).
 A gradient whose own graph is being built (double backward) is computed by the operator through the
 reference path.
 """
@@ -71,9 +79,9 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .alignment import is_aligned
+from .alignment import RELATIVE, TINY, harmonic_tables, is_aligned
 from .backends import DISABLE_ENV, NO_PADDING, Backend, fast_disabled, register_backend
-from .geometry import SortGeometry
+from .geometry import ALIGNMENTS, SortGeometry
 
 __all__ = ["ISA_ENV", "ISA_LEVELS", "MAX_KERNEL_SIZE", "POLAR_TAP_SIZES", "SOURCE_DIR", "CpuKernel",
            "IsaLevel", "build_environment", "cpu_isa", "extension_name", "load_extension", "load_kernel",
@@ -417,6 +425,99 @@ def _tables_for(geometry: SortGeometry) -> _Tables:
     return _tables[key]
 
 
+def _folded_dft(geometry: SortGeometry) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each ring's real DFT as the kernel computes it: a fold, then small dense blocks. Returns ``(fold, dft,
+    blocks)``: ``fold`` and ``dft`` ``(k*k, k*k)``, ``blocks`` ``(n, 2)`` (start, size) of ``dft``'s diagonal blocks;
+    ``dft @ fold`` are the rows of :attr:`.alignment.HarmonicTables.analysis`, in the kernel's order.
+
+    A ring of ``N`` samples ``s_j`` has ``Re S_m = sum_j s_j cos(2 pi m j / N)`` and ``Im S_m = -sum_j s_j sin(2 pi m
+    j / N)``; ``j`` and ``N - j`` share the cosine and have opposite sines, so with ``u_j = s_j + s_{N-j}`` and
+    ``v_j = s_j - s_{N-j}`` (``0 < j < N/2``) the cosine rows (``S_0``, ``Re S_m`` for ``0 < m < N/2``, the Nyquist
+    ``S_{N/2}`` of an even ring) read only ``s_0``, the ``u_j`` and ``s_{N/2}``, and the sine rows (``Im S_m``) only the
+    ``v_j``: two square blocks of about ``N/2`` a side, half the products of the whole ``N x N`` transform, each a
+    micro-GEMM over a block's lanes. The centre is a block of its own."""
+    slots = geometry.kernel_size ** 2
+    fold = torch.zeros(slots, slots, dtype=torch.float64)
+    dft = torch.zeros(slots, slots, dtype=torch.float64)
+    blocks, row = [], 0
+    for start, end in geometry.segments:
+        n = end - start
+        if n == 1:
+            fold[row, start] = dft[row, row] = 1.0
+            blocks.append((row, 1))
+            row += 1
+            continue
+        pairs = range(1, (n + 1) // 2)  # 0 < j < N/2, and the harmonics 0 < m < N/2
+        cosine = [0, *pairs] + ([n // 2] if n % 2 == 0 else [])  # folded inputs j, and harmonics m
+        for i, j in enumerate(cosine):
+            fold[row + i, start + j] = 1.0
+            if 0 < j < n / 2:
+                fold[row + i, start + n - j] = 1.0
+        for a, m in enumerate(cosine):
+            for b, j in enumerate(cosine):
+                dft[row + a, row + b] = torch.cos(torch.tensor(2 * torch.pi * (m * j % n) / n, dtype=torch.float64))
+        blocks.append((row, len(cosine)))
+        row += len(cosine)
+        for i, j in enumerate(pairs):
+            fold[row + i, start + j], fold[row + i, start + n - j] = 1.0, -1.0
+        for a, m in enumerate(pairs):
+            for b, j in enumerate(pairs):
+                dft[row + a, row + b] = -torch.sin(torch.tensor(2 * torch.pi * (m * j % n) / n, dtype=torch.float64))
+        blocks.append((row, len(pairs)))
+        row += len(pairs)
+    # cos(pi/2) and sin(pi) come out as about 1e-16: exact zeros
+    dft = dft.masked_fill(dft.abs() < 1e-12, 0.0)
+    return fold, dft, torch.tensor([b for b in blocks if b[1] > 0], dtype=torch.int64).reshape(-1, 2)
+
+
+class _AlignTables:
+    """The aligned variants' tables as the extension reads them, cached per geometry and dtype: ``kwargs`` for
+    ``align_forward``/``align_backward`` (:func:`_folded_dft`, and :func:`.alignment.harmonic_tables`'s description
+    of each harmonic channel, at the kernel's row of that channel), and ``to_harmonic`` ``(k*k, k*k)``, which takes
+    each channel's weights in grid order to the harmonic basis in the kernel's order (the inverse transform's rows
+    in grid order: the product of the slot-order weight with the aligned samples is the product of the harmonic
+    weight with the aligned harmonics)."""
+
+    def __init__(self, geometry: SortGeometry, dtype: torch.dtype) -> None:
+        exact = harmonic_tables(geometry, torch.device("cpu"), torch.float64)
+        fold, dft, blocks = _folded_dft(geometry)
+        # order[row]: the harmonic channel (harmonic_tables' order) at the kernel's row, found by its analysis row
+        distance = torch.cdist(dft @ fold, exact.analysis, p=float("inf"))
+        order = distance.argmin(1)
+        if not (distance.amin(1) < 1e-9).all() or sorted(order.tolist()) != list(range(len(order))):
+            raise AssertionError(f"the folded DFT of {geometry} does not match harmonic_tables")
+        row_of = torch.argsort(order)  # the kernel's row of each harmonic channel
+        fixed, pairs = exact.fixed, exact.pair_harmonic.numel()
+        self.kwargs = dict(
+            fold=fold, dft=dft, blocks=blocks,
+            pairs=torch.stack([row_of[fixed:fixed + pairs], row_of[fixed + pairs:], exact.pair_harmonic], 1),
+            first=exact.first, energy_pairs=exact.energy_pairs,
+            fixed=torch.stack([row_of[:fixed], exact.nyquist], 1), energy_fixed=exact.energy_fixed,
+            shared=ALIGNMENTS[geometry.sorting] == "shared", relative=RELATIVE, tiny=TINY)
+        self.to_harmonic = exact.synthesis[torch.argsort(geometry.slot_to_grid)][:, order].to(dtype)
+
+
+_align_tables: Dict[Tuple[int, str, str, torch.dtype], _AlignTables] = {}
+
+
+def _align_tables_for(geometry: SortGeometry, dtype: torch.dtype) -> _AlignTables:
+    key = (geometry.kernel_size, geometry.sampling, geometry.sorting, dtype)
+    if key not in _align_tables:
+        _align_tables[key] = _AlignTables(geometry, dtype)
+    return _align_tables[key]
+
+
+def _harmonic_weight(weight: torch.Tensor, align: _AlignTables) -> torch.Tensor:
+    """The weight ``(O, C/g, k, k)`` in the harmonic basis, as the kernel takes it: ``(O, C/g * k*k)``."""
+    return (weight.reshape(weight.shape[0], weight.shape[1], -1) @ align.to_harmonic).reshape(weight.shape[0], -1)
+
+
+def _geometry_args(geometry: SortGeometry, tables: _Tables, stride, dilation, groups) -> Dict[str, object]:
+    return dict(tap_offsets=tables.tap_offsets, tap_weights=tables.tap_weights, segments=tables.segments,
+                kernel_size=geometry.kernel_size, stride_h=stride[0], stride_w=stride[1], dilation_h=dilation[0],
+                dilation_w=dilation[1], groups=groups)
+
+
 def _weight_args(module: ModuleType, weight: torch.Tensor, tables: _Tables) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """The weight as ``(O, C/g * k*k)`` and the extension's keyword for its order: in grid order with
     ``slot_to_grid`` (the kernel permutes it while repacking), or, for a kernel from before that argument
@@ -443,6 +544,8 @@ class CpuKernel:
     isa: str
 
     def forward(self, x, weight, bias, geometry, stride, dilation, groups, pad=NO_PADDING):
+        if is_aligned(geometry):
+            return self._align_forward(x, weight, bias, geometry, stride, dilation, groups, pad)
         tables = _tables_for(geometry)
         flat, order = _weight_args(self.module, weight, tables)
         return self.module.forward(x, flat, bias, tables.tap_offsets, tables.tap_weights, tables.segments,
@@ -451,6 +554,9 @@ class CpuKernel:
 
     def backward(self, grad_output, x, weight, geometry, stride, dilation, groups, need_input, need_weight,
                  pad=NO_PADDING):
+        if is_aligned(geometry):
+            return self._align_backward(grad_output, x, weight, geometry, stride, dilation, groups, need_input,
+                                        need_weight, pad)
         tables = _tables_for(geometry)
         flat, order = _weight_args(self.module, weight, tables)
         grad_input, grad_weight = self.module.backward(
@@ -462,6 +568,35 @@ class CpuKernel:
         if not order:  # an older kernel answers in slot order
             out_channels, in_per_group = weight.shape[:2]
             grad_weight = grad_weight.view(out_channels, in_per_group, -1).index_select(2, tables.grid_to_slot)
+        return grad_input, grad_weight.view_as(weight)
+
+    # The aligned variants (csrc/align_conv_kernel.h). The kernel multiplies in the harmonic basis: the weight goes
+    # there here (harmonic = grid weights @ to_harmonic) and its gradient comes back through the transpose. A
+    # bfloat16 call is computed in float32 (products included) and rounded to bfloat16 at the end.
+    def _align_forward(self, x, weight, bias, geometry, stride, dilation, groups, pad):
+        if x.dtype == torch.bfloat16:
+            bias = None if bias is None else bias.float()
+            return self._align_forward(x.float(), weight.float(), bias, geometry, stride, dilation, groups,
+                                       pad).bfloat16()
+        align = _align_tables_for(geometry, x.dtype)
+        return self.module.align_forward(x, _harmonic_weight(weight, align), bias,
+                                         **_geometry_args(geometry, _tables_for(geometry), stride, dilation, groups),
+                                         **align.kwargs, **_padding_kwargs(pad))
+
+    def _align_backward(self, grad_output, x, weight, geometry, stride, dilation, groups, need_input, need_weight,
+                        pad):
+        if x.dtype == torch.bfloat16:
+            grads = self._align_backward(grad_output.float(), x.float(), weight.float(), geometry, stride, dilation,
+                                         groups, need_input, need_weight, pad)
+            return tuple(None if g is None else g.bfloat16() for g in grads)
+        align = _align_tables_for(geometry, x.dtype)
+        grad_input, grad_harmonic = self.module.align_backward(
+            grad_output, x, _harmonic_weight(weight, align),
+            **_geometry_args(geometry, _tables_for(geometry), stride, dilation, groups),
+            **align.kwargs, need_input_grad=need_input, need_weight_grad=need_weight, **_padding_kwargs(pad))
+        if not need_weight:
+            return grad_input, None
+        grad_weight = grad_harmonic.view(weight.shape[0], weight.shape[1], -1) @ align.to_harmonic.t()
         return grad_input, grad_weight.view_as(weight)
 
 
@@ -521,15 +656,16 @@ def bf16_products() -> bool:
 
 def supports_cpu(x, weight, bias, geometry: SortGeometry, stride, dilation, groups) -> bool:
     """Whether the fused kernel computes this call as the reference path would: exactly for float32 and
-    float64, and for bfloat16 (where :func:`bf16_products`) with bfloat16 products of float32-sorted windows."""
+    float64, and for bfloat16 (where :func:`bf16_products`) with bfloat16 products of float32-sorted windows
+    (the aligned variants: in float32 throughout, rounded to bfloat16 at the end)."""
     tensors = [x, weight] + ([bias] if bias is not None else [])
     return (
         all(t.device.type == "cpu" and t.dtype == x.dtype for t in tensors)
         and (x.dtype in SUPPORTED_DTYPES or (x.dtype == torch.bfloat16 and bf16_products()))
         and geometry.kernel_size <= MAX_KERNEL_SIZE
-        and not is_aligned(geometry)
     )
 
 
+# Ahead of the harmonic backend: auto takes this kernel for the aligned variants on the CPU.
 register_backend(Backend("cpu", sort_conv2d_cpu, sort_conv2d_cpu_backward, supports_cpu, _available,
-                         zero_padding=True))
+                         zero_padding=True), before="harmonic")

@@ -1,0 +1,176 @@
+#!/usr/bin/env python3
+"""What the aligned variants cost on the CPU: SCNN training steps with ``sorting="align"`` / ``"align-channel"``
+against ring-sorted SC (``scnn_p_rs_7``) and plain convolutions (``scnn_baseline_7``), in one process.
+
+Every model is the paper's MNIST network (7x7 kernels in the first four layers, polar sampling) on the same random
+batch; the aligned ones run on ``backend="auto"`` (the fused CPU kernel, ``csrc/align_conv_kernel.h``, where it is
+built) unless ``--backend`` names another (``harmonic``: the standard-operator path, seconds per step). One training
+step is a forward, a backward and an Adam update. After a warm-up step each, the models take turns for ``--rounds``
+rounds, so that a change in the machine's load falls on all alike, and the least time of the rounds is kept: the
+process's CPU time (``time.process_time``, which time spent waiting for a core does not count) and the wall-clock
+time beside it. With ``--layers`` it also times each SC layer's forward and forward+backward, aligned against
+ring-sorted, at its input size in the network.
+
+Printed: the CPU, PyTorch's threads, the 1-minute load average before and after, and a Markdown table of
+milliseconds per step with each model's ratio to ``scnn_p_rs_7``.
+
+Examples::
+
+    python scripts/bench_align.py                          # batch 50, one thread, 5 rounds
+    python scripts/bench_align.py --rounds 9 --layers
+    python scripts/bench_align.py --backend harmonic --rounds 2 --models align,scnn_p_rs_7
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+from typing import Callable, Dict, List
+
+import timm
+import torch
+import torch.nn.functional as F
+
+import timm_sortconv  # noqa: F401  (registers the models)
+from timm_sortconv import SortConv2d
+from timm_sortconv.models import SCNN
+
+MODELS = ("scnn_baseline_7", "scnn_p_rs_7", "align", "align-channel")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description="SCNN training steps: aligned SC against ring-sorted SC and conv")
+    parser.add_argument("--batch-size", "-b", type=int, default=50, help="images per step (default: 50)")
+    parser.add_argument("--threads", type=int, default=1, help="PyTorch threads (default: 1)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds, the models taking turns (default: 5)")
+    parser.add_argument("--models", default=",".join(MODELS),
+                        help=f"comma-separated, from {', '.join(MODELS)} (default: all)")
+    parser.add_argument("--backend", default="auto", help="backend of the aligned models (default: auto)")
+    parser.add_argument("--layers", action="store_true", help="also time each SC layer, aligned against ring-sorted")
+    return parser.parse_args(argv)
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return platform.processor() or "unknown"
+    name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown")
+    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
+    return f"{name} ({'with' if 'avx512f' in flags else 'without'} avx512f)"
+
+
+def load_average() -> str:
+    try:
+        return f"{os.getloadavg()[0]:.2f}"
+    except OSError:
+        return "unknown"
+
+
+def build(name: str, backend: str) -> torch.nn.Module:
+    if name in ("align", "align-channel"):
+        return SCNN(sorting=name, backend=backend)
+    return timm.create_model(name)
+
+
+def training_step(model: torch.nn.Module, batch: int) -> Callable[[], None]:
+    """One Adam step of ``model`` on a fixed random batch of 1 x 28 x 28 images."""
+    model.train()
+    generator = torch.Generator().manual_seed(0)
+    images = torch.randn(batch, 1, 28, 28, generator=generator)
+    labels = torch.randint(0, 10, (batch,), generator=generator)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(model(images), labels).backward()
+        optimizer.step()
+
+    return step
+
+
+def take_turns(fns: Dict[str, Callable[[], object]], rounds: int) -> Dict[str, List[float]]:
+    """(least CPU seconds, least wall-clock seconds) of each function over ``rounds`` rounds of turns, after a
+    warm-up call each."""
+    for fn in fns.values():
+        fn()
+    cpu: Dict[str, List[float]] = {name: [] for name in fns}
+    wall: Dict[str, List[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            wall_start, cpu_start = time.perf_counter(), time.process_time()
+            fn()
+            cpu[name].append(time.process_time() - cpu_start)
+            wall[name].append(time.perf_counter() - wall_start)
+    return {name: [min(cpu[name]), min(wall[name])] for name in fns}
+
+
+def layer_calls(batch: int, backend: str) -> Dict[str, Callable[[], object]]:
+    """Forward and forward+backward of each distinct SC layer of SCNN, ring-sorted and aligned, at its input."""
+    reference = SCNN()
+    shapes = []
+
+    def hook(module, inputs, output):
+        shapes.append((module, inputs[0].shape))
+
+    handles = [m.register_forward_hook(hook) for m in reference.modules() if isinstance(m, SortConv2d)]
+    reference(torch.zeros(batch, 1, 28, 28))
+    for handle in handles:
+        handle.remove()
+    calls = {}
+    for index, (layer, shape) in enumerate(shapes):
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(index))
+        for label, sorting in (("ring", "ring"), ("align", "align")):
+            conv = SortConv2d.from_conv(layer, sampling="polar", sorting=sorting,
+                                        backend="auto" if sorting == "ring" else backend)
+            name = f"{layer.in_channels}->{layer.out_channels} k{layer.kernel_size[0]} {tuple(shape[2:])} {label}"
+
+            def forward(conv=conv, x=x):
+                with torch.no_grad():
+                    conv(x)
+
+            def forward_backward(conv=conv, x=x):
+                leaf = x.detach().requires_grad_()
+                conv(leaf).sum().backward()
+
+            calls[f"{name} forward"] = forward
+            calls[f"{name} forward+backward"] = forward_backward
+    return calls
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    names = [name.strip() for name in args.models.split(",") if name.strip()]
+    unknown = sorted(set(names) - set(MODELS))
+    if unknown:
+        raise SystemExit(f"unknown models {unknown}; choose from {', '.join(MODELS)}")
+    print(f"CPU: {cpu_model()}; PyTorch {torch.__version__}, {torch.get_num_threads()} thread(s); "
+          f"aligned models on backend={args.backend!r}; batch {args.batch_size}, {args.rounds} rounds")
+    print(f"Load average (1 minute) before: {load_average()} on {os.cpu_count()} logical CPUs")
+    torch.manual_seed(0)
+    steps = {name: training_step(build(name, args.backend), args.batch_size) for name in names}
+    times = take_turns(steps, args.rounds)
+    print(f"Load average (1 minute) after: {load_average()}\n")
+    base = times.get("scnn_p_rs_7")
+    print("| model | CPU ms / step | wall ms / step | CPU time / scnn_p_rs_7 |")
+    print("|---|---:|---:|---:|")
+    for name, (cpu, wall) in times.items():
+        ratio = f"{cpu / base[0]:.2f}" if base else "-"
+        print(f"| {name} | {cpu * 1e3:.0f} | {wall * 1e3:.0f} | {ratio} |")
+    if args.layers:
+        layer_times = take_turns(layer_calls(args.batch_size, args.backend), args.rounds)
+        print("\n| layer (input) | pass | ring ms | align ms | align / ring |")
+        print("|---|---|---:|---:|---:|")
+        for name, (cpu, _) in layer_times.items():
+            if " ring " not in name:
+                continue
+            aligned = layer_times[name.replace(" ring ", " align ")][0]
+            layer, _, what = name.partition(" ring ")
+            print(f"| {layer} | {what} | {cpu * 1e3:.1f} | {aligned * 1e3:.1f} | {aligned / cpu:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""The fused CPU kernel of the aligned variants (``sorting="align"``, ``"align-channel"``; csrc/align_conv_kernel.h)
+against the specification, the reference path (``aligned_samples``: each ring's FFT, the turn, the inverse FFT).
+
+The forward values and the input, weight and bias gradients (the input's through each window's orientation) must
+agree with ``backend="reference"``: tightly in float64, to float32 rounding in float32, for every kernel size the
+models use and an even one, both samplings, strides, dilations, groups (dense, grouped, depthwise) and padding
+modes (zeros added inside the kernel, the others by ``F.pad`` first), an empty batch and a channels_last input.
+``backend="auto"`` must take the kernel for aligned CPU calls, while ``backend="harmonic"`` keeps working; backward
+keeps only the input and the weight; windows with no orientation keep the gradient finite in float32 too.
+"""
+import pytest
+import torch
+
+from test_alignment import oracle
+# the extension (built, or the module skipped), the isa and threads fixtures, the tolerances and helpers
+from test_cpu_backend import TOLERANCE, extension, forward_and_gradients, isa, randn, threads  # noqa: F401
+from timm_sortconv import SortConv2d, sort_conv2d
+from timm_sortconv.ops import cpu_backend
+from timm_sortconv.ops.backends import resolve_backend
+from timm_sortconv.ops.geometry import get_geometry
+
+ALIGNED = ["align", "align-channel"]
+# (stride, dilation, groups, padding_mode) on 4 input channels: dense, grouped and depthwise (groups = 4).
+CONFIGS = [
+    (1, 1, 1, "zeros"),
+    (2, 1, 2, "zeros"),
+    (1, 2, 4, "zeros"),
+    (2, 2, 1, "reflect"),
+    (1, 1, 2, "circular"),
+]
+
+
+def assert_agree(x, weight, bias, **kwargs):
+    fast = forward_and_gradients("cpu", x, weight, bias, **kwargs)
+    reference = forward_and_gradients("reference", x, weight, bias, **kwargs)
+    for name, a, b in zip(("output", "grad input", "grad weight", "grad bias"), fast, reference):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        torch.testing.assert_close(a, b, **TOLERANCE[x.dtype], msg=lambda m: f"{name} ({kwargs}): {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("k", [1, 3, 4, 5, 7])
+@pytest.mark.parametrize("sampling", ["polar", "square"])
+@pytest.mark.parametrize("sorting", ALIGNED)
+def test_agrees_with_reference(sorting, sampling, k, dtype, threads, isa):
+    threads(1)
+    for index, (stride, dilation, groups, padding_mode) in enumerate(CONFIGS):
+        # 9 x 21: rows shorter and longer than a block of lanes, partial blocks, blocks across rows and images
+        x = randn(2, 4, 9, 21, seed=index, dtype=dtype)
+        weight = randn(8, 4 // groups, k, k, seed=10 + index, dtype=dtype)
+        bias = randn(8, seed=20 + index, dtype=dtype)
+        padding = min(k // 2 * dilation, 8)  # reflect needs padding < size
+        assert_agree(x, weight, bias, stride=stride, padding=padding, dilation=dilation, groups=groups,
+                     padding_mode=padding_mode, sampling=sampling, sorting=sorting)
+
+
+@pytest.mark.parametrize("sorting", ALIGNED)
+@pytest.mark.parametrize("sampling", ["polar", "square"])
+def test_forward_and_both_gradients_agree_with_the_oracle(sampling, sorting):
+    """test_alignment's oracle, which shares no code with the package."""
+    x, weight, bias = (t.requires_grad_() for t in (randn(2, 2, 7, 7), randn(3, 2, 5, 5, seed=1), randn(3, seed=2)))
+    expected = oracle(x, weight, bias, 5, sampling, sorting)
+    grad = randn(*expected.shape, seed=3)
+    got = sort_conv2d(x, weight, bias, sampling=sampling, sorting=sorting, backend="cpu")
+    torch.testing.assert_close(got, expected)
+    for g, w in zip(torch.autograd.grad(got, (x, weight, bias), grad), torch.autograd.grad(expected, (x, weight, bias),
+                                                                                          grad)):
+        torch.testing.assert_close(g, w)
+
+
+@pytest.mark.parametrize("sorting", ALIGNED)
+def test_a_quarter_turn_of_the_input_turns_the_output(sorting):
+    layer = SortConv2d(3, 4, 7, padding=3, sorting=sorting, backend="cpu").double()
+    x = randn(2, 3, 11, 11)
+    for turns in (1, 2, 3):
+        torch.testing.assert_close(layer(torch.rot90(x, turns, (2, 3))), torch.rot90(layer(x), turns, (2, 3)))
+
+
+@pytest.mark.parametrize("sorting", ALIGNED)
+def test_agrees_with_reference_on_an_empty_batch_and_a_channels_last_input(sorting, threads):
+    threads(1)
+    x, weight, bias = randn(0, 4, 9, 9), randn(6, 4, 5, 5, seed=1), randn(6, seed=2)
+    assert_agree(x, weight, bias, padding=2, sorting=sorting)
+    x = randn(2, 4, 9, 11).contiguous(memory_format=torch.channels_last)
+    assert_agree(x, weight, bias, padding=2, sorting=sorting)
+    out = sort_conv2d(x, weight, bias, padding=2, sorting=sorting, backend="cpu")
+    assert out.is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_agrees_with_reference_on_two_threads(batch, threads):
+    """Two threads: with fewer images than threads they share blocks and keep private input gradients (and the
+    backend pads the input first); otherwise each owns whole images. Large enough to be split."""
+    threads(2)
+    for sorting in ALIGNED:
+        x, weight, bias = randn(batch, 8, 20, 24), randn(16, 8, 5, 5, seed=1), randn(16, seed=2)
+        assert_agree(x, weight, bias, padding=2, sorting=sorting)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+def test_windows_with_no_orientation_keep_the_output_and_the_gradient_finite(dtype, threads):
+    """Zero windows (c = 0 and E = 0: the gate is 0 / TINY), flat ones and ones symmetric under a half turn (no
+    odd harmonic: c = 0 up to rounding) give finite outputs and gradients. In float64 they equal the reference's;
+    in float32 the input gradient of a flat nonzero window is not compared: there c and E are rounding noise of
+    the sampling and the DFT (|c|^2 about 1e-14 of the window's square, far above TINY), so the gate is not small
+    and the orientation, and its gradient, follow the noise, which two implementations round differently."""
+    threads(1)
+    weight, bias = randn(4, 2, 5, 5, seed=1, dtype=dtype), randn(4, seed=2, dtype=dtype)
+    zero, flat = torch.zeros(1, 2, 9, 9, dtype=dtype), torch.full((1, 2, 9, 9), 0.3, dtype=dtype)
+    symmetric = randn(1, 2, 9, 9, seed=3, dtype=dtype)
+    symmetric = symmetric + torch.rot90(symmetric, 2, (2, 3))
+    for sorting in ALIGNED:
+        for x in (zero, flat, symmetric):
+            got = forward_and_gradients("cpu", x, weight, bias, sorting=sorting)
+            assert all(torch.isfinite(t).all() for t in got)
+            if dtype == torch.float64 or x is zero:
+                assert_agree(x, weight, bias, sorting=sorting)
+
+
+def test_gradcheck(threads):
+    threads(1)
+    for sorting, sampling in (("align", "polar"), ("align-channel", "square")):
+        x = randn(2, 4, 7, 6).requires_grad_()
+        weight = randn(4, 2, 3, 3, seed=1).requires_grad_()
+        bias = randn(4, seed=2).requires_grad_()
+
+        def op(x, weight, bias):
+            return sort_conv2d(x, weight, bias, stride=2, padding=1, groups=2, sampling=sampling, sorting=sorting,
+                               backend="cpu")
+
+        assert torch.autograd.gradcheck(op, (x, weight, bias))
+
+
+def test_backward_saves_only_the_input_and_the_weight():
+    x = torch.randn(2, 4, 12, 12, requires_grad=True)
+    weight = torch.randn(8, 4, 7, 7, requires_grad=True)
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = sort_conv2d(x, weight, None, padding=3, sorting="align", backend="cpu")
+    assert {id(t) for t in saved} == {id(x), id(weight)}, [tuple(t.shape) for t in saved]
+    out.sum().backward()
+    assert x.grad is not None and weight.grad is not None
+
+
+def test_auto_takes_the_kernel_for_aligned_cpu_calls_and_harmonic_stays_available():
+    x, weight = torch.randn(1, 2, 8, 8), torch.randn(2, 2, 5, 5)
+    for sorting in ALIGNED:
+        geometry = get_geometry(5, "polar", sorting)
+        assert resolve_backend("auto", x, weight, None, geometry, (1, 1), (1, 1), 1).name == "cpu"
+        assert resolve_backend("auto", x.double(), weight.double(), None, geometry, (1, 1), (1, 1), 1).name == "cpu"
+        half = (x.half(), weight.half(), None, geometry, (1, 1), (1, 1), 1)
+        assert resolve_backend("auto", *half).name == "harmonic"  # the kernel takes no float16
+        bf16 = (x.bfloat16(), weight.bfloat16(), None, geometry, (1, 1), (1, 1), 1)
+        assert resolve_backend("auto", *bf16).name == ("cpu" if cpu_backend.bf16_products() else "harmonic")
+        assert resolve_backend("harmonic", x, weight, None, geometry, (1, 1), (1, 1), 1).name == "harmonic"
+        torch.testing.assert_close(sort_conv2d(x, weight, padding=2, sorting=sorting, backend="auto"),
+                                   sort_conv2d(x, weight, padding=2, sorting=sorting, backend="harmonic"))
+
+
+def test_bfloat16_calls_are_computed_in_float32():
+    if not cpu_backend.bf16_products():
+        pytest.skip("the kernel takes bfloat16 calls only where the CPU multiplies bfloat16 pairs")
+    tensors = [randn(2, 3, 10, 10).bfloat16(), randn(4, 3, 5, 5, seed=1).bfloat16(), randn(4, seed=2).bfloat16()]
+    grad_out = randn(2, 4, 10, 10, seed=3).bfloat16()
+    results = []
+    for dtype in (torch.bfloat16, torch.float32):
+        x, weight, bias = (t.to(dtype).requires_grad_() for t in tensors)
+        out = sort_conv2d(x, weight, bias, padding=2, sorting="align", backend="cpu")
+        results.append([out, *torch.autograd.grad(out, (x, weight, bias), grad_out.to(dtype))])
+    for a, b in zip(*results):
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(a, b.bfloat16(), rtol=0, atol=0)
