@@ -25,13 +25,19 @@ samples, while its inner order is kept. Sample ``j`` of ring ``r`` is then multi
 **Windows with no orientation.** Where ``c = 0`` (a flat window, or one symmetric under a half turn, whose odd
 harmonics vanish) ``e`` is undefined. The turned harmonics are therefore weighted by a gate
 
-    ``g = |c|^2 / (|c|^2 + RELATIVE * E + TINY)``,   ``E = sum_r sum_{m != 0} |S_m(r)|^2 / N_r^2``
+    ``g = |c|^2 / (|c|^2 + RELATIVE * E + LEVEL * M + TINY)``,   ``E = sum_r sum_{m != 0} |S_m(r)|^2 / N_r^2``,
+    ``M = sum_r |S_0(r)|^2 / N_r^2``
 
-(``E``: the variance of the ring samples about their ring means, summed over rings and the channels that share
-``c``): ``A_m = g * S_m * conj(e)^m`` for ``m != 0`` and ``A_0 = S_0``. ``g`` and ``E`` are invariant to turns,
+(``E``: the variance of the ring samples about their ring means, ``M``: the squared ring means, both summed over
+rings and the channels that share ``c``): ``A_m = g * S_m * conj(e)^m`` for ``m != 0`` and ``A_0 = S_0``. The
+``LEVEL`` term keeps rounding from orienting a flat window: the harmonics of a window of constant value ``v``
+computed in float32 are not 0 but about ``1e-7 v``, as large against their own variance as a real edge, while
+``LEVEL * M`` holds ``g`` near ``1e-5`` there and costs a window of contrast ``1e-3`` or more nothing that
+matters. ``g``, ``E`` and ``M`` are invariant to turns,
 so the invariance above holds; as ``c -> 0`` the window fades continuously to its ring means and the centre,
 which need no orientation, so the output does not jump where the orientation flips. ``g`` is a function of
-``|c|^2 / E`` alone, so the output stays positively homogeneous of degree one in the input, as a convolution's,
+ratios of ``|c|^2``, ``E`` and ``M`` alone, so the output stays positively homogeneous of degree one in the input,
+as a convolution's,
 and the gradient of ``g * conj(e)^m`` is bounded by a multiple of ``1 / sqrt(RELATIVE)`` relative to the
 window's scale: ``e`` varies fastest where ``|c|`` is small, and there ``g`` is small. ``TINY`` only keeps the
 quotients defined for a window that is exactly flat. The orientation is computed in float32 at least, and the
@@ -62,10 +68,12 @@ import torch.nn.functional as F
 
 from .geometry import ALIGNMENTS, SortGeometry
 
-__all__ = ["RELATIVE", "TINY", "aligned_samples", "align_conv2d_harmonic", "is_aligned"]
+__all__ = ["LEVEL", "RELATIVE", "TINY", "aligned_samples", "align_conv2d_harmonic", "is_aligned"]
 
 #: How strongly a window must be oriented, relative to its variance, before it is turned at full strength.
 RELATIVE = 0.1
+#: How much of a window's squared ring means counts against its orientation (above float32 rounding, 1e-14 of it).
+LEVEL = 1e-8
 #: Keeps the quotients defined for an exactly flat window.
 TINY = 1e-20
 
@@ -113,6 +121,8 @@ def aligned_samples(samples: torch.Tensor, geometry: SortGeometry, groups: int) 
     first = sum(spectrum[..., 1] / (e - s) for spectrum, (s, e) in zip(spectra, rings))
     energy = sum((spectrum[..., 1:].real ** 2 + spectrum[..., 1:].imag ** 2).sum(-1) / (e - s) ** 2
                  for spectrum, (s, e) in zip(spectra, rings))
+    level = sum(spectrum[..., 0].real ** 2 / (e - s) ** 2 for spectrum, (s, e) in zip(spectra, rings))
+    energy = energy + LEVEL / RELATIVE * level  # the gate's denominator holds RELATIVE * E + LEVEL * M
     gate, e_re, e_im = _gate_and_direction(_share(first.real, geometry, groups),
                                            _share(first.imag, geometry, groups), _share(energy, geometry, groups))
     back = torch.complex(e_re, -e_im)  # conj(e)
@@ -153,8 +163,8 @@ class HarmonicTables:
         nyquist: ``(fixed,)`` long: each fixed channel's ``m`` for a Nyquist channel, else 0.
         pair_harmonic: ``(pairs,)`` long: each pair's ``m``.
         first: ``(pairs,)``: ``1 / N`` for the pairs with ``m = 1``, else 0: ``c = sum first * (Re + i Im)``.
-        energy_pairs, energy_fixed: ``(pairs,)``, ``(fixed,)``: ``E = sum energy_pairs * (Re^2 + Im^2) +
-            sum energy_fixed * S^2``.
+        energy_pairs, energy_fixed: ``(pairs,)``, ``(fixed,)``: ``E + (LEVEL / RELATIVE) M = sum energy_pairs *
+            (Re^2 + Im^2) + sum energy_fixed * S^2`` (the ``S_0`` rows carry the ``M`` term, the Nyquist rows ``E``'s).
         largest: the largest ``m``.
     """
 
@@ -213,7 +223,7 @@ def harmonic_tables(geometry: SortGeometry, device: torch.device, dtype: torch.d
             torch.tensor([m for m, _ in pairs], device=device),
             torch.tensor([1.0 / n if m == 1 else 0.0 for m, n in pairs], **to),
             torch.tensor([2.0 / n ** 2 for _, n in pairs], **to),
-            torch.tensor([1.0 / n ** 2 if m > 0 else 0.0 for m, n in fixed], **to),
+            torch.tensor([(1.0 if m > 0 else LEVEL / RELATIVE if n > 1 else 0.0) / n ** 2 for m, n in fixed], **to),
             max(m for m, _ in fixed + pairs))
     return _TABLES[key]
 
