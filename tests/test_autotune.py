@@ -3,10 +3,11 @@
 The tuner is tested with injected candidates (right, wrong, failing), an injected clock and an injected
 capture state, so that every rule of the choice is exercised without a GPU: the reference's result on the
 deciding call, the fastest agreeing candidate kept, one warning per candidate left out, deterministic mode,
-CUDA graph capture, the switch, non-finite inputs. Then the same tuner behind the operator: through a test
-backend registered for bfloat16 CPU tensors (taken from the CPU kernel for these tests), eagerly, under torch.compile and
-under DDP. The Triton backend's own candidates are checked here for their order and flags; running them
-(Triton's interpreter) is in tests/test_triton_backend.py.
+CUDA graph capture, the switch, non-finite inputs, the checker with autocast off (the Triton backend's
+half-precision backward checked against float32 samples under autocast). Then the same tuner behind the
+operator: through a test backend registered for bfloat16 CPU tensors (taken from the CPU kernel for these
+tests), eagerly, under torch.compile and under DDP. The Triton backend's own candidates are checked here for
+their order and flags; running them (Triton's interpreter) is in tests/test_triton_backend.py.
 """
 import dataclasses
 import warnings
@@ -521,6 +522,67 @@ def test_upcast_computes_half_types_in_float32():
     out, none = tuning.upcast(fn)(a, a, "flag")
     assert seen == [(torch.float32, torch.float32, "flag")] and out.dtype == torch.bfloat16 and none is None
     assert tuning.upcast(fn)(a.double(), a.double(), 1)[0].dtype == torch.float64
+
+
+def test_the_checker_runs_with_autocast_off(tuner):
+    # A backward runs under the autocast of the code that called backward(): the expected result must not.
+    seen = []
+
+    def checker(args, result):
+        seen.append(torch.is_autocast_enabled("cpu"))
+        return args, result
+
+    reference, _ = make("reference path", right)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        tuner.run("key", lambda: "configuration", reference, lambda: [make("right", right)[0]], (torch.arange(6.0),),
+                  CPU, checker)
+        assert torch.is_autocast_enabled("cpu")
+    assert seen == [False]
+
+
+def half_backward_call(dtype, k=7):
+    """A half-precision backward call of a k x k polar-ring layer (zero padding) as the Triton backend's checker
+    takes it: ``(grad_out, x, weight, call, need_input, need_weight)``."""
+    pytest.importorskip("triton")
+    from timm_sortconv.ops import triton_backend
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 4, 12, 12, generator=generator).to(dtype)
+    weight = (torch.randn(8, 4, k, k, generator=generator) * 0.1).to(dtype)
+    call = triton_backend._Call.of(x, weight, get_geometry(k, "polar", "ring"), (1, 1), (1, 1), 1, (k // 2,) * 4)
+    grad_out = torch.randn(2, 8, call.out_h, call.out_w, generator=generator).to(dtype)
+    return triton_backend, (grad_out, x, weight, call, True, True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_half_backward_checkers_input_has_distinct_samples_in_every_7x7_window(dtype):
+    # What the kernels sort: the bilinear samples of the checker's input in float32, per ring segment. Windows that
+    # reach into the padding hold zeros that tie, whose gradients all go to the padding.
+    triton_backend, args = half_backward_call(dtype)
+    (_, x, _, call, _, _), _ = triton_backend._check_backward(args, None)
+    assert x.dtype == dtype
+    windows = F.unfold(x.float().flatten(0, 1).unsqueeze(1), 7)  # every 7x7 window of every channel, row-major
+    assert (windows.sort(dim=1).values.diff(dim=1) > 0).all()
+    samples = call.geometry.interpolation.float() @ windows  # (image * channel, slot, window)
+    for start, end in call.geometry.segments:
+        assert (samples[:, start:end].sort(dim=1).values.diff(dim=1) > 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_backward_under_autocast_is_checked_against_float32_samples(tuner, dtype):
+    # Under autocast the float32 reference would interpolate its samples in the autocast dtype; rounded samples tie
+    # (bfloat16: more than half of the 7x7 windows) and their gradients go either way. A kernel sorts them in float32,
+    # as this candidate does, and agrees with the checker's reference.
+    triton_backend, args = half_backward_call(dtype)
+
+    def float32_samples(*args):
+        with torch.autocast("cpu", enabled=False):
+            return tuning.upcast(triton_backend._reference_backward)(*args)
+
+    with torch.autocast("cpu", dtype=dtype):
+        tuner.run("key", lambda: "7x7 backward", triton_backend._REFERENCE["backward"],
+                  lambda: [Candidate("float32 samples", float32_samples)], args, CPU, triton_backend._check_backward)
+    assert tuner.decisions()[0].rejected == {}
 
 
 def test_triton_backward_takes_no_atomics_in_deterministic_mode(monkeypatch):

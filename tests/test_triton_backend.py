@@ -16,8 +16,8 @@ depthwise) rotate through them so that each value meets each path. A path is cho
 name (``backend="triton-<path>"``). ``backend="auto"``'s checked and timed
 choice among the kernels runs here too (float16 CPU tensors, which only the Triton backend takes under the
 interpreter), with an injected clock: every candidate checked and the fastest kept, failing and wrong
-kernels left out, no atomics in deterministic mode, no kernel left out on tied inputs. The tuner's own
-rules are tested without kernels in tests/test_autotune.py.
+kernels left out, no atomics in deterministic mode, no kernel left out on tied inputs, nor from a bfloat16 7x7
+backward run under autocast. The tuner's own rules are tested without kernels in tests/test_autotune.py.
 """
 import os
 import subprocess
@@ -389,6 +389,23 @@ def test_auto_keeps_the_kernels_on_tied_inputs(fresh_tuner, index):
     x, weight, bias, stride, dilation, groups, pad = half_case(index, 3, 16 if index == 0 else 4)
     tuned(x.relu(), weight, bias, geometry, stride, dilation, groups, pad)
     assert [d.rejected for d in fresh_tuner.decisions()] == [{}, {}]
+
+
+@kernel_test
+def test_auto_keeps_the_bfloat16_backward_kernels_of_a_7x7_layer_under_autocast(fresh_tuner, monkeypatch):
+    # backward() called inside autocast, as a layer's benchmark does: the backward runs under it, and the checker's
+    # float32 reference must not interpolate in bfloat16 (rounded samples tie in more than half of the 7x7 windows, and
+    # a tie's gradients go either way). Candidates: the paths whose bfloat16 kernels this device computes.
+    candidates = triton_backend.candidates
+    monkeypatch.setattr(triton_backend, "candidates", lambda kind, call, x: [
+        c for c in candidates(kind, call, x) if c.name.split()[1] in BFLOAT16_PATHS])
+    x, weight, grad_out = (randn(*shape, seed=seed).to(torch.bfloat16)
+                           for seed, shape in enumerate([(1, 2, 9, 9), (4, 2, 7, 7), (1, 4, 9, 9)]))
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        triton_backend.tuned_backward(grad_out, x, weight / 10, get_geometry(7, "polar", "ring"), (1, 1), (1, 1), 1,
+                                      True, True, (3, 3, 3, 3))
+    backward, = fresh_tuner.decisions()
+    assert backward.rejected == {} and backward.chosen.name != "reference path"
 
 
 @kernel_test

@@ -39,8 +39,14 @@ output of its window), on a copy of the arguments with those values replaced by 
 The call still returns the reference's result on its own arguments. Gradients are better checked on an
 input whose windows hold distinct values (:func:`tie_free_like`): where values tie (ReLU's zeros,
 half-precision data) a sort's gradient may go to either of them, and the reference path and a correct
-kernel may pick differently. Decisions need no communication between processes: under DDP each process
-decides for its own GPU (a collective here could wait forever on a process whose batch differs).
+kernel may pick differently. The checker runs with autocast off on the call's device: a backward runs
+under the autocast of the code that called ``backward()`` (autograd's threads take on its state), and there
+autocast would compute the float32 reference of a half-precision call (:func:`upcast`) with its products in
+the autocast dtype. Its polar samples, interpolated and rounded to bfloat16, tie in more than half of the 7x7
+windows of a tie-free input (float16: 6%; 3x3: none), and a tied pair's gradients may go either way, while
+the kernels sort the float32 samples: every kernel would be left out. Decisions need no communication
+between processes: under DDP each process decides for its own GPU (a collective here could wait forever on
+a process whose batch differs).
 Tests inject the clock (:attr:`Tuner.timer`) and failing or wrong candidates.
 """
 from __future__ import annotations
@@ -50,6 +56,7 @@ import statistics
 import threading
 import time
 import warnings
+from contextlib import nullcontext
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
@@ -119,6 +126,12 @@ def tolerance(dtype: torch.dtype) -> float:
         tf32 = torch.backends.cudnn.allow_tf32 or torch.backends.cuda.matmul.allow_tf32
         return 1e-2 if tf32 else 1e-4
     return 8 * torch.finfo(dtype).eps
+
+
+def _autocast_off(device: torch.device):
+    """A context in which autocast is off on ``device``'s type (nothing, where autocast has no such device):
+    what a reference computes in float32 there is computed in float32, whatever the caller's autocast."""
+    return torch.autocast(device.type, enabled=False) if torch.amp.is_autocast_available(device.type) else nullcontext()
 
 
 def _tensors(result) -> List[Optional[torch.Tensor]]:
@@ -288,7 +301,8 @@ class Tuner:
         reference's on the call that decides. ``candidates()`` lists the kernels to check and time, in
         order of preference, ``describe()`` names the configuration in warnings (both are called only for
         a configuration not yet decided), and ``checker(args, result)`` gives the arguments to check and
-        time the candidates on and the result expected of them (default: :func:`finite_check`)."""
+        time the candidates on and the result expected of them (default: :func:`finite_check`), with autocast off
+        on ``device``."""
         decision = self._decisions.get(key)
         if decision is not None:
             return decision.chosen.run(*args)
@@ -307,7 +321,8 @@ class Tuner:
             decision = self._decisions.get(key)
             if decision is None:
                 result = reference.run(*args)
-                check_args, expected = (checker or finite_check(reference))(args, result)
+                with _autocast_off(device):
+                    check_args, expected = (checker or finite_check(reference))(args, result)
                 self._decisions[key] = self._decide(describe(), reference, found, check_args, expected, device,
                                                     deterministic)
                 return result
