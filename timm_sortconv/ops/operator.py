@@ -160,8 +160,7 @@ def _(grad_output, input, weight, stride, padding, dilation, groups, sampling, s
 def _setup_context(ctx, inputs, output):
     input, weight, bias, stride, padding, dilation, groups, sampling, sorting, backend = inputs
     ctx.save_for_backward(input, weight)
-    ctx.config = (list(stride), list(padding), list(dilation), groups, sampling, sorting, backend)
-    ctx.has_bias = bias is not None
+    ctx.config = (stride, padding, dilation, groups, sampling, sorting, backend)
 
 
 def _reference_gradients(grad_output: Tensor, input: Tensor, weight: Tensor, config, needs) -> List[Optional[Tensor]]:
@@ -226,7 +225,8 @@ def plain_eager(input: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
     microsecond."""
     return (type(input) is Tensor and (type(weight) is Tensor or type(weight) is nn.Parameter)
             and (bias is None or type(bias) is Tensor or type(bias) is nn.Parameter)
-            and not torch.jit.is_tracing() and not torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+            and torch._C._get_tracing_state() is None and not torch.compiler.is_compiling()
+            and not torch.compiler.is_exporting()
             and not _dispatch_mode_active() and not torch._C._is_torch_function_mode_enabled()
             and not torch.autograd.profiler._is_profiler_enabled
             and not torch._C._is_any_autocast_enabled())
