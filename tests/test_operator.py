@@ -295,3 +295,15 @@ def test_plain_eager_calls_skip_the_dispatcher_and_agree_with_the_operator_bit_f
         assert all(torch.equal(a, b) for a, b in zip(results[0], other))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert not operator.plain_eager(x, weight, bias)
+
+
+def test_a_backward_called_under_autocast_runs_in_the_dtypes_of_the_forward():
+    """autograd runs the formula under the autocast of the code calling backward(); the gradients of a float32
+    forward are those computed without autocast, bit for bit."""
+    x = randn(2, 3, 9, 9, dtype=torch.float32).requires_grad_()
+    weight = randn(4, 3, 5, 5, seed=1, dtype=torch.float32).requires_grad_()
+    out = sort_conv2d(x, weight, padding=2, backend="reference")  # products in torch operators, which autocast casts
+    plain = torch.autograd.grad(out, (x, weight), torch.ones_like(out), retain_graph=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under = torch.autograd.grad(out, (x, weight), torch.ones_like(out))
+    assert all(g.dtype == torch.float32 and torch.equal(g, h) for g, h in zip(under, plain))

@@ -32,6 +32,7 @@ a gradient not asked for), so that compiled backward graphs call the fast backwa
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -186,7 +187,11 @@ def _gradients(ctx, grad_output: Tensor, kernels: Callable) -> Tuple:
             grad_input, grad_weight = _reference_gradients(grad_output, input, weight, ctx.config,
                                                            (need_input, need_weight))
         else:
-            grad_input, grad_weight = kernels(grad_output, input, weight, *ctx.config, need_input, need_weight)
+            # backward() may be called under autocast (autograd runs the formula under its caller's): the kernels
+            # compute in the dtypes the forward saved, as the operator's forward does with autocast off
+            with torch.autocast(input.device.type, enabled=False) if torch._C._is_any_autocast_enabled() \
+                    else contextlib.nullcontext():
+                grad_input, grad_weight = kernels(grad_output, input, weight, *ctx.config, need_input, need_weight)
             grad_input = grad_input if need_input else None
             grad_weight = grad_weight if need_weight else None
     if need_bias:
