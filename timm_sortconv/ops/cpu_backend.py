@@ -617,10 +617,21 @@ class CpuKernel:
         return grad_input, grad_weight.view_as(weight)
 
 
+# TIMM_SORTCONV_CPU_ISA as set -> (the level it asks for, its kernel): what _kernel() answers, the setting read
+# per call without resolving it again (valid while _package_kernel holds that kernel).
+_kernel_for_setting: Dict[Optional[str], Tuple[str, CpuKernel]] = {}
+
+
 def _kernel() -> CpuKernel:
-    kernel = _package_kernel_for(cpu_isa())
+    setting = os.environ.get(ISA_ENV)
+    found = _kernel_for_setting.get(setting)
+    if found is not None and _package_kernel.get(found[0]) is found[1]:
+        return found[1]
+    isa = cpu_isa()
+    kernel = _package_kernel_for(isa)
     if kernel is None:
         raise RuntimeError("the fused CPU backend could not be built (see the warning issued at first use)")
+    _kernel_for_setting[setting] = (isa, kernel)
     return kernel
 
 
@@ -645,8 +656,9 @@ def sort_conv2d_cpu(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
                     pad: Tuple[int, int, int, int] = NO_PADDING) -> torch.Tensor:
     """The backend's forward kernel: SC of a contiguous CPU input, with ``pad`` zeros (``F.pad``'s order)
     added by the kernel itself."""
-    x, pad = _pad_when_fewer_images_than_threads(x, pad)
-    return _forward(x, weight, bias, geometry, stride, dilation, groups, pad)
+    if any(pad) and x.shape[0] < torch.get_num_threads():
+        x, pad = _pad_when_fewer_images_than_threads(x, pad)
+    return _kernel().forward(x, weight, bias, geometry, stride, dilation, groups, pad)
 
 
 def sort_conv2d_cpu_backward(grad_output, x, weight, geometry, stride, dilation, groups, need_input, need_weight,

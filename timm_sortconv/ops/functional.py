@@ -103,6 +103,10 @@ def sort_conv2d_padded(input: torch.Tensor, weight: torch.Tensor, bias: Optional
                        sorting: str, backend: str) -> torch.Tensor:
     """SC with ``padding = [left, right, top, bottom]`` in ``padding_mode``, of a 4-D or an unbatched 3-D input;
     the arguments other than the tensors already checked (TorchScript-able: the layers' forward)."""
+    if not torch.jit.is_scripting():  # the common case first: a layer's plain eager call goes straight to the kernels
+        if padding_mode == "zeros" and input.dim() == 4 and plain_eager(input, weight, bias):
+            return sort_conv2d_eager(input, weight, bias, stride, padding, dilation, groups, sampling, sorting,
+                                     backend)
     unbatched = input.dim() == 3
     if unbatched:
         input = input.unsqueeze(0)

@@ -214,14 +214,16 @@ class _EagerSortConv2d(torch.autograd.Function):
     operator instead."""
 
     @staticmethod
-    def forward(ctx, input, weight, bias, stride, padding, dilation, groups, sampling, sorting, backend):
-        out = _forward(input, weight, bias, stride, padding, dilation, groups, sampling, sorting, backend)
-        _setup_context(ctx, (input, weight, bias, stride, padding, dilation, groups, sampling, sorting, backend), out)
+    def forward(ctx, input, weight, bias, config):
+        # config: (stride, padding, dilation, groups, sampling, sorting, backend), one argument for apply to pass
+        out = _forward(input, weight, bias, *config)
+        ctx.save_for_backward(input, weight)
+        ctx.config = config
         return out
 
     @staticmethod
     def backward(ctx, grad_output):
-        return _gradients(ctx, grad_output, _backward_kernels)
+        return _gradients(ctx, grad_output, _backward_kernels)[:4]
 
 
 def plain_eager(input: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
@@ -247,8 +249,8 @@ def sort_conv2d_eager(input: Tensor, weight: Tensor, bias: Optional[Tensor], str
     alone where no gradient is wanted, else through :class:`_EagerSortConv2d`."""
     if torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad
                                     or (bias is not None and bias.requires_grad)):
-        return _EagerSortConv2d.apply(input, weight, bias, stride, padding, dilation, groups, sampling, sorting,
-                                      backend)
+        return _EagerSortConv2d.apply(input, weight, bias, (stride, padding, dilation, groups, sampling, sorting,
+                                                            backend))
     return _forward(input, weight, bias, stride, padding, dilation, groups, sampling, sorting, backend)
 
 
