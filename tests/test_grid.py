@@ -176,3 +176,16 @@ def test_inputs_shorter_than_the_centring_crop_are_taken_on_pytorchs_grid(paddin
             torch.testing.assert_close(centred(wide), conv(wide))
             kept += 1
     assert kept
+
+
+def test_half_pixel_reads_off_the_cpu_by_one_pooling_that_equals_the_cpu_sums():
+    """Off the CPU the half-pixel read is one average pooling (one kernel to launch); it equals the CPU's two
+    sums per axis up to rounding, for rows, columns and both, and gives the same shape (meta tensors: a GPU's)."""
+    from timm_sortconv.grid import _half_pixel
+
+    x = torch.randn(2, 3, 9, 8, dtype=torch.float64)
+    for rows, columns in ((True, False), (False, True), (True, True)):
+        pooled = torch.nn.functional.avg_pool2d(x, [2 if rows else 1, 2 if columns else 1], stride=1)
+        torch.testing.assert_close(_half_pixel(x, rows, columns), pooled, rtol=0, atol=1e-15)
+        assert _half_pixel(x.to("meta"), rows, columns).shape == pooled.shape
+    assert _half_pixel(x, False, False) is x
