@@ -33,7 +33,7 @@ from .alignment import align_conv2d_harmonic, is_aligned
 from .reference import autograd_backward, sort_conv2d_reference, sort_conv2d_reference_backward
 
 __all__ = ["DISABLE_ENV", "NO_PADDING", "Backend", "UnsupportedCall", "available_backends", "check_backend_name",
-           "environment", "fast_disabled", "register_backend", "resolve_backend"]
+           "availability_changed", "environment", "fast_disabled", "register_backend", "resolve_backend"]
 
 DISABLE_ENV = "TIMM_SORTCONV_DISABLE_FAST"
 NO_PADDING = (0, 0, 0, 0)
@@ -118,6 +118,12 @@ def register_backend(backend: Backend, before: Optional[str] = None) -> None:
 def fast_disabled() -> bool:
     """Whether ``TIMM_SORTCONV_DISABLE_FAST`` switches the fast backends off."""
     return os.environ.get(DISABLE_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def availability_changed() -> None:
+    """Says that a backend's ``available()`` may answer otherwise now (a kernel was built, or failed to build), so
+    that what was resolved with the old answer is resolved again."""
+    _BACKENDS.version += 1
 
 
 def environment() -> Tuple[int, Optional[str]]:

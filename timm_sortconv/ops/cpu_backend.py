@@ -80,7 +80,7 @@ import torch
 import torch.nn.functional as F
 
 from .alignment import RELATIVE, TINY, harmonic_tables, is_aligned
-from .backends import DISABLE_ENV, NO_PADDING, Backend, fast_disabled, register_backend
+from .backends import DISABLE_ENV, NO_PADDING, Backend, availability_changed, fast_disabled, register_backend
 from .geometry import ALIGNMENTS, SortGeometry
 
 __all__ = ["ISA_ENV", "ISA_LEVELS", "MAX_KERNEL_SIZE", "POLAR_TAP_SIZES", "SOURCE_DIR", "CpuKernel",
@@ -360,6 +360,7 @@ def _package_kernel_for(isa: str, verbose: bool = False) -> Optional["CpuKernel"
             warnings.warn(f"timm_sortconv: the fused CPU backend could not be built ({'; '.join(failures)}); "
                           f"{outcome}. Set {DISABLE_ENV}=1 to silence this.", RuntimeWarning, stacklevel=3)
         _package_kernel[isa] = kernel
+        availability_changed()  # "auto" takes this kernel, or knows there is none, from now on
         return kernel
 
 
