@@ -155,6 +155,12 @@ def model_layers(name: str, batch: int, device) -> List[Tuple[str, SortConv2d, T
     return found
 
 
+def twin(layer: SortConv2d, device) -> nn.Conv2d:
+    """The ``nn.Conv2d`` a layer is compared with: its arguments, on ``device``."""
+    return nn.Conv2d(layer.in_channels, layer.out_channels, layer.kernel_size, layer.stride, layer.padding,
+                     layer.dilation, layer.groups, layer.bias is not None, device=device)
+
+
 class LaunchCounter:
     """Stands in for ``triton_backend._launch`` (counts launches, runs nothing) and for its ``_fold`` (``F.fold``,
     one kernel on a GPU, whose meta implementation is a Python decomposition a GPU's host never runs: counted
@@ -220,8 +226,7 @@ def bench_triton(args) -> None:
     for model_name in args.models:
         batch = args.batch or MODEL_BATCH.get(model_name, 32)
         for where, layer, shape in model_layers(model_name, batch, meta):
-            conv = nn.Conv2d(layer.in_channels, layer.out_channels, layer.kernel_size, layer.stride, layer.padding,
-                             layer.dilation, layer.groups, layer.bias is not None, device=meta)
+            conv = twin(layer, meta)
             x = torch.empty(shape, device=meta)
             for path in args.paths:
                 layer.backend = path if path == "auto" else f"triton-{path}"
@@ -268,8 +273,7 @@ def bench_gpu(args) -> None:
     for model_name in args.models:
         batch = args.batch or MODEL_BATCH.get(model_name, 32)
         for where, layer, shape in model_layers(model_name, batch, device):
-            conv = nn.Conv2d(layer.in_channels, layer.out_channels, layer.kernel_size, layer.stride, layer.padding,
-                             layer.dilation, layer.groups, layer.bias is not None, device=device)
+            conv = twin(layer, device)
             x = torch.randn(shape, device=device)
             sc_steps, conv_steps = _steps(layer, x), _steps(conv, x)
             for step in (sc_steps["forward+backward"], conv_steps["forward+backward"]):  # auto decides here
