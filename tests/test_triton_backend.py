@@ -767,3 +767,20 @@ def test_roofline_counts_a_layers_products_and_the_bytes_each_design_moves():
     assert cells["gemm MB f+b"] < cells["columns MB f+b"] / 3  # no columns and no column gradient in memory
     half = report.layer_roofline(shape, geometry, 2)  # bfloat16 halves what the convolution moves
     assert half["conv MB fwd"] == pytest.approx(cells["conv MB fwd"] / 2)
+
+
+@pytest.mark.skipif(triton_backend.triton is None, reason="needs Triton")
+@pytest.mark.parametrize("groups", [1, 2, 4])
+def test_the_weight_layouts_are_one_gather_and_their_gradients_go_back(groups):
+    """Each layout the kernels read is the weight's slots in the geometry's order, permuted ([group, out, in, slot]
+    reordered as LAYOUTS says), made by one gather; a gradient in a layout goes back to (O, C/g, k, k)."""
+    from timm_sortconv.ops.triton_backend import LAYOUTS, _Call, _weight_from, _weight_in
+
+    geometry = get_geometry(5, "polar", "ring")
+    weight = torch.randn(8, 8 // groups, 5, 5, dtype=torch.float64)
+    call = _Call.of(torch.empty(2, 8, 9, 9), weight, geometry, (1, 1), (1, 1), groups, (2, 2, 2, 2))
+    slots = weight.reshape(groups, 8 // groups, 8 // groups, 25)[..., geometry.slot_to_grid]
+    for layout, axes in LAYOUTS.items():
+        laid = _weight_in(layout, weight, call)
+        assert laid.is_contiguous() and torch.equal(laid, slots.permute(*axes))
+        assert torch.equal(_weight_from(layout, laid, call), weight)

@@ -183,37 +183,44 @@ def _empty_output(x: torch.Tensor, call: _Call) -> torch.Tensor:
                        memory_format=torch.channels_last if channels_last else torch.contiguous_format)
 
 
-_slot_orders: Dict[tuple, Tuple[torch.Tensor, torch.Tensor]] = {}
+# The weight's layouts the kernels read, each made by one gather (torch.take: one kernel, where a selection
+# and a permuted copy were two) with an index table per (geometry, weight shape, groups, layout, device).
+# (layout, axes): the order of the layout's axes among (group, out, in, slot).
+LAYOUTS = {"slots": (0, 1, 2, 3), "slot_major": (0, 3, 2, 1), "channel_major": (0, 2, 3, 1)}
+_layout_indices: Dict[tuple, Tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _slot_order(geometry: SortGeometry, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(slot_to_grid, grid_to_slot)`` on ``device``, cached: no host-to-device copy per call."""
-    key = (geometry.kernel_size, geometry.sampling, geometry.sorting, str(device))
-    if key not in _slot_orders:
-        _slot_orders[key] = (geometry.slot_to_grid.to(device), torch.argsort(geometry.slot_to_grid).to(device))
-    return _slot_orders[key]
+def _layout_index(call: "_Call", layout: str, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(gather, scatter)``: the flat weight positions read into ``layout`` (shaped as the layout), and, per flat
+    weight position, where the layout holds it (for a gradient in that layout); cached, no copy per call."""
+    geometry = call.geometry
+    key = (geometry.kernel_size, geometry.sampling, geometry.sorting, call.out_channels, call.in_per_group,
+           call.groups, layout, str(device))
+    if key not in _layout_indices:
+        slots = call.slots
+        # flat (O, C/g, k, k) position of every (group, out, in, slot) entry: slot s multiplies grid slot_to_grid[s]
+        flat = (torch.arange(call.out_channels).view(call.groups, call.out_per_group, 1, 1) * (call.in_per_group * slots)
+                + torch.arange(call.in_per_group).view(1, 1, -1, 1) * slots
+                + geometry.slot_to_grid.view(1, 1, 1, -1))
+        gather = flat.permute(*LAYOUTS[layout]).contiguous()
+        scatter = torch.empty_like(gather).view(-1)
+        scatter[gather.view(-1)] = torch.arange(gather.numel())
+        _layout_indices[key] = (gather.to(device), scatter.to(device))
+    return _layout_indices[key]
 
 
-def _weight_in_slots(weight: torch.Tensor, call: _Call) -> torch.Tensor:
-    """``(O, C/g, k, k)`` -> ``(G, O/g, C/g, slots)``, slots in the geometry's order."""
-    flat = weight.reshape(call.groups, call.out_per_group, call.in_per_group, call.slots)
-    return flat.index_select(3, _slot_order(call.geometry, weight.device)[0])
+def _weight_in(layout: str, weight: torch.Tensor, call: "_Call") -> torch.Tensor:
+    """``(O, C/g, k, k)`` -> the weight in ``layout`` (:data:`LAYOUTS`; ``slots``: ``(G, O/g, C/g, slots)``, slots
+    in the geometry's order; ``slot_major``: ``[group, slot, in_per_group, out_per_group]`` for the fused and
+    direct kernels; ``channel_major``: ``[group, in_per_group, slot, out_per_group]`` for the gemm kernels)."""
+    return torch.take(weight, _layout_index(call, layout, weight.device)[0])
 
 
-def _weight_from_slots(grad: torch.Tensor, call: _Call) -> torch.Tensor:
-    """The inverse of :func:`_weight_in_slots`: ``(G, O/g, C/g, slots)`` -> ``(O, C/g, k, k)``."""
+def _weight_from(layout: str, grad: torch.Tensor, call: "_Call") -> torch.Tensor:
+    """The inverse of :func:`_weight_in`: a gradient laid out as ``layout`` -> ``(O, C/g, k, k)``."""
     k = call.geometry.kernel_size
-    return (grad.index_select(3, _slot_order(call.geometry, grad.device)[1])
-            .reshape(call.out_channels, call.in_per_group, k, k))
-
-
-def _slot_major(weight: torch.Tensor, call: _Call) -> torch.Tensor:
-    """The weight laid out ``[group, slot, in_per_group, out_per_group]`` for the fused and direct kernels."""
-    return _weight_in_slots(weight, call).permute(0, 3, 2, 1).contiguous()
-
-
-def _from_slot_major(grad: torch.Tensor, call: _Call) -> torch.Tensor:
-    return _weight_from_slots(grad.permute(0, 3, 2, 1), call)
+    return torch.take(grad, _layout_index(call, layout, grad.device)[1]).view(call.out_channels, call.in_per_group,
+                                                                              k, k)
 
 
 # Each kernel and the path whose block sizes it takes.
@@ -302,8 +309,8 @@ def _direct_forward(x, weight, bias, call: _Call, blocks: Optional[tuple] = None
     out = _empty_output(x, call)
     meta = _settings("direct_forward_kernel", call, x.dtype, blocks, has_bias=bias is not None)
     _launch(load_kernels(call.geometry)["direct_forward_kernel"], _direct_grid(call, meta))(
-        x, _slot_major(weight, call), bias if bias is not None else x, out, call.in_per_group, call.out_per_group,
-        *call.position_args(x, call.batch), *out.stride(), **meta)
+        x, _weight_in("slot_major", weight, call), bias if bias is not None else x, out, call.in_per_group,
+        call.out_per_group, *call.position_args(x, call.batch), *out.stride(), **meta)
     return out
 
 
@@ -332,8 +339,8 @@ def _fused_forward(x, weight, bias, call: _Call, blocks: Optional[tuple] = None)
     out = _empty_output(x, call)
     meta = _settings("fused_forward_kernel", call, x.dtype, blocks, has_bias=bias is not None)
     _launch(load_kernels(call.geometry)["fused_forward_kernel"], _fused_grid(call, meta))(
-        x, _slot_major(weight, call), bias if bias is not None else x, out, call.in_per_group, call.out_per_group,
-        *call.position_args(x, call.batch), *out.stride(), **meta)
+        x, _weight_in("slot_major", weight, call), bias if bias is not None else x, out, call.in_per_group,
+        call.out_per_group, *call.position_args(x, call.batch), *out.stride(), **meta)
     return out
 
 
@@ -360,7 +367,7 @@ def _launch_columns(x, columns, column_strides, call: _Call, first: int, end: in
 def _columns_forward(x, weight, bias, call: _Call, blocks: Optional[tuple] = None):
     positions = call.out_h * call.out_w
     depth = call.in_per_group * call.slots
-    weight_rows = _weight_in_slots(weight, call).reshape(call.groups, call.out_per_group, depth)
+    weight_rows = _weight_in("slots", weight, call).reshape(call.groups, call.out_per_group, depth)
     out = torch.empty(call.batch, call.out_channels, call.out_h, call.out_w, dtype=x.dtype, device=x.device)
     with _cublas_like_conv(x.dtype):
         for first, end in _chunks(call, call.slots * x.element_size()):
@@ -397,7 +404,7 @@ def _columns_backward(grad_out, x, weight, call: _Call, need_input: bool, need_w
     positions = call.out_h * call.out_w
     depth = call.in_per_group * call.slots
     words = swap_words(call.geometry)
-    weight_rows = _weight_in_slots(weight, call).reshape(call.groups, call.out_per_group, depth)
+    weight_rows = _weight_in("slots", weight, call).reshape(call.groups, call.out_per_group, depth)
     accumulate = torch.float64 if x.dtype == torch.float64 else torch.float32
     grad_rows = torch.zeros(call.groups, call.out_per_group, depth, dtype=accumulate, device=x.device) \
         if need_weight else None
@@ -441,7 +448,7 @@ def _columns_backward(grad_out, x, weight, call: _Call, need_input: bool, need_w
                 grad_input[first:end] = _fold(windows.view(images, call.channels * call.slots, positions), call)
     grad_weight = None
     if need_weight:
-        grad_weight = _weight_from_slots(grad_rows.view(call.groups, call.out_per_group, call.in_per_group,
+        grad_weight = _weight_from("slots", grad_rows.view(call.groups, call.out_per_group, call.in_per_group,
                                                         call.slots), call).to(weight.dtype)
     return grad_input, grad_weight
 
@@ -449,7 +456,7 @@ def _columns_backward(grad_out, x, weight, call: _Call, need_input: bool, need_w
 def _direct_backward(grad_out, x, weight, call: _Call, need_input: bool, need_weight: bool,
                      blocks: Optional[tuple] = None):
     accumulate = torch.float64 if x.dtype == torch.float64 else torch.float32
-    weight_slots = _slot_major(weight, call)
+    weight_slots = _weight_in("slot_major", weight, call)
     # Same strides as x (contiguous or channels_last), which the kernel addresses both by.
     grad_x = torch.zeros_like(x, dtype=accumulate) if need_input else x
     grad_w = torch.zeros(weight_slots.shape, dtype=accumulate, device=x.device) if need_weight else weight_slots
@@ -459,13 +466,8 @@ def _direct_backward(grad_out, x, weight, call: _Call, need_input: bool, need_we
         x, weight_slots, grad_out, grad_x, grad_w, call.in_per_group, call.out_per_group,
         *call.position_args(x, call.batch), *grad_out.stride(), **meta)
     grad_input = grad_x.to(x.dtype) if need_input else None
-    grad_weight = _from_slot_major(grad_w, call).to(weight.dtype) if need_weight else None
+    grad_weight = _weight_from("slot_major", grad_w, call).to(weight.dtype) if need_weight else None
     return grad_input, grad_weight
-
-
-def _channel_major(weight: torch.Tensor, call: _Call) -> torch.Tensor:
-    """The weight laid out ``[group, in_per_group, slot, out_per_group]`` for the gemm kernels."""
-    return _weight_in_slots(weight, call).permute(0, 2, 3, 1).contiguous()
 
 
 def _gemm_forward(x, weight, bias, call: _Call, blocks: Optional[tuple] = None):
@@ -474,8 +476,8 @@ def _gemm_forward(x, weight, bias, call: _Call, blocks: Optional[tuple] = None):
     grid = (triton.cdiv(call.batch * call.out_h * call.out_w, meta["BLOCK_P"]),
             triton.cdiv(call.out_per_group, meta["BLOCK_O"]), call.groups)
     _launch(load_kernels(call.geometry)["gemm_forward_kernel"], grid)(
-        x, _channel_major(weight, call), bias if bias is not None else x, out, call.in_per_group, call.out_per_group,
-        *call.position_args(x, call.batch), *out.stride(), **meta)
+        x, _weight_in("channel_major", weight, call), bias if bias is not None else x, out, call.in_per_group,
+        call.out_per_group, *call.position_args(x, call.batch), *out.stride(), **meta)
     return out
 
 
@@ -491,7 +493,7 @@ def _gemm_backward(grad_out, x, weight, call: _Call, need_input: bool, need_weig
     if need_input:
         meta = _settings("gemm_input_backward_kernel", call, x.dtype, blocks)
         grad_input = torch.empty_like(x, memory_format=torch.contiguous_format)
-        weights = _channel_major(weight, call)
+        weights = _weight_in("channel_major", weight, call)
         for first, end in _chunks(call, call.slots * torch.finfo(accumulate).bits // 8):
             images = end - first
             part = x[first:end]
@@ -515,7 +517,7 @@ def _gemm_backward(grad_out, x, weight, call: _Call, need_input: bool, need_weig
             x, grad_out, partial, call.in_per_group, call.out_per_group, call.channels, blocks_of_positions, splits,
             *call.position_args(x, call.batch), *grad_out.stride(), **meta)
         summed = partial.sum(0).view(call.groups, call.in_per_group, call.slots, call.out_per_group)
-        grad_weight = _weight_from_slots(summed.permute(0, 3, 1, 2), call).to(weight.dtype)
+        grad_weight = _weight_from("channel_major", summed, call).to(weight.dtype)
     return grad_input, grad_weight
 
 
