@@ -150,6 +150,12 @@ class _Call:
                 *self.dilation, self.pad[2], self.pad[0])
 
 
+def _cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for the launch grids: ``triton.cdiv`` is a JIT function, and a call of it from Python costs
+    microseconds of the host's time per launch."""
+    return -(-a // b)
+
+
 def _compute_dtype(dtype: torch.dtype):
     """Triton dtype of sampling, sorting and accumulation: float64 for float64, else float32."""
     return tl.float64 if dtype == torch.float64 else tl.float32
@@ -301,8 +307,8 @@ def _settings(kernel: str, call: _Call, dtype: torch.dtype, blocks: Optional[tup
 
 
 def _direct_grid(call: _Call, meta: dict) -> tuple:
-    return (triton.cdiv(call.batch * call.out_h * call.out_w, meta["BLOCK_P"]), call.groups,
-            triton.cdiv(call.out_per_group, meta["BLOCK_J"]))
+    return (_cdiv(call.batch * call.out_h * call.out_w, meta["BLOCK_P"]), call.groups,
+            _cdiv(call.out_per_group, meta["BLOCK_J"]))
 
 
 def _direct_forward(x, weight, bias, call: _Call, blocks: Optional[tuple] = None):
@@ -315,8 +321,8 @@ def _direct_forward(x, weight, bias, call: _Call, blocks: Optional[tuple] = None
 
 
 def _fused_grid(call: _Call, meta: dict) -> tuple:
-    return (triton.cdiv(call.batch * call.out_h * call.out_w, meta["BLOCK_P"]),
-            triton.cdiv(call.out_per_group, meta["BLOCK_O"]), call.groups)
+    return (_cdiv(call.batch * call.out_h * call.out_w, meta["BLOCK_P"]),
+            _cdiv(call.out_per_group, meta["BLOCK_O"]), call.groups)
 
 
 @functools.lru_cache(maxsize=None)
@@ -353,7 +359,7 @@ def _chunks(call: _Call, lane_bytes: int):
 
 
 def _column_grid(call: _Call, meta: dict, images: int) -> tuple:
-    return (triton.cdiv(images * call.out_h * call.out_w, meta["BLOCK_P"]), triton.cdiv(call.channels, meta["BLOCK_C"]))
+    return (_cdiv(images * call.out_h * call.out_w, meta["BLOCK_P"]), _cdiv(call.channels, meta["BLOCK_C"]))
 
 
 def _launch_columns(x, columns, column_strides, call: _Call, first: int, end: int, blocks: Optional[tuple]):
@@ -473,8 +479,8 @@ def _direct_backward(grad_out, x, weight, call: _Call, need_input: bool, need_we
 def _gemm_forward(x, weight, bias, call: _Call, blocks: Optional[tuple] = None):
     out = _empty_output(x, call)
     meta = _settings("gemm_forward_kernel", call, x.dtype, blocks, has_bias=bias is not None)
-    grid = (triton.cdiv(call.batch * call.out_h * call.out_w, meta["BLOCK_P"]),
-            triton.cdiv(call.out_per_group, meta["BLOCK_O"]), call.groups)
+    grid = (_cdiv(call.batch * call.out_h * call.out_w, meta["BLOCK_P"]),
+            _cdiv(call.out_per_group, meta["BLOCK_O"]), call.groups)
     _launch(load_kernels(call.geometry)["gemm_forward_kernel"], grid)(
         x, _weight_in("channel_major", weight, call), bias if bias is not None else x, out, call.in_per_group,
         call.out_per_group, *call.position_args(x, call.batch), *out.stride(), **meta)
@@ -498,17 +504,17 @@ def _gemm_backward(grad_out, x, weight, call: _Call, need_input: bool, need_weig
             images = end - first
             part = x[first:end]
             windows = torch.empty(images, call.channels, call.slots, positions, dtype=accumulate, device=x.device)
-            grid = (triton.cdiv(images * positions, meta["BLOCK_P"]), call.groups,
-                    triton.cdiv(call.in_per_group, meta["BLOCK_C"]))
+            grid = (_cdiv(images * positions, meta["BLOCK_P"]), call.groups,
+                    _cdiv(call.in_per_group, meta["BLOCK_C"]))
             _launch(kernels["gemm_input_backward_kernel"], grid)(
                 part, weights, grad_out[first:end], windows, call.in_per_group, call.out_per_group,
                 *call.position_args(part, images), *grad_out.stride(), *windows.stride()[:3], **meta)
             grad_input[first:end] = _fold(windows.view(images, call.channels * call.slots, positions), call).to(x.dtype)
     if need_weight:
         meta = _settings("gemm_weight_backward_kernel", call, x.dtype, blocks)
-        blocks_of_positions = triton.cdiv(call.batch * positions, meta["BLOCK_P"])
-        output_blocks = triton.cdiv(call.out_per_group, meta["BLOCK_O"])
-        channel_blocks = call.groups * triton.cdiv(call.in_per_group, meta["BLOCK_C"])
+        blocks_of_positions = _cdiv(call.batch * positions, meta["BLOCK_P"])
+        output_blocks = _cdiv(call.out_per_group, meta["BLOCK_O"])
+        channel_blocks = call.groups * _cdiv(call.in_per_group, meta["BLOCK_C"])
         splits = config.gemm_splits(channel_blocks * output_blocks, blocks_of_positions,
                                     _multiprocessors(x.device) if x.is_cuda else 0)
         partial = torch.empty(splits, call.channels, call.slots, call.out_per_group, dtype=accumulate,
