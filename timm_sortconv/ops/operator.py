@@ -3,7 +3,11 @@
 The operator is what every SC layer calls, so that the tools that handle PyTorch operators handle SC
 with its fast kernels:
 
-* eager mode, ``torch.jit.trace`` and ``torch.jit.script`` call it like any ATen operator;
+* ``torch.jit.trace`` and ``torch.jit.script`` call it like any ATen operator; a plain eager call (plain tensors,
+  no tracing, compiling, exporting, dispatch or ``__torch_function__`` mode, profiler or autocast:
+  :func:`plain_eager`) runs the same kernels and autograd formula through :class:`_EagerSortConv2d` instead, without
+  the dispatcher, whose unboxing of ten arguments and the Python layers of ``torch.library`` around a custom
+  operator's kernels and formula cost several times a small layer's kernel (``scripts/bench_host.py``);
 * ``torch.compile`` (``fullgraph=True``, dynamic shapes) and ``torch.export`` see one opaque node whose
   output shape comes from the fake implementation below, and run the fast kernel at run time;
 * autograd uses the formula registered here: the backend's backward kernel, which sorts again, so
@@ -21,9 +25,11 @@ with its fast kernels:
 Arguments of ``sort_conv2d(input, weight, bias, stride, padding, dilation, groups, sampling, sorting,
 backend)``: ``stride`` and ``dilation`` as ``[h, w]``, ``padding`` as the zeros to add ``[left, right,
 top, bottom]`` (``F.pad``'s order; other padding modes are applied before the call), and the variant
-and backend names of :func:`timm_sortconv.sort_conv2d`. ``backend`` is resolved per call by
-:func:`timm_sortconv.ops.backends.resolve_backend`. The operator checks its tensors
-(:func:`.checks.check_tensors`: here, below autocast, so that mixed dtypes are refused only outside it, as by
+and backend names of :func:`timm_sortconv.sort_conv2d`. ``backend`` is resolved by
+:func:`timm_sortconv.ops.backends.resolve_backend` on the first call of each kind (backend name, variant, kernel
+size, the tensors' devices and dtypes, stride, dilation, groups, the registry and the switch of the fast backends)
+and looked up after. The operator checks its tensors (:func:`.checks.check_tensors` on the first call of a kind,
+the sizes on every call: here, below autocast, so that mixed dtypes are refused only outside it, as by
 ``F.conv2d``); the other arguments are checked by its callers, :func:`timm_sortconv.sort_conv2d` and the
 layers' constructors.
 
