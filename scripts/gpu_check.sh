@@ -7,9 +7,9 @@
 # out of git (.git/info/exclude): .carry/wheels and .carry/mnist. Then, on the device, one call (10 minutes
 # at most per call, so the stages run in order of priority and each is cut off at the time left):
 #     run(command="bash scripts/gpu_check.sh", carry=[".carry"])
-# or name the stages: prewarm host throughput compile models firstcall profile check tests warmup table mnist
-# (default: all but mnist, in this order: what the GPU issue needs first, the host's share of a call and the
-# training steps, eager and compiled; the models' layers; the check compiles for longer). Results are written to $OUT (the device returns at most 8 files): <stage>.log (the
+# or name the stages: prewarm host models throughput compile firstcall profile check tests warmup table mnist
+# (default: all but mnist, in this order: what the GPU issue needs first, the host's share of a call, the models'
+# layers, the training steps eager and compiled; the check compiles for longer). Results are written to $OUT (the device returns at most 8 files): <stage>.log (the
 # benchmark stages' logs are their markdown tables), results.jsonl (every measurement of the benchmark stages,
 # one JSON object per line, written as it is made), summary.txt with the versions, clocks and each stage's status and time, and
 # triton_cache.tgz.part-aa, -ab, ...: the compiled kernels, a gzipped tar split into 15 MiB parts (the device
@@ -68,7 +68,7 @@ fi
 
 OUT=${OUT:-$PWD/gpu_check_out}
 mkdir -p "$OUT"
-STAGES=${*:-prewarm host throughput compile models firstcall profile check tests warmup table}
+STAGES=${*:-prewarm host models throughput compile firstcall profile check tests warmup table}
 
 if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \
@@ -154,7 +154,7 @@ for name in $STAGES; do
         if [ -n "${DRY_RUN:-}" ]; then
             stage host "$PYTHON scripts/bench_host.py triton --models ri_densenet40 --rounds 1 --calls 5 --json $OUT/results.jsonl && $PYTHON scripts/bench_host.py cpu --rounds 1 --calls 20"
         else
-            stage host "$PYTHON scripts/bench_host.py gpu --json $OUT/results.jsonl --profile && $PYTHON scripts/bench_host.py triton --json $OUT/results.jsonl --rounds 3 --calls 100"
+            stage host "$PYTHON scripts/bench_host.py gpu --json $OUT/results.jsonl --rounds 3 --calls 100 --profile && $PYTHON scripts/bench_host.py triton --json $OUT/results.jsonl --paths gemm --rounds 3 --calls 100"
         fi ;;
     compile)
         stage compile "$BENCH --shapes none --throughput --precisions fp32 --compile-modes default,reduce-overhead --steps 10" ;;
