@@ -262,12 +262,15 @@ def bench_triton(args) -> None:
 
 
 def bench_gpu(args) -> None:
-    if not torch.cuda.is_available():
-        raise CommandError("no CUDA device: the gpu mode measures a GPU's host; use 'cpu' or 'triton' here")
-    device = torch.device("cuda")
+    if args.dry_run:  # this mode's code on CPU tensors, to check it without a GPU (the times mean nothing)
+        device, gpu_name, synchronize = torch.device("cpu"), "CPU (dry run)", lambda: None
+    elif not torch.cuda.is_available():
+        raise CommandError("no CUDA device: the gpu mode measures a GPU's host; use 'cpu' or 'triton' here, or "
+                           "--dry-run to check this mode's code")
+    else:
+        device, gpu_name, synchronize = torch.device("cuda"), torch.cuda.get_device_name(), torch.cuda.synchronize
     torch.set_num_threads(1)
-    print(f"CPU time per call on the GPU's host, backend='auto' after its decision: {machine()}, "
-          f"{torch.cuda.get_device_name()}")
+    print(f"CPU time per call on the GPU's host, backend='auto' after its decision: {machine()}, {gpu_name}")
     print("| model | layer | input | conv fwd | SC fwd | ratio | conv fwd+bwd | SC fwd+bwd | ratio |\n"
           "|---|---|---|---|---|---|---|---|---|")
     for model_name in args.models:
@@ -278,18 +281,18 @@ def bench_gpu(args) -> None:
             sc_steps, conv_steps = _steps(layer, x), _steps(conv, x)
             for step in (sc_steps["forward+backward"], conv_steps["forward+backward"]):  # auto decides here
                 step()
-            torch.cuda.synchronize()
+            synchronize()
             times = alternate({"sc": sc_steps["forward (grad)"], "conv": conv_steps["forward (grad)"]}, args.calls,
                               args.rounds)
             both = alternate({"sc": sc_steps["forward+backward"], "conv": conv_steps["forward+backward"]}, args.calls,
                              args.rounds)
-            torch.cuda.synchronize()
+            synchronize()
             print(f"| {model_name} | {where} | {tuple(shape)} | {times['conv']:.0f} | {times['sc']:.0f} | "
                   f"{times['sc'] / times['conv']:.1f} | {both['conv']:.0f} | {both['sc']:.0f} | "
                   f"{both['sc'] / both['conv']:.1f} |")
             emit(args, {"kind": "gpu-host", "model": model_name, "layer": where, "input": list(shape),
                         "conv_fwd_us": times["conv"], "sc_fwd_us": times["sc"], "conv_fwd_bwd_us": both["conv"],
-                        "sc_fwd_bwd_us": both["sc"], "gpu": torch.cuda.get_device_name(), **machine()})
+                        "sc_fwd_bwd_us": both["sc"], "gpu": gpu_name, **machine()})
             last = (where, sc_steps["forward+backward"])
     if args.profile:
         profile_calls(*last, args.calls)
@@ -326,6 +329,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--calls", type=int, default=200, help="calls per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", help="append one JSON line per measurement to this file")
+    parser.add_argument("--dry-run", action="store_true", help="gpu: run the mode's code on CPU tensors (no GPU)")
     parser.add_argument("--profile", action="store_true",
                         help="triton, gpu: after the table, a cProfile of the last layer's forward+backward calls")
     args = parser.parse_args(argv)

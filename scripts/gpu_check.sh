@@ -152,7 +152,7 @@ for name in $STAGES; do
         stage throughput "$BENCH --shapes none --throughput --precisions fp32,bf16 --steps 20" ;;
     host)
         if [ -n "${DRY_RUN:-}" ]; then
-            stage host "$PYTHON scripts/bench_host.py triton --models ri_densenet40 --rounds 1 --calls 5 --json $OUT/results.jsonl && $PYTHON scripts/bench_host.py cpu --rounds 1 --calls 20"
+            stage host "$PYTHON scripts/bench_host.py gpu --dry-run --models scnn_p_rs_7 --batch 2 --json $OUT/results.jsonl --rounds 1 --calls 2 --profile && $PYTHON scripts/bench_host.py triton --models ri_densenet40 --json $OUT/results.jsonl --paths gemm --rounds 1 --calls 5"
         else
             stage host "$PYTHON scripts/bench_host.py gpu --json $OUT/results.jsonl --rounds 3 --calls 100 --profile && $PYTHON scripts/bench_host.py triton --json $OUT/results.jsonl --paths gemm --rounds 3 --calls 100"
         fi ;;
