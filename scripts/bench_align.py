@@ -30,10 +30,10 @@ from typing import Callable, Dict, List
 
 import timm
 import torch
-import torch.nn.functional as F
 
 import timm_sortconv  # noqa: F401  (registers the models)
 from timm_sortconv import SortConv2d
+from timm_sortconv.check import training_step
 from timm_sortconv.models import SCNN
 
 MODELS = ("scnn_baseline_7", "scnn_p_rs_7", "align", "align-channel")
@@ -73,22 +73,6 @@ def build(name: str, backend: str) -> torch.nn.Module:
     if name in ("align", "align-channel"):
         return SCNN(sorting=name, backend=backend)
     return timm.create_model(name)
-
-
-def training_step(model: torch.nn.Module, batch: int) -> Callable[[], None]:
-    """One Adam step of ``model`` on a fixed random batch of 1 x 28 x 28 images."""
-    model.train()
-    generator = torch.Generator().manual_seed(0)
-    images = torch.randn(batch, 1, 28, 28, generator=generator)
-    labels = torch.randint(0, 10, (batch,), generator=generator)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
-
-    def step():
-        optimizer.zero_grad(set_to_none=True)
-        F.cross_entropy(model(images), labels).backward()
-        optimizer.step()
-
-    return step
 
 
 def take_turns(fns: Dict[str, Callable[[], object]], rounds: int) -> Dict[str, List[float]]:
@@ -151,7 +135,8 @@ def main(argv=None) -> None:
           f"aligned models on backend={args.backend!r}; batch {args.batch_size}, {args.rounds} rounds")
     print(f"Load average (1 minute) before: {load_average()} on {os.cpu_count()} logical CPUs")
     torch.manual_seed(0)
-    steps = {name: training_step(build(name, args.backend), args.batch_size) for name in names}
+    steps = {name: training_step(build(name, args.backend), (1, 28, 28), args.batch_size, torch.device("cpu"))
+             for name in names}
     times = take_turns(steps, args.rounds)
     print(f"Load average (1 minute) after: {load_average()}\n")
     base = times.get("scnn_p_rs_7")

@@ -68,7 +68,7 @@ from .ops.backends import UnsupportedCall, fast_disabled
 from .ops.geometry import ALIGNMENTS
 from .ops.reference import sort_conv2d_reference
 
-__all__ = ["Case", "agreement_cases", "main", "relative_error"]
+__all__ = ["Case", "agreement_cases", "main", "relative_error", "training_step"]
 
 VARIANTS = (("polar", "ring"), ("polar", "global"), ("square", "ring"), ("square", "global"), ("polar", "c4"),
             ("polar", "c2"), ("polar", "align"))
@@ -379,9 +379,15 @@ def _training_step(name: str, batch: int, device: torch.device) -> Callable[[], 
     """One Adam training step of the model ``name`` on a fixed random batch."""
     import timm
 
-    model = timm.create_model(name).to(device).train()
+    model = timm.create_model(name)
+    return training_step(model, model.pretrained_cfg["input_size"], batch, device)
+
+
+def training_step(model: nn.Module, input_size: Sequence[int], batch: int, device: torch.device) -> Callable[[], None]:
+    """One Adam training step of ``model`` (moved to ``device``) on a fixed random batch of ``input_size`` images."""
+    model = model.to(device).train()
     generator = torch.Generator().manual_seed(0)
-    images = torch.randn(batch, *model.pretrained_cfg["input_size"], generator=generator).to(device)
+    images = torch.randn(batch, *input_size, generator=generator).to(device)
     labels = torch.randint(0, model.num_classes, (batch,), generator=generator).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
 

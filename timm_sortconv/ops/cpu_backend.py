@@ -636,14 +636,6 @@ def _kernel() -> CpuKernel:
     return kernel
 
 
-def _forward(x, weight, bias, geometry, stride, dilation, groups, pad=NO_PADDING):
-    return _kernel().forward(x, weight, bias, geometry, stride, dilation, groups, pad)
-
-
-def _backward(grad_output, x, weight, geometry, stride, dilation, groups, need_input, need_weight, pad=NO_PADDING):
-    return _kernel().backward(grad_output, x, weight, geometry, stride, dilation, groups, need_input, need_weight, pad)
-
-
 def _pad_when_fewer_images_than_threads(x: torch.Tensor, pad: Tuple[int, int, int, int]):
     """The kernel pads while each thread copies the images it reads; with fewer images than threads every
     thread would copy whole images to read a part of each, so such calls are padded once here instead."""
@@ -657,8 +649,7 @@ def sort_conv2d_cpu(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
                     pad: Tuple[int, int, int, int] = NO_PADDING) -> torch.Tensor:
     """The backend's forward kernel: SC of a contiguous CPU input, with ``pad`` zeros (``F.pad``'s order)
     added by the kernel itself."""
-    if any(pad) and x.shape[0] < torch.get_num_threads():
-        x, pad = _pad_when_fewer_images_than_threads(x, pad)
+    x, pad = _pad_when_fewer_images_than_threads(x, pad)
     return _kernel().forward(x, weight, bias, geometry, stride, dilation, groups, pad)
 
 
@@ -666,8 +657,8 @@ def sort_conv2d_cpu_backward(grad_output, x, weight, geometry, stride, dilation,
                              pad=NO_PADDING):
     """The backend's backward kernel: sorts again and returns the gradients of the unpadded ``x`` and ``weight``."""
     padded, kernel_pad = _pad_when_fewer_images_than_threads(x, pad)
-    grad_input, grad_weight = _backward(grad_output, padded, weight, geometry, stride, dilation, groups, need_input,
-                                        need_weight, kernel_pad)
+    grad_input, grad_weight = _kernel().backward(grad_output, padded, weight, geometry, stride, dilation, groups,
+                                                 need_input, need_weight, kernel_pad)
     if grad_input is not None and padded is not x:  # padded here: cut the padding's gradient off
         left, _, top, _ = pad
         grad_input = grad_input[:, :, top:top + x.shape[2], left:left + x.shape[3]]
