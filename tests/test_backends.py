@@ -61,3 +61,27 @@ def test_unknown_backend_names_the_accepted_ones():
     x, w = _args()
     with pytest.raises(ValueError, match="accepted: 'auto', 'reference'"):
         sort_conv2d(x, w, backend="fastest")
+
+
+def test_the_environment_reader_answers_as_os_environ_get(monkeypatch):
+    name = "TIMM_SORTCONV_TEST_READER"
+    read = backends.environment_reader(name)
+    monkeypatch.delenv(name, raising=False)
+    assert read() is None
+    for value in ("1", "", "avx2", "caf\u00e9"):
+        monkeypatch.setenv(name, value)
+        assert read() == value == __import__("os").environ.get(name)
+    monkeypatch.delenv(name)
+    assert read() is None
+
+
+def test_the_disable_switch_set_after_a_call_takes_effect_at_the_next(fake_backend, monkeypatch):
+    # (a kind of call's plan is looked up per call: the switch is part of its key)
+    fake_backend(auto=True)
+    x, w = (t.half() for t in _args())
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
+    assert (sort_conv2d(x, w, padding=1) == 1).all()
+    monkeypatch.setenv(DISABLE_ENV, "1")
+    torch.testing.assert_close(sort_conv2d(x, w, padding=1), sort_conv2d(x, w, padding=1, backend="reference"))
+    monkeypatch.delenv(DISABLE_ENV)
+    assert (sort_conv2d(x, w, padding=1) == 1).all()

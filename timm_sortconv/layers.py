@@ -101,8 +101,9 @@ class SortConv2d(nn.Conv2d):
         self.stride_align = check_stride_align(stride_align)
 
     def _conv_forward(self, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        check_input(input, weight, self.groups)
+        # (the input is checked by sort_conv2d_padded, or by the operator's per-call checks on its eager path)
         if self.stride_align == "centre" and (self.stride[0] != 1 or self.stride[1] != 1):  # unit strides: centred
+            check_input(input, weight, self.groups)  # before the centring reads the input half a pixel on
             input = centre_grid(input, [self.kernel_size[0], self.kernel_size[1]], [self.stride[0], self.stride[1]],
                                 [self._reversed_padding_repeated_twice[2], self._reversed_padding_repeated_twice[0]],
                                 [self.dilation[0], self.dilation[1]],

@@ -9,12 +9,27 @@ namespace {
 
 using timm_sortconv_cpu::Call;
 
-at::Tensor sort_conv_forward(const at::Tensor& input, const at::Tensor& weight_slots,
+// The weight as the kernel reads it, (O, C/g * k*k): a 4-D (O, C/g, k, k) weight, which must be in grid order
+// (with slot_to_grid), is that matrix in memory; taking it here spares the caller a reshape from Python.
+at::Tensor weight_matrix(const at::Tensor& weight, const c10::optional<at::Tensor>& slot_to_grid) {
+  if (weight.dim() != 4) return weight;
+  TORCH_CHECK(slot_to_grid.has_value(), "sort_conv_cpu: a 4-D weight is in grid order and needs slot_to_grid");
+  return weight.reshape({weight.size(0), -1});
+}
+
+// The backward's (grad_input, grad_weight) with grad_weight in the shape of the weight the caller gave.
+std::vector<at::Tensor> in_weight_shape(std::vector<at::Tensor> grads, const at::Tensor& weight) {
+  if (grads.size() > 1 && grads[1].defined() && weight.dim() == 4) grads[1] = grads[1].view(weight.sizes());
+  return grads;
+}
+
+at::Tensor sort_conv_forward(const at::Tensor& input, const at::Tensor& weight,
                              const c10::optional<at::Tensor>& bias, const at::Tensor& tap_offsets,
                              const at::Tensor& tap_weights, const at::Tensor& segments, const at::Tensor& comparators,
                              int64_t kernel_size, int64_t stride_h, int64_t stride_w, int64_t dilation_h,
                              int64_t dilation_w, int64_t groups, int64_t pad_left, int64_t pad_right, int64_t pad_top,
                              int64_t pad_bottom, const c10::optional<at::Tensor>& slot_to_grid) {
+  const at::Tensor weight_slots = weight_matrix(weight, slot_to_grid);
   const Call call{input,       weight_slots, slot_to_grid.value_or(at::Tensor()), bias,       tap_offsets, tap_weights,
                   segments,    comparators,  kernel_size,  stride_h,   stride_w,    dilation_h,  dilation_w,
                   groups,      {pad_left, pad_right, pad_top, pad_bottom}};
@@ -34,13 +49,14 @@ at::Tensor sort_conv_forward(const at::Tensor& input, const at::Tensor& weight_s
 }
 
 std::vector<at::Tensor> sort_conv_backward(const at::Tensor& grad_output, const at::Tensor& input,
-                                           const at::Tensor& weight_slots, const at::Tensor& tap_offsets,
+                                           const at::Tensor& weight, const at::Tensor& tap_offsets,
                                            const at::Tensor& tap_weights, const at::Tensor& segments,
                                            const at::Tensor& comparators, int64_t kernel_size, int64_t stride_h,
                                            int64_t stride_w, int64_t dilation_h, int64_t dilation_w, int64_t groups,
                                            bool need_input_grad, bool need_weight_grad, int64_t pad_left,
                                            int64_t pad_right, int64_t pad_top, int64_t pad_bottom,
                                            const c10::optional<at::Tensor>& slot_to_grid) {
+  const at::Tensor weight_slots = weight_matrix(weight, slot_to_grid);
   const Call call{input,       weight_slots, slot_to_grid.value_or(at::Tensor()), c10::nullopt, tap_offsets,
                   tap_weights, segments,     comparators,  kernel_size,  stride_h,     stride_w,    dilation_h,
                   dilation_w,  groups,       {pad_left, pad_right, pad_top, pad_bottom},           grad_output,
@@ -55,12 +71,12 @@ std::vector<at::Tensor> sort_conv_backward(const at::Tensor& grad_output, const 
     for (auto& grad : result) {
       if (grad.defined()) grad = grad.to(at::kBFloat16);
     }
-    return result;
+    return in_weight_shape(result, weight);
   }
   std::vector<at::Tensor> result;
   AT_DISPATCH_FLOATING_TYPES(input.scalar_type(), "sort_conv_backward",
                              [&] { result = timm_sortconv_cpu::backward<scalar_t>(call); });
-  return result;
+  return in_weight_shape(result, weight);
 }
 
 timm_sortconv_cpu::AlignCall align_call(const at::Tensor& input, const at::Tensor& weight_harmonic,
@@ -130,7 +146,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   m.def("forward", &sort_conv_forward,
         "SC forward; the input is padded with pad_* zeros on each side; the weight is in grid order where "
-        "slot_to_grid (slot s multiplies grid position slot_to_grid[s]) is given, else in slot order",
+        "slot_to_grid (slot s multiplies grid position slot_to_grid[s]) is given, else in slot order; a 4-D "
+        "(O, C/groups, k, k) weight is in grid order",
         py::arg("input"), py::arg("weight_slots"), py::arg("bias"), py::arg("tap_offsets"), py::arg("tap_weights"),
         py::arg("segments"), py::arg("comparators"), py::arg("kernel_size"), py::arg("stride_h"),
         py::arg("stride_w"), py::arg("dilation_h"), py::arg("dilation_w"), py::arg("groups"),
@@ -138,10 +155,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("slot_to_grid") = py::none());
   // The weight may come in grid order with its slot order (slot_to_grid) instead of reordered by the caller.
   m.attr("takes_slot_to_grid") = true;
+  // ... and the 4-D weight itself (the weight gradient then comes back 4-D).
+  m.attr("takes_4d_weight") = true;
   m.def("bf16_products", &timm_sortconv_cpu::bf16_products,
         "whether bfloat16 calls multiply in bfloat16 on this CPU (AVX-512 BF16); float32 products otherwise");
   m.def("backward", &sort_conv_backward,
-        "SC backward; returns (grad_input of the unpadded input, grad_weight in the weight's order)",
+        "SC backward; returns (grad_input of the unpadded input, grad_weight in the weight's order and shape)",
         py::arg("grad_output"),
         py::arg("input"), py::arg("weight_slots"), py::arg("tap_offsets"), py::arg("tap_weights"),
         py::arg("segments"), py::arg("comparators"), py::arg("kernel_size"), py::arg("stride_h"),

@@ -188,8 +188,7 @@ def check_input(input: Tensor, weight: Tensor, groups: int) -> None:
     # the operator checks the channels of every call)
     tracing = torch.jit.is_tracing()
     if not tracing and (input.shape[-1] == 0 or input.shape[-2] == 0):
-        raise RuntimeError(f"sort_conv2d: the input of shape {list(input.shape)} has no pixels; only its batch may "
-                           "be empty")
+        raise RuntimeError(_no_pixels(input))
     if not input.is_floating_point() or not weight.is_floating_point():
         dtypes = f"input {input.dtype}, weight {weight.dtype}"
         if input.dtype != weight.dtype:
@@ -197,6 +196,10 @@ def check_input(input: Tensor, weight: Tensor, groups: int) -> None:
         raise TypeError(_not_floating(dtypes))
     if not tracing and input.shape[-3] != weight.shape[1] * groups:
         raise ShapeError(_channels_message(input, weight, groups))
+
+
+def _no_pixels(input: Tensor) -> str:
+    return f"sort_conv2d: the input of shape {list(input.shape)} has no pixels; only its batch may be empty"
 
 
 def check_tensors(input: Tensor, weight: Tensor, bias: Optional[Tensor], groups: int) -> None:
@@ -224,12 +227,14 @@ def check_tensors(input: Tensor, weight: Tensor, bias: Optional[Tensor], groups:
 
 def check_shapes(input: Tensor, weight: Tensor, bias: Optional[Tensor], groups: int, padding: Sequence[int],
                  dilation: Sequence[int]) -> None:
-    """The checks of :func:`check_tensors` and :func:`check_size` that depend on sizes: the input's channels,
-    the bias's shape and the padded input's size (the dtypes and devices are checked once per kind of call).
-    An input that is not 4-D is refused here too."""
-    if input.dim() != 4 or input.shape[1] != weight.shape[1] * groups:
+    """The checks of :func:`check_input`, :func:`check_tensors` and :func:`check_size` that depend on sizes: the
+    input's channels and pixels, the bias's shape and the padded input's size (the dtypes and devices are checked
+    once per kind of call). An input that is not 4-D is refused here too."""
+    if input.dim() != 4 or input.shape[1] != weight.shape[1] * groups or input.shape[2] == 0 or input.shape[3] == 0:
         if input.dim() != 4:
             raise RuntimeError(f"sort_conv2d expects a 4-D (N, C, H, W) input, got shape {list(input.shape)}")
+        if input.shape[2] == 0 or input.shape[3] == 0:
+            raise RuntimeError(_no_pixels(input))
         raise ShapeError(_channels_message(input, weight, groups))
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
         raise ShapeError(f"sort_conv2d: bias of shape {tuple(bias.shape)} does not match {weight.shape[0]} "

@@ -71,7 +71,7 @@ import tempfile
 import threading
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Dict, Optional, Tuple
@@ -80,7 +80,8 @@ import torch
 import torch.nn.functional as F
 
 from .alignment import RELATIVE, TINY, harmonic_tables, is_aligned
-from .backends import DISABLE_ENV, NO_PADDING, Backend, availability_changed, fast_disabled, register_backend
+from .backends import (DISABLE_ENV, NO_PADDING, Backend, availability_changed, environment_reader, fast_disabled,
+                       register_backend)
 from .geometry import ALIGNMENTS, SortGeometry
 
 __all__ = ["ISA_ENV", "ISA_LEVELS", "MAX_KERNEL_SIZE", "POLAR_TAP_SIZES", "SOURCE_DIR", "CpuKernel",
@@ -543,22 +544,25 @@ class CpuKernel:
 
     module: ModuleType
     isa: str
+    #: Whether the module is this package's own build, which takes the weight in grid order with ``slot_to_grid``
+    #: and the zero padding (``scripts/research/bench_kernel_ab.py`` loads older ones) ...
+    current: bool = field(init=False)
+    #: ... and the 4-D weight itself, answering its gradient in its shape.
+    whole_weight: bool = field(init=False)
 
-    @property
-    def current(self) -> bool:
-        """Whether the module is this package's own build, which takes the weight in grid order with
-        ``slot_to_grid`` and the zero padding (``scripts/research/bench_kernel_ab.py`` loads older ones)."""
-        return getattr(self.module, "takes_slot_to_grid", False)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "current", getattr(self.module, "takes_slot_to_grid", False))
+        object.__setattr__(self, "whole_weight", self.current and getattr(self.module, "takes_4d_weight", False))
 
     def forward(self, x, weight, bias, geometry, stride, dilation, groups, pad=NO_PADDING):
         if is_aligned(geometry):
             return self._align_forward(x, weight, bias, geometry, stride, dilation, groups, pad)
         tables = _tables_for(geometry)
         if self.current:  # positional arguments: the binding parses them several microseconds faster
-            return self.module.forward(x, weight.reshape(weight.shape[0], -1), bias, tables.tap_offsets,
-                                       tables.tap_weights, tables.segments, tables.comparators, geometry.kernel_size,
-                                       stride[0], stride[1], dilation[0], dilation[1], groups, pad[0], pad[1], pad[2],
-                                       pad[3], tables.slot_to_grid)
+            return self.module.forward(x, weight if self.whole_weight else weight.reshape(weight.shape[0], -1), bias,
+                                       tables.tap_offsets, tables.tap_weights, tables.segments, tables.comparators,
+                                       geometry.kernel_size, stride[0], stride[1], dilation[0], dilation[1], groups,
+                                       pad[0], pad[1], pad[2], pad[3], tables.slot_to_grid)
         flat, order = _weight_args(self.module, weight, tables)
         return self.module.forward(x, flat, bias, tables.tap_offsets, tables.tap_weights, tables.segments,
                                    tables.comparators, geometry.kernel_size, stride[0], stride[1], dilation[0],
@@ -572,10 +576,13 @@ class CpuKernel:
         tables = _tables_for(geometry)
         if self.current:
             grad_input, grad_weight = self.module.backward(
-                grad_output, x, weight.reshape(weight.shape[0], -1), tables.tap_offsets, tables.tap_weights,
-                tables.segments, tables.comparators, geometry.kernel_size, stride[0], stride[1], dilation[0],
-                dilation[1], groups, need_input, need_weight, pad[0], pad[1], pad[2], pad[3], tables.slot_to_grid)
-            return grad_input, (grad_weight.view_as(weight) if need_weight else None)
+                grad_output, x, weight if self.whole_weight else weight.reshape(weight.shape[0], -1),
+                tables.tap_offsets, tables.tap_weights, tables.segments, tables.comparators, geometry.kernel_size,
+                stride[0], stride[1], dilation[0], dilation[1], groups, need_input, need_weight, pad[0], pad[1],
+                pad[2], pad[3], tables.slot_to_grid)
+            if not need_weight:
+                return grad_input, None
+            return grad_input, (grad_weight if self.whole_weight else grad_weight.view_as(weight))
         flat, order = _weight_args(self.module, weight, tables)
         grad_input, grad_weight = self.module.backward(
             grad_output, x, flat, tables.tap_offsets, tables.tap_weights, tables.segments, tables.comparators,
@@ -623,8 +630,11 @@ class CpuKernel:
 _kernel_for_setting: Dict[Optional[str], Tuple[str, CpuKernel]] = {}
 
 
+_isa_setting = environment_reader(ISA_ENV)
+
+
 def _kernel() -> CpuKernel:
-    setting = os.environ.get(ISA_ENV)
+    setting = _isa_setting()
     found = _kernel_for_setting.get(setting)
     if found is not None and _package_kernel.get(found[0]) is found[1]:
         return found[1]

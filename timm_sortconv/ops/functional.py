@@ -107,6 +107,7 @@ def sort_conv2d_padded(input: torch.Tensor, weight: torch.Tensor, bias: Optional
         if padding_mode == "zeros" and input.dim() == 4 and plain_eager(input, weight, bias):
             return sort_conv2d_eager(input, weight, bias, stride, padding, dilation, groups, sampling, sorting,
                                      backend)
+    check_input(input, weight, groups)  # (the eager path's operator checks its 4-D inputs per call)
     unbatched = input.dim() == 3
     if unbatched:
         input = input.unsqueeze(0)
