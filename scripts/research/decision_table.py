@@ -446,7 +446,7 @@ def run_all(args) -> None:
     torch.set_num_threads(args.threads)
     times = timing_of(rows, args)
     todo = [job for job in jobs(rows, args.sizes, args.seeds, args.big_seeds, not args.no_local)
-            if not (results / job.row.name / f"{job.name}.json").is_file()]
+            if not (results / job.row.name / f"{job.name}.json").is_file() and (job.size == 0 or not args.only_local)]
     if not todo:
         print("every job is done")
         return
@@ -621,6 +621,8 @@ def main(argv=None) -> None:
     parser.add_argument("--local-scenes", type=int, default=LOCAL_SCENES, help="the local task's training scenes")
     parser.add_argument("--local-test-scenes", type=int, default=LOCAL_TEST_SCENES)
     parser.add_argument("--no-local", action="store_true", help="skip the local-rotation task")
+    parser.add_argument("--only-local", action="store_true",
+                        help="only the local-rotation tasks' jobs (a second process can take the rest with --no-local)")
     parser.add_argument("--sweep-samples", type=int, default=1000, help="MNIST-rot: test images turned 36 ways")
     parser.add_argument("--test-samples", type=int, default=10_000, help="upright MNIST: test images")
     parser.add_argument("--channels", type=int, nargs=6, metavar="C",
@@ -642,6 +644,8 @@ def main(argv=None) -> None:
         return
     if not args.data_dir:
         parser.error("run needs --data-dir (the MNIST folder)")
+    if args.only_local and args.no_local:
+        parser.error("--only-local and --no-local exclude each other: give one of them, or neither for every job")
     if min(args.sizes) < BATCH or max(args.sizes) > EPOCH_IMAGES:
         parser.error(f"--sizes must lie between {BATCH} and {EPOCH_IMAGES:,}, got {args.sizes}")
     run_all(args)
