@@ -1,5 +1,5 @@
 """The SCNN options of ``scripts/research/scnn_options.py`` (blur, blurred and average downsampling, padding modes,
-the input's normalisation)
+the input's normalisation, the aligned layers' guide)
 and the moment strength of ``ablation.py``.
 
 The properties asserted (the low-pass layers themselves are the package's, tests/test_antialias.py): the options,
@@ -37,14 +37,18 @@ def quarter_turn_error(model, x):
     return ((out[1:] - out[0]).abs().max() / out[0].abs().max()).item()
 
 
-@pytest.mark.parametrize("kwargs", [dict(blur_sigma=0.7), dict(downsample="blur-max"), dict(downsample="blur-avg"),
-                                    dict(downsample="avg"), dict(blur_sigma=(0.7, 0, 0, 0, 0, 0)),
-                                    dict(padding_mode="replicate")])
-def test_options_keep_parameters_and_exact_quarter_turn_invariance(options, kwargs):
+@pytest.mark.parametrize("name, kwargs", [
+    *[("scnn_p_rs_3", kwargs) for kwargs in (dict(blur_sigma=0.7), dict(downsample="blur-max"),
+                                              dict(downsample="blur-avg"), dict(downsample="avg"),
+                                              dict(blur_sigma=(0.7, 0, 0, 0, 0, 0)), dict(padding_mode="replicate"))],
+    ("scnn", dict(sorting="align", kernel_size=3, align_guide=2.0)),  # the windows turn otherwise
+])
+def test_options_keep_parameters_and_exact_quarter_turn_invariance(options, name, kwargs):
+    own = {key: value for key, value in kwargs.items() if key not in options.OPTIONS}
     torch.manual_seed(0)
-    paper = timm.create_model("scnn_p_rs_3", channels=(4, 4, 8, 8, 8, 8))
+    paper = options.create_model(name, channels=(4, 4, 8, 8, 8, 8), **own)
     torch.manual_seed(0)
-    model = options.create_model("scnn_p_rs_3", channels=(4, 4, 8, 8, 8, 8), **kwargs).double().eval()
+    model = options.create_model(name, channels=(4, 4, 8, 8, 8, 8), **kwargs).double().eval()
     assert list(model.state_dict()) == list(paper.state_dict())  # the filters are fixed buffers, not saved
     assert all(torch.equal(a, b.double()) for a, b in zip(model.parameters(), paper.parameters()))  # same draw
     randomise_batchnorm(model)
@@ -164,23 +168,6 @@ def test_moment_strength_of_a_bar_a_square_and_a_blank_image():
     assert s2[2] == 0.0 and s4[2] == 0.0
     with pytest.raises(ValueError, match="N, C, H, W"):
         moment_strength(x[0])
-
-
-def test_the_align_guide_keeps_parameters_and_exact_quarter_turn_invariance(options):
-    kwargs = dict(sorting="align", channels=(4, 4, 8, 8, 8, 8), kernel_size=3)
-    torch.manual_seed(0)
-    aligned = options.create_model("scnn", **kwargs)
-    torch.manual_seed(0)
-    model = options.create_model("scnn", align_guide=2.0, **kwargs).double().eval()
-    assert list(model.state_dict()) == list(aligned.state_dict())  # the guide has no parameters, saves nothing
-    assert all(torch.equal(a, b.double()) for a, b in zip(model.parameters(), aligned.parameters()))
-    randomise_batchnorm(model)
-    x = randn(2, 1, 28, 28)
-    assert quarter_turn_error(model, x) < 1e-9
-    aligned = aligned.double().eval()
-    aligned.load_state_dict(model.state_dict())
-    with torch.no_grad():
-        assert not torch.allclose(model(x), aligned(x))  # the windows turn otherwise
 
 
 def test_the_align_guide_sets_the_orientation_and_adds_nothing_to_the_sums(options):
