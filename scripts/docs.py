@@ -337,10 +337,17 @@ def decision_attempts() -> str:
     return decision_table.attempts_table(decision_table.RESULTS)
 
 
+def decision_aligned() -> str:
+    sys.path.insert(0, str(REPO / "scripts" / "research"))
+    import decision_table
+
+    return decision_table.aligned_table(decision_table.RESULTS)
+
+
 BLOCKS: Dict[str, Callable[[], str]] = {
     "speed": speed, "speed-brief": speed_brief, "mnist-brief": mnist_brief, "cpu-layers-avx512": cpu_layers("avx512"), "cpu-layers-avx2": cpu_layers("avx2"),
     "cpu-training": cpu_training, "cpu-twins": cpu_twins, "gpu": gpu, "mnist": mnist, "demo": demo,
-    "decision": decision, "decision-attempts": decision_attempts,
+    "decision": decision, "decision-attempts": decision_attempts, "decision-aligned": decision_aligned,
 }
 
 
