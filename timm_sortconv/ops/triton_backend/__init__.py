@@ -498,9 +498,12 @@ def _gemm_backward(grad_out, x, weight, call: _Call, need_input: bool, need_weig
     grad_input = grad_weight = None
     if need_input:
         meta = _settings("gemm_input_backward_kernel", call, x.dtype, blocks)
-        grad_input = torch.empty_like(x, memory_format=torch.contiguous_format)
+        chunks = list(_chunks(call, call.slots * torch.finfo(accumulate).bits // 8))
+        # one chunk: the folded gradient is the whole gradient (no buffer to copy it into: one launch less)
+        if len(chunks) > 1:
+            grad_input = torch.empty_like(x, memory_format=torch.contiguous_format)
         weights = _weight_in("channel_major", weight, call)
-        for first, end in _chunks(call, call.slots * torch.finfo(accumulate).bits // 8):
+        for first, end in chunks:
             images = end - first
             part = x[first:end]
             windows = torch.empty(images, call.channels, call.slots, positions, dtype=accumulate, device=x.device)
@@ -509,7 +512,11 @@ def _gemm_backward(grad_out, x, weight, call: _Call, need_input: bool, need_weig
             _launch(kernels["gemm_input_backward_kernel"], grid)(
                 part, weights, grad_out[first:end], windows, call.in_per_group, call.out_per_group,
                 *call.position_args(part, images), *grad_out.stride(), *windows.stride()[:3], **meta)
-            grad_input[first:end] = _fold(windows.view(images, call.channels * call.slots, positions), call).to(x.dtype)
+            folded = _fold(windows.view(images, call.channels * call.slots, positions), call).to(x.dtype)
+            if len(chunks) == 1:
+                grad_input = folded
+            else:
+                grad_input[first:end] = folded
     if need_weight:
         meta = _settings("gemm_weight_backward_kernel", call, x.dtype, blocks)
         blocks_of_positions = _cdiv(call.batch * positions, meta["BLOCK_P"])
@@ -522,7 +529,8 @@ def _gemm_backward(grad_out, x, weight, call: _Call, need_input: bool, need_weig
         _launch(kernels["gemm_weight_backward_kernel"], (splits, channel_blocks, output_blocks))(
             x, grad_out, partial, call.in_per_group, call.out_per_group, call.channels, blocks_of_positions, splits,
             *call.position_args(x, call.batch), *grad_out.stride(), **meta)
-        summed = partial.sum(0).view(call.groups, call.in_per_group, call.slots, call.out_per_group)
+        summed = (partial[0] if splits == 1 else partial.sum(0)).view(call.groups, call.in_per_group, call.slots,
+                                                                       call.out_per_group)
         grad_weight = _weight_from("channel_major", summed, call).to(weight.dtype)
     return grad_input, grad_weight
 
