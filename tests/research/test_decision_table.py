@@ -152,6 +152,9 @@ def test_a_tiny_table_runs_records_and_is_not_rerun(table, tmp_path, capsys):
             "--rows", "plain", "plain+aug", "p_rs_7", "--sizes", "50", "100", "--seeds", "0", "1", "--big-seeds", "0",
             "--steps", "2", "--local-steps", "2", "--local-scenes", "60", "--local-test-scenes", "10", "--sweep-samples", "6", "--test-samples",
             "12", "--timing-rounds", "1", "--timing-steps", "1", "--channels", *["8"] * 6]
+    table.main(args + ["--only-local"])  # the local task's jobs first (a second process takes the rest)
+    assert sorted(path.relative_to(tmp_path / "res").as_posix() for path in (tmp_path / "res").glob("*/*.json")) \
+        == sorted(f"{row}/one_seed0.json" for row in ("plain", "plain+aug", "p_rs_7"))
     table.main(args)
     results = {path.relative_to(tmp_path / "res").with_suffix("").as_posix(): json.loads(path.read_text())
                for path in (tmp_path / "res").glob("*/*.json")}
@@ -231,3 +234,6 @@ def test_bad_sizes_are_refused_naming_what_is_accepted(table, capsys):
     with pytest.raises(SystemExit):
         table.main(["run", "--data-dir", "nowhere", "--sizes", "10"])
     assert "--sizes must lie between 50 and 50,000" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        table.main(["run", "--data-dir", "nowhere", "--only-local", "--no-local"])
+    assert "--only-local and --no-local exclude each other" in capsys.readouterr().err
