@@ -400,6 +400,21 @@ def _fold(windows: torch.Tensor, call: _Call) -> torch.Tensor:
     return padded[:, :, top:top + call.height, left:left + call.width]
 
 
+def _fold_chunk(grad_input: Optional[torch.Tensor], windows: torch.Tensor, call: _Call, first: int, end: int,
+                dtype: torch.dtype) -> torch.Tensor:
+    """The input gradient (``dtype``) with images ``[first, end)`` folded from their window gradients ``windows``:
+    the fold itself where the chunk is the whole batch (no buffer to copy it into), else written into
+    ``grad_input``, made at the first chunk (``None`` before it)."""
+    folded = _fold(windows.view(end - first, call.channels * call.slots, -1), call)
+    if first == 0 and end == call.batch:
+        return folded.to(dtype)
+    if grad_input is None:
+        grad_input = torch.empty(call.batch, call.channels, call.height, call.width, dtype=dtype,
+                                 device=windows.device)
+    grad_input[first:end] = folded
+    return grad_input
+
+
 def _columns_backward(grad_out, x, weight, call: _Call, need_input: bool, need_weight: bool,
                       blocks: Optional[tuple] = None):
     """The columns path's backward, per chunk of images: the weight gradient as the product of the output
@@ -414,7 +429,7 @@ def _columns_backward(grad_out, x, weight, call: _Call, need_input: bool, need_w
     accumulate = torch.float64 if x.dtype == torch.float64 else torch.float32
     grad_rows = torch.zeros(call.groups, call.out_per_group, depth, dtype=accumulate, device=x.device) \
         if need_weight else None
-    grad_input = torch.empty_like(x, memory_format=torch.contiguous_format) if need_input else None
+    grad_input = None
     record = _settings("record_kernel", call, x.dtype, blocks, need_weight=need_weight)
     replay = _settings("replay_kernel", call, x.dtype, blocks)
     kernels = load_kernels(call.geometry)
@@ -451,7 +466,7 @@ def _columns_backward(grad_out, x, weight, call: _Call, need_input: bool, need_w
                     swaps, grad_columns, windows, call.channels, images * positions, positions, *swap_strides,
                     positions, call.slots * images * positions, images * positions, *windows.stride()[:3], **replay)
                 del grad_columns, swaps
-                grad_input[first:end] = _fold(windows.view(images, call.channels * call.slots, positions), call)
+                grad_input = _fold_chunk(grad_input, windows, call, first, end, x.dtype)
     grad_weight = None
     if need_weight:
         grad_weight = _weight_from("slots", grad_rows.view(call.groups, call.out_per_group, call.in_per_group,
@@ -498,12 +513,8 @@ def _gemm_backward(grad_out, x, weight, call: _Call, need_input: bool, need_weig
     grad_input = grad_weight = None
     if need_input:
         meta = _settings("gemm_input_backward_kernel", call, x.dtype, blocks)
-        chunks = list(_chunks(call, call.slots * torch.finfo(accumulate).bits // 8))
-        # one chunk: the folded gradient is the whole gradient (no buffer to copy it into: one launch less)
-        if len(chunks) > 1:
-            grad_input = torch.empty_like(x, memory_format=torch.contiguous_format)
         weights = _weight_in("channel_major", weight, call)
-        for first, end in chunks:
+        for first, end in _chunks(call, call.slots * torch.finfo(accumulate).bits // 8):
             images = end - first
             part = x[first:end]
             windows = torch.empty(images, call.channels, call.slots, positions, dtype=accumulate, device=x.device)
@@ -512,11 +523,7 @@ def _gemm_backward(grad_out, x, weight, call: _Call, need_input: bool, need_weig
             _launch(kernels["gemm_input_backward_kernel"], grid)(
                 part, weights, grad_out[first:end], windows, call.in_per_group, call.out_per_group,
                 *call.position_args(part, images), *grad_out.stride(), *windows.stride()[:3], **meta)
-            folded = _fold(windows.view(images, call.channels * call.slots, positions), call).to(x.dtype)
-            if len(chunks) == 1:
-                grad_input = folded
-            else:
-                grad_input[first:end] = folded
+            grad_input = _fold_chunk(grad_input, windows, call, first, end, x.dtype)
     if need_weight:
         meta = _settings("gemm_weight_backward_kernel", call, x.dtype, blocks)
         blocks_of_positions = _cdiv(call.batch * positions, meta["BLOCK_P"])
