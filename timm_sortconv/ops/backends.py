@@ -115,9 +115,6 @@ def register_backend(backend: Backend, before: Optional[str] = None) -> None:
         _BACKENDS[name] = b
 
 
-def fast_disabled() -> bool:
-    """Whether ``TIMM_SORTCONV_DISABLE_FAST`` switches the fast backends off."""
-    return os.environ.get(DISABLE_ENV, "").strip().lower() not in ("", "0", "false", "no")
 
 
 def availability_changed() -> None:
@@ -146,6 +143,11 @@ def environment_reader(name: str) -> Callable[[], Optional[str]]:
 
 
 _disable_setting = environment_reader(DISABLE_ENV)
+
+
+def fast_disabled() -> bool:
+    """Whether ``TIMM_SORTCONV_DISABLE_FAST`` switches the fast backends off."""
+    return (_disable_setting() or "").strip().lower() not in ("", "0", "false", "no")
 
 
 def environment() -> Tuple[int, Optional[str]]:
