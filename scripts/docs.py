@@ -323,31 +323,22 @@ def record_demo(folder: Path, minutes: float, load: str) -> None:
     (DEMO / "demo.json").write_text(json.dumps(meta, indent=1) + "\n")
 
 
-def decision() -> str:
-    sys.path.insert(0, str(REPO / "scripts" / "research"))
-    import decision_table
+def decision(table: str) -> Callable[[], str]:
+    """The block of ``scripts/research/decision_table.py``'s function ``table`` over its stored results."""
+    def block() -> str:
+        sys.path.insert(0, str(REPO / "scripts" / "research"))
+        import decision_table
 
-    return decision_table.table(decision_table.RESULTS)
+        return getattr(decision_table, table)(decision_table.RESULTS)
 
-
-def decision_attempts() -> str:
-    sys.path.insert(0, str(REPO / "scripts" / "research"))
-    import decision_table
-
-    return decision_table.attempts_table(decision_table.RESULTS)
-
-
-def decision_aligned() -> str:
-    sys.path.insert(0, str(REPO / "scripts" / "research"))
-    import decision_table
-
-    return decision_table.aligned_table(decision_table.RESULTS)
+    return block
 
 
 BLOCKS: Dict[str, Callable[[], str]] = {
     "speed": speed, "speed-brief": speed_brief, "mnist-brief": mnist_brief, "cpu-layers-avx512": cpu_layers("avx512"), "cpu-layers-avx2": cpu_layers("avx2"),
     "cpu-training": cpu_training, "cpu-twins": cpu_twins, "gpu": gpu, "mnist": mnist, "demo": demo,
-    "decision": decision, "decision-attempts": decision_attempts, "decision-aligned": decision_aligned,
+    "decision": decision("table"), "decision-attempts": decision("attempts_table"),
+    "decision-aligned": decision("aligned_table"),
 }
 
 
