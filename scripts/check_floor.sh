@@ -12,6 +12,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3.10}
 FLOOR_VENV=${FLOOR_VENV:-.cache/floor}
+if ! "$PYTHON" -c "" 2>/dev/null; then
+    echo "check_floor: cannot run PYTHON=$PYTHON; set PYTHON to a Python interpreter, e.g. PYTHON=/usr/bin/python3.10" >&2
+    exit 2
+fi
 floor() {
     local version
     version=$(sed -n "s/^ *\"$1>=\([0-9][0-9.]*\)\".*/\1/p" pyproject.toml)
