@@ -136,6 +136,10 @@ ROWS += (
         what="`sorting=align`, every window turned by the blurred input's orientation (`align_guide=4`)"),
     Row("align2+canon", "scnn", {"sorting": "align", "sorted_convs": 2, "canonicalize": "moment1"}, aligned=2,
         what="aligned in the first 2 convolutions, plain after, + the canonical turn (as `sc2+canon`)"),
+    # An 8-pixel blur's orientation is the first angular moment of the mass within about a digit's radius (14):
+    # the canonical turn of each digit-sized neighbourhood, where a whole image's turn cannot follow its parts.
+    Row("align+guide8", "scnn", {"sorting": "align", "align_guide": 8.0}, aligned=2,
+        what="`sorting=align`, every window turned by the mass around it at a digit's scale (`align_guide=8`)"),
 )
 ROW_NAMES = tuple(row.name for row in ROWS)
 #: The aligned rounds' tasks and seeds, and the rows they are compared with there (the E(2)-CNN on the local tasks
