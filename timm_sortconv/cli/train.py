@@ -579,6 +579,9 @@ def main(argv=None):
     if best_metric is not None:
         _logger.info(f"*** Best metric: {best_metric} (epoch {best_epoch})")
     if args.distributed:
+        # Every process reaches the end before the group is torn down: with gloo on torch 2.9, a process that
+        # left while process 0 was still saving could hang at exit.
+        dist.barrier()
         dist.destroy_process_group()
     return output_dir
 
