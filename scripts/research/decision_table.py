@@ -358,7 +358,9 @@ def steps_for(row: Row, base: int, times: Dict) -> int:
 
 
 class Claim:
-    """A lock file that marks a job as taken by this process (freed on exit, or when its process is gone)."""
+    """A lock file that marks a job as taken by this process (freed on exit, or when its process is gone). It holds
+    the process's id and, where ``/proc`` tells it, its start time: after a reboot another process may have the id
+    of a dead owner, and the start time tells them apart."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -370,15 +372,16 @@ class Claim:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
             except FileExistsError:
                 try:
-                    owner = int(self.path.read_text() or 0)
+                    pid, *start = self.path.read_text().split()
+                    owner = (int(pid), start[0] if start else None)
                 except (OSError, ValueError):
-                    owner = 0
-                if owner and _alive(owner):
+                    owner = (0, None)
+                if owner[0] and _alive(*owner):
                     return False
                 self.path.unlink(missing_ok=True)  # its process died: take it over
                 continue
             with os.fdopen(fd, "w") as f:
-                f.write(str(os.getpid()))
+                f.write(f"{os.getpid()} {_started(os.getpid()) or ''}".strip())
             return True
         return False
 
@@ -386,14 +389,24 @@ class Claim:
         self.path.unlink(missing_ok=True)
 
 
-def _alive(pid: int) -> bool:
+def _started(pid: int) -> Optional[str]:
+    """The start time of process ``pid`` in clock ticks after boot (``/proc/<pid>/stat``), or None off Linux."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2:].split()[19]  # field 22; the name in parentheses may hold spaces
+
+
+def _alive(pid: int, start: Optional[str] = None) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    return True
+        pass
+    now = _started(pid) if start else None
+    return now is None or now == start
 
 
 def run_job(job: Job, args, times: Dict, data: Dict) -> Dict:

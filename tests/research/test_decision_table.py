@@ -142,7 +142,21 @@ def test_a_job_claimed_by_a_live_process_is_left_alone_and_one_of_a_dead_process
     claim.release()
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     claim.path.write_text(dead.stdout.strip())  # a process that has exited
-    assert table.Claim(claim.path).take() and claim.path.read_text() == str(os.getpid())
+    assert table.Claim(claim.path).take() and claim.path.read_text().split()[0] == str(os.getpid())
+    assert not table.Claim(claim.path).take()  # with this process's start time: still its own
+
+
+def test_a_claim_whose_process_id_now_names_another_process_is_taken(table, tmp_path):
+    """After a reboot a live process may have a dead owner's id: the start time in the claim tells them apart."""
+    path = tmp_path / "claims" / "job"
+    path.parent.mkdir()
+    started = table._started(os.getpid())
+    if started is None:
+        pytest.skip("no /proc here: a claim holds the process id alone")
+    path.write_text(f"{os.getpid()} {int(started) + 1}")  # this id, another process's start
+    assert table.Claim(path).take() and path.read_text() == f"{os.getpid()} {started}"
+    path.write_text(str(os.getpid()))  # a claim without a start time: the live id holds it
+    assert not table.Claim(path).take()
 
 
 def test_a_tiny_table_runs_records_and_is_not_rerun(table, tmp_path, capsys):
