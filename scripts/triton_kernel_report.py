@@ -10,7 +10,8 @@ which other processes on a busy machine disturb far less than the elapsed time).
 first line of its error and makes the script exit with status 1.
 
 ``--candidates`` compiles every block-size candidate that ``backend="auto"`` times (``config.blocks_of``)
-instead of the first one alone; the column ``auto`` says whether ``auto`` runs the kernel for the geometry
+instead of the first one alone, and the gemm input gradient's kernel both ways (its window values written for
+``F.fold``, and added into place by atomics: ``scatter`` in the blocks column); the column ``auto`` says whether ``auto`` runs the kernel for the geometry
 and dtype at all (``config.AUTO_MAX_KERNEL_SIZE`` and ``config.window_limit``).
 
 Examples:
@@ -46,7 +47,7 @@ ACCUMULATED = {"windows_ptr", "grad_x_ptr", "grad_w_ptr", "partial_ptr"}
 # Buffers of int32 words (the recorded swaps).
 WORDS = {"swaps_ptr"}
 SASS_GROUPS = {"min/max": ("FMNMX", "DMNMX", "HMNMX2"), "mma": ("HGMMA", "HMMA", "DMMA"), "ld.global": ("LDG",),
-               "st.global": ("STG",), "atomics": ("RED", "ATOM", "ATOMG")}
+               "st.global": ("STG",), "atomics": ("RED", "REDG", "ATOM", "ATOMG")}
 
 
 def parse_args(argv=None):
@@ -160,7 +161,10 @@ def layer_roofline(shape, geometry, element_bytes: int) -> Dict[str, float]:
     forward+backward, for three designs: the convolution itself (what cuDNN must at least move), materialised
     columns (the columns path: the sorted columns written and read back, in the backward again with their
     gradient) and the gemm path (the input read once per block of 64 outputs; in the backward the input gradient's
-    window values written and read back by ``F.fold``). ``sort ops``: comparators (two min/max each) and bilinear
+    window values written and read back by ``F.fold``, or with its scatter added into a zeroed float32 buffer of
+    the input's size: ``scatter MB f+b`` counts that buffer's zeroing, its write-back from L2 and, for half
+    types, its conversion, assuming the atomic additions resolve in L2; their throughput is not modelled).
+    ``sort ops``: comparators (two min/max each) and bilinear
     taps (a multiply-add each) per forward, plain FP32 work, done twice more in the gemm backward."""
     k, groups = shape.kernel_size, shape.groups
     out_h = (shape.height + 2 * shape.pad - shape.dilation * (k - 1) - 1) // shape.stride + 1
@@ -176,13 +180,16 @@ def layer_roofline(shape, geometry, element_bytes: int) -> Dict[str, float]:
     taps = int((geometry.tap_weights != 0).sum())
     sort_ops = windows * (2 * len(geometry.comparators()) + taps)
     conv_fwd, conv_bwd = x + w + out, out + x + w + x + w
+    buffer = x * 4 // element_bytes  # the scatter's float32 input gradient
+    gemm_fwd = conv_fwd + (output_blocks - 1) * x
     return {
         "GFLOP fwd": 2 * macs / 1e9, "sort Gop fwd": sort_ops / 1e9,
         "conv MB fwd": conv_fwd / 1e6, "conv MB f+b": (conv_fwd + conv_bwd) / 1e6,
         "columns MB fwd": (conv_fwd + 2 * columns) / 1e6,
         "columns MB f+b": (conv_fwd + 2 * columns + conv_bwd + 6 * columns) / 1e6,
-        "gemm MB fwd": (conv_fwd + (output_blocks - 1) * x) / 1e6,
-        "gemm MB f+b": (conv_fwd + (output_blocks - 1) * x + conv_bwd + 2 * columns * 4 // element_bytes) / 1e6,
+        "gemm MB fwd": gemm_fwd / 1e6,
+        "gemm MB f+b": (gemm_fwd + conv_bwd + 2 * columns * 4 // element_bytes) / 1e6,
+        "scatter MB f+b": (gemm_fwd + conv_bwd - x + 2 * buffer + (buffer + x if element_bytes < 4 else 0)) / 1e6,
     }
 
 
@@ -215,17 +222,19 @@ def roofline(models: Dict[str, int], gpu: str, dtype: str) -> List[List[str]]:
                          f"{cells['gemm MB fwd']:.0f} / {cells['gemm MB f+b']:.0f}",
                          f"{bound(cells['conv MB fwd'], 1, 0):.3f} / {bound(cells['conv MB f+b'], 3, 0):.3f}",
                          f"{bound(cells['columns MB fwd'], 1, 1):.3f} / {bound(cells['columns MB f+b'], 3, 2):.3f}",
-                         f"{bound(cells['gemm MB fwd'], 1, 1):.3f} / {bound(cells['gemm MB f+b'], 3, 3):.3f}"])
+                         f"{bound(cells['gemm MB fwd'], 1, 1):.3f} / {bound(cells['gemm MB f+b'], 3, 3):.3f}",
+                         f"{cells['scatter MB f+b']:.0f}", f"{bound(cells['scatter MB f+b'], 3, 3):.3f}"])
     return rows
 
 
 ROOFLINE_HEADER = ["model", "layer", "GFLOP fwd", "sort Gop fwd", "conv MB fwd / f+b", "columns MB fwd / f+b",
-                   "gemm MB fwd / f+b", "conv bound ms", "columns bound ms", "gemm bound ms"]
+                   "gemm MB fwd / f+b", "conv bound ms", "columns bound ms", "gemm bound ms", "scatter MB f+b",
+                   "scatter bound ms f+b"]
 
 
 def blocks(meta: dict) -> str:
     return " ".join(f"{name[6:]}={value}" for name, value in meta.items() if name.startswith("BLOCK_")) + \
-        f" w={meta['num_warps']}"
+        f" w={meta['num_warps']}" + (" scatter" if meta.get("SCATTER") else "")
 
 
 def compile_jobs(args):
@@ -248,11 +257,14 @@ def compile_jobs(args):
                         path, backward, dtype == torch.float64)
                     for out_per_group in outputs:
                         every = config.blocks_of(path, k * k, args.groups, out_per_group, backward)
+                        scatters = (False, True) if args.candidates and kernel == "gemm_input_backward_kernel" \
+                            else (False,)
                         for candidate in (every if args.candidates else every[:1]):
-                            meta = launch_settings(kernel, geometry, dtype, args.groups, args.in_per_group,
-                                                   out_per_group, blocks=candidate)
-                            yield ([kernel, str(k), variant, dtype_name, blocks(meta), "yes" if in_auto else "no"],
-                                   fn, dtype, meta)
+                            for scatter in scatters:
+                                meta = launch_settings(kernel, geometry, dtype, args.groups, args.in_per_group,
+                                                       out_per_group, blocks=candidate, scatter=scatter)
+                                yield ([kernel, str(k), variant, dtype_name, blocks(meta),
+                                        "yes" if in_auto else "no"], fn, dtype, meta)
 
 
 def compile_in_threads(args, jobs) -> int:

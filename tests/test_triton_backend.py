@@ -19,6 +19,7 @@ interpreter), with an injected clock: every candidate checked and the fastest ke
 kernels left out, no atomics in deterministic mode, no kernel left out on tied inputs, nor from a bfloat16 7x7
 backward run under autocast. The tuner's own rules are tested without kernels in tests/test_autotune.py.
 """
+import functools
 import os
 import subprocess
 import sys
@@ -80,8 +81,15 @@ def randn(*shape, seed=0, dtype=torch.float64):
 
 @pytest.fixture
 def path(request, monkeypatch):
-    """Runs the test's calls on one of the backend's paths (the parameter's value): backend="triton-<path>"."""
-    monkeypatch.setitem(globals(), "BACKEND", f"triton-{request.param}")
+    """Runs the test's calls on one of the backend's paths (the parameter's value): backend="triton-<path>";
+    ``"gemm-atomic"``: the gemm path with its input gradient added into place by atomics (the scatter ``auto``
+    times beside the fold)."""
+    name = request.param
+    if name == "gemm-atomic":
+        monkeypatch.setitem(triton_backend._BACKWARD_PATHS, "gemm",
+                            functools.partial(triton_backend._gemm_backward, scatter=True))
+        name = "gemm"
+    monkeypatch.setitem(globals(), "BACKEND", f"triton-{name}")
     return request.param
 
 
@@ -159,7 +167,7 @@ def test_fused_forward_agrees_with_reference(path, k):
 
 
 @kernel_test
-@pytest.mark.parametrize("path", ["gemm"], indirect=True)
+@pytest.mark.parametrize("path", ["gemm", "gemm-atomic"], indirect=True)
 @pytest.mark.parametrize("k", [3, 5, 7])
 def test_gemm_agrees_with_reference(path, k):
     # The four variants at each k auto takes, forward and both gradients; settings rotate with the index.
@@ -173,7 +181,7 @@ def test_every_geometry_is_tested_forward_and_backward():
 
 
 @kernel_test
-@pytest.mark.parametrize("path", ["columns", "direct", "fused", "gemm"], indirect=True)
+@pytest.mark.parametrize("path", ["columns", "direct", "fused", "gemm", "gemm-atomic"], indirect=True)
 def test_orbit_sortings_agree_with_reference(path):
     # sorting="c4"/"c2": many segments of 4 or 2 slots, samples in orbit order (square sampling too)
     for index, (k, sampling, sorting) in enumerate([(3, "polar", "c2"), (5, "square", "c4"), (5, "polar", "c4")]):
@@ -181,13 +189,14 @@ def test_orbit_sortings_agree_with_reference(path):
 
 
 @kernel_test
-@pytest.mark.parametrize("path", ["direct", "fused", "columns", "gemm"], indirect=True)
+@pytest.mark.parametrize("path", ["direct", "fused", "columns", "gemm", "gemm-atomic"], indirect=True)
 def test_several_blocks_of_positions_channels_and_outputs(path):
     # 3 x 9 x 9 positions (several position blocks and splits of the gemm weight gradient's positions), 20
     # channels (several channel blocks of the columns kernels, two iterations of the fused kernel's channel
     # loop), and more outputs per group than one block of the fused (32), direct (4) or gemm (32) kernels.
     geometry = get_geometry(3, "polar", "ring")
-    channels, out_per_group = {"direct": (4, 6), "fused": (20, 130), "columns": (20, 20), "gemm": (3, 70)}[path]
+    channels, out_per_group = {"direct": (4, 6), "fused": (20, 130), "columns": (20, 20), "gemm": (3, 70),
+                             "gemm-atomic": (3, 70)}[path]
     for index in (0, 2):  # groups 1 and depthwise
         check_against_reference(index, geometry, grads=path != "fused", channels=channels if index == 0 else 4,
                                 out_per_group=out_per_group, batch=3, size=(9, 9))
@@ -203,7 +212,7 @@ def test_columns_in_chunks_of_images(path, monkeypatch):
 
 
 @kernel_test
-@pytest.mark.parametrize("path", ["direct", "fused", "columns", "gemm"], indirect=True)
+@pytest.mark.parametrize("path", ["direct", "fused", "columns", "gemm", "gemm-atomic"], indirect=True)
 def test_batch_one_and_asymmetric_padding(path):
     geometry = get_geometry(5, "polar", "global")
     x, weight, bias, stride, dilation, groups, _ = case(1, 5, batch=1)
@@ -214,7 +223,7 @@ def test_batch_one_and_asymmetric_padding(path):
 
 
 @kernel_test
-@pytest.mark.parametrize("path", ["direct", "fused", "columns", "gemm"], indirect=True)
+@pytest.mark.parametrize("path", ["direct", "fused", "columns", "gemm", "gemm-atomic"], indirect=True)
 def test_channels_last_input(path):
     geometry = get_geometry(5, "polar", "ring")
     x, weight, bias, stride, dilation, groups, pad = case(0, 5, channels=4)
@@ -227,7 +236,7 @@ def test_channels_last_input(path):
 
 
 @kernel_test
-@pytest.mark.parametrize("path", ["direct", "fused", "columns", "gemm"], indirect=True)
+@pytest.mark.parametrize("path", ["direct", "fused", "columns", "gemm", "gemm-atomic"], indirect=True)
 def test_float32(path):
     check_against_reference(1, get_geometry(7, "polar", "ring"), rtol=1e-4, atol=1e-4, dtype=torch.float32)
 
@@ -261,7 +270,7 @@ BFLOAT16_PATHS = ["direct", "columns"] if INTERPRETED else ["direct", "fused", "
 
 
 @kernel_test
-@pytest.mark.parametrize("path,dtype", [(path, torch.float16) for path in ("direct", "fused", "gemm", "columns")]
+@pytest.mark.parametrize("path,dtype", [(path, torch.float16) for path in ("direct", "fused", "gemm", "gemm-atomic", "columns")]
                          + [(path, torch.bfloat16) for path in BFLOAT16_PATHS], indirect=["path"])
 def test_half_types(path, dtype):
     half_case_against_float64(path, dtype, autocast=False)
@@ -274,7 +283,7 @@ def test_autocast(path):
 
 
 @kernel_test
-@pytest.mark.parametrize("path", ["direct", "gemm", "columns"], indirect=True)
+@pytest.mark.parametrize("path", ["direct", "gemm", "gemm-atomic", "columns"], indirect=True)
 def test_one_gradient_alone(path):
     # Frozen weights (input gradient only) and a frozen input (weight gradient only), as in fine-tuning.
     geometry = get_geometry(3, "polar", "global")
@@ -397,8 +406,8 @@ def test_auto_keeps_the_bfloat16_backward_kernels_of_a_7x7_layer_under_autocast(
     # float32 reference must not interpolate in bfloat16 (rounded samples tie in more than half of the 7x7 windows, and
     # a tie's gradients go either way). Candidates: the paths whose bfloat16 kernels this device computes.
     candidates = triton_backend.candidates
-    monkeypatch.setattr(triton_backend, "candidates", lambda kind, call, x: [
-        c for c in candidates(kind, call, x) if c.name.split()[1] in BFLOAT16_PATHS])
+    monkeypatch.setattr(triton_backend, "candidates", lambda *args: [
+        c for c in candidates(*args) if c.name.split()[1] in BFLOAT16_PATHS])
     x, weight, grad_out = (randn(*shape, seed=seed).to(torch.bfloat16)
                            for seed, shape in enumerate([(1, 2, 9, 9), (4, 2, 7, 7), (1, 4, 9, 9)]))
     with torch.autocast(DEVICE, dtype=torch.bfloat16):
@@ -448,6 +457,21 @@ def test_auto_in_deterministic_mode_takes_no_atomics(fresh_tuner):
     assert backward.chosen.name.startswith("triton columns backward")  # the direct backward adds with atomics
     assert all(torch.equal(a, b) for a, b in zip(results[2], results[1]))  # the kept kernels: the same bits
     assert_close_to_float64(results[2], x, weight, bias, geometry, stride, dilation, groups, pad)
+
+
+def test_auto_times_the_gemm_scatter_after_the_deterministic_kernels():
+    # The gemm input gradient added into place by atomics: one candidate per gemm block size, last, marked not
+    # deterministic (so that deterministic mode leaves it out), and only where the input gradient is wanted.
+    x, weight = torch.zeros(2, 16, 8, 8), torch.zeros(32, 16, 3, 3)
+    call = triton_backend._Call.of(x, weight, get_geometry(3, "polar", "ring"), (1, 1), (1, 1), 1, (1, 1, 1, 1))
+    found = triton_backend.candidates("backward", call, x)
+    atomic = [c for c in found if "atomic" in c.name]
+    assert len(atomic) == len(config.blocks_of("gemm", 9, 1, 32, backward=True)) > 0
+    assert found[-len(atomic):] == atomic and all(c.name.startswith("triton gemm backward") for c in atomic)
+    assert not any(c.deterministic for c in atomic)
+    assert all(c.deterministic for c in found[:-len(atomic)])  # 16 channels per group: no direct backward
+    assert not any("atomic" in c.name for c in triton_backend.candidates("backward", call, x, need_input=False))
+    assert not any("atomic" in c.name for c in triton_backend.candidates("forward", call, x))
 
 
 def test_depth_first_order_sorts_as_the_network_does():
@@ -730,12 +754,18 @@ def test_the_columns_fused_and_gemm_kernels_keep_their_windows_in_registers(tmp_
     cases += [(3, kernel, blocks) for kernel in ("gemm_forward_kernel", "gemm_input_backward_kernel",
                                                  "gemm_weight_backward_kernel")
               for blocks in config.gemm_candidates(9, 128, backward=kernel != "gemm_forward_kernel")]
+    # the gemm input gradient added into place: reductions (no returned value) and no stores
+    cases += [(3, "gemm_input_backward_kernel", blocks + ("scatter",)) for blocks in config.gemm_candidates(9, 128, True)]
     for k, kernel, blocks in cases:
         geometry = get_geometry(k, "polar", "ring")
-        meta = triton_backend.launch_settings(kernel, geometry, torch.float32, 1, 128, 128, blocks=blocks)
+        scatter = blocks is not None and blocks[-1] == "scatter"
+        meta = triton_backend.launch_settings(kernel, geometry, torch.float32, 1, 128, 128,
+                                              blocks=blocks[:-1] if scatter else blocks, scatter=scatter)
         cells = report.compile_kernel(load_kernels(geometry)[kernel], torch.float32, meta, 90, tmp_path)
         assert int(cells["spill B"]) == 0 and int(cells["regs"]) <= (255 if blocks else 200), (kernel, cells)
         assert cells["SASS"] < 4000, (kernel, cells)
+        if scatter:
+            assert cells["atomics"] > 0 and cells["st.global"] == 0, (kernel, cells)
 
 
 @pytest.mark.slow
@@ -765,6 +795,8 @@ def test_roofline_counts_a_layers_products_and_the_bytes_each_design_moves():
     assert cells["columns MB fwd"] == pytest.approx(cells["conv MB fwd"] + 2 * columns)
     assert cells["conv MB fwd"] < cells["gemm MB fwd"] + 1e-9 < cells["columns MB fwd"]
     assert cells["gemm MB f+b"] < cells["columns MB f+b"] / 3  # no columns and no column gradient in memory
+    x = 100 * 32 * 28 * 28 * 4 / 1e6  # the scatter: no window values in memory, a zeroed buffer of x's size instead
+    assert cells["gemm MB f+b"] - cells["scatter MB f+b"] == pytest.approx(2 * columns - x)
     half = report.layer_roofline(shape, geometry, 2)  # bfloat16 halves what the convolution moves
     assert half["conv MB fwd"] == pytest.approx(cells["conv MB fwd"] / 2)
 

@@ -16,9 +16,10 @@ runs one of them for a call):
   a block of positions per program: the sorted slots of BLOCK_C channels at a block of positions are one
   ``[positions, BLOCK_C * K]`` operand of ``tl.dot`` (K: a channel's slots padded to a power of two >= 16).
   Its backward sorts again: one kernel records the swaps and sends the slots' gradient (a ``tl.dot`` of the
-  output gradient and the weights) back to the window values, which ``F.fold`` gathers per input pixel;
-  another sums the weight gradient's ``tl.dot`` products over splits of the positions, added in a fixed
-  order. No columns are written to memory.
+  output gradient and the weights) back to the window values, which ``F.fold`` gathers per input pixel (or,
+  a candidate of ``auto`` outside deterministic mode, adds them into the input gradient with atomics: no window
+  values in memory); another sums the weight gradient's ``tl.dot`` products over splits of the positions, added
+  in a fixed order. No columns are written to memory.
 * ``columns``: sorted columns written for a bounded chunk of images and multiplied by cuBLAS. Also the
   backward of every call that is not direct: the weight and column gradients are cuBLAS products, a kernel
   sorts again recording the swaps (and writing the columns), another replays them in reverse to send the
@@ -242,11 +243,12 @@ BACKWARD_KERNELS = ("direct_backward_kernel", "gemm_input_backward_kernel", "gem
 
 def launch_settings(kernel: str, geometry: SortGeometry, dtype: torch.dtype, groups: int, in_per_group: int,
                     out_per_group: int, has_bias: bool = True, need_input: bool = True, need_weight: bool = True,
-                    blocks: Optional[tuple] = None) -> dict:
+                    blocks: Optional[tuple] = None, scatter: bool = False) -> dict:
     """The compile-time arguments (block sizes, dtypes, flags, ``num_warps``, ``num_stages``) with which
     the backend launches ``kernel`` (one of :data:`KERNELS`) for such a call: with ``blocks``, one of its
-    path's candidates (:func:`config.blocks_of`), else the first; ``scripts/triton_kernel_report.py``
-    compiles the kernels with them."""
+    path's candidates (:func:`config.blocks_of`), else the first; ``scatter``: the gemm input gradient's
+    kernel adding into the input gradient with atomics (:func:`_gemm_backward`).
+    ``scripts/triton_kernel_report.py`` compiles the kernels with them."""
     compute = _compute_dtype(dtype)
     path = KERNEL_PATHS.get(kernel)
     if path is None:
@@ -261,6 +263,8 @@ def launch_settings(kernel: str, geometry: SortGeometry, dtype: torch.dtype, gro
         block_p, block_o, block_c, warps = blocks
         meta = dict(COMPUTE=compute, ACCUMULATE=compute, PRECISION=_dot_precision(dtype), BLOCK_P=block_p,
                     BLOCK_O=block_o, BLOCK_C=block_c, num_warps=warps, num_stages=1)
+        if kernel == "gemm_input_backward_kernel":
+            return dict(meta, SCATTER=bool(scatter))
         return dict(meta, HAS_BIAS=has_bias) if kernel == "gemm_forward_kernel" else meta
     if path == "fused":
         block_p, block_c, block_o, warps = blocks
@@ -503,15 +507,28 @@ def _gemm_forward(x, weight, bias, call: _Call, blocks: Optional[tuple] = None):
 
 
 def _gemm_backward(grad_out, x, weight, call: _Call, need_input: bool, need_weight: bool,
-                   blocks: Optional[tuple] = None):
+                   blocks: Optional[tuple] = None, scatter: bool = False):
     """The gemm path's backward: the input gradient per chunk of images (its window values written by the
-    input kernel, ``F.fold`` gathering them per pixel), the weight gradient from partial sums over splits of
-    the positions, added in a fixed order. Both sort the windows again from ``x``."""
+    input kernel, ``F.fold`` gathering them per pixel), or with ``scatter`` in one launch whose kernel adds the
+    window values into the input gradient with atomics (no buffer of window values, k * k times the input's
+    size, written and read back; sums in a varying order, so ``auto`` leaves it out in deterministic mode);
+    the weight gradient from partial sums over splits of the positions, added in a fixed order. Both sort
+    the windows again from ``x``."""
     accumulate = torch.float64 if x.dtype == torch.float64 else torch.float32
     kernels = load_kernels(call.geometry)
     positions = call.out_h * call.out_w
     grad_input = grad_weight = None
-    if need_input:
+    if need_input and scatter:
+        meta = _settings("gemm_input_backward_kernel", call, x.dtype, blocks, scatter=True)
+        # Same strides as x (contiguous or channels_last), which the kernel addresses both by.
+        grad_x = torch.zeros_like(x, dtype=accumulate)
+        assert grad_x.stride() == x.stride()
+        grid = (_cdiv(call.batch * positions, meta["BLOCK_P"]), call.groups, _cdiv(call.in_per_group, meta["BLOCK_C"]))
+        _launch(kernels["gemm_input_backward_kernel"], grid)(
+            x, _weight_in("channel_major", weight, call), grad_out, grad_x, call.in_per_group, call.out_per_group,
+            *call.position_args(x, call.batch), *grad_out.stride(), 0, 0, 0, **meta)
+        grad_input = grad_x.to(x.dtype)
+    elif need_input:
         meta = _settings("gemm_input_backward_kernel", call, x.dtype, blocks)
         weights = _weight_in("channel_major", weight, call)
         for first, end in _chunks(call, call.slots * torch.finfo(accumulate).bits // 8):
@@ -618,10 +635,12 @@ def _check_backward(args: tuple, result) -> tuple:
     return args, tuning.upcast(_reference_backward)(*args)
 
 
-def candidates(kind: str, call: _Call, x: torch.Tensor) -> List[tuning.Candidate]:
+def candidates(kind: str, call: _Call, x: torch.Tensor, need_input: bool = True) -> List[tuning.Candidate]:
     """The kernels backend="auto" checks and times for a ``"forward"`` or ``"backward"`` call, in the
     backend's order of preference: each path of :func:`config.forward_paths` (or ``backward_paths``) with
-    each of its block sizes. None for ``k >`` :data:`config.AUTO_MAX_KERNEL_SIZE`."""
+    each of its block sizes; for a backward that wants the input gradient, the gemm path's block sizes again
+    with its atomic scatter last (not deterministic, like the direct backward). None for ``k >``
+    :data:`config.AUTO_MAX_KERNEL_SIZE`."""
     if call.geometry.kernel_size > config.AUTO_MAX_KERNEL_SIZE:
         return []
     if kind == "forward":
@@ -633,14 +652,18 @@ def candidates(kind: str, call: _Call, x: torch.Tensor) -> List[tuning.Candidate
                                       double=x.dtype == torch.float64)
         table = _BACKWARD_PATHS
     found = []
-    for path in paths:
+    variants = [(path, {}) for path in paths]
+    if kind == "backward" and need_input and "gemm" in paths:
+        variants.append(("gemm", {"scatter": True}))
+    for path, options in variants:
         for blocks in config.blocks_of(path, call.slots, call.groups, call.out_per_group, kind == "backward"):
             sizes = " ".join(f"{name}={size}" for name, size in zip(_BLOCK_NAMES[path], blocks))
-            run = functools.partial(table[path], blocks=blocks)
-            # The direct backward adds its gradients with atomics: sums in a varying order. The interpreter
-            # compiles nothing.
-            found.append(tuning.Candidate(f"triton {path} {kind} ({sizes})", run,
-                                          deterministic=not (kind == "backward" and path == "direct"),
+            run = functools.partial(table[path], blocks=blocks, **options)
+            # The direct backward and the gemm scatter add with atomics: sums in a varying order. The
+            # interpreter compiles nothing.
+            atomic = kind == "backward" and (path == "direct" or bool(options))
+            found.append(tuning.Candidate(f"triton {path} {kind} ({sizes}{', atomic' if options else ''})", run,
+                                          deterministic=not atomic,
                                           prepare=None if INTERPRETED else functools.partial(prepare, run)))
     return found
 
@@ -684,7 +707,7 @@ def tuned_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
     call = _Call.of(x, weight, geometry, stride, dilation, groups, pad)
     return tuning.TUNER.run(_configuration("backward", call, x, (need_input, need_weight)),
                             lambda: _describe("backward", call, x), _REFERENCE["backward"],
-                            lambda: candidates("backward", call, x),
+                            lambda: candidates("backward", call, x, need_input),
                             (grad_out, x, weight, call, need_input, need_weight), x.device, _check_backward)
 
 

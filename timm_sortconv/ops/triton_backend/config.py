@@ -14,8 +14,10 @@ Which kernels compute a call:
   BLOCK_C input channels per step: their sorted slots at a block of positions are one [positions, BLOCK_C * K]
   operand (K: a channel's slots padded to a power of two >= 16) of a ``tl.dot`` with their weights. Its
   backward sorts again: the input gradient's kernel records the swaps and sends the slots' gradient (another
-  ``tl.dot``) back to the window values, which ``F.fold`` gathers per input pixel; the weight gradient's
-  kernel sums ``tl.dot`` products over splits of the positions, added up in a fixed order (no atomics).
+  ``tl.dot``) back to the window values, which ``F.fold`` gathers per input pixel, or (``auto``'s other gemm
+  backward, never in deterministic mode) adds them into the input gradient with atomics, which writes no window
+  values to memory; the weight gradient's kernel sums ``tl.dot`` products over splits of the positions, added
+  up in a fixed order (no atomics).
 * ``"columns"``: the sorted columns are written once, a bounded number of images at a time
   (``COLUMN_CHUNK_BYTES``), and multiplied by cuBLAS (``torch.matmul``). Its backward: a kernel sorts the
   windows again, recording each comparator's swap (and writing the columns for the weight gradient's

@@ -285,6 +285,20 @@ class _Kernel:
         for row in range((len(values) + k - 1) // k):
             self.store_slots(values[row * k:(row + 1) * k], f"{base} + {row * k} * {stride}", stride, mask, dtype)
 
+    def scatter_rows(self, started: set, lane: str, dtype: str) -> None:
+        """The window gradients ``gv{q}`` added into the input gradient at ``lane`` (each lane's window corner in a
+        buffer of x's strides), one relaxed ``tl.atomic_add`` per window row: the ``[W8, lanes]`` tile and masks of
+        :meth:`load_window_rows` (padding and the columns beyond k are masked)."""
+        width = tile_width(self.k)
+        self.write(f"gx_lane = {lane}")
+        for r in sorted({q // self.k for q in started}):
+            values = self.padded([f"gv{q}" if q in started else None for q in range(r * self.k, (r + 1) * self.k)],
+                                 width, self.lanes, "COMPUTE")
+            tile = self.join(values, width, self.lanes)
+            self.write(f"tl.atomic_add(gx_lane[None, :, :] + ({r} * dil_h) * sxh + row_off, "
+                       f"tl.permute({tile}, (2, 0, 1)).to({dtype}), "
+                       f"mask=(lane_ok & row_ok{r})[None, :, :] & row_cols, sem=\"relaxed\")")
+
     def load_each(self, prefix: str, base: str, stride: str, segment: Tuple[int, int], mask: str,
                   dtype: str = "COMPUTE") -> None:
         """``{prefix}{i}`` for the entries i of ``segment``: one load of a lane tensor each at
@@ -711,11 +725,14 @@ def _gemm_input_backward_kernel(geometry: SortGeometry) -> str:
     lanes' windows sorted again recording the swaps; the sorted slots' gradient [BLOCK_P, BLOCK_C * K] = the
     output gradient times the channels' weights (tl.dot per block of the group's outputs); split per slot, sent
     back through the swaps and the transposed taps, and written as ``windows[image, channel, q, l]`` (strides
-    swb, swc, swq), which ``F.fold`` sums per input pixel (no atomics: deterministic). Grid: (position blocks,
-    groups, channel blocks)."""
+    swb, swc, swq), which ``F.fold`` sums per input pixel (no atomics: deterministic); with SCATTER, added
+    straight into the input gradient instead (``windows_ptr``: a buffer of x's shape and strides, zeroed; one
+    atomic addition per window value, one window row per instruction: no window values in memory and no fold,
+    but sums in a varying order). Grid: (position blocks, groups, channel blocks)."""
     kernel = _Kernel(geometry, "gemm_input_backward_kernel",
                      f"x_ptr, w_ptr, grad_out_ptr, windows_ptr, in_per_group, out_per_group, {_POSITION_ARGS}, "
-                     f"sgb, sgc, sgh, sgw, swb, swc, swq, {_GEMM_TYPES}, {_GEMM_BLOCKS}", _GEMM_LANES)
+                     f"sgb, sgc, sgh, sgw, swb, swc, swq, {_GEMM_TYPES}, SCATTER: tl.constexpr, {_GEMM_BLOCKS}",
+                     _GEMM_LANES)
     w = kernel.write
     depth = gemm_depth(kernel.slots)
     kernel.positions()
@@ -745,9 +762,16 @@ def _gemm_input_backward_kernel(geometry: SortGeometry) -> str:
     for segment in geometry.segments:
         kernel.unsort_segment(segment)
         kernel.window_gradients(segment, started)
+    w("if SCATTER:")
+    w.depth += 1
+    kernel.scatter_rows(started, "windows_ptr + pos + (chan * sxc)[:, None]", "windows_ptr.dtype.element_ty")
+    w.depth -= 1
+    w("else:")
+    w.depth += 1
     w("windows_lane = windows_ptr + (image * swb + l)[None, :] + (chan * swc)[:, None]")
     kernel.store_rows(kernel.window_gradient_values(started), "windows_lane", "swq", "lane_ok",
                       "windows_ptr.dtype.element_ty")
+    w.depth -= 1
     return kernel.source()
 
 
