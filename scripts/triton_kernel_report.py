@@ -10,8 +10,9 @@ which other processes on a busy machine disturb far less than the elapsed time).
 first line of its error and makes the script exit with status 1.
 
 ``--candidates`` compiles every block-size candidate that ``backend="auto"`` times (``config.blocks_of``)
-instead of the first one alone, and the gemm input gradient's kernel both ways (its window values written for
-``F.fold``, and added into place by atomics: ``scatter`` in the blocks column); the column ``auto`` says whether ``auto`` runs the kernel for the geometry
+instead of the first one alone, and the kernels that send the input gradient to the window values both ways
+(their window values written for ``F.fold``, and added into place by atomics: ``scatter`` in the blocks
+column); the column ``auto`` says whether ``auto`` runs the kernel for the geometry
 and dtype at all (``config.AUTO_MAX_KERNEL_SIZE`` and ``config.window_limit``).
 
 Examples:
@@ -46,6 +47,8 @@ POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16:
 ACCUMULATED = {"windows_ptr", "grad_x_ptr", "grad_w_ptr", "partial_ptr"}
 # Buffers of int32 words (the recorded swaps).
 WORDS = {"swaps_ptr"}
+# The kernels whose window values the backend also adds into the input gradient with atomics (SCATTER).
+SCATTER_KERNELS = ("replay_kernel", "gemm_input_backward_kernel")
 SASS_GROUPS = {"min/max": ("FMNMX", "DMNMX", "HMNMX2"), "mma": ("HGMMA", "HMMA", "DMMA"), "ld.global": ("LDG",),
                "st.global": ("STG",), "atomics": ("RED", "REDG", "ATOM", "ATOMG")}
 
@@ -257,8 +260,7 @@ def compile_jobs(args):
                         path, backward, dtype == torch.float64)
                     for out_per_group in outputs:
                         every = config.blocks_of(path, k * k, args.groups, out_per_group, backward)
-                        scatters = (False, True) if args.candidates and kernel == "gemm_input_backward_kernel" \
-                            else (False,)
+                        scatters = (False, True) if args.candidates and kernel in SCATTER_KERNELS else (False,)
                         for candidate in (every if args.candidates else every[:1]):
                             for scatter in scatters:
                                 meta = launch_settings(kernel, geometry, dtype, args.groups, args.in_per_group,

@@ -82,13 +82,13 @@ def randn(*shape, seed=0, dtype=torch.float64):
 @pytest.fixture
 def path(request, monkeypatch):
     """Runs the test's calls on one of the backend's paths (the parameter's value): backend="triton-<path>";
-    ``"gemm-atomic"``: the gemm path with its input gradient added into place by atomics (the scatter ``auto``
-    times beside the fold)."""
+    ``"columns-atomic"``, ``"gemm-atomic"``: the path with its input gradient added into place by atomics (the
+    scatter ``auto`` times beside the fold)."""
     name = request.param
-    if name == "gemm-atomic":
-        monkeypatch.setitem(triton_backend._BACKWARD_PATHS, "gemm",
-                            functools.partial(triton_backend._gemm_backward, scatter=True))
-        name = "gemm"
+    if name.endswith("-atomic"):
+        name = name[:-len("-atomic")]
+        monkeypatch.setitem(triton_backend._BACKWARD_PATHS, name,
+                            functools.partial(triton_backend._BACKWARD_PATHS[name], scatter=True))
     monkeypatch.setitem(globals(), "BACKEND", f"triton-{name}")
     return request.param
 
@@ -149,10 +149,10 @@ FORWARD_AND_BACKWARD = {"columns": [(k, v) for k in (1, 3, 5) for v in VARIANTS]
 
 
 @kernel_test
-@pytest.mark.parametrize("path", ["columns", "direct"], indirect=True)
+@pytest.mark.parametrize("path", ["columns", "direct", "columns-atomic"], indirect=True)
 @pytest.mark.parametrize("k", [1, 3, 5, 7, 9])
 def test_agrees_with_reference(path, k):
-    for index, (kernel_size, (sampling, sorting)) in enumerate(FORWARD_AND_BACKWARD[path]):
+    for index, (kernel_size, (sampling, sorting)) in enumerate(FORWARD_AND_BACKWARD[path.split("-")[0]]):
         if kernel_size == k:
             check_against_reference(k + index, get_geometry(k, sampling, sorting))
 
@@ -181,7 +181,7 @@ def test_every_geometry_is_tested_forward_and_backward():
 
 
 @kernel_test
-@pytest.mark.parametrize("path", ["columns", "direct", "fused", "gemm", "gemm-atomic"], indirect=True)
+@pytest.mark.parametrize("path", ["columns", "direct", "fused", "gemm", "columns-atomic", "gemm-atomic"], indirect=True)
 def test_orbit_sortings_agree_with_reference(path):
     # sorting="c4"/"c2": many segments of 4 or 2 slots, samples in orbit order (square sampling too)
     for index, (k, sampling, sorting) in enumerate([(3, "polar", "c2"), (5, "square", "c4"), (5, "polar", "c4")]):
@@ -189,30 +189,30 @@ def test_orbit_sortings_agree_with_reference(path):
 
 
 @kernel_test
-@pytest.mark.parametrize("path", ["direct", "fused", "columns", "gemm", "gemm-atomic"], indirect=True)
+@pytest.mark.parametrize("path", ["direct", "fused", "columns", "gemm", "columns-atomic", "gemm-atomic"], indirect=True)
 def test_several_blocks_of_positions_channels_and_outputs(path):
     # 3 x 9 x 9 positions (several position blocks and splits of the gemm weight gradient's positions), 20
     # channels (several channel blocks of the columns kernels, two iterations of the fused kernel's channel
     # loop), and more outputs per group than one block of the fused (32), direct (4) or gemm (32) kernels.
     geometry = get_geometry(3, "polar", "ring")
-    channels, out_per_group = {"direct": (4, 6), "fused": (20, 130), "columns": (20, 20), "gemm": (3, 70),
-                             "gemm-atomic": (3, 70)}[path]
+    sizes = {"direct": (4, 6), "fused": (20, 130), "columns": (20, 20), "gemm": (3, 70)}
+    channels, out_per_group = sizes[path.split("-")[0]]
     for index in (0, 2):  # groups 1 and depthwise
         check_against_reference(index, geometry, grads=path != "fused", channels=channels if index == 0 else 4,
                                 out_per_group=out_per_group, batch=3, size=(9, 9))
 
 
 @kernel_test
-@pytest.mark.parametrize("path", ["columns", "gemm"], indirect=True)
+@pytest.mark.parametrize("path", ["columns", "gemm", "columns-atomic"], indirect=True)
 def test_columns_in_chunks_of_images(path, monkeypatch):
     # A chunk budget of one image: the forward and backward (the gemm path: its input gradient's window
-    # values) loop over the batch in 3 chunks.
+    # values; the columns scatter: into its images of the input gradient) loop over the batch in 3 chunks.
     monkeypatch.setattr(config, "COLUMN_CHUNK_BYTES", 1)
     check_against_reference(0, get_geometry(5, "square", "global"), batch=3)
 
 
 @kernel_test
-@pytest.mark.parametrize("path", ["direct", "fused", "columns", "gemm", "gemm-atomic"], indirect=True)
+@pytest.mark.parametrize("path", ["direct", "fused", "columns", "gemm", "columns-atomic", "gemm-atomic"], indirect=True)
 def test_batch_one_and_asymmetric_padding(path):
     geometry = get_geometry(5, "polar", "global")
     x, weight, bias, stride, dilation, groups, _ = case(1, 5, batch=1)
@@ -223,7 +223,7 @@ def test_batch_one_and_asymmetric_padding(path):
 
 
 @kernel_test
-@pytest.mark.parametrize("path", ["direct", "fused", "columns", "gemm", "gemm-atomic"], indirect=True)
+@pytest.mark.parametrize("path", ["direct", "fused", "columns", "gemm", "columns-atomic", "gemm-atomic"], indirect=True)
 def test_channels_last_input(path):
     geometry = get_geometry(5, "polar", "ring")
     x, weight, bias, stride, dilation, groups, pad = case(0, 5, channels=4)
@@ -236,7 +236,7 @@ def test_channels_last_input(path):
 
 
 @kernel_test
-@pytest.mark.parametrize("path", ["direct", "fused", "columns", "gemm", "gemm-atomic"], indirect=True)
+@pytest.mark.parametrize("path", ["direct", "fused", "columns", "gemm", "columns-atomic", "gemm-atomic"], indirect=True)
 def test_float32(path):
     check_against_reference(1, get_geometry(7, "polar", "ring"), rtol=1e-4, atol=1e-4, dtype=torch.float32)
 
@@ -270,7 +270,8 @@ BFLOAT16_PATHS = ["direct", "columns"] if INTERPRETED else ["direct", "fused", "
 
 
 @kernel_test
-@pytest.mark.parametrize("path,dtype", [(path, torch.float16) for path in ("direct", "fused", "gemm", "gemm-atomic", "columns")]
+@pytest.mark.parametrize("path,dtype", [(path, torch.float16) for path in ("direct", "fused", "gemm", "gemm-atomic",
+                                                                     "columns", "columns-atomic")]
                          + [(path, torch.bfloat16) for path in BFLOAT16_PATHS], indirect=["path"])
 def test_half_types(path, dtype):
     half_case_against_float64(path, dtype, autocast=False)
@@ -283,7 +284,7 @@ def test_autocast(path):
 
 
 @kernel_test
-@pytest.mark.parametrize("path", ["direct", "gemm", "gemm-atomic", "columns"], indirect=True)
+@pytest.mark.parametrize("path", ["direct", "gemm", "gemm-atomic", "columns", "columns-atomic"], indirect=True)
 def test_one_gradient_alone(path):
     # Frozen weights (input gradient only) and a frozen input (weight gradient only), as in fine-tuning.
     geometry = get_geometry(3, "polar", "global")
@@ -459,16 +460,18 @@ def test_auto_in_deterministic_mode_takes_no_atomics(fresh_tuner):
     assert_close_to_float64(results[2], x, weight, bias, geometry, stride, dilation, groups, pad)
 
 
-def test_auto_times_the_gemm_scatter_after_the_deterministic_kernels():
-    # The gemm input gradient added into place by atomics: one candidate per gemm block size, last, marked not
-    # deterministic (so that deterministic mode leaves it out), and only where the input gradient is wanted.
+def test_auto_times_the_scatters_after_the_deterministic_kernels():
+    # The columns and gemm input gradients added into place by atomics: one candidate per block size of each,
+    # last, marked not deterministic (so that deterministic mode leaves them out), and only where the input
+    # gradient is wanted.
     x, weight = torch.zeros(2, 16, 8, 8), torch.zeros(32, 16, 3, 3)
     call = triton_backend._Call.of(x, weight, get_geometry(3, "polar", "ring"), (1, 1), (1, 1), 1, (1, 1, 1, 1))
     found = triton_backend.candidates("backward", call, x)
     atomic = [c for c in found if "atomic" in c.name]
-    assert len(atomic) == len(config.blocks_of("gemm", 9, 1, 32, backward=True)) > 0
-    assert found[-len(atomic):] == atomic and all(c.name.startswith("triton gemm backward") for c in atomic)
-    assert not any(c.deterministic for c in atomic)
+    blocks = {path: len(config.blocks_of(path, 9, 1, 32, backward=True)) for path in ("columns", "gemm")}
+    assert [c.name.split(" (")[0] for c in atomic] == \
+        ["triton columns backward"] * blocks["columns"] + ["triton gemm backward"] * blocks["gemm"]
+    assert found[-len(atomic):] == atomic and not any(c.deterministic for c in atomic)
     assert all(c.deterministic for c in found[:-len(atomic)])  # 16 channels per group: no direct backward
     assert not any("atomic" in c.name for c in triton_backend.candidates("backward", call, x, need_input=False))
     assert not any("atomic" in c.name for c in triton_backend.candidates("forward", call, x))
@@ -749,18 +752,18 @@ def test_the_columns_fused_and_gemm_kernels_keep_their_windows_in_registers(tmp_
     report = load_script(SCRIPTS / "triton_kernel_report.py", "triton_kernel_report")
     from timm_sortconv.ops.triton_backend.source import load_kernels
 
-    cases = [(7, kernel, None) for kernel in ("columns_kernel", "record_kernel", "replay_kernel")]
-    cases += [(3, "fused_forward_kernel", blocks) for blocks in config.fused_candidates(9, 128)]
-    cases += [(3, kernel, blocks) for kernel in ("gemm_forward_kernel", "gemm_input_backward_kernel",
-                                                 "gemm_weight_backward_kernel")
+    cases = [(7, kernel, None, False) for kernel in ("columns_kernel", "record_kernel", "replay_kernel")]
+    cases += [(3, "fused_forward_kernel", blocks, False) for blocks in config.fused_candidates(9, 128)]
+    cases += [(3, kernel, blocks, False) for kernel in ("gemm_forward_kernel", "gemm_input_backward_kernel",
+                                                        "gemm_weight_backward_kernel")
               for blocks in config.gemm_candidates(9, 128, backward=kernel != "gemm_forward_kernel")]
-    # the gemm input gradient added into place: reductions (no returned value) and no stores
-    cases += [(3, "gemm_input_backward_kernel", blocks + ("scatter",)) for blocks in config.gemm_candidates(9, 128, True)]
-    for k, kernel, blocks in cases:
+    # the input gradients added into place: reductions (no returned value) and no stores
+    cases += [(7, "replay_kernel", None, True)]
+    cases += [(3, "gemm_input_backward_kernel", blocks, True) for blocks in config.gemm_candidates(9, 128, True)]
+    for k, kernel, blocks, scatter in cases:
         geometry = get_geometry(k, "polar", "ring")
-        scatter = blocks is not None and blocks[-1] == "scatter"
-        meta = triton_backend.launch_settings(kernel, geometry, torch.float32, 1, 128, 128,
-                                              blocks=blocks[:-1] if scatter else blocks, scatter=scatter)
+        meta = triton_backend.launch_settings(kernel, geometry, torch.float32, 1, 128, 128, blocks=blocks,
+                                              scatter=scatter)
         cells = report.compile_kernel(load_kernels(geometry)[kernel], torch.float32, meta, 90, tmp_path)
         assert int(cells["spill B"]) == 0 and int(cells["regs"]) <= (255 if blocks else 200), (kernel, cells)
         assert cells["SASS"] < 4000, (kernel, cells)

@@ -23,7 +23,8 @@ runs one of them for a call):
 * ``columns``: sorted columns written for a bounded chunk of images and multiplied by cuBLAS. Also the
   backward of every call that is not direct: the weight and column gradients are cuBLAS products, a kernel
   sorts again recording the swaps (and writing the columns), another replays them in reverse to send the
-  column gradient back through the taps, and ``F.fold`` gathers it per input pixel.
+  column gradient back through the taps, and ``F.fold`` gathers it per input pixel (or, a candidate of
+  ``auto`` outside deterministic mode, the replay kernel adds it into the input gradient with atomics).
 
 ``backend="auto"`` (:func:`tuned_forward`, :func:`tuned_backward`) does not trust the kernels: nobody
 has measured them on the user's GPU. Per configuration of a call, its first call checks every candidate
@@ -247,7 +248,8 @@ def launch_settings(kernel: str, geometry: SortGeometry, dtype: torch.dtype, gro
     """The compile-time arguments (block sizes, dtypes, flags, ``num_warps``, ``num_stages``) with which
     the backend launches ``kernel`` (one of :data:`KERNELS`) for such a call: with ``blocks``, one of its
     path's candidates (:func:`config.blocks_of`), else the first; ``scatter``: the gemm input gradient's
-    kernel adding into the input gradient with atomics (:func:`_gemm_backward`).
+    kernel or the columns path's replay kernel adding into the input gradient with atomics
+    (:func:`_gemm_backward`, :func:`_columns_backward`).
     ``scripts/triton_kernel_report.py`` compiles the kernels with them."""
     compute = _compute_dtype(dtype)
     path = KERNEL_PATHS.get(kernel)
@@ -258,6 +260,8 @@ def launch_settings(kernel: str, geometry: SortGeometry, dtype: torch.dtype, gro
     if path == "columns":
         block_p, block_c, warps = blocks
         meta = dict(COMPUTE=compute, BLOCK_P=block_p, BLOCK_C=block_c, num_warps=warps, num_stages=1)
+        if kernel == "replay_kernel":
+            return dict(meta, SCATTER=bool(scatter))
         return dict(meta, STORE_COLUMNS=bool(need_weight)) if kernel == "record_kernel" else meta
     if path == "gemm":
         block_p, block_o, block_c, warps = blocks
@@ -420,12 +424,14 @@ def _fold_chunk(grad_input: Optional[torch.Tensor], windows: torch.Tensor, call:
 
 
 def _columns_backward(grad_out, x, weight, call: _Call, need_input: bool, need_weight: bool,
-                      blocks: Optional[tuple] = None):
+                      blocks: Optional[tuple] = None, scatter: bool = False):
     """The columns path's backward, per chunk of images: the weight gradient as the product of the output
     gradient with the sorted columns; the input gradient as the column gradient (the weight times the output
     gradient) sent back through each window's recorded swaps and taps (the record and replay kernels) and
-    gathered per input pixel by ``F.fold``. The record kernel writes the columns too where both are asked
-    for, so each window is sorted once."""
+    gathered per input pixel by ``F.fold``, or with ``scatter`` added into the input gradient by the replay
+    kernel's atomics (no window values in memory; sums in a varying order, so ``auto`` leaves it out in
+    deterministic mode). The record kernel writes the columns too where both are asked for, so each window is
+    sorted once."""
     positions = call.out_h * call.out_w
     depth = call.in_per_group * call.slots
     words = swap_words(call.geometry)
@@ -435,10 +441,14 @@ def _columns_backward(grad_out, x, weight, call: _Call, need_input: bool, need_w
         if need_weight else None
     grad_input = None
     record = _settings("record_kernel", call, x.dtype, blocks, need_weight=need_weight)
-    replay = _settings("replay_kernel", call, x.dtype, blocks)
+    replay = _settings("replay_kernel", call, x.dtype, blocks, scatter=scatter)
     kernels = load_kernels(call.geometry)
-    # Per window: the columns and their gradient (x's dtype), the window gradients (accumulate's), the swaps.
-    lane_bytes = call.slots * (2 * x.element_size() + torch.finfo(accumulate).bits // 8) + 4 * words
+    # Per window: the columns and their gradient (x's dtype), the window gradients (accumulate's; none with
+    # scatter, whose input gradient has x's shape), the swaps.
+    windows_bytes = 0 if scatter else torch.finfo(accumulate).bits // 8
+    lane_bytes = call.slots * (2 * x.element_size() + windows_bytes) + 4 * words
+    # Same strides as x (contiguous or channels_last), which the replay kernel addresses both by.
+    grad_x = torch.zeros_like(x, dtype=accumulate) if scatter and need_input else None
     with _cublas_like_conv(x.dtype):
         for first, end in _chunks(call, lane_bytes):
             images = end - first
@@ -464,13 +474,17 @@ def _columns_backward(grad_out, x, weight, call: _Call, need_input: bool, need_w
                 del columns
             if need_input:
                 grad_columns = torch.matmul(weight_rows.transpose(1, 2), grad_part)  # [channel, slot, image, l]
-                windows = torch.empty(images, call.channels, call.slots, positions, dtype=accumulate,
-                                      device=x.device)
+                windows = grad_x[first:end] if scatter else torch.empty(
+                    images, call.channels, call.slots, positions, dtype=accumulate, device=x.device)
                 _launch(kernels["replay_kernel"], _column_grid(call, replay, images))(
-                    swaps, grad_columns, windows, call.channels, images * positions, positions, *swap_strides,
-                    positions, call.slots * images * positions, images * positions, *windows.stride()[:3], **replay)
+                    swaps, grad_columns, windows, call.channels, *call.position_args(part, images), *swap_strides,
+                    positions, call.slots * images * positions, images * positions,
+                    *((0, 0, 0) if scatter else windows.stride()[:3]), **replay)
                 del grad_columns, swaps
-                grad_input = _fold_chunk(grad_input, windows, call, first, end, x.dtype)
+                if not scatter:
+                    grad_input = _fold_chunk(grad_input, windows, call, first, end, x.dtype)
+    if grad_x is not None:
+        grad_input = grad_x.to(x.dtype)
     grad_weight = None
     if need_weight:
         grad_weight = _weight_from("slots", grad_rows.view(call.groups, call.out_per_group, call.in_per_group,
@@ -638,8 +652,8 @@ def _check_backward(args: tuple, result) -> tuple:
 def candidates(kind: str, call: _Call, x: torch.Tensor, need_input: bool = True) -> List[tuning.Candidate]:
     """The kernels backend="auto" checks and times for a ``"forward"`` or ``"backward"`` call, in the
     backend's order of preference: each path of :func:`config.forward_paths` (or ``backward_paths``) with
-    each of its block sizes; for a backward that wants the input gradient, the gemm path's block sizes again
-    with its atomic scatter last (not deterministic, like the direct backward). None for ``k >``
+    each of its block sizes; for a backward that wants the input gradient, the columns and gemm paths' block
+    sizes again with their atomic scatter, last (not deterministic, like the direct backward). None for ``k >``
     :data:`config.AUTO_MAX_KERNEL_SIZE`."""
     if call.geometry.kernel_size > config.AUTO_MAX_KERNEL_SIZE:
         return []
@@ -653,8 +667,8 @@ def candidates(kind: str, call: _Call, x: torch.Tensor, need_input: bool = True)
         table = _BACKWARD_PATHS
     found = []
     variants = [(path, {}) for path in paths]
-    if kind == "backward" and need_input and "gemm" in paths:
-        variants.append(("gemm", {"scatter": True}))
+    if kind == "backward" and need_input:
+        variants += [(path, {"scatter": True}) for path in paths if path in ("columns", "gemm")]
     for path, options in variants:
         for blocks in config.blocks_of(path, call.slots, call.groups, call.out_per_group, kind == "backward"):
             sizes = " ".join(f"{name}={size}" for name, size in zip(_BLOCK_NAMES[path], blocks))

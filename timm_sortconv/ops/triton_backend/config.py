@@ -22,7 +22,8 @@ Which kernels compute a call:
   (``COLUMN_CHUNK_BYTES``), and multiplied by cuBLAS (``torch.matmul``). Its backward: a kernel sorts the
   windows again, recording each comparator's swap (and writing the columns for the weight gradient's
   cuBLAS product), a second replays the swaps in reverse to send the column gradient (another cuBLAS
-  product) back to the window values, and ``F.fold`` gathers them per input pixel (no atomics).
+  product) back to the window values, and ``F.fold`` gathers them per input pixel (no atomics), or (``auto``'s
+  other columns backward, never in deterministic mode) the second adds them into the input gradient with atomics.
 
 ``backend="auto"`` checks and times, per configuration, every path of :func:`forward_paths` or
 :func:`backward_paths` with each of its block sizes (:func:`blocks_of`), and the reference path

@@ -228,16 +228,21 @@ class _Kernel:
         tile (W8: the next power of two of k) at ``x_lane`` plus the row's offset, split into the row's values
         (the masks from :meth:`window_bounds` and the row's columns ``row_cols``)."""
         width = tile_width(self.k)
-        self.write(f"row_j = tl.arange(0, {width})",
-                   f"row_cols = ((row_j < {self.k})[:, None] & (iw0[None, :] + row_j[:, None] * dil_w >= 0) "
-                   "& (iw0[None, :] + row_j[:, None] * dil_w < W))[:, None, :]",
-                   "row_off = (row_j.to(tl.int64) * dil_w * sxw)[:, None, None]")
+        self.row_masks()
         for r in sorted({q // self.k for q in self.used}):
             tile = self.temporary()
             self.write(f"{tile} = tl.permute(tl.load(x_lane[None, :, :] + ({r} * dil_h) * sxh + row_off, "
                        f"mask=(lane_ok & row_ok{r})[None, :, :] & row_cols, other=0.0), (1, 2, 0)).to(COMPUTE)")
             names = [f"v{q}" if q in self.used else None for q in range(r * self.k, (r + 1) * self.k)]
             self.split(tile, width, names, self.lanes)
+
+    def row_masks(self) -> None:
+        """``row_cols`` [W8, 1, BLOCK_P] (which of a window row's W8 entries are columns of the window inside the
+        input) and ``row_off`` [W8, 1, 1] (their offsets in x) for tiles of one window row per memory operation."""
+        self.write(f"row_j = tl.arange(0, {tile_width(self.k)})",
+                   f"row_cols = ((row_j < {self.k})[:, None] & (iw0[None, :] + row_j[:, None] * dil_w >= 0) "
+                   "& (iw0[None, :] + row_j[:, None] * dil_w < W))[:, None, :]",
+                   "row_off = (row_j.to(tl.int64) * dil_w * sxw)[:, None, None]")
 
     def window_bounds(self, columns: bool = True) -> None:
         """``row_ok{r}`` / ``col_ok{c}`` [1, BLOCK_P]: whether row r / column c of each lane's window lies inside
@@ -288,7 +293,8 @@ class _Kernel:
     def scatter_rows(self, started: set, lane: str, dtype: str) -> None:
         """The window gradients ``gv{q}`` added into the input gradient at ``lane`` (each lane's window corner in a
         buffer of x's strides), one relaxed ``tl.atomic_add`` per window row: the ``[W8, lanes]`` tile and masks of
-        :meth:`load_window_rows` (padding and the columns beyond k are masked)."""
+        :meth:`load_window_rows` (padding and the columns beyond k are masked; :meth:`window_bounds` and
+        :meth:`row_masks` written before)."""
         width = tile_width(self.k)
         self.write(f"gx_lane = {lane}")
         for r in sorted({q // self.k for q in started}):
@@ -373,13 +379,14 @@ class _Kernel:
         return "\n".join(self.write.lines)
 
 
-def _channel_lanes(kernel: _Kernel, buffers: List[Tuple[str, str, str, str]], window: bool = True) -> None:
+def _channel_lanes(kernel: _Kernel, buffers: List[Tuple[str, str, str, str]], window: bool = True,
+                   corner: bool = False) -> None:
     """Lanes of the columns path's kernels: a block of channels ``c`` (rows) by the block of positions,
     with ``window``: ``x_lane`` pointing at each lane's window corner and the window's row and column masks
-    (:meth:`_Kernel.window_bounds`, for loads of one window position each); per ``(name, pointer, image
-    stride, channel stride)`` a pointer to each lane's entry of a [image, channel, ..., position] buffer
-    (positions contiguous)."""
-    kernel.positions(window)
+    (:meth:`_Kernel.window_bounds`, for loads of one window position each); with ``corner`` only the corner's
+    offset ``pos`` and row and column (:meth:`_Kernel.positions`); per ``(name, pointer, image stride, channel
+    stride)`` a pointer to each lane's entry of a [image, channel, ..., position] buffer (positions contiguous)."""
+    kernel.positions(window or corner)
     kernel.write("c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)",
                  "lane_ok = (c < C)[:, None] & p_ok[None, :]")
     if window:
@@ -435,12 +442,16 @@ def _replay_kernel(geometry: SortGeometry) -> str:
     """The second kernel of the columns path's backward: ``windows[image, c, q, l]`` (strides swb, swc, swq)
     = the gradient of window value q of channel c's window at position l, from the sorted columns' gradient
     ``grad_cols`` (strides sgb, sgc, sgs) replayed through the recorded swaps (``swaps``, as
-    :func:`_record_kernel` writes them) and the transposed taps. Grid: (position blocks, channel blocks)."""
+    :func:`_record_kernel` writes them) and the transposed taps; with SCATTER added straight into the input
+    gradient instead (``windows_ptr``: a zeroed buffer of the chunk's images with x's strides, the position
+    arguments x's), one relaxed atomic addition per window value, a window row per instruction. Grid: (position
+    blocks, channel blocks)."""
     kernel = _Kernel(geometry, "replay_kernel",
-                     "swaps_ptr, grad_cols_ptr, windows_ptr, C, n_pos, L, ssb, ssc, ssw, sgb, sgc, sgs, swb, swc, swq, "
-                     f"COMPUTE: tl.constexpr, {_BLOCKS}", "BLOCK_C, BLOCK_P")
-    _channel_lanes(kernel, [("swaps_lane", "swaps_ptr", "ssb", "ssc"), ("grad_lane", "grad_cols_ptr", "sgb", "sgc"),
-                            ("windows_lane", "windows_ptr", "swb", "swc")], window=False)
+                     f"swaps_ptr, grad_cols_ptr, windows_ptr, C, {_POSITION_ARGS}, ssb, ssc, ssw, sgb, sgc, sgs, swb, "
+                     f"swc, swq, COMPUTE: tl.constexpr, SCATTER: tl.constexpr, {_BLOCKS}", "BLOCK_C, BLOCK_P")
+    w = kernel.write
+    _channel_lanes(kernel, [("swaps_lane", "swaps_ptr", "ssb", "ssc"), ("grad_lane", "grad_cols_ptr", "sgb", "sgc")],
+                   window=False, corner=True)
     if kernel.words:
         kernel.load_slots("swaps", "swaps_lane", "ssw", (0, kernel.words), "lane_ok", kernel.lanes, "tl.int32")
     started: set = set()
@@ -448,8 +459,18 @@ def _replay_kernel(geometry: SortGeometry) -> str:
         kernel.load_each("g", "grad_lane", "sgs", segment, "lane_ok")
         kernel.unsort_segment(segment)
         kernel.window_gradients(segment, started)
+    w("if SCATTER:")
+    w.depth += 1
+    kernel.window_bounds(columns=False)
+    kernel.row_masks()
+    kernel.scatter_rows(started, "windows_ptr + pos + (c.to(tl.int64) * sxc)[:, None]", "windows_ptr.dtype.element_ty")
+    w.depth -= 1
+    w("else:")
+    w.depth += 1
+    w("windows_lane = windows_ptr + (image * swb + l)[None, :] + (c.to(tl.int64) * swc)[:, None]")
     kernel.store_rows(kernel.window_gradient_values(started), "windows_lane", "swq", "lane_ok",
                       "windows_ptr.dtype.element_ty")
+    w.depth -= 1
     return kernel.source()
 
 
