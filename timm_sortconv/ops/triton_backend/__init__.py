@@ -449,6 +449,7 @@ def _columns_backward(grad_out, x, weight, call: _Call, need_input: bool, need_w
     lane_bytes = call.slots * (2 * x.element_size() + windows_bytes) + 4 * words
     # Same strides as x (contiguous or channels_last), which the replay kernel addresses both by.
     grad_x = torch.zeros_like(x, dtype=accumulate) if scatter and need_input else None
+    assert grad_x is None or grad_x.stride() == x.stride()
     with _cublas_like_conv(x.dtype):
         for first, end in _chunks(call, lane_bytes):
             images = end - first
@@ -673,8 +674,8 @@ def candidates(kind: str, call: _Call, x: torch.Tensor, need_input: bool = True)
         for blocks in config.blocks_of(path, call.slots, call.groups, call.out_per_group, kind == "backward"):
             sizes = " ".join(f"{name}={size}" for name, size in zip(_BLOCK_NAMES[path], blocks))
             run = functools.partial(table[path], blocks=blocks, **options)
-            # The direct backward and the gemm scatter add with atomics: sums in a varying order. The
-            # interpreter compiles nothing.
+            # The direct backward and the columns and gemm scatters add with atomics: sums in a varying order.
+            # The interpreter compiles nothing.
             atomic = kind == "backward" and (path == "direct" or bool(options))
             found.append(tuning.Candidate(f"triton {path} {kind} ({sizes}{', atomic' if options else ''})", run,
                                           deterministic=not atomic,
