@@ -15,7 +15,8 @@ the host's part is the larger, the GPU waits. This script measures that part, th
   methods from Python, each a dispatcher entry), forward and backward. Triton's own launcher (argument
   specialisation, its cache lookup, the driver call) is not included: add the launches times its cost
   on the GPU's host. ``auto``'s decision is skipped (``TIMM_SORTCONV_TUNE=0``: the first candidate), and each
-  path can be forced with ``--paths``.
+  path can be forced with ``--paths``; ``--scatter`` makes the forced columns and gemm paths' backward add the
+  input gradient into place with atomics (the candidates ``auto`` times beside their fold).
 * ``gpu``: on a CUDA device, the CPU time per call of every ``SortConv2d`` layer of the models with
   ``backend="auto"`` after its decision, against ``nn.Conv2d`` (no synchronisation inside the timed calls, so
   where the host is slower than the GPU, CPU time and wall time agree), forward and forward+backward. This is
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -211,6 +213,9 @@ def bench_triton(args) -> None:
     torch.set_num_threads(1)
     counter = LaunchCounter()
     triton_backend._launch, triton_backend._fold = counter, counter.fold
+    if args.scatter:
+        for name in ("columns", "gemm"):
+            triton_backend._BACKWARD_PATHS[name] = functools.partial(triton_backend._BACKWARD_PATHS[name], scatter=True)
 
     def meta_supports(x, weight, bias, geometry, *rest):  # the backend's own rule, with meta tensors as CUDA's
         return geometry.kernel_size <= triton_backend.MAX_KERNEL_SIZE and geometry.kernel_size % 2 == 1 \
@@ -248,11 +253,12 @@ def bench_triton(args) -> None:
                         else:
                             out.sum().backward()
                     counts.append((counter.count, calls.count))
-                print(f"| {model_name} | {where} | {tuple(shape)} | {path} | {times['conv']:.0f} | {times['sc']:.0f} | "
+                shown = f"{path} scatter" if args.scatter and path in ("columns", "gemm") else path
+                print(f"| {model_name} | {where} | {tuple(shape)} | {shown} | {times['conv']:.0f} | {times['sc']:.0f} | "
                       f"{times['sc'] / times['conv']:.1f} | {both['conv']:.0f} | {both['sc']:.0f} | "
                       f"{both['sc'] / both['conv']:.1f} | {counts[0][0]}/{counts[1][0]} | {counts[0][1]}/{counts[1][1]} |")
                 emit(args, {"kind": "triton-host", "model": model_name, "layer": where, "input": list(shape),
-                            "path": path, "conv_fwd_us": times["conv"], "sc_fwd_us": times["sc"],
+                            "path": shown, "conv_fwd_us": times["conv"], "sc_fwd_us": times["sc"],
                             "conv_fwd_bwd_us": both["conv"], "sc_fwd_bwd_us": both["sc"],
                             "launches": [counts[0][0], counts[1][0]], "torch_calls": [counts[0][1], counts[1][1]],
                             **machine()})
@@ -326,6 +332,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--batch", type=int, help="triton, gpu: batch (default: scnn_p_rs_7 100, the others 32)")
     parser.add_argument("--paths", nargs="+", default=["auto"], choices=("auto", "direct", "fused", "gemm", "columns"),
                         help="triton: the backend's rule (auto's first candidate) and/or forced paths")
+    parser.add_argument("--scatter", action="store_true",
+                        help="triton: the forced columns and gemm paths' backward adds the input gradient with atomics")
     parser.add_argument("--calls", type=int, default=200, help="calls per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", help="append one JSON line per measurement to this file")
