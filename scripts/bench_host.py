@@ -214,7 +214,7 @@ def bench_triton(args) -> None:
     counter = LaunchCounter()
     triton_backend._launch, triton_backend._fold = counter, counter.fold
     if args.scatter:
-        for name in ("columns", "gemm"):
+        for name in triton_backend.SCATTER_PATHS:
             triton_backend._BACKWARD_PATHS[name] = functools.partial(triton_backend._BACKWARD_PATHS[name], scatter=True)
 
     def meta_supports(x, weight, bias, geometry, *rest):  # the backend's own rule, with meta tensors as CUDA's
@@ -253,7 +253,7 @@ def bench_triton(args) -> None:
                         else:
                             out.sum().backward()
                     counts.append((counter.count, calls.count))
-                shown = f"{path} scatter" if args.scatter and path in ("columns", "gemm") else path
+                shown = f"{path} scatter" if args.scatter and path in triton_backend.SCATTER_PATHS else path
                 print(f"| {model_name} | {where} | {tuple(shape)} | {shown} | {times['conv']:.0f} | {times['sc']:.0f} | "
                       f"{times['sc'] / times['conv']:.1f} | {both['conv']:.0f} | {both['sc']:.0f} | "
                       f"{both['sc'] / both['conv']:.1f} | {counts[0][0]}/{counts[1][0]} | {counts[0][1]}/{counts[1][1]} |")

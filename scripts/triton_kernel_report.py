@@ -47,8 +47,6 @@ POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16:
 ACCUMULATED = {"windows_ptr", "grad_x_ptr", "grad_w_ptr", "partial_ptr"}
 # Buffers of int32 words (the recorded swaps).
 WORDS = {"swaps_ptr"}
-# The kernels whose window values the backend also adds into the input gradient with atomics (SCATTER).
-SCATTER_KERNELS = ("replay_kernel", "gemm_input_backward_kernel")
 SASS_GROUPS = {"min/max": ("FMNMX", "DMNMX", "HMNMX2"), "mma": ("HGMMA", "HMMA", "DMMA"), "ld.global": ("LDG",),
                "st.global": ("STG",), "atomics": ("RED", "REDG", "ATOM", "ATOMG")}
 
@@ -243,7 +241,8 @@ def blocks(meta: dict) -> str:
 def compile_jobs(args):
     """``(row cells, kernel, dtype, meta)`` of every kernel, geometry, dtype and block size selected."""
     from timm_sortconv.ops.geometry import get_geometry
-    from timm_sortconv.ops.triton_backend import BACKWARD_KERNELS, KERNEL_PATHS, config, launch_settings
+    from timm_sortconv.ops.triton_backend import (BACKWARD_KERNELS, KERNEL_PATHS, SCATTER_KERNELS, config,
+                                                  launch_settings)
     from timm_sortconv.ops.triton_backend.source import load_kernels
 
     for kernel in args.kernels:

@@ -88,7 +88,7 @@ try:
 except ImportError:  # CPU-only installs
     triton = None
 
-__all__ = ["BACKWARD_KERNELS", "KERNELS", "KERNEL_PATHS", "MAX_KERNEL_SIZE", "SUPPORTED_DTYPES", "backward", "candidates", "forward",
+__all__ = ["BACKWARD_KERNELS", "KERNELS", "KERNEL_PATHS", "MAX_KERNEL_SIZE", "SCATTER_KERNELS", "SCATTER_PATHS", "SUPPORTED_DTYPES", "backward", "candidates", "forward",
            "launch_settings", "prepare", "supports_triton", "tuned_backward", "tuned_forward"]
 
 # Triton's interpreter runs the kernels with NumPy, on CPU tensors.
@@ -240,6 +240,10 @@ KERNEL_PATHS = {"columns_kernel": "columns", "record_kernel": "columns", "replay
 KERNELS = tuple(KERNEL_PATHS)
 # The kernels that take their path's backward block sizes (config.blocks_of(..., backward=True)).
 BACKWARD_KERNELS = ("direct_backward_kernel", "gemm_input_backward_kernel", "gemm_weight_backward_kernel")
+# The kernels that send the input gradient to the window values and, with SCATTER, add them into the input
+# gradient with atomics instead of writing them for F.fold; the paths whose backward they are.
+SCATTER_KERNELS = ("replay_kernel", "gemm_input_backward_kernel")
+SCATTER_PATHS = tuple(KERNEL_PATHS[kernel] for kernel in SCATTER_KERNELS)
 
 
 def launch_settings(kernel: str, geometry: SortGeometry, dtype: torch.dtype, groups: int, in_per_group: int,
@@ -260,14 +264,14 @@ def launch_settings(kernel: str, geometry: SortGeometry, dtype: torch.dtype, gro
     if path == "columns":
         block_p, block_c, warps = blocks
         meta = dict(COMPUTE=compute, BLOCK_P=block_p, BLOCK_C=block_c, num_warps=warps, num_stages=1)
-        if kernel == "replay_kernel":
+        if kernel in SCATTER_KERNELS:
             return dict(meta, SCATTER=bool(scatter))
         return dict(meta, STORE_COLUMNS=bool(need_weight)) if kernel == "record_kernel" else meta
     if path == "gemm":
         block_p, block_o, block_c, warps = blocks
         meta = dict(COMPUTE=compute, ACCUMULATE=compute, PRECISION=_dot_precision(dtype), BLOCK_P=block_p,
                     BLOCK_O=block_o, BLOCK_C=block_c, num_warps=warps, num_stages=1)
-        if kernel == "gemm_input_backward_kernel":
+        if kernel in SCATTER_KERNELS:
             return dict(meta, SCATTER=bool(scatter))
         return dict(meta, HAS_BIAS=has_bias) if kernel == "gemm_forward_kernel" else meta
     if path == "fused":
@@ -356,6 +360,14 @@ def _fused_forward(x, weight, bias, call: _Call, blocks: Optional[tuple] = None)
         x, _weight_in("slot_major", weight, call), bias if bias is not None else x, out, call.in_per_group,
         call.out_per_group, *call.position_args(x, call.batch), *out.stride(), **meta)
     return out
+
+
+def _zeroed_input_gradient(x: torch.Tensor, accumulate: torch.dtype) -> torch.Tensor:
+    """A zeroed buffer for an input gradient that kernels add into with atomics: ``accumulate``'s dtype and x's
+    strides (contiguous or channels_last), which the kernels address both by."""
+    grad_x = torch.zeros_like(x, dtype=accumulate)
+    assert grad_x.stride() == x.stride()
+    return grad_x
 
 
 def _chunks(call: _Call, lane_bytes: int):
@@ -447,9 +459,7 @@ def _columns_backward(grad_out, x, weight, call: _Call, need_input: bool, need_w
     # scatter, whose input gradient has x's shape), the swaps.
     windows_bytes = 0 if scatter else torch.finfo(accumulate).bits // 8
     lane_bytes = call.slots * (2 * x.element_size() + windows_bytes) + 4 * words
-    # Same strides as x (contiguous or channels_last), which the replay kernel addresses both by.
-    grad_x = torch.zeros_like(x, dtype=accumulate) if scatter and need_input else None
-    assert grad_x is None or grad_x.stride() == x.stride()
+    grad_x = _zeroed_input_gradient(x, accumulate) if scatter and need_input else None
     with _cublas_like_conv(x.dtype):
         for first, end in _chunks(call, lane_bytes):
             images = end - first
@@ -497,10 +507,8 @@ def _direct_backward(grad_out, x, weight, call: _Call, need_input: bool, need_we
                      blocks: Optional[tuple] = None):
     accumulate = torch.float64 if x.dtype == torch.float64 else torch.float32
     weight_slots = _weight_in("slot_major", weight, call)
-    # Same strides as x (contiguous or channels_last), which the kernel addresses both by.
-    grad_x = torch.zeros_like(x, dtype=accumulate) if need_input else x
+    grad_x = _zeroed_input_gradient(x, accumulate) if need_input else x
     grad_w = torch.zeros(weight_slots.shape, dtype=accumulate, device=x.device) if need_weight else weight_slots
-    assert grad_x.stride() == x.stride()
     meta = _settings("direct_backward_kernel", call, x.dtype, blocks, need_input=need_input, need_weight=need_weight)
     _launch(load_kernels(call.geometry)["direct_backward_kernel"], _direct_grid(call, meta))(
         x, weight_slots, grad_out, grad_x, grad_w, call.in_per_group, call.out_per_group,
@@ -535,9 +543,7 @@ def _gemm_backward(grad_out, x, weight, call: _Call, need_input: bool, need_weig
     grad_input = grad_weight = None
     if need_input and scatter:
         meta = _settings("gemm_input_backward_kernel", call, x.dtype, blocks, scatter=True)
-        # Same strides as x (contiguous or channels_last), which the kernel addresses both by.
-        grad_x = torch.zeros_like(x, dtype=accumulate)
-        assert grad_x.stride() == x.stride()
+        grad_x = _zeroed_input_gradient(x, accumulate)
         grid = (_cdiv(call.batch * positions, meta["BLOCK_P"]), call.groups, _cdiv(call.in_per_group, meta["BLOCK_C"]))
         _launch(kernels["gemm_input_backward_kernel"], grid)(
             x, _weight_in("channel_major", weight, call), grad_out, grad_x, call.in_per_group, call.out_per_group,
@@ -669,7 +675,7 @@ def candidates(kind: str, call: _Call, x: torch.Tensor, need_input: bool = True)
     found = []
     variants = [(path, {}) for path in paths]
     if kind == "backward" and need_input:
-        variants += [(path, {"scatter": True}) for path in paths if path in ("columns", "gemm")]
+        variants += [(path, {"scatter": True}) for path in paths if path in SCATTER_PATHS]
     for path, options in variants:
         for blocks in config.blocks_of(path, call.slots, call.groups, call.out_per_group, kind == "backward"):
             sizes = " ".join(f"{name}={size}" for name, size in zip(_BLOCK_NAMES[path], blocks))
