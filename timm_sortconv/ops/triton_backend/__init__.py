@@ -541,27 +541,26 @@ def _gemm_backward(grad_out, x, weight, call: _Call, need_input: bool, need_weig
     kernels = load_kernels(call.geometry)
     positions = call.out_h * call.out_w
     grad_input = grad_weight = None
-    if need_input and scatter:
-        meta = _settings("gemm_input_backward_kernel", call, x.dtype, blocks, scatter=True)
-        grad_x = _zeroed_input_gradient(x, accumulate)
-        grid = (_cdiv(call.batch * positions, meta["BLOCK_P"]), call.groups, _cdiv(call.in_per_group, meta["BLOCK_C"]))
-        _launch(kernels["gemm_input_backward_kernel"], grid)(
-            x, _weight_in("channel_major", weight, call), grad_out, grad_x, call.in_per_group, call.out_per_group,
-            *call.position_args(x, call.batch), *grad_out.stride(), 0, 0, 0, **meta)
-        grad_input = grad_x.to(x.dtype)
-    elif need_input:
-        meta = _settings("gemm_input_backward_kernel", call, x.dtype, blocks)
+    if need_input:
+        meta = _settings("gemm_input_backward_kernel", call, x.dtype, blocks, scatter=scatter)
         weights = _weight_in("channel_major", weight, call)
-        for first, end in _chunks(call, call.slots * torch.finfo(accumulate).bits // 8):
+        grad_x = _zeroed_input_gradient(x, accumulate) if scatter else None
+        chunks = [(0, call.batch)] if scatter else _chunks(call, call.slots * torch.finfo(accumulate).bits // 8)
+        for first, end in chunks:
             images = end - first
             part = x[first:end]
-            windows = torch.empty(images, call.channels, call.slots, positions, dtype=accumulate, device=x.device)
+            windows = grad_x[first:end] if scatter else torch.empty(
+                images, call.channels, call.slots, positions, dtype=accumulate, device=x.device)
             grid = (_cdiv(images * positions, meta["BLOCK_P"]), call.groups,
                     _cdiv(call.in_per_group, meta["BLOCK_C"]))
             _launch(kernels["gemm_input_backward_kernel"], grid)(
                 part, weights, grad_out[first:end], windows, call.in_per_group, call.out_per_group,
-                *call.position_args(part, images), *grad_out.stride(), *windows.stride()[:3], **meta)
-            grad_input = _fold_chunk(grad_input, windows, call, first, end, x.dtype)
+                *call.position_args(part, images), *grad_out.stride(),
+                *((0, 0, 0) if scatter else windows.stride()[:3]), **meta)
+            if not scatter:
+                grad_input = _fold_chunk(grad_input, windows, call, first, end, x.dtype)
+        if scatter:
+            grad_input = grad_x.to(x.dtype)
     if need_weight:
         meta = _settings("gemm_weight_backward_kernel", call, x.dtype, blocks)
         blocks_of_positions = _cdiv(call.batch * positions, meta["BLOCK_P"])

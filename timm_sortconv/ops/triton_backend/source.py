@@ -231,10 +231,18 @@ class _Kernel:
         self.row_masks()
         for r in sorted({q // self.k for q in self.used}):
             tile = self.temporary()
-            self.write(f"{tile} = tl.permute(tl.load(x_lane[None, :, :] + ({r} * dil_h) * sxh + row_off, "
-                       f"mask=(lane_ok & row_ok{r})[None, :, :] & row_cols, other=0.0), (1, 2, 0)).to(COMPUTE)")
+            pointers, mask = self.row_tile("x_lane", r)
+            self.write(f"{tile} = tl.permute(tl.load({pointers}, mask={mask}, other=0.0), (1, 2, 0)).to(COMPUTE)")
             names = [f"v{q}" if q in self.used else None for q in range(r * self.k, (r + 1) * self.k)]
             self.split(tile, width, names, self.lanes)
+
+    @staticmethod
+    def row_tile(lane: str, row: int) -> Tuple[str, str]:
+        """(pointers, mask) of the ``[W8, lanes]`` tile of window row ``row`` at ``lane`` (each lane's window
+        corner in a buffer of x's strides): masked by :meth:`window_bounds`' ``row_ok{row}`` and
+        :meth:`row_masks`' ``row_cols``."""
+        return (f"{lane}[None, :, :] + ({row} * dil_h) * sxh + row_off",
+                f"(lane_ok & row_ok{row})[None, :, :] & row_cols")
 
     def row_masks(self) -> None:
         """``row_cols`` [W8, 1, BLOCK_P] (which of a window row's W8 entries are columns of the window inside the
@@ -292,8 +300,8 @@ class _Kernel:
 
     def scatter_rows(self, started: set, lane: str, dtype: str) -> None:
         """The window gradients ``gv{q}`` added into the input gradient at ``lane`` (each lane's window corner in a
-        buffer of x's strides), one relaxed ``tl.atomic_add`` per window row: the ``[W8, lanes]`` tile and masks of
-        :meth:`load_window_rows` (padding and the columns beyond k are masked; :meth:`window_bounds` and
+        buffer of x's strides), one relaxed ``tl.atomic_add`` per window row: :meth:`row_tile`, as
+        :meth:`load_window_rows` reads (padding and the columns beyond k are masked; :meth:`window_bounds` and
         :meth:`row_masks` written before)."""
         width = tile_width(self.k)
         self.write(f"gx_lane = {lane}")
@@ -301,9 +309,9 @@ class _Kernel:
             values = self.padded([f"gv{q}" if q in started else None for q in range(r * self.k, (r + 1) * self.k)],
                                  width, self.lanes, "COMPUTE")
             tile = self.join(values, width, self.lanes)
-            self.write(f"tl.atomic_add(gx_lane[None, :, :] + ({r} * dil_h) * sxh + row_off, "
-                       f"tl.permute({tile}, (2, 0, 1)).to({dtype}), "
-                       f"mask=(lane_ok & row_ok{r})[None, :, :] & row_cols, sem=\"relaxed\")")
+            pointers, mask = self.row_tile("gx_lane", r)
+            self.write(f"tl.atomic_add({pointers}, tl.permute({tile}, (2, 0, 1)).to({dtype}), mask={mask}, "
+                       "sem=\"relaxed\")")
 
     def load_each(self, prefix: str, base: str, stride: str, segment: Tuple[int, int], mask: str,
                   dtype: str = "COMPUTE") -> None:
@@ -374,6 +382,26 @@ class _Kernel:
         """The window gradients ``gv{q}`` for every window position q, zeros where no sample reads q."""
         return self.padded([f"gv{q}" if q in started else None for q in range(self.slots)], self.slots,
                            self.lanes, "COMPUTE")
+
+    def send_window_gradients(self, started: set, channel: str, bounds: bool = False) -> None:
+        """The window gradients ``gv{q}`` sent on, ``channel`` being each lane row's input channel (int64): with
+        SCATTER added into the input gradient at ``windows_ptr`` (a buffer of x's strides; :meth:`scatter_rows`,
+        after the masks of :meth:`window_bounds` and :meth:`row_masks` where ``bounds``), else written to
+        ``windows[image, channel, q, l]`` (strides swb, swc, swq)."""
+        w = self.write
+        w("if SCATTER:")
+        w.depth += 1
+        if bounds:
+            self.window_bounds(columns=False)
+            self.row_masks()
+        self.scatter_rows(started, f"windows_ptr + pos + ({channel} * sxc)[:, None]", "windows_ptr.dtype.element_ty")
+        w.depth -= 1
+        w("else:")
+        w.depth += 1
+        w(f"windows_lane = windows_ptr + (image * swb + l)[None, :] + ({channel} * swc)[:, None]")
+        self.store_rows(self.window_gradient_values(started), "windows_lane", "swq", "lane_ok",
+                        "windows_ptr.dtype.element_ty")
+        w.depth -= 1
 
     def source(self) -> str:
         return "\n".join(self.write.lines)
@@ -459,18 +487,7 @@ def _replay_kernel(geometry: SortGeometry) -> str:
         kernel.load_each("g", "grad_lane", "sgs", segment, "lane_ok")
         kernel.unsort_segment(segment)
         kernel.window_gradients(segment, started)
-    w("if SCATTER:")
-    w.depth += 1
-    kernel.window_bounds(columns=False)
-    kernel.row_masks()
-    kernel.scatter_rows(started, "windows_ptr + pos + (c.to(tl.int64) * sxc)[:, None]", "windows_ptr.dtype.element_ty")
-    w.depth -= 1
-    w("else:")
-    w.depth += 1
-    w("windows_lane = windows_ptr + (image * swb + l)[None, :] + (c.to(tl.int64) * swc)[:, None]")
-    kernel.store_rows(kernel.window_gradient_values(started), "windows_lane", "swq", "lane_ok",
-                      "windows_ptr.dtype.element_ty")
-    w.depth -= 1
+    kernel.send_window_gradients(started, "c.to(tl.int64)", bounds=True)
     return kernel.source()
 
 
@@ -783,16 +800,7 @@ def _gemm_input_backward_kernel(geometry: SortGeometry) -> str:
     for segment in geometry.segments:
         kernel.unsort_segment(segment)
         kernel.window_gradients(segment, started)
-    w("if SCATTER:")
-    w.depth += 1
-    kernel.scatter_rows(started, "windows_ptr + pos + (chan * sxc)[:, None]", "windows_ptr.dtype.element_ty")
-    w.depth -= 1
-    w("else:")
-    w.depth += 1
-    w("windows_lane = windows_ptr + (image * swb + l)[None, :] + (chan * swc)[:, None]")
-    kernel.store_rows(kernel.window_gradient_values(started), "windows_lane", "swq", "lane_ok",
-                      "windows_ptr.dtype.element_ty")
-    w.depth -= 1
+    kernel.send_window_gradients(started, "chan")
     return kernel.source()
 
 
