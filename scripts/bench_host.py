@@ -15,8 +15,8 @@ the host's part is the larger, the GPU waits. This script measures that part, th
   methods from Python, each a dispatcher entry), forward and backward. Triton's own launcher (argument
   specialisation, its cache lookup, the driver call) is not included: add the launches times its cost
   on the GPU's host. ``auto``'s decision is skipped (``TIMM_SORTCONV_TUNE=0``: the first candidate), and each
-  path can be forced with ``--paths``; ``--scatter`` makes the forced columns and gemm paths' backward add the
-  input gradient into place with atomics (the candidates ``auto`` times beside their fold).
+  path can be forced with ``--paths``; ``--scatter`` makes the forced paths' backward, where it is the columns
+  or gemm path's, add the input gradient into place with atomics (the candidates ``auto`` times beside their fold).
 * ``gpu``: on a CUDA device, the CPU time per call of every ``SortConv2d`` layer of the models with
   ``backend="auto"`` after its decision, against ``nn.Conv2d`` (no synchronisation inside the timed calls, so
   where the host is slower than the GPU, CPU time and wall time agree), forward and forward+backward. This is
@@ -208,6 +208,7 @@ class TorchCalls:
 
 def bench_triton(args) -> None:
     from timm_sortconv.ops import backends, triton_backend
+    from timm_sortconv.ops.triton_backend import config
     if triton_backend.triton is None:
         raise CommandError("triton is not installed; the Triton backend's host work cannot be measured here")
     torch.set_num_threads(1)
@@ -253,7 +254,8 @@ def bench_triton(args) -> None:
                         else:
                             out.sum().backward()
                     counts.append((counter.count, calls.count))
-                shown = f"{path} scatter" if args.scatter and path in triton_backend.SCATTER_PATHS else path
+                scattered = args.scatter and config.backward_path_of(path) in triton_backend.SCATTER_PATHS
+                shown = f"{path} scatter" if scattered else path
                 print(f"| {model_name} | {where} | {tuple(shape)} | {shown} | {times['conv']:.0f} | {times['sc']:.0f} | "
                       f"{times['sc'] / times['conv']:.1f} | {both['conv']:.0f} | {both['sc']:.0f} | "
                       f"{both['sc'] / both['conv']:.1f} | {counts[0][0]}/{counts[1][0]} | {counts[0][1]}/{counts[1][1]} |")
@@ -333,7 +335,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--paths", nargs="+", default=["auto"], choices=("auto", "direct", "fused", "gemm", "columns"),
                         help="triton: the backend's rule (auto's first candidate) and/or forced paths")
     parser.add_argument("--scatter", action="store_true",
-                        help="triton: the forced columns and gemm paths' backward adds the input gradient with atomics")
+                        help="triton: the forced paths' columns or gemm backward adds the input gradient with atomics")
     parser.add_argument("--calls", type=int, default=200, help="calls per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", help="append one JSON line per measurement to this file")
@@ -344,6 +346,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     unknown = [m for m in args.models if m not in timm.list_models("*")]
     if unknown:
         raise CommandError(f"--models: unknown model(s) {', '.join(unknown)}; e.g. {', '.join(MODEL_BATCH)}")
+    if args.scatter and "auto" in args.paths:
+        raise CommandError("--scatter applies to forced paths only: use --paths with direct, fused, gemm or columns, "
+                           "not auto (whose candidates include the scatters)")
     {"cpu": bench_cpu, "triton": bench_triton, "gpu": bench_gpu}[args.mode](args)
 
 

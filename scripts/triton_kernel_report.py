@@ -247,6 +247,7 @@ def compile_jobs(args):
 
     for kernel in args.kernels:
         outputs = args.out_per_group if KERNEL_PATHS[kernel] in ("fused", "direct", "gemm") else args.out_per_group[:1]
+        scatters = (False, True) if args.candidates and kernel in SCATTER_KERNELS else (False,)
         for k in args.k:
             for variant in args.variants:
                 geometry = get_geometry(k, *variant.rsplit("-", 1))
@@ -259,7 +260,6 @@ def compile_jobs(args):
                         path, backward, dtype == torch.float64)
                     for out_per_group in outputs:
                         every = config.blocks_of(path, k * k, args.groups, out_per_group, backward)
-                        scatters = (False, True) if args.candidates and kernel in SCATTER_KERNELS else (False,)
                         for candidate in (every if args.candidates else every[:1]):
                             for scatter in scatters:
                                 meta = launch_settings(kernel, geometry, dtype, args.groups, args.in_per_group,

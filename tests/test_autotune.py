@@ -480,6 +480,9 @@ def test_triton_candidates_follow_the_rule():
     assert [c.deterministic for c in backward] == [True] * 4 + [False] * 4
     assert all(c.name.endswith(", atomic)") for c in backward[4:])
     assert all(c.prepare is not None for c in backward)  # compiled in parallel before the checks
+    # no scatter where no input gradient is wanted, nor in the forward
+    assert not any("atomic" in c.name for c in triton_backend.candidates("backward", call, x, need_input=False))
+    assert not any("atomic" in name for name in names)
     depthwise, call, x = triton_call(8, 8, 8, k=7)
     # 49 slots: the direct kernels spill, and the fused kernel takes 9 at most: the columns and gemm paths
     for kind in ("forward", "backward"):

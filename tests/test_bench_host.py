@@ -33,3 +33,12 @@ def test_the_scatter_launches_no_fold(tmp_path):
         assert scatter[key]["launches"][1] < row["launches"][1], (key, row["launches"], scatter[key]["launches"])
         if key[1] == "gemm":  # the input gradient's kernel and the weight gradient's
             assert scatter[key]["launches"][1] == 2
+
+
+def test_scatter_with_auto_is_refused_in_one_line():
+    # auto's candidates already hold the scatters: --scatter forces paths only, and says so without a traceback
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_host.py"), "triton", "--models",
+                             "scnn_p_rs_7", "--paths", "gemm", "auto", "--scatter"], capture_output=True, text=True,
+                            timeout=600, cwd=ROOT)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert "--scatter" in result.stderr and "auto" in result.stderr and not result.stdout.strip()

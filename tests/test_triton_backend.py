@@ -460,23 +460,6 @@ def test_auto_in_deterministic_mode_takes_no_atomics(fresh_tuner):
     assert_close_to_float64(results[2], x, weight, bias, geometry, stride, dilation, groups, pad)
 
 
-def test_auto_times_the_scatters_after_the_deterministic_kernels():
-    # The columns and gemm input gradients added into place by atomics: one candidate per block size of each,
-    # last, marked not deterministic (so that deterministic mode leaves them out), and only where the input
-    # gradient is wanted.
-    x, weight = torch.zeros(2, 16, 8, 8), torch.zeros(32, 16, 3, 3)
-    call = triton_backend._Call.of(x, weight, get_geometry(3, "polar", "ring"), (1, 1), (1, 1), 1, (1, 1, 1, 1))
-    found = triton_backend.candidates("backward", call, x)
-    atomic = [c for c in found if "atomic" in c.name]
-    blocks = {path: len(config.blocks_of(path, 9, 1, 32, backward=True)) for path in ("columns", "gemm")}
-    assert [c.name.split(" (")[0] for c in atomic] == \
-        ["triton columns backward"] * blocks["columns"] + ["triton gemm backward"] * blocks["gemm"]
-    assert found[-len(atomic):] == atomic and not any(c.deterministic for c in atomic)
-    assert all(c.deterministic for c in found[:-len(atomic)])  # 16 channels per group: no direct backward
-    assert not any("atomic" in c.name for c in triton_backend.candidates("backward", call, x, need_input=False))
-    assert not any("atomic" in c.name for c in triton_backend.candidates("forward", call, x))
-
-
 def test_depth_first_order_sorts_as_the_network_does():
     # Same comparators, each wire meeting its own in the original order: the same result on any input.
     generator = torch.Generator().manual_seed(0)
@@ -609,7 +592,9 @@ class FakeKernel:
 
 PATH_CALLS = [("forward", path, None) for path in ("direct", "fused", "columns", "gemm")] + [
     ("backward", path, needs) for path in ("direct", "columns", "gemm")
-    for needs in ((True, True), (True, False), (False, True))]
+    for needs in ((True, True), (True, False), (False, True))] + [
+    ("backward", f"{path}-atomic", needs) for path in triton_backend.SCATTER_PATHS
+    for needs in ((True, True), (True, False))]  # the scatters: only where the input gradient is wanted
 
 
 @pytest.mark.parametrize("kind, path, needs", PATH_CALLS)
@@ -626,7 +611,10 @@ def test_prepare_compiles_each_kernel_a_path_launches_for_the_same_arguments(kin
     if kind == "forward":
         function, args = triton_backend._FORWARD_PATHS[path], (x, weight, torch.randn(6), call)
     else:
-        function, args = triton_backend._BACKWARD_PATHS[path], (torch.randn(3, 6, 9, 8), x, weight, call, *needs)
+        name, _, atomic = path.partition("-")
+        function = triton_backend._BACKWARD_PATHS[name]
+        function = functools.partial(function, scatter=True) if atomic else function
+        args = (torch.randn(3, 6, 9, 8), x, weight, call, *needs)
     function(*args)
     launched = [entry[1:] for entry in log if entry[0] == "launch"]
     assert launched and len(launched) == len(log)
