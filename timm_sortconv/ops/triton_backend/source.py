@@ -477,7 +477,6 @@ def _replay_kernel(geometry: SortGeometry) -> str:
     kernel = _Kernel(geometry, "replay_kernel",
                      f"swaps_ptr, grad_cols_ptr, windows_ptr, C, {_POSITION_ARGS}, ssb, ssc, ssw, sgb, sgc, sgs, swb, "
                      f"swc, swq, COMPUTE: tl.constexpr, SCATTER: tl.constexpr, {_BLOCKS}", "BLOCK_C, BLOCK_P")
-    w = kernel.write
     _channel_lanes(kernel, [("swaps_lane", "swaps_ptr", "ssb", "ssc"), ("grad_lane", "grad_cols_ptr", "sgb", "sgc")],
                    window=False, corner=True)
     if kernel.words:
