@@ -67,6 +67,20 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def auto_without_triton(monkeypatch):
+    """backend="auto" as on a machine without CUDA, for the tests of its CPU fallbacks: under TRITON_INTERPRET=1
+    the Triton backend takes CPU tensors and would come before them, so ``auto`` leaves it out here
+    (``backend="triton"`` still runs it)."""
+    import dataclasses
+
+    from timm_sortconv.ops import backends
+
+    triton = backends._BACKENDS.get("triton")
+    if triton is not None:
+        monkeypatch.setitem(backends._BACKENDS, "triton", dataclasses.replace(triton, auto=False))
+
+
 def randomise_batchnorm(model, seed=0):
     """Non-trivial BatchNorm statistics and affine parameters, so that eval-mode BatchNorm hides nothing."""
     gen = torch.Generator().manual_seed(seed)

@@ -261,7 +261,7 @@ def test_gradcheck(threads, isa):
         assert torch.autograd.gradcheck(op, (x, weight, bias))
 
 
-def test_auto_picks_cpu_where_supported_and_falls_back_elsewhere(monkeypatch):
+def test_auto_picks_cpu_where_supported_and_falls_back_elsewhere(monkeypatch, auto_without_triton):
     geometry = get_geometry(3, "polar", "ring")
     x, weight = torch.randn(1, 2, 8, 8), torch.randn(2, 2, 3, 3)
     assert resolve_backend("auto", x, weight, None, geometry, (1, 1), (1, 1), 1).name == "cpu"
@@ -388,7 +388,7 @@ def test_isa_follows_torch_and_the_environment_within_what_the_cpu_runs(monkeypa
     assert cpu_backend.runnable_isa_levels() == ("generic",)
 
 
-def test_failed_build_warns_once_and_auto_uses_the_reference(monkeypatch):
+def test_failed_build_warns_once_and_auto_uses_the_reference(monkeypatch, auto_without_triton):
     """A machine without the tools to build: one warning naming every level tried, then the reference
     path, silently."""
     monkeypatch.setattr(cpu_backend, "_package_kernel", {})
