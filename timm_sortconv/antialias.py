@@ -57,7 +57,9 @@ class _SeparableFilter(nn.Module):
         self.padding = padding
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        channels = x.shape[1]
+        # int(): a traced size is a tensor, and an exported convolution needs a kernel of known shape (the channels
+        # of a model's map are fixed; its height and width may vary)
+        channels = int(x.shape[1])
         k = self.kernel.to(x.dtype)
         # Rows then columns: two 1-D depthwise passes, the same result as the 2-D outer product.
         x = F.conv2d(x, k.view(1, 1, -1, 1).expand(channels, 1, -1, 1), stride=(self.stride, 1),

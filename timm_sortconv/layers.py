@@ -5,12 +5,13 @@
 * :class:`SortConv2dSame`: the same with TensorFlow-style dynamic "SAME" padding, the twin of timm's
   ``Conv2dSame`` (what :func:`timm_sortconv.sortify` puts in its place).
 """
-from __future__ import annotations
 
-from typing import Optional
+# (No postponed annotations here: TorchScript reads a @torch.jit.unused method's annotations as objects.)
+from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
+from torch import Tensor
 from timm.layers import pad_same, register_notrace_module
 
 from .grid import centre_grid, centre_grid_same, check_stride_align, copy_conv_state, min_input_size
@@ -45,11 +46,18 @@ class SortConv2d(nn.Conv2d):
             (no sorting: each window turned back by its own orientation, one per position shared by a group's
             channels / one per channel, keeping the window's inner order; :mod:`.ops.alignment`).
         backend: ``"auto"``, ``"reference"`` or a fast backend's name.
+        guided: turn every window by the orientation guide of the model (needs ``sorting="align"``; the guide
+            itself comes from :func:`timm_sortconv.guide.attach_guide`, which also sets this on every aligned
+            layer of the model it guides).
         stride_align: where a strided layer's grid of windows lies: ``"centre"`` (default: symmetric about
             the image's centre, so that a quarter turn of the input maps it onto itself at every input size;
             the input is cropped, or read half a pixel on, where its size needs it, :mod:`timm_sortconv.grid`)
             or ``"corner"`` (``nn.Conv2d``'s grid, which is symmetric only for some sizes). Unit strides are
             the same either way.
+
+    A layer with ``sorting="align"`` can be *guided*: :func:`timm_sortconv.guide.attach_guide` (or a model's or
+    ``sortify``'s ``guide_blur=``) makes it turn every window by the orientation of the model's blurred input there,
+    read from a map made once per forward (:mod:`timm_sortconv.guide`).
 
     Turning each image to a canonical orientation first is a step in front of the model, not part of a
     convolution: :class:`timm_sortconv.canonical.MomentCanonicalize2d`, or ``canonicalize=`` of the models and
@@ -82,6 +90,7 @@ class SortConv2d(nn.Conv2d):
         sorting: str = "ring",
         backend: str = "auto",
         stride_align: str = "centre",
+        guided: bool = False,
         canonicalize: None = None,
     ) -> None:
         if canonicalize is not None:
@@ -91,6 +100,11 @@ class SortConv2d(nn.Conv2d):
         # Checks kernel_size, sampling and sorting, and builds the sampling tables now, so that a
         # traced, compiled or exported forward finds them cached instead of recording their construction.
         get_geometry(kernel_size, sampling, sorting)
+        if not isinstance(guided, bool):
+            raise TypeError(f"guided must be True or False, got {guided!r}")
+        if guided and sorting != "align":
+            raise ValueError(f"guided=True turns every window by the orientation guide, which needs sorting='align' "
+                             f"(one orientation per position, shared by a group's channels); got sorting={sorting!r}")
         stride, padding, dilation, groups = layer_arguments(in_channels, out_channels, stride, padding, dilation,
                                                             groups, padding_mode)
         super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
@@ -99,9 +113,37 @@ class SortConv2d(nn.Conv2d):
         self.sorting = sorting
         self.backend = check_backend_name(backend)
         self.stride_align = check_stride_align(stride_align)
+        # The guide's map is one more input channel per group; timm_sortconv.guide.attach_guide gives the guide
+        # (and sets guided on every aligned layer of the model).
+        self.guided = guided
+        self.guide_source: tuple = ()
+
+    @torch.jit.unused
+    def _with_guide(self, input: Tensor, weight: Tensor) -> Tuple[Tensor, Tensor]:
+        """``input`` with the orientation guide at its size as one more channel after each group's channels, and
+        ``weight`` with a zero weight for it (:mod:`timm_sortconv.guide`)."""
+        if not self.guide_source:
+            raise RuntimeError("this guided SortConv2d has no orientation guide; attach one to its model with "
+                               "timm_sortconv.guide.attach_guide(model, blur)")
+        check_input(input, weight, self.groups)
+        unbatched = input.dim() == 3
+        batch = input.unsqueeze(0) if unbatched else input
+        guide = self.guide_source[0].at_size(batch.shape[-2], batch.shape[-1]).to(batch.dtype)
+        if guide.shape[0] != batch.shape[0]:
+            raise RuntimeError(f"the orientation guide was made from {guide.shape[0]} image(s), this layer has "
+                               f"{batch.shape[0]}: a guided layer runs in the forward of the model it belongs to")
+        if self.groups == 1:
+            batch = torch.cat([batch, guide], 1)
+        else:
+            grouped = batch.unflatten(1, (self.groups, -1))
+            batch = torch.cat([grouped, guide.unsqueeze(1).expand(-1, self.groups, -1, -1, -1)], 2).flatten(1, 2)
+        weight = torch.cat([weight, weight.new_zeros(weight.shape[0], 1, weight.shape[2], weight.shape[3])], 1)
+        return (batch.squeeze(0) if unbatched else batch), weight
 
     def _conv_forward(self, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         # (the input is checked by sort_conv2d_padded, or by the operator's per-call checks on its eager path)
+        if self.guided:
+            input, weight = self._with_guide(input, weight)
         if self.stride_align == "centre" and (self.stride[0] != 1 or self.stride[1] != 1):  # unit strides: centred
             check_input(input, weight, self.groups)  # before the centring reads the input half a pixel on
             input = centre_grid(input, [self.kernel_size[0], self.kernel_size[1]], [self.stride[0], self.stride[1]],
@@ -115,7 +157,9 @@ class SortConv2d(nn.Conv2d):
 
     def extra_repr(self) -> str:
         align = "" if self.stride == (1, 1) else f", stride_align={self.stride_align}"
-        return f"{super().extra_repr()}, sampling={self.sampling}, sorting={self.sorting}, backend={self.backend}{align}"
+        guided = ", guided=True" if self.guided else ""
+        return (f"{super().extra_repr()}, sampling={self.sampling}, sorting={self.sorting}, backend={self.backend}"
+                f"{align}{guided}")
 
     @classmethod
     def from_conv(cls, conv: nn.Conv2d, *, sampling: str = "polar", sorting: str = "ring",
@@ -176,6 +220,8 @@ class SortConv2dSame(SortConv2d):
                          device, dtype, sampling=sampling, sorting=sorting, backend=backend, stride_align=stride_align)
 
     def _conv_forward(self, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if self.guided:
+            input, weight = self._with_guide(input, weight)
         check_input(input, weight, self.groups)
         if self.stride_align == "centre":
             input = centre_grid_same(input, [self.kernel_size[0], self.kernel_size[1]],

@@ -49,6 +49,7 @@ from timm.layers import CondConv2d, Conv2dSame
 from timm.layers.conv2d_same import Conv2dSameExport
 
 from .canonical import CanonicalInputMixin, canonical_order, create_canonicalizer
+from .guide import attach_guide, check_guidable, check_guide_blur, guided_layers
 from .grid import CENTRED_LAYERS, CentredAvgPool2d, CentredConv2d, CentredMaxPool2d, check_stride_align
 from .layers import SortConv2d, SortConv2dSame
 from .ops.backends import check_backend_name
@@ -74,6 +75,8 @@ class SortifyReport:
         uncentred: ``(name, reason)`` for strided layers whose grid could not be centred: the model is
             exactly invariant to quarter turns only at the input sizes where their grid is centred anyway.
         canonicalize: the ``canonicalize`` put in front of the model, or ``None``.
+        guided: the aligned layers that turn their windows by the orientation guide (``guide_blur``).
+        guide_source: the module whose input the guide is made from, or ``None``.
     """
 
     replaced: List[str] = field(default_factory=list)
@@ -84,6 +87,8 @@ class SortifyReport:
     centred: List[str] = field(default_factory=list)
     uncentred: List[Tuple[str, str]] = field(default_factory=list)
     canonicalize: Optional[str] = None
+    guided: List[str] = field(default_factory=list)
+    guide_source: Optional[str] = None
 
     def summary(self) -> str:
         """One line with the counts."""
@@ -95,6 +100,9 @@ class SortifyReport:
         lines = [f"sortify: {self.summary()}"]
         if self.canonicalize:
             lines.append(f"  input turned first: canonicalize={self.canonicalize!r}")
+        if self.guided:
+            lines.append(f"  orientation guide made from the input of {self.guide_source or '<root>'}, read by "
+                         f"{len(self.guided)} aligned layers")
         for title, names in (("replaced", self.replaced), ("kept", self.kept), ("already", self.already),
                              ("excluded", self.excluded), ("centred", self.centred)):
             if names:
@@ -199,6 +207,8 @@ def sortify(
     stride_align: str = "centre",
     even_kernels: bool = True,
     canonicalize: Optional[str] = None,
+    guide_blur: float = 0.0,
+    guide_source: Optional[str] = None,
     return_report: bool = False,
 ):
     """Replaces, in place, every eligible ``nn.Conv2d`` of ``model`` by a Sorting Convolution.
@@ -236,6 +246,12 @@ def sortify(
             ``forward_features`` or FX tracing), so that the model's invariance covers the angles between the quarter turns (with ``sorting="c2"``:
             ``"moment2"`` or ``"moment1"``). It has no parameters, so the ``state_dict`` keys do not change.
             A model that turns its input already is refused before anything changes.
+        guide_blur: with ``sorting="align"``, turn every aligned window by the orientation of the input blurred by
+            that many pixels around it instead of by its own (:mod:`timm_sortconv.guide`; 0, the default: no
+            guide). The guide is made once per forward from the input of ``guide_source`` (a qualified module name;
+            default: the model's first ``nn.Conv2d``, the stem, which reads the image in every timm and
+            torchvision CNN); no parameters, no ``state_dict`` keys.
+        guide_source: see ``guide_blur``.
         return_report: also return the :class:`SortifyReport`.
 
     Returns:
@@ -255,6 +271,12 @@ def sortify(
     check_stride_align(stride_align)
     if isinstance(min_kernel_size, bool) or not isinstance(min_kernel_size, int) or min_kernel_size < 1:
         raise ValueError(f"min_kernel_size must be an int >= 1, got {min_kernel_size!r}")
+    guide_blur = check_guide_blur(guide_blur, sorting)
+    if guide_source is not None and not guide_blur:
+        raise ValueError(f"guide_source={guide_source!r} names where the orientation guide is made; it needs "
+                         "guide_blur > 0")
+    if guide_blur:  # what attach_guide would refuse after the conversion, refused before it
+        check_guidable(model, guide_source)
     include_patterns = _as_patterns(include, "include")
     exclude_patterns = _as_patterns(exclude, "exclude")
     if canonical_order(canonicalize):
@@ -315,6 +337,11 @@ def sortify(
     model = new_modules.get(id(model), model)
     if canonicalize is not None:
         _add_canonicalizer(model, canonicalize)
+    if guide_blur:
+        attach_guide(model, guide_blur, guide_source)
+        report.guided = guided_layers(model)
+        report.guide_source = guide_source or next(name for name, m in model.named_modules()
+                                                   if isinstance(m, nn.Conv2d))
 
     reasons = Counter(reason for _, reason in report.skipped)
     log = _logger.warning if report.skipped else _logger.info

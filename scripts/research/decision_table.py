@@ -130,16 +130,17 @@ ROWS += (
     Row("align+blur", "scnn", {"sorting": "align", "input_blur": 0.7, "downsample": "blur-max"}, aligned=1,
         what="`sorting=align` with `scnn_p_rs_7_blur`'s blur before the first layer and blurred max pooling"),
     # Round 2, after round 1 fell 2.5-3 points short of sc2+canon on MNIST-rot at seed 0 (93.6-94.2): the windows
-    # turned by the input's mass at a digit's parts' scale (scnn_options.py's align_guide, a 4-pixel blur), which
-    # keeps the relative orientation of a part's windows; and the aligned analogue of the table's best row.
-    Row("align+guide", "scnn", {"sorting": "align", "align_guide": 4.0}, aligned=2,
-        what="`sorting=align`, every window turned by the blurred input's orientation (`align_guide=4`)"),
+    # turned by the input's mass at a digit's parts' scale (the library's guide, timm_sortconv.guide, a 4-pixel blur:
+    # scnn_p_align_7_guided), which keeps the relative orientation of a part's windows; and the aligned analogue of
+    # the table's best row.
+    Row("align+guide", "scnn", {"sorting": "align", "guide_blur": 4.0}, aligned=2,
+        what="`sorting=align`, every window turned by the blurred input's orientation (`scnn_p_align_7_guided`)"),
     Row("align2+canon", "scnn", {"sorting": "align", "sorted_convs": 2, "canonicalize": "moment1"}, aligned=2,
         what="aligned in the first 2 convolutions, plain after, + the canonical turn (as `sc2+canon`)"),
     # An 8-pixel blur's orientation is the first angular moment of the mass within about a digit's radius (14):
     # the canonical turn of each digit-sized neighbourhood, where a whole image's turn cannot follow its parts.
-    Row("align+guide8", "scnn", {"sorting": "align", "align_guide": 8.0}, aligned=2,
-        what="`sorting=align`, every window turned by the mass around it at a digit's scale (`align_guide=8`)"),
+    Row("align+guide8", "scnn", {"sorting": "align", "guide_blur": 8.0}, aligned=2,
+        what="`sorting=align`, every window turned by the mass around it at a digit's scale (`guide_blur=8`)"),
 )
 ROW_NAMES = tuple(row.name for row in ROWS)
 #: The aligned rounds' tasks and seeds, and the rows they are compared with there (the E(2)-CNN on the local tasks

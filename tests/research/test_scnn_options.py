@@ -41,7 +41,6 @@ def quarter_turn_error(model, x):
     *[("scnn_p_rs_3", kwargs) for kwargs in (dict(blur_sigma=0.7), dict(downsample="blur-max"),
                                               dict(downsample="blur-avg"), dict(downsample="avg"),
                                               dict(blur_sigma=(0.7, 0, 0, 0, 0, 0)), dict(padding_mode="replicate"))],
-    ("scnn", dict(sorting="align", kernel_size=3, align_guide=2.0)),  # the windows turn otherwise
 ])
 def test_options_keep_parameters_and_exact_quarter_turn_invariance(options, name, kwargs):
     own = {key: value for key, value in kwargs.items() if key not in options.OPTIONS}
@@ -168,40 +167,3 @@ def test_moment_strength_of_a_bar_a_square_and_a_blank_image():
     assert s2[2] == 0.0 and s4[2] == 0.0
     with pytest.raises(ValueError, match="N, C, H, W"):
         moment_strength(x[0])
-
-
-def test_the_align_guide_sets_the_orientation_and_adds_nothing_to_the_sums(options):
-    """A guided layer computes the aligned convolution of its input and the guide's channel with a zero weight: the
-    guide turns the windows and adds nothing to the products; where the guide varies, its first harmonic
-    outweighs the input's, so the layer is linear in its input with the guide's turns (the same layer with the
-    input scaled far down: its orientation the guide's alone). The gradient reaches the weight and the input."""
-    from timm_sortconv import sort_conv2d
-    torch.manual_seed(0)
-    model = options.create_model("scnn", sorting="align", channels=(4,) * 6, kernel_size=3, align_guide=2.0).double()
-    conv = model.features[0].conv
-    x = randn(2, 1, 28, 28).requires_grad_()
-    weight = torch.cat([conv.weight, torch.zeros_like(conv.weight[:, :1])], 1)
-
-    def aligned(x, guide):
-        return sort_conv2d(torch.cat([x, guide], 1), weight, conv.bias, padding=1, sorting="align",
-                           backend="reference")
-
-    model.align_guide.map = model.align_guide(x)
-    torch.testing.assert_close(conv(x), aligned(x, model.align_guide.map))
-    # a guide that varies everywhere (a ramp at the blurred input's scale): the guide's turns, not the input's
-    ramp = torch.arange(28, dtype=torch.float64).view(1, 1, 28, 1).expand(2, 1, 28, 28) * 0.1 * options.GUIDE_GAIN
-    model.align_guide.map = ramp
-    out = conv(x)
-    torch.testing.assert_close(out, aligned(x.detach() * 1e-6, ramp) * 1e6, rtol=1e-2, atol=1e-2)
-    out.square().sum().backward()
-    assert conv.weight.grad.abs().sum() > 0 and x.grad.abs().sum() > 0
-
-
-def test_the_align_guide_refuses_layers_that_do_not_align_and_maps_it_cannot_pool_to(options):
-    with pytest.raises(ValueError, match="sorting='align'"):
-        options.create_model("scnn_p_rs_3", align_guide=2.0)
-    with pytest.raises(ValueError, match="align_guide must be"):
-        options.create_model("scnn", sorting="align", align_guide=-1.0)
-    model = options.create_model("scnn", sorting="align", channels=(4,) * 6, kernel_size=3, align_guide=2.0)
-    with pytest.raises(ValueError, match="pooled 2x2"):
-        model(torch.randn(1, 1, 30, 30))

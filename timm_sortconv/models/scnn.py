@@ -3,7 +3,8 @@ and ``scnn_p_rs_7_canon`` / ``scnn_p_c2_7_canon``, P-RS-7 turned to its principa
 half-turn orbit sorting, ``sorting='c2'``), and ``scnn_p_rs_7_blur``, P-RS-7 with a blurred input and blurred
 max pooling (:mod:`timm_sortconv.antialias`), for scenes whose parts are turned independently, and
 ``scnn_p_rs_7_early_canon``, which sorts in its first two convolutions only and turns its input by its first
-angular moment.
+angular moment, and ``scnn_p_align_7_guided``, whose windows are turned by the orientation of the blurred input
+around them (:mod:`timm_sortconv.guide`), for scenes whose parts are turned independently.
 
 Six convolutions with 32, 32, 64, 64, 128, 128 channels, each followed by BatchNorm and ReLU; 2x2 max
 pooling after the second and the fourth; the first four have a ``K x K`` kernel (K = 3, 5 or 7), the
@@ -27,6 +28,7 @@ from timm.models import build_model_with_cfg, generate_default_cfgs, register_mo
 
 from ..antialias import GaussianBlur2d, create_downsample
 from ..canonical import create_canonicalizer
+from ..guide import attach_guide, check_guide_blur
 from ..hub import HUB_ORG, bundled_weights_dir
 from ._common import PAPER_CFG, SequentialClassifierMixin
 from ._conv import ConvNormAct, fixed_variant_args, get_conv_layer
@@ -63,6 +65,10 @@ class SCNN(SequentialClassifierMixin, nn.Module):
             and ``'blur-max'`` (``scnn_p_rs_7_blur``) ring-sorted SC keeps its accuracy on scenes whose parts are
             turned independently (RESULTS.md, "Local rotations"). Neither adds parameters or ``state_dict`` keys,
             and both keep the exact invariance to quarter turns.
+        guide_blur: with ``sorting='align'``, turn every aligned window by the orientation of the input blurred by
+            that many pixels around it instead of by its own (:mod:`timm_sortconv.guide`; 0: no guide). The guide
+            is made from the input of the first convolution (after ``canonicalize``); no parameters, no
+            ``state_dict`` keys. ``scnn_p_align_7_guided`` (4 pixels).
         sorted_convs: how many of the six convolutions, from the input on, sort (6, the default: all; the
             others are ``nn.Conv2d`` with the same parameters). With 2, the early layers' responses ignore how
             small patches are turned, and the later layers still see orientation (a 6 from a 9), which a network
@@ -89,6 +95,7 @@ class SCNN(SequentialClassifierMixin, nn.Module):
             canonicalize: Optional[str] = None,
             input_blur: float = 0.,
             downsample: str = 'max',
+            guide_blur: float = 0.,
             sorted_convs: int = 6,
             drop_rate: float = 0.,
             bn_momentum: float = 0.1,
@@ -105,6 +112,7 @@ class SCNN(SequentialClassifierMixin, nn.Module):
             raise ValueError(f"input_blur must be a number of pixels >= 0 (0: no blur), got {input_blur!r}")
         conv_layer = get_conv_layer(sampling, sorting, backend, stride_align)
         create_downsample(downsample, stride_align)  # checks the name before anything is built
+        guide_blur = check_guide_blur(guide_blur, sorting)
         if isinstance(sorted_convs, bool) or not isinstance(sorted_convs, int) or not 0 <= sorted_convs <= 6:
             raise ValueError(f"sorted_convs must be a whole number of convolutions from 0 to 6, got {sorted_convs!r}")
         plain_layer = get_conv_layer(None, None, backend, stride_align)
@@ -135,6 +143,8 @@ class SCNN(SequentialClassifierMixin, nn.Module):
 
         self.num_features = self.head_hidden_size = prev_chs
         self.head = ClassifierHead(prev_chs, num_classes, pool_type=global_pool, drop_rate=drop_rate, **dd)
+        if guide_blur:
+            attach_guide(self, guide_blur)
 
 
 def _create_scnn(variant: str, kernel_size: int, sampling: Optional[str], sorting: Optional[str],
@@ -181,6 +191,7 @@ default_cfgs = generate_default_cfgs({
     'scnn_p_c2_7_canon.mnist': _cfg(**_pretrained('scnn_p_c2_7_canon')),
     'scnn_p_rs_7_blur.mnist': _cfg(**_pretrained('scnn_p_rs_7_blur')),
     'scnn_p_rs_7_early_canon.mnist': _cfg(**_pretrained('scnn_p_rs_7_early_canon')),
+    'scnn_p_align_7_guided.mnist': _cfg(**_pretrained('scnn_p_align_7_guided')),
 })
 
 
@@ -311,3 +322,13 @@ def scnn_p_rs_7_early_canon(pretrained: bool = False, **kwargs: Any) -> SCNN:
     kwargs.setdefault('canonicalize', 'moment1')
     kwargs.setdefault('sorted_convs', 2)
     return _create_scnn('scnn_p_rs_7_early_canon', 7, 'polar', 'ring', pretrained, **kwargs)
+
+
+@register_model
+def scnn_p_align_7_guided(pretrained: bool = False, **kwargs: Any) -> SCNN:
+    """The P-RS-7 layout with aligned windows (``sorting='align'``) in all six convolutions, each window turned by the
+    orientation of the input blurred by 4 pixels around it (``guide_blur=4``, :mod:`timm_sortconv.guide`): the
+    windows of one part of a scene turn alike, so the network follows parts turned independently (RESULTS.md, "When
+    to pick SC"). Exactly invariant to quarter turns; the same weights' shapes as ``scnn_baseline_7``."""
+    kwargs.setdefault('guide_blur', 4.0)
+    return _create_scnn('scnn_p_align_7_guided', 7, 'polar', 'align', pretrained, **kwargs)

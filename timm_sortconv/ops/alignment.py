@@ -244,7 +244,9 @@ def align_conv2d_harmonic(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
                           groups: int) -> torch.Tensor:
     """The aligned variants on an already padded input ``x``, in standard operators (module docstring);
     equal to the reference path up to rounding, differentiable by autograd."""
-    batch, channels = x.shape[:2]
+    # int(): a traced size is a tensor, and an exported convolution needs a kernel of known shape (a layer's
+    # channels are fixed, its height and width may vary)
+    batch, channels = x.shape[0], int(x.shape[1])
     kk = geometry.kernel_size ** 2
     tables = harmonic_tables(geometry, x.device, x.dtype)
     nf, pairs = tables.fixed, tables.pair_harmonic.numel()
