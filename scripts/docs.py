@@ -9,6 +9,8 @@ written by hand and holds no figure that another document holds.
 
     python scripts/docs.py            # rewrite the blocks from the stored results
     python scripts/docs.py --check    # exit 1 naming every block that differs (tests/test_docs.py runs it)
+    python scripts/docs.py --record-demo output/demo --minutes 7.6 --load "idle"   # store a demo run, then rewrite
+    python scripts/docs.py --record-demo DIR --minutes M --other-cpu "how it ran"    # ... as another CPU's run
 
 Stored results read here:
 
@@ -280,43 +282,71 @@ def demo() -> str:
 
 def other_cpus(meta: dict, models: Sequence[str], rows: List[Dict[str, str]]) -> str:
     """What the demo's figures depend on, with the same command's upright and mean figures on the other CPUs of
-    ``meta["other_cpus"]`` (as their runs reported them) beside this run's."""
+    ``meta["other_cpus"]`` (as their runs reported them) beside this run's, their range over every CPU, and the checks
+    the demo prints (:mod:`timm_sortconv.cli.demo`'s constants)."""
+    sys.path.insert(0, str(REPO))
+    from timm_sortconv.cli import demo as demo_tool
+
     def figures(upright, mean):
         return " and ".join(f"{upright[m]:.1f} / {mean[m]:.2f} ({'SC' if 'baseline' not in m else 'plain'})"
                             for m in models)
 
-    here = figures({m: float(rows[0][m]) for m in models}, {m: sum(float(r[m]) for r in rows) / len(rows)
-                                                            for m in models})
-    runs = "; ".join(f"on {run['machine']} ({run['date']}, the kernel's {run['isa']} build too, {run['where']}) "
-                     f"{figures(run['upright'], run['mean'])}" for run in meta.get("other_cpus", []))
+    upright_here = {m: float(rows[0][m]) for m in models}
+    mean_here = {m: sum(float(r[m]) for r in rows) / len(rows) for m in models}
+    others = meta.get("other_cpus", [])
+    runs = "; ".join(f"on {run['machine']} ({run['date']}, the kernel's {run['isa']} build"
+                     f"{' too' if run['isa'] == meta['isa'] else ''}, {run['where']}"
+                     + (f", {run['minutes']:.1f} min" if "minutes" in run else "")
+                     + f") {figures(run['upright'], run['mean'])}" for run in others)
+    means = {m: [mean_here[m]] + [run["mean"][m] for run in others] for m in models}
+    sc = next(m for m in models if "baseline" not in m)
+    plain = next(m for m in models if "baseline" in m)
+    low, high = demo_tool.EXPECTED_SC_MEAN
     return ("The figures depend on the CPU, not only on its instruction set: PyTorch's CPU libraries (MKL, oneDNN) "
             "pick their kernels by CPU, so a training step's sums run in another order and one epoch ends at other "
             "weights; the plain twin, which runs no SC kernel, moves too. Upright / mean of 36: "
-            f"{here} here; {runs}.")
+            f"{figures(upright_here, mean_here)} here; {runs}. Mean of 36 over these {1 + len(others)} runs: SC "
+            f"{span(means[sc], suffix='')}, plain {span(means[plain], suffix='')}. A right run, on any CPU (the demo "
+            "checks it at its end and exits with status 1 if not): SC scores the same images at the four quarter "
+            f"turns and its mean of 36 lies at least {demo_tool.MIN_MARGIN:g} points above the plain network's; it "
+            f"is expected within {low:g}-{high:g} (outside, the demo warns).")
 
 
-def record_demo(folder: Path, minutes: float, load: str) -> None:
+def record_demo(folder: Path, minutes: float, load: str, where: str = "") -> None:
     """Stores the demo's sweep (``rotation_sweep.csv`` of its ``--output`` folder) with how it ran, for :func:`demo`:
-    its command and the images it trained on and swept (from the folder's ``run.json``, which the demo writes), its
-    minutes (measured by the caller, e.g. with ``time``), the machine and the load. The runs on other CPUs
-    (``other_cpus``, each as its run reported it) are kept."""
+    its command, the images it trained on and swept and the machine it ran on (the CPU, the kernel's level, the
+    threads: from the folder's ``run.json``, which the demo writes), its minutes (measured by the caller, e.g. with
+    ``time``) and the load. The runs on other CPUs (``other_cpus``) are kept. With ``where`` (how it ran, in words:
+    the clone, a forced instruction-set level) the run is stored as one of the other CPUs instead (its upright and
+    mean figures, minutes, and ``where`` with the load), beside the stored sweep, replacing an earlier one of the same
+    machine and level."""
     import shlex
     import shutil
     import time
 
-    import torch
-
-    sys.path.insert(0, str(REPO))
-    from timm_sortconv.check import cpu_model
-    from timm_sortconv.ops import cpu_backend
-
     run = json.loads((folder / "run.json").read_text())
-    kept = json.loads((DEMO / "demo.json").read_text()).get("other_cpus", []) if (DEMO / "demo.json").is_file() else []
+    if "machine" not in run:
+        raise SystemExit(f"{folder / 'run.json'} does not say what the demo ran on (written by an older demo): run "
+                         "the demo again")
+    machine = f"{run['machine']['cpu']}, {run['machine']['threads']} threads"
+    isa = run["machine"]["kernel_isa"] or "reference path (no kernel)"
+    date = time.strftime("%Y-%m-%d", time.gmtime())
+    stored = json.loads((DEMO / "demo.json").read_text()) if (DEMO / "demo.json").is_file() else {}
+    kept = stored.get("other_cpus", [])
+    if where:
+        rows = read_csv(folder / "rotation_sweep.csv")
+        labels = [name for name in rows[0] if name != "angle"]
+        entry = {"machine": machine, "isa": isa, "date": date, "where": where + (f", {load}" if load else ""),
+                 "minutes": minutes,
+                 "upright": {m: float(rows[0][m]) for m in labels},
+                 "mean": {m: round(sum(float(r[m]) for r in rows) / len(rows), 2) for m in labels}}
+        stored["other_cpus"] = [o for o in kept if (o["machine"], o["isa"]) != (machine, isa)] + [entry]
+        (DEMO / "demo.json").write_text(json.dumps(stored, indent=1) + "\n")
+        return
     DEMO.mkdir(parents=True, exist_ok=True)
     shutil.copy(folder / "rotation_sweep.csv", DEMO / "rotation_sweep.csv")
     meta = {"command": shlex.join([".venv/bin/python", "scripts/demo.py", *run["arguments"]]), "minutes": minutes,
-            "load": load, "machine": f"{cpu_model()}, {torch.get_num_threads()} threads", "isa": cpu_backend.cpu_isa(),
-            "date": time.strftime("%Y-%m-%d", time.gmtime()), "train_images": run["train_images"],
+            "load": load, "machine": machine, "isa": isa, "date": date, "train_images": run["train_images"],
             "test_images": run["test_images"],
             "labels": {"scnn_p_rs_3": "`scnn_p_rs_3` (SC)", "scnn_baseline_3": "`scnn_baseline_3` (same parameters)"},
             "other_cpus": kept}
@@ -374,11 +404,16 @@ def main(argv=None) -> int:
                         "result, with --minutes and --load, then rewrite the blocks")
     parser.add_argument("--minutes", type=float, help="with --record-demo: the demo's wall time")
     parser.add_argument("--load", default="", help="with --record-demo: the load it ran under, in words")
+    parser.add_argument("--other-cpu", metavar="WHERE", default="",
+                        help="with --record-demo: store the run as another CPU's, beside the stored sweep; WHERE says "
+                             "how it ran, in words (the clone, the load, a forced instruction-set level)")
     args = parser.parse_args(argv)
+    if args.other_cpu and not args.record_demo:
+        parser.error("--other-cpu needs --record-demo DIR (the demo's --output folder)")
     if args.record_demo:
         if args.minutes is None:
             parser.error("--record-demo needs --minutes (the demo's measured wall time)")
-        record_demo(Path(args.record_demo), args.minutes, args.load)
+        record_demo(Path(args.record_demo), args.minutes, args.load, args.other_cpu)
     if args.check:
         found = differences()
         for entry in found:

@@ -48,8 +48,10 @@ start)
     [ -d "$data" ] || { echo "error: no data folder $data (the folder of the MNIST IDX files)" >&2; exit 2; }
     mkdir -p "$runs"
     threads=${THREADS:-1}
-    echo "$(date -u '+%F %T') start: $model, $threads thread(s), $(grep -q avx512f /proc/cpuinfo && echo AVX-512 \
-        || echo 'no AVX-512')" >> "$log"
+    # the level the run's SC kernel takes (PyTorch's, or TIMM_SORTCONV_CPU_ISA's), not only what the CPU has
+    isa=$("$python" -c 'from timm_sortconv.ops.cpu_backend import cpu_isa; print(cpu_isa())' 2>/dev/null || echo unknown)
+    echo "$(date -u '+%F %T') start: $model, $threads thread(s), the SC kernel's $isa level on a CPU with$(grep -q \
+        avx512f /proc/cpuinfo || echo out) AVX-512" >> "$log"
     # setsid: the run and its data-loading workers form one process group, which stop/pause/resume signal.
     OMP_NUM_THREADS=$threads MKL_NUM_THREADS=$threads setsid nohup "$python" scripts/mnist_results.py \
         --model "$model" --name "$name" --config scripts/configs/mnist_scnn.yaml --data-dir "$data" \

@@ -56,6 +56,19 @@ def quick_first(values, quick=1):
             for index, value in enumerate(values)]
 
 
+def kernel_levels():
+    """The instruction-set levels whose CPU kernels the tests run (the ``isa`` fixture of tests/test_cpu_backend.py):
+    those this CPU runs, from the package's own level (``cpu_backend.cpu_isa()``: PyTorch's, which
+    ``ATEN_CPU_CAPABILITY`` sets, unless ``TIMM_SORTCONV_CPU_ISA`` names one) down. An AVX-512 machine runs avx512,
+    avx2 and generic, an AVX2-only one avx2 and generic, others generic; under ``ATEN_CPU_CAPABILITY=avx2`` an AVX-512
+    machine runs the suite as an AVX2-only one does: the same levels, and the avx2 build as the package's kernel,
+    which has no bfloat16 products (the AVX-512 BF16 tests skip)."""
+    from timm_sortconv.ops import cpu_backend
+
+    levels = cpu_backend.runnable_isa_levels()
+    return levels[levels.index(cpu_backend.cpu_isa()):]
+
+
 @pytest.fixture
 def one_thread():
     """Runs a test on one intra-op thread. The operator tests use tiny tensors, for which thread start-up

@@ -4,7 +4,8 @@ Forward values and all three gradients must agree with ``backend="reference"`` t
 every variant, kernel size, stride, dilation, groups and padding mode; ``backend="auto"`` must take the
 fast path exactly where it is supported and fall back otherwise; backward must keep nothing but the
 input and the weight; a NaN must stay local. The agreement tests run on the kernel of every
-instruction-set level this CPU can run (``isa`` fixture: avx512, avx2 and generic on an AVX-512 machine). The
+instruction-set level of ``conftest.kernel_levels()`` (``isa`` fixture: avx512, avx2 and generic on an AVX-512
+machine; avx2 and generic on an AVX2-only one, or under ``ATEN_CPU_CAPABILITY=avx2``). The
 first test of a level builds its extension (under a minute, once per machine: it is cached across
 processes); if the package's level cannot be built the module is skipped with the build's reason (under CI it
 fails: there the set-up has built the kernel).
@@ -19,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import load_script, quick_first, unavailable
+from conftest import kernel_levels, load_script, quick_first, unavailable
 from timm_sortconv import SortConv2d, sort_conv2d
 from timm_sortconv.ops import cpu_backend
 from timm_sortconv.ops.backends import DISABLE_ENV, fast_disabled, resolve_backend
@@ -56,9 +57,9 @@ def extension():
 
 
 # The highest level in the quick loop, every level in the full suite.
-@pytest.fixture(params=quick_first(cpu_backend.runnable_isa_levels()))
+@pytest.fixture(params=quick_first(kernel_levels()))
 def isa(request, monkeypatch):
-    """Runs a test on the kernel built for each instruction-set level this CPU can run (the package's
+    """Runs a test on the kernel built for each instruction-set level of ``conftest.kernel_levels()`` (the package's
     choice follows TIMM_SORTCONV_CPU_ISA); a level that fails to build fails the test."""
     monkeypatch.setenv(cpu_backend.ISA_ENV, request.param)
     assert cpu_backend.load_kernel(isa=request.param).isa == request.param
@@ -388,6 +389,22 @@ def test_isa_follows_torch_and_the_environment_within_what_the_cpu_runs(monkeypa
     assert cpu_backend.runnable_isa_levels() == ("generic",)
 
 
+def test_the_tests_run_the_levels_from_the_packages_own_down(monkeypatch, fresh_isa_choice):
+    """On an AVX-512 CPU the ``isa`` fixture runs every level; with PyTorch at AVX2 (``ATEN_CPU_CAPABILITY=avx2``) or
+    TIMM_SORTCONV_CPU_ISA=avx2 it runs the levels an AVX2-only CPU runs, so the suite counts as many tests there."""
+    monkeypatch.delenv(cpu_backend.ISA_ENV, raising=False)
+    monkeypatch.setattr(cpu_backend.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(cpu_backend, "_cpu_features", lambda: frozenset(cpu_backend.ISA_LEVELS["avx512"].features))
+    for capability, expected in (("AVX512", ("avx512", "avx2", "generic")), ("AVX2", ("avx2", "generic")),
+                                 ("DEFAULT", ("generic",))):
+        cpu_backend._resolve_isa.cache_clear()
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+        assert kernel_levels() == expected, capability
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setenv(cpu_backend.ISA_ENV, "avx2")
+    assert kernel_levels() == ("avx2", "generic")
+
+
 def test_failed_build_warns_once_and_auto_uses_the_reference(monkeypatch, auto_without_triton):
     """A machine without the tools to build: one warning naming every level tried, then the reference
     path, silently."""
@@ -409,7 +426,7 @@ def test_failed_build_warns_once_and_auto_uses_the_reference(monkeypatch, auto_w
 
 
 def test_a_level_that_fails_to_build_falls_back_to_a_lower_one(monkeypatch):
-    levels = cpu_backend.runnable_isa_levels()
+    levels = kernel_levels()
     if len(levels) < 2:
         pytest.skip("this CPU runs only the generic level")
     real_build = cpu_backend._build
@@ -500,7 +517,8 @@ def test_benchmark_script_shape_sets(capsys):
 def bf16_kernel():
     """Skips a test where the kernel does not multiply in bfloat16 (asked at run time, after the build)."""
     if not cpu_backend.bf16_products():
-        pytest.skip("this CPU has no AVX-512 BF16: bfloat16 calls go to the reference path")
+        pytest.skip("the package's kernel here has no bfloat16 products (the avx512 build on a CPU with AVX-512 BF16 "
+                    "has them): bfloat16 calls go to the reference path")
 
 
 needs_bf16 = pytest.mark.usefixtures("bf16_kernel")

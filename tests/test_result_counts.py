@@ -83,9 +83,12 @@ def test_the_demo_records_the_images_it_used_and_docs_stores_them(tmp_path, monk
 
     output = tmp_path / "demo"
     demo.main(["--output", str(output), "--train-samples", "50", "--samples", "8", "-j", "0"])
-    assert json.loads((output / "run.json").read_text()) == dict(
+    record = json.loads((output / "run.json").read_text())
+    assert {key: record[key] for key in ("arguments", "train_images", "test_images")} == dict(
         arguments=["--output", str(output), "--train-samples", "50", "--samples", "8", "-j", "0"], train_images=50,
         test_images=8)
+    # a short run checks the quarter turns only (tests/test_demo.py checks the checks)
+    assert [check["verdict"] for check in record["checks"]] == ["PASS", "SKIP", "SKIP"]
     docs = load_script(REPO / "scripts" / "docs.py", "docs_for_counts")
     stored = tmp_path / "stored"
     shutil.copytree(REPO / "results" / "demo", stored)
@@ -96,3 +99,14 @@ def test_the_demo_records_the_images_it_used_and_docs_stores_them(tmp_path, monk
     assert meta["command"].startswith(".venv/bin/python scripts/demo.py --output ") and "--samples 8" in meta["command"]
     assert meta["other_cpus"] == json.loads((REPO / "results" / "demo" / "demo.json").read_text())["other_cpus"]
     assert "on the sample's 8 test images after one epoch on 50;" in docs.demo()
+    # the machine recorded is the one the demo ran on, as run.json says
+    assert meta["machine"] == f"{record['machine']['cpu']}, {record['machine']['threads']} threads"
+    assert meta["isa"] == record["machine"]["kernel_isa"]
+    # another CPU's run is stored beside the stored sweep, replacing an earlier one of the same machine and level
+    docs.record_demo(output, minutes=2.0, load="", where="a test, forced")
+    docs.record_demo(output, minutes=3.0, load="", where="a test, again")
+    again = json.loads((stored / "demo.json").read_text())
+    assert again["other_cpus"][:-1] == meta["other_cpus"] and again["command"] == meta["command"]
+    assert {key: again["other_cpus"][-1][key] for key in ("machine", "isa", "where", "minutes")} == dict(
+        machine=meta["machine"], isa=meta["isa"], where="a test, again", minutes=3.0)
+    assert "a test, again, 3.0 min)" in docs.demo()

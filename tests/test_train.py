@@ -62,7 +62,9 @@ def output(tmp_path_factory):
 
 
 def train_args(data_dir, output, experiment, epochs, schedule="per-update"):
-    return [str(a) for a in (*TINY_SCNN, *SCHEDULES[schedule], "--dataset", "sortconv/mnist", "--data-dir", data_dir,
+    """The tiny run's arguments; ``schedule``: a name in :data:`SCHEDULES` or the schedule's own arguments."""
+    schedule = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
+    return [str(a) for a in (*TINY_SCNN, *schedule, "--dataset", "sortconv/mnist", "--data-dir", data_dir,
                              "--train-split", "trainval", "--val-split", "test", "--epochs", epochs, "-b", 8, "-j", 0,
                              "--seed", 7, "--log-interval", 4, "--recovery-interval", 3, "--output", output,
                              "--experiment", experiment)]
@@ -72,6 +74,12 @@ def train_args(data_dir, output, experiment, epochs, schedule="per-update"):
 def straight_run(train, data_dir, output):
     train.main(train_args(data_dir, output, "straight", 2))
     return output / "straight"
+
+
+@pytest.fixture(scope="module")
+def straight_per_epoch_run(train, data_dir, output):
+    train.main(train_args(data_dir, output, "straight-per-epoch", 2, "per-epoch"))
+    return output / "straight-per-epoch"
 
 
 def load(path):
@@ -119,11 +127,9 @@ def test_train_writes_summary_args_and_checkpoints(straight_run):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", SCHEDULES)
-def test_resume_after_an_epoch_matches_the_straight_run(train, straight_run, data_dir, output, caplog, schedule):
-    reference = straight_run
-    if schedule != "per-update":
-        train.main(train_args(data_dir, output, f"straight-{schedule}", 2, schedule))
-        reference = output / f"straight-{schedule}"
+def test_resume_after_an_epoch_matches_the_straight_run(train, straight_run, data_dir, output, caplog, schedule,
+                                                        request):
+    reference = straight_run if schedule == "per-update" else request.getfixturevalue("straight_per_epoch_run")
     stopped = f"stopped-{schedule}"
     train.main(train_args(data_dir, output, stopped, 1, schedule))
     with caplog.at_level(logging.INFO):
@@ -135,6 +141,26 @@ def test_resume_after_an_epoch_matches_the_straight_run(train, straight_run, dat
     with open(output / stopped / "summary.csv") as f:
         rates = [float(row["lr"]) for row in csv.DictReader(f)]
     assert rates[1] < rates[0]
+
+
+@pytest.mark.slow
+def test_summary_records_the_rate_timm_records(train, straight_per_epoch_run, data_dir, output):
+    """summary.csv's ``lr`` is timm's train.py's: the optimizer's rate after the epoch's updates, before the per-epoch
+    step. A per-update cosine schedule (the demo's) records the rate each epoch ended at, which the checkpoint
+    written after the epoch holds, not the rate the epoch started at; a per-epoch schedule records the rate its
+    epoch ran at. Resumed runs record the same (the resume tests compare every column)."""
+    start = 1e-4  # --lr's default
+    cosine = ["--sched", "cosine", "--sched-on-updates"]
+    train.main(train_args(data_dir, output, "cosine", 2, cosine) + ["--keep-epochs", "1", "2"])
+    recorded = [float(row["lr"]) for row in summary(output / "cosine")]
+    ended = [load(output / "cosine" / f"epoch-{n}.pth.tar")["optimizer"]["param_groups"][0]["lr"] for n in (1, 2)]
+    assert recorded == ended
+    # 12 updates an epoch over 24: half-way down the cosine after the first epoch, at its floor (--min-lr 0) after
+    # the second
+    assert recorded == pytest.approx([start / 2, 0.0], abs=1e-12)
+
+    per_epoch = [float(row["lr"]) for row in summary(straight_per_epoch_run)]
+    assert per_epoch == pytest.approx([start, start / 2], abs=1e-12)  # --decay-epochs 1 --decay-rate 0.5
 
 
 @pytest.mark.slow

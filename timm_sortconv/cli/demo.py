@@ -4,12 +4,26 @@ Trains a small SCNN (``scnn_p_rs_3``: Sorting Convolution with polar sampling an
 plain-convolution twin (``scnn_baseline_3``, the same parameters) on MNIST, then evaluates both on the
 test images rotated by 0, 10, ..., 350 degrees (the paper's MNIST-rot protocol on a slice), prints the
 per-angle accuracy table, and writes it as a CSV and a plot. Everything goes under ``--output``, with
-``run.json``: the demo's arguments and the images it trained on and swept, counted on the data sets the steps
-read (``scripts/docs.py --record-demo`` stores the run with them).
+``run.json``: the demo's arguments, the images it trained on and swept (counted on the data sets the steps read),
+what it ran on (the CPU, the SC kernel's instruction-set level, PyTorch's level and threads) and its checks
+(``scripts/docs.py --record-demo`` stores the run with them).
 
 With no ``--data-dir`` it uses the MNIST sample that ships in the package (6,000 training and 500 test
 images, :func:`timm_sortconv.data.mnist_sample_dir`), so it needs no data folder and no network; with
 ``--data-dir`` it reads a full MNIST folder and trains on a seeded ``--train-samples`` slice of it.
+
+At its end the demo prints checks that say whether the run is right whatever the CPU (:func:`check_sweep`; they go
+into ``run.json`` too), one line each:
+
+* **quarter turns**: SC gets the same images right at 0, 90, 180 and 270 degrees, since a quarter turn permutes
+  its samples exactly; this holds for any run of the demo, on any CPU.
+* **SC above plain**: SC's mean over the angles is at least :data:`MIN_MARGIN` points above the plain twin's.
+* **expected range**: SC's mean lies in :data:`EXPECTED_SC_MEAN`, the range README.md quotes.
+
+The last two are calibrated on the default run (the options of :data:`CALIBRATED_ON` at their defaults) and are
+skipped, saying so, for others. A failed quarter turn or margin means the run is wrong on any CPU: the demo then
+exits with status 1. A mean outside the range, with the other two passing, is a sound run on a CPU that moves one
+epoch's result further than the CPUs measured: a warning, and status 0.
 
 The steps are the package's own tools, run in this process and printed as commands you could run
 yourself::
@@ -35,13 +49,28 @@ import json
 import os
 import sys
 import time
-from typing import Dict, Optional, Sequence
+from dataclasses import asdict, dataclass
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..data import cap_samples, create_dataset
 from ..data.mnist import find_mnist_folder, mnist_sample_dir
+from ..invariance import PerAngle
 from . import run
 from . import train as train_tool
 from . import validate as validate_tool
+
+# The checks of a run (check_sweep). Quarter turns permute SC's samples exactly, so its correct images at these
+# angles are the same on any CPU.
+QUARTER_TURNS = (0.0, 90.0, 180.0, 270.0)
+# The default run's SC mean over 36 angles lies this far above the plain twin's on every CPU measured (README.md's
+# demo block has the figures, tests/test_demo.py checks the stored ones against these constants): the plain network
+# collapses off upright, SC does not; without its invariance SC would sit near the plain network.
+MIN_MARGIN = 25.0
+# SC's mean over 36 angles (%) in the default run: the CPUs measured, with room for CPUs not measured, whose
+# libraries end the one epoch at other weights.
+EXPECTED_SC_MEAN = (74.0, 82.0)
+# The options whose defaults make the default run, the one MIN_MARGIN and EXPECTED_SC_MEAN are calibrated on.
+CALIBRATED_ON = ("data_dir", "kernel_size", "train_samples", "samples")
 
 parser = argparse.ArgumentParser(prog="scripts/demo.py",
                                  description="Train an SCNN and its plain twin on MNIST, then sweep rotations")
@@ -62,16 +91,109 @@ def has_checkpoint(run_dir: str) -> bool:
                                           for name in os.listdir(run_dir))
 
 
-def step(tool, script: str, argv: Sequence[str]) -> float:
-    """Runs a tool in this process, printed as the command that does the same; returns its seconds."""
+def step(tool, script: str, argv: Sequence[str]) -> Tuple[float, object]:
+    """Runs a tool in this process, printed as the command that does the same; returns its seconds and what its
+    ``main`` returned."""
     print("\n$ python " + " ".join([f"scripts/{script}", *argv]), flush=True)
     start = time.time()
-    tool.main(list(argv))
-    return time.time() - start
+    result = tool.main(list(argv))
+    return time.time() - start, result
+
+
+@dataclass(frozen=True)
+class Check:
+    """One check of a run: its name, its verdict (``PASS``, ``FAIL``, ``WARN`` or ``SKIP``) and what it found."""
+
+    name: str
+    verdict: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.verdict:<4}  {self.name}: {self.detail}"
+
+
+def _mean(per_angle: PerAngle) -> float:
+    return sum(per_angle.values()) / len(per_angle)
+
+
+def default_run() -> str:
+    """The run the margin and the range are calibrated on, in words: the options of :data:`CALIBRATED_ON` at their
+    defaults."""
+    options = [f"--{name.replace('_', '-')} {parser.get_default(name)}" for name in CALIBRATED_ON if name != "data_dir"]
+    return f"the default run ({', '.join(options)}, the MNIST sample in the package)"
+
+
+def is_default_run(args: argparse.Namespace) -> bool:
+    return all(getattr(args, name) == parser.get_default(name) for name in CALIBRATED_ON)
+
+
+def check_sweep(results: Mapping[str, PerAngle], sc: str, plain: str, images: int,
+                calibrated: bool = True) -> List[Check]:
+    """The checks that say whether a demo run is right whatever the CPU (the module's docstring lists them).
+
+    Args:
+        results: top-1 accuracy (%) by angle (degrees) of each model, as ``scripts/validate.py`` returns and writes
+            them; the angles include :data:`QUARTER_TURNS`.
+        sc, plain: the labels of the SC model and of its plain twin in ``results``.
+        images: the images swept at each angle (the accuracies are counts of them).
+        calibrated: whether the run is the one :data:`MIN_MARGIN` and :data:`EXPECTED_SC_MEAN` hold for
+            (:func:`is_default_run`); if not, those two checks are ``SKIP``.
+
+    Returns:
+        The quarter-turn, margin and range checks, in that order.
+    """
+    missing = [angle for angle in QUARTER_TURNS if angle not in results[sc]]
+    if missing:
+        raise ValueError(f"the sweep of {sc} has no {', '.join(f'{a:g}' for a in missing)} degrees; the checks need "
+                         f"the quarter turns {', '.join(f'{a:g}' for a in QUARTER_TURNS)}")
+    correct = [round(results[sc][angle] * images / 100) for angle in QUARTER_TURNS]
+    turns = ", ".join(f"{a:g}" for a in QUARTER_TURNS[:-1]) + f" and {QUARTER_TURNS[-1]:g} degrees"
+    if len(set(correct)) == 1:
+        quarter = Check("quarter turns", "PASS", f"{sc} got the same {correct[0]} of {images} images right at {turns}: "
+                        "SC is exactly invariant to quarter turns, on any CPU")
+    else:
+        quarter = Check("quarter turns", "FAIL", f"{sc} got {', '.join(map(str, correct))} of {images} images right "
+                        f"at {turns}, where SC gets the same count at each on any CPU: SC is not computed right "
+                        "here (python -m timm_sortconv.check --quick compares every path with the reference; please "
+                        "report its output)")
+    sc_mean, plain_mean = _mean(results[sc]), _mean(results[plain])
+    means = (f"SC's mean over {len(results[sc])} angles is {sc_mean:.2f}%, the plain {plain}'s {plain_mean:.2f}%")
+    low, high = EXPECTED_SC_MEAN
+    if not calibrated:
+        return [quarter, Check("SC above plain", "SKIP", f"not checked: calibrated on {default_run()}; {means}"),
+                Check("expected range", "SKIP", "not checked: calibrated on the default run too")]
+    gap = sc_mean - plain_mean
+    if gap >= MIN_MARGIN:
+        margin = Check("SC above plain", "PASS", f"{means}: {gap:.2f} points above (at least {MIN_MARGIN:g} expected)")
+    else:
+        margin = Check("SC above plain", "FAIL", f"{means}: {gap:.2f} points apart, where a right run is at least "
+                       f"{MIN_MARGIN:g} above on any CPU: SC did not learn to ignore rotations in this run")
+    if low <= sc_mean <= high:
+        expected = Check("expected range", "PASS", f"SC's mean {sc_mean:.2f}% lies in {low:g}-{high:g}%, the range "
+                         "README.md gives")
+    else:
+        expected = Check("expected range", "WARN", f"SC's mean {sc_mean:.2f}% lies outside {low:g}-{high:g}%, the "
+                         "range README.md gives from the CPUs measured; with the checks above passing the run is "
+                         "right, and this CPU's libraries end the epoch further off (please report the figure with "
+                         "your CPU model)")
+    return [quarter, margin, expected]
+
+
+def machine() -> Dict[str, object]:
+    """What the run ran on, for run.json: the CPU's model, the SC kernel's instruction-set level (``None``: the
+    kernel is not built and SC ran on the reference path), PyTorch's own level and its threads."""
+    import torch
+
+    from ..check import cpu_model
+    from ..ops import cpu_backend
+
+    return dict(cpu=cpu_model(), kernel_isa=cpu_backend.cpu_isa() if cpu_backend.load_extension() else None,
+                torch_capability=torch.backends.cpu.get_cpu_capability(), threads=torch.get_num_threads())
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, float]:
-    """Runs the demo (see ``--help``); returns the seconds each step took."""
+    """Runs the demo (see ``--help``); returns the seconds each step took, or exits with status 1 after printing the
+    checks if one failed."""
     args = parser.parse_args(argv)
     if args.data_dir is None:
         if args.dataset_download:
@@ -89,7 +211,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, float]:
     for model in models:
         run_dir = os.path.join(args.output, model)
         resume = ["--resume", run_dir] if has_checkpoint(run_dir) else []
-        timings[f"train {model}"] = step(train_tool, "train.py", [
+        timings[f"train {model}"], _ = step(train_tool, "train.py", [
             "--model", model, *data, "--train-samples", str(args.train_samples), "--val-samples", "1000",
             "--epochs", "1", "-b", "20", "-vb", "100", "--lr", "2e-3", "--sched", "cosine", "--sched-on-updates",
             "--log-interval", "50", "--output", args.output, "--experiment", model, *resume])
@@ -100,18 +222,30 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, float]:
              "--baseline-model", baseline, "--baseline-checkpoint",
              os.path.join(args.output, baseline, "model_best.pth.tar"), "--rotations", "0:360:10", "--samples",
              str(args.samples), "--results-csv", csv_path, "--plot", plot_path]
-    timings["rotation sweep"] = step(validate_tool, "validate.py", sweep)
+    timings["rotation sweep"], results = step(validate_tool, "validate.py", sweep)
     # train.py's training split ("train") capped as it caps it; the sweep's images as validate.py builds them
     train_images = len(cap_samples(create_dataset("sortconv/mnist", root=data_dir, split="train"), args.train_samples))
     test_images = validate_tool.build_sweep(validate_tool.parser.parse_args(sweep), channels=1).num_images
+    checks = check_sweep(results, sc, baseline, test_images, calibrated=is_default_run(args))
     with open(os.path.join(args.output, "run.json"), "w") as f:
         json.dump(dict(arguments=list(sys.argv[1:] if argv is None else argv), train_images=train_images,
-                       test_images=test_images), f, indent=1)
+                       test_images=test_images, machine=machine(), checks=[asdict(c) for c in checks]), f, indent=1)
     print("\n" + "  ".join(f"{name}: {seconds:.0f} s" for name, seconds in timings.items())
           + f"  (total {sum(timings.values()):.0f} s)")
     print(f"{sc} uses Sorting Convolution, {baseline} plain convolutions with the same parameters.")
     print(f"Per-angle accuracies: {csv_path}; plot: {plot_path}")
+    print("\nChecks (a right run passes them on any CPU):")
+    for check in checks:
+        print(f"  {check}")
+    failed = [check.name for check in checks if check.verdict == "FAIL"]
+    if failed:
+        print(f"The run is wrong: {' and '.join(failed)} failed (exit status 1).")
+    else:
+        print("The run is right" + (" (the warning compares its figure with the CPUs measured)."
+                                    if any(c.verdict == "WARN" for c in checks) else "."))
     sys.stdout.flush()
+    if failed:
+        raise SystemExit(1)
     return timings
 
 

@@ -7,7 +7,9 @@ Built from timm's own parts: ``timm.data`` transforms and prefetcher, ``create_o
 
 Outputs under ``<output>/<experiment>/``: ``args.yaml``, ``summary.csv`` (one row per epoch: its training loss,
 ``train_seconds`` (the seconds the epoch's training and validation ran, summed over the stretches of a resumed
-epoch, so pauses and stops do not count), the validation metrics and the learning rate),
+epoch, so pauses and stops do not count), the validation metrics and ``lr``: as timm's ``train.py`` records it, the
+optimizer's rate after the epoch's updates, before the per-epoch step of the schedule, so a per-update schedule's rate
+at the epoch's end and a per-epoch schedule's rate through the epoch),
 ``last.pth.tar``, ``model_best.pth.tar``, ``checkpoint-<epoch>.pth.tar``, ``epoch-<N>.pth.tar`` after each
 ``--keep-epochs N`` and, during an epoch,
 ``recovery-<epoch>-<batch>.pth.tar`` every ``--recovery-interval`` batches.
@@ -301,7 +303,8 @@ def train_one_epoch(epoch, task, loader, optimizer, lr_scheduler, loss_scaler, a
     seconds, start = progress.get("seconds", 0.0), time.time()
     end = time.time()
     for batch_idx, (input, target) in enumerate(loader, start=start_batch):
-        lr = optimizer.param_groups[0]["lr"]
+        lrs = [param_group["lr"] for param_group in optimizer.param_groups]  # the rate of this update, as timm logs it
+        lr = sum(lrs) / len(lrs)
         data_time_m.update(time.time() - end)
         if args.no_prefetcher:
             input, target = input.to(device), target.to(device)
@@ -556,7 +559,6 @@ def main(argv=None):
         loader_train.sampler.set_epoch(epoch, start_batch * args.batch_size)
         if lr_scheduler is not None:  # per-update schedules only; per-epoch ones were stepped at the epoch's end
             lr_scheduler.step_update(num_updates=epoch * updates_per_epoch + start_batch)
-        lr = optimizer.param_groups[0]["lr"]
         train_metrics = train_one_epoch(epoch, task, loader_train, optimizer, lr_scheduler, loss_scaler, amp_autocast,
                                         saver, args, device, num_epochs)
         eval_metrics = None
@@ -566,12 +568,15 @@ def main(argv=None):
             eval_start = time.time()
             eval_metrics = validate(task, loader_eval, args, amp_autocast)
             train_metrics["seconds"] += time.time() - eval_start
+        # summary.csv's rate, as timm's train.py records it: the optimizer's (mean over its groups) after the epoch's
+        # updates, before the per-epoch step
+        lrs = [param_group["lr"] for param_group in optimizer.param_groups]
         if lr_scheduler is not None:
             lr_scheduler.step(epoch + 1, eval_metrics[args.eval_metric] if eval_metrics else None)
         task.progress = dict(epoch=epoch + 1, batch=0, loss_sum=0.0, loss_count=0, seconds=0.0)
         if saver is not None:
             # Summary row first, then the checkpoint: a run killed in between redoes the epoch and rewrites the row.
-            utils.update_summary(epoch, train_metrics, eval_metrics, filename=summary_path, lr=lr)
+            utils.update_summary(epoch, train_metrics, eval_metrics, filename=summary_path, lr=sum(lrs) / len(lrs))
             metric = eval_metrics[args.eval_metric] if eval_metrics else None
             best_metric, best_epoch = saver.save_checkpoint(epoch, metric=metric)
             keep_epoch_checkpoint(output_dir, epoch + 1, args.keep_epochs, os.path.join(output_dir, "last.pth.tar"))
