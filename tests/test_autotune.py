@@ -611,3 +611,56 @@ def test_triton_backward_takes_no_atomics_in_deterministic_mode(monkeypatch):
     finally:
         torch.use_deterministic_algorithms(before)
     assert called == ["direct", "columns"]
+
+
+@pytest.fixture
+def aligned_tuner(monkeypatch):
+    """The aligned variants' checked choice as on CUDA, run on the CPU (a fresh tuner, a clock that makes the
+    harmonic form the faster)."""
+    from timm_sortconv.ops import triton_backend
+
+    t = Tuner()
+    t.timer = Clock(**{"reference path": 2.0, "harmonic (standard operators)": 1.0})
+    monkeypatch.setattr(tuning, "TUNER", t)
+    monkeypatch.setattr(triton_backend, "_tuned_here", lambda x: True)
+    return t
+
+
+@pytest.mark.parametrize("sorting", ["align", "align-channel"])
+def test_auto_checks_the_aligned_variants_standard_operator_form_and_keeps_the_faster(aligned_tuner, sorting):
+    from timm_sortconv.ops import triton_backend
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 4, 9, 9, generator=generator, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(4, 2, 5, 5, generator=generator, dtype=torch.float64, requires_grad=True)
+    geometry = get_geometry(5, "polar", sorting)
+    padded = F.pad(x, (2, 2, 2, 2))
+    out = triton_backend.tuned_aligned_forward(padded, weight, None, geometry, (1, 1), (1, 1), 2)
+    again = triton_backend.tuned_aligned_forward(padded, weight, None, geometry, (1, 1), (1, 1), 2)
+    expected = sort_conv2d(padded, weight, groups=2, sorting=sorting, backend="reference")
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(again, expected)
+    grad = torch.randn(expected.shape, generator=generator, dtype=torch.float64)
+    got = triton_backend.tuned_aligned_backward(grad, padded.detach(), weight.detach(), geometry, (1, 1), (1, 1), 2,
+                                                True, True)
+    want = torch.autograd.grad(expected, (padded, weight), grad)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    decisions = aligned_tuner.decisions()
+    assert [d.chosen.name for d in decisions] == ["harmonic (standard operators)"] * 2
+    assert all(d.rejected == {} for d in decisions)
+
+
+def test_auto_keeps_the_reference_path_where_the_aligned_standard_operator_form_disagrees(aligned_tuner, monkeypatch):
+    from timm_sortconv.ops import triton_backend
+
+    reference, harmonic = triton_backend._ALIGNED["forward"]
+    wrong = Candidate(harmonic.name, lambda x, weight, bias, call: harmonic.run(x, weight, bias, call) + 1.0)
+    monkeypatch.setitem(triton_backend._ALIGNED, "forward", (reference, wrong))
+    x = torch.randn(1, 2, 8, 8, dtype=torch.float64)
+    weight = torch.randn(2, 2, 3, 3, dtype=torch.float64)
+    with pytest.warns(RuntimeWarning, match="harmonic .* is left out .* differs from the reference"):
+        out = triton_backend.tuned_aligned_forward(x, weight, None, get_geometry(3, "polar", "align"), (1, 1), (1, 1),
+                                                   1)
+    torch.testing.assert_close(out, sort_conv2d(x, weight, sorting="align", backend="reference"))
+    assert aligned_tuner.decisions()[0].chosen.name == "reference path"

@@ -15,11 +15,16 @@ off each side. Each axis is treated alone, by the same rule, so the result is eq
 turns of any square or oblong input. Where ``r`` is 0 the input is returned unchanged, so a network whose
 sizes were already exact computes exactly what it did without it.
 
-What is done depends on each input side (modulo the stride), in Python control flow. Eager mode,
-``torch.jit.script`` and ``torch.compile`` follow it at every size. ``torch.export`` with a dynamic side
-refuses the sizes whose branch differs from the example's (a guard error suggesting, e.g., ``H = 2 * _H``);
-declare the side that way, or export per size. ``torch.jit.trace`` and tracing-based ONNX export record the
-example's branch silently: such a graph is exact only at sizes with the example's residues.
+What is done depends on each input side (modulo the stride), in Python control flow, which eager mode,
+``torch.jit.script`` and ``torch.compile`` follow at every size. Where sizes are recorded instead, the rule goes with
+them, so that a graph with a dynamic height and width is centred at every size, as the model is:
+
+* ``torch.jit.trace`` and the TorchScript-based ONNX exporter record each axis's branches through a function compiled
+  by TorchScript (ONNX ``If`` nodes: only the branch a size takes runs);
+* ``torch.export`` and the dynamo-based ONNX exporter follow the branches at a fixed size; a dynamic height or width
+  of a strided layer's input is refused with an error saying what to do instead (the symbolic sizes of a branch-free
+  form of the rule grow with every strided layer, and the exporter's reasoning about them with it: a minute for three
+  layers).
 
 ``stride_align`` names the choice everywhere it is offered (``SortConv2d``, the models, ``sortify``):
 ``"centre"`` (this module) or ``"corner"`` (PyTorch's grid, first window at the top-left corner; the
@@ -27,6 +32,7 @@ paper's networks).
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Callable, List, Optional
 
@@ -82,6 +88,11 @@ def centre_grid(x: torch.Tensor, kernel_size: List[int], stride: List[int], padd
                 [ 6.5000,  7.5000,  8.5000],
                 [10.5000, 11.5000, 12.5000]])
     """
+    if not torch.jit.is_scripting():
+        if torch.jit.is_tracing():  # torch.jit.trace, the TorchScript ONNX exporter: the branches as If nodes
+            return _centre_grid_traced(x, kernel_size, stride, padding, dilation, min_size)
+        if torch.compiler.is_exporting():
+            _refuse_symbolic_sizes(x, stride)
     half = [False, False]
     crop = [0, 0]
     for axis in range(2):
@@ -104,6 +115,55 @@ def centre_grid(x: torch.Tensor, kernel_size: List[int], stride: List[int], padd
     return x
 
 
+def _centre_axis(x: torch.Tensor, dim: int, kernel_size: int, stride: int, padding: int, dilation: int,
+                 min_size: int) -> torch.Tensor:
+    """One axis of :func:`centre_grid`, compiled by TorchScript (:func:`_scripted_centre_axis`), so that a trace records
+    its branches on the size, which an ONNX graph keeps as ``If`` nodes: a graph with a dynamic height and width
+    centres at every size and computes only the branch a size takes."""
+    size = x.size(dim)
+    span = size + 2 * padding - dilation * (kernel_size - 1) - 1
+    if span < 0:
+        return x
+    excess = span % stride
+    if size - excess < min_size:
+        return x
+    if excess % 2 == 1:
+        size = size - 1
+        x = (x.narrow(dim, 0, size) + x.narrow(dim, 1, size)) * 0.5
+    crop = excess // 2
+    if crop > 0:
+        x = x.narrow(dim, crop, size - 2 * crop)
+    return x
+
+
+@functools.lru_cache(maxsize=None)
+def _scripted_centre_axis():
+    return torch.jit.script(_centre_axis)
+
+
+def _centre_grid_traced(x: torch.Tensor, kernel_size: List[int], stride: List[int], padding: List[int],
+                        dilation: List[int], min_size: int) -> torch.Tensor:
+    """:func:`centre_grid` as a trace records it: each strided axis by :func:`_centre_axis`, compiled."""
+    centre_axis = _scripted_centre_axis()
+    for axis in range(2):
+        if stride[axis] != 1:
+            x = centre_axis(x, x.dim() - 2 + axis, kernel_size[axis], stride[axis], padding[axis], dilation[axis],
+                            min_size)
+    return x
+
+
+def _refuse_symbolic_sizes(x: torch.Tensor, stride: List[int]) -> None:
+    """Raises the error of the module docstring where ``torch.export`` gives a strided axis a symbolic size."""
+    for axis in range(2):
+        size = x.shape[x.dim() - 2 + axis]
+        if stride[axis] != 1 and not isinstance(size, int):
+            raise ValueError(
+                f"a strided layer's grid is centred for the input's actual size (timm_sortconv.grid), which "
+                f"torch.export cannot follow for a dynamic height or width ({size}): export at a fixed size, or with "
+                "the TorchScript-based exporter for a dynamic size (torch.onnx.export(..., dynamo=False), which "
+                "timm's onnx_export.py uses unless --dynamo), or build the model with stride_align='corner'")
+
+
 def min_input_size(padding_mode: str, padding: List[int]) -> int:
     """The shortest input side that ``F.pad`` takes with this mode and ``padding`` (in ``F.pad``'s order)."""
     if padding_mode == "reflect":
@@ -117,6 +177,14 @@ def centre_grid_same(x: torch.Tensor, kernel_size: List[int], stride: List[int],
     """``x`` padded (or cropped) symmetrically for TensorFlow's "SAME" output size ``ceil(N / s)``, with a
     centred grid: the counterpart of ``timm.layers.pad_same``, which puts an odd pixel of padding on the
     bottom/right. Where the padding is odd, the input is read half a pixel on first."""
+    if not torch.jit.is_scripting():
+        if torch.jit.is_tracing():
+            centre_axis = _scripted_centre_axis_same()
+            for axis in range(2):
+                x = centre_axis(x, x.dim() - 2 + axis, kernel_size[axis], stride[axis], dilation[axis])
+            return x
+        if torch.compiler.is_exporting():
+            _refuse_symbolic_sizes(x, stride)
     totals = [0, 0]
     for axis in range(2):
         size = x.shape[x.dim() - 2 + axis]
@@ -135,6 +203,30 @@ def centre_grid_same(x: torch.Tensor, kernel_size: List[int], stride: List[int],
             pad[2 * (1 - axis) + 1] = side
             x = F.pad(x, pad)
     return x
+
+
+def _centre_axis_same(x: torch.Tensor, dim: int, kernel_size: int, stride: int, dilation: int) -> torch.Tensor:
+    """One axis of :func:`centre_grid_same`, compiled by TorchScript for traces (as :func:`_centre_axis`)."""
+    size = x.size(dim)
+    total = ((size + stride - 1) // stride - 1) * stride + dilation * (kernel_size - 1) + 1 - size
+    half = total % 2
+    if half == 1:
+        x = (x.narrow(dim, 0, size - 1) + x.narrow(dim, 1, size - 1)) * 0.5
+        size = size - 1
+    side = (total + half) // 2
+    if side < 0:
+        x = x.narrow(dim, -side, size + 2 * side)
+    elif side > 0:
+        pad = [0, 0, 0, 0]
+        pad[2 * (x.dim() - 1 - dim)] = side
+        pad[2 * (x.dim() - 1 - dim) + 1] = side
+        x = F.pad(x, pad)
+    return x
+
+
+@functools.lru_cache(maxsize=None)
+def _scripted_centre_axis_same():
+    return torch.jit.script(_centre_axis_same)
 
 
 # timm's FX feature extraction (features_only=True, feature_cls="fx") keeps these as leaves: their centring

@@ -33,7 +33,8 @@ from .alignment import align_conv2d_harmonic, is_aligned
 from .reference import autograd_backward, sort_conv2d_reference, sort_conv2d_reference_backward
 
 __all__ = ["DISABLE_ENV", "NO_PADDING", "Backend", "UnsupportedCall", "available_backends", "check_backend_name",
-           "availability_changed", "environment", "fast_disabled", "register_backend", "resolve_backend"]
+           "availability_changed", "environment", "fast_disabled", "register_backend", "registered_backend",
+           "resolve_backend"]
 
 DISABLE_ENV = "TIMM_SORTCONV_DISABLE_FAST"
 NO_PADDING = (0, 0, 0, 0)
@@ -184,6 +185,11 @@ def _harmonic_backward(grad_output, x, weight, geometry, stride, dilation, group
 # fused CPU kernel, where it is built); the other sorting backends do not take them.
 register_backend(Backend("harmonic", _harmonic_forward, _harmonic_backward,
                          lambda x, weight, bias, geometry, *args: is_aligned(geometry), lambda: True))
+
+
+def registered_backend(name: str) -> Backend:
+    """The registered backend ``name`` (``KeyError`` if none)."""
+    return _BACKENDS[name]
 
 
 def available_backends() -> List[str]:

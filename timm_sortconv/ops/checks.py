@@ -184,9 +184,9 @@ def check_input(input: Tensor, weight: Tensor, groups: int) -> None:
     if input.dim() != 3 and input.dim() != 4:
         raise RuntimeError(f"sort_conv2d expects a 3-D (C, H, W) or 4-D (N, C, H, W) input, got a {input.dim()}-D "
                            f"input of shape {list(input.shape)}")
-    # (a traced size is a tensor; the example being traced has pixels and the channels the weight expects, and
-    # the operator checks the channels of every call)
-    tracing = torch.jit.is_tracing()
+    # (a traced size is a tensor, an exported one may be symbolic; the example being traced or exported has pixels
+    # and the channels the weight expects, and the operator checks the channels of every call)
+    tracing = torch.jit.is_tracing() or torch.compiler.is_exporting()
     if not tracing and (input.shape[-1] == 0 or input.shape[-2] == 0):
         raise RuntimeError(_no_pixels(input))
     if not input.is_floating_point() or not weight.is_floating_point():

@@ -65,6 +65,7 @@ tensors, which is how its correctness is tested without a GPU; natively it takes
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import threading
@@ -75,10 +76,10 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from ..alignment import is_aligned
-from ..backends import NO_PADDING, Backend, register_backend
+from ..alignment import align_conv2d_harmonic, is_aligned
+from ..backends import NO_PADDING, Backend, register_backend, registered_backend
 from ..geometry import SortGeometry
-from ..reference import sort_conv2d_reference, sort_conv2d_reference_backward
+from ..reference import autograd_backward, sort_conv2d_reference, sort_conv2d_reference_backward
 from . import config, tuning
 from .source import load_kernels, swap_words
 
@@ -752,9 +753,75 @@ def _available() -> bool:
     return triton is not None and (torch.cuda.is_available() or INTERPRETED)
 
 
+# The aligned variants (sorting="align", "align-channel") on CUDA: no Triton kernel; backend="auto" checks their
+# standard-operator form (the harmonic backend: a depthwise convolution, products, a 1 x 1 convolution, all cuDNN
+# and elementwise kernels) against the reference path on the first call of a configuration and keeps the faster, as
+# it does for the Triton kernels.
+# (The harmonic backend takes padded inputs: these see the call's padded input and no further padding.)
+def _aligned_reference_forward(x, weight, bias, call: _Call):
+    return sort_conv2d_reference(x, weight, bias, call.geometry, call.stride, call.dilation, call.groups)
+
+
+def _aligned_reference_backward(grad_out, x, weight, call: _Call, need_input: bool, need_weight: bool):
+    return autograd_backward(sort_conv2d_reference, grad_out, x, weight, call.geometry, call.stride, call.dilation,
+                             call.groups, need_input, need_weight)
+
+
+def _harmonic_forward(x, weight, bias, call: _Call):
+    return align_conv2d_harmonic(x, weight, bias, call.geometry, call.stride, call.dilation, call.groups)
+
+
+def _harmonic_backward(grad_out, x, weight, call: _Call, need_input: bool, need_weight: bool):
+    return autograd_backward(align_conv2d_harmonic, grad_out, x, weight, call.geometry, call.stride, call.dilation,
+                             call.groups, need_input, need_weight)
+
+
+def _tuned_here(x: torch.Tensor) -> bool:
+    """Whether auto checks and times the aligned variants for ``x``: on CUDA (elsewhere the fused CPU kernel takes
+    them, or the harmonic form runs as it is)."""
+    return x.is_cuda
+
+
+_ALIGNED = {kind: (tuning.Candidate("reference path", reference), tuning.Candidate("harmonic (standard operators)",
+                                                                                    harmonic))
+            for kind, reference, harmonic in (("forward", _aligned_reference_forward, _harmonic_forward),
+                                              ("backward", _aligned_reference_backward, _harmonic_backward))}
+
+
+def tuned_aligned_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], geometry: SortGeometry,
+                          stride: Tuple[int, int], dilation: Tuple[int, int], groups: int,
+                          pad: Tuple[int, int, int, int] = NO_PADDING) -> torch.Tensor:
+    """The harmonic backend as ``backend="auto"`` runs it (``x`` padded already): on CUDA, checked against the reference path and timed
+    against it per configuration (:data:`tuning.TUNER`); elsewhere (no fused kernel took the call) as it is."""
+    call = _Call.of(x, weight, geometry, stride, dilation, groups, pad)
+    reference, harmonic = _ALIGNED["forward"]
+    if not _tuned_here(x):
+        return harmonic.run(x, weight, bias, call)
+    return tuning.TUNER.run(_configuration("forward", call, x, (bias is not None,)),
+                            lambda: _describe("forward", call, x), reference, lambda: [harmonic],
+                            (x, weight, bias, call), x.device)
+
+
+def tuned_aligned_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, geometry: SortGeometry,
+                           stride: Tuple[int, int], dilation: Tuple[int, int], groups: int, need_input: bool,
+                           need_weight: bool, pad: Tuple[int, int, int, int] = NO_PADDING
+                           ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """:func:`tuned_aligned_forward`'s backward."""
+    call = _Call.of(x, weight, geometry, stride, dilation, groups, pad)
+    reference, harmonic = _ALIGNED["backward"]
+    args = (grad_out, x, weight, call, need_input, need_weight)
+    if not _tuned_here(x):
+        return harmonic.run(*args)
+    return tuning.TUNER.run(_configuration("backward", call, x, (need_input, need_weight)),
+                            lambda: _describe("backward", call, x), reference, lambda: [harmonic], args, x.device)
+
+
 
 register_backend(Backend("triton", forward, backward, supports_triton, _available, zero_padding=True,
                          channels_last=True, auto_forward=tuned_forward, auto_backward=tuned_backward))
+# auto's form of the harmonic backend (it keeps its place in the registry, after the fused CPU kernel)
+register_backend(dataclasses.replace(registered_backend("harmonic"), auto_forward=tuned_aligned_forward,
+                                     auto_backward=tuned_aligned_backward))
 # backend="triton-<path>": one path for the call, whatever its shape (benchmarks and the check compare paths).
 for _path in config.PATHS:
     register_backend(Backend(f"triton-{_path}", functools.partial(forward, path=_path),
