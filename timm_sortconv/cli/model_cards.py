@@ -29,7 +29,9 @@ SORTING = {"rs": "ring sorting (each ring's values sorted on their own)",
                  "back in row-major order)",
            "c2": "half-turn orbit sorting (`sorting='c2'`: each ring's values sorted in pairs 180 degrees apart, "
                  "so that a half turn changes nothing and the direction modulo 180 degrees is kept)",
-           "c4": "quarter-turn orbit sorting (`sorting='c4'`: each ring's values sorted in fours 90 degrees apart)"}
+           "c4": "quarter-turn orbit sorting (`sorting='c4'`: each ring's values sorted in fours 90 degrees apart)",
+           "align": "aligned windows in place of sorting (`sorting='align'`: each window's rings turned back, in "
+                    "their Fourier basis, by one orientation per position, their inner order kept)"}
 CITATION = """@article{mo2024sorting,
   title   = {Sorting Convolution Operation for Achieving Rotational Invariance},
   author  = {Mo, Hanlin and Zhao, Guoying},
@@ -64,14 +66,21 @@ EARLY_CANONICAL = ("; only the first two convolutions sort (`sorted_convs=2`), t
                    "parameters), which turns a quarter-turned image into the same image")
 
 
+GUIDED = ("; every window is turned by the orientation of the input blurred by 4 pixels around it instead of by its "
+          "own (`guide_blur=4`: the input's channel mean less its minimum under a Gaussian blur, pooled to each "
+          "layer's map and read as one more channel with a zero weight; no parameters), so that the windows of one "
+          "part of a scene turn alike and keep their relative orientations, which lets it follow parts turned "
+          "independently")
+
+
 def _stem(model: str) -> str:
-    return model.removesuffix("_canon").removesuffix("_early").removesuffix("_blur")
+    return model.removesuffix("_canon").removesuffix("_early").removesuffix("_blur").removesuffix("_guided")
 
 
 def base_model(model: str) -> str:
     """The paper's model name behind one of ours: without the canonical turn, the blur, sorting in the first
-    convolutions only, and orbit sorting."""
-    return _stem(model).replace("_c2_", "_rs_").replace("_c4_", "_rs_")
+    convolutions only, the guide, and orbit sorting or alignment."""
+    return _stem(model).replace("_c2_", "_rs_").replace("_c4_", "_rs_").replace("_align_", "_rs_")
 
 
 def describe(model: str) -> str:
@@ -84,11 +93,12 @@ def describe(model: str) -> str:
                 f"four layers): the paper's baseline, not rotation invariant")
     sampling, sorting = variant, rest[0]
     rings = ", ".join(str(8 * r) for r in range(1, int(k) // 2 + 1))
-    return (f"an SCNN with Sorting Convolution in {'its first two' if early else 'all six'} layers: "
+    what = "aligned convolution" if sorting == "align" else "Sorting Convolution"
+    return (f"an SCNN with {what} in {'its first two' if early else 'all six'} layers: "
             f"{SAMPLING[sampling]}, {SORTING[sorting]}; "
             f"{k}x{k} kernels in the first four layers (rings of {rings} values), 3x3 in the last two"
             + (CANONICAL if canonical else "") + (EARLY_CANONICAL if early else "")
-            + (BLURRED if model.endswith("_blur") else ""))
+            + (BLURRED if model.endswith("_blur") else "") + (GUIDED if model.endswith("_guided") else ""))
 
 
 def angle_table(row, exact: bool = True) -> str:
