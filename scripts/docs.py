@@ -355,6 +355,55 @@ def record_demo(folder: Path, minutes: float, load: str, where: str = "") -> Non
     (DEMO / "demo.json").write_text(json.dumps(meta, indent=1) + "\n")
 
 
+ONNX_ORDER = ("network", "chunked", "layered", "reference", "fused")
+ONNX_NAMES = {"network": "network (default)", "chunked": "chunked", "layered": "layered",
+              "reference": "reference path (TopK)", "fused": "fused node"}
+
+
+def onnx() -> str:
+    """Exported SC models against their twins in onnxruntime (``scripts/bench_onnx.py``): the ratio per
+    decomposition, the default's export figures, and where its time goes."""
+    rows = read_csv(BENCH / "onnx.csv")
+    found = [d for d in ONNX_ORDER if any(r["decomposition"] == d for r in rows)]
+    first = rows[0]
+    lines = [f"`python scripts/bench_onnx.py --decomposition D --batches 1 32 --threads 1` for each decomposition D "
+             f"({first['date'][:10]}, package at {first['commit']}; {first['machine']}; the models and their twins "
+             "taking turns in one process, the least time of a call). SC time / twin time:", "",
+             "| model (input) | batch | threads | " + " | ".join(ONNX_NAMES[d] for d in found) + " |",
+             "|---|---|---|" + "---|" * len(found)]
+    cell = {(r["model"], r["batch"], r["threads"], r["decomposition"]): r for r in rows}
+    keys = list(dict.fromkeys((r["model"], r["input"], r["batch"], r["threads"]) for r in rows))
+    for model, size, batch, threads in keys:
+        ratios = []
+        for d in found:
+            r = cell.get((model, batch, threads, d))
+            ratios.append(f"{r['ratio']}x ({r['sc_ms']} / {r['twin_ms']} ms)" if r else "-")
+        lines.append(f"| `{model}` ({size}) | {batch} | {threads} | " + " | ".join(ratios) + " |")
+    lines += ["", "The default graph (`network`), exported by `timm_sortconv.onnx.export` (the TorchScript-based "
+              "exporter, opset 18):", "",
+              "| model | largest error / largest logit | export s, SC / twin (batch 1) | file MB, SC / twin | "
+              "nodes, SC / twin | nodes per SC layer |", "|---|---|---|---|---|---|"]
+    for model, _, batch, threads in keys:
+        r = cell.get((model, batch, threads, "network"))
+        if r is None or batch != "1":
+            continue
+        lines.append(f"| `{model}` | {r['error']} | {r['sc_export_s']} / {r['twin_export_s']} | {r['sc_mb']} / "
+                     f"{r['twin_mb']} | {r['sc_nodes']} / {r['twin_nodes']} | {r['nodes_per_sc_layer']} |")
+    profile_path = BENCH / "onnx_profile.csv"
+    if profile_path.is_file():
+        profile = read_csv(profile_path)
+        lines += ["", f"Where the default graph's time goes (onnxruntime's profiler, `{profile[0]['command']}`): "
+                  "milliseconds per call by operator type, and its share of the nodes' time:", "",
+                  "| model | batch | " + " | ".join(f"{i}." for i in range(1, 6)) + " |", "|---|---|" + "---|" * 5]
+        for key in dict.fromkeys((p["model"], p["batch"]) for p in profile):
+            ops = [p for p in profile if (p["model"], p["batch"]) == key]
+            total = sum(float(p["ms"]) for p in ops)
+            top = sorted(ops, key=lambda p: -float(p["ms"]))[:5]
+            lines.append(f"| `{key[0]}` | {key[1]} | " + " | ".join(
+                f"{p['op_type']} {float(p['ms']):.1f} ms ({100 * float(p['ms']) / total:.0f}%)" for p in top) + " |")
+    return "\n".join(lines)
+
+
 def decision(table: str) -> Callable[[], str]:
     """The block of ``scripts/research/decision_table.py``'s function ``table`` over its stored results."""
     def block() -> str:
@@ -370,7 +419,7 @@ BLOCKS: Dict[str, Callable[[], str]] = {
     "speed": speed, "speed-brief": speed_brief, "mnist-brief": mnist_brief, "cpu-layers-avx512": cpu_layers("avx512"), "cpu-layers-avx2": cpu_layers("avx2"),
     "cpu-training": cpu_training, "cpu-twins": cpu_twins, "gpu": gpu, "mnist": mnist, "demo": demo,
     "decision": decision("table"), "decision-attempts": decision("attempts_table"),
-    "decision-aligned": decision("aligned_table"),
+    "decision-aligned": decision("aligned_table"), "onnx": onnx,
 }
 
 

@@ -1,17 +1,24 @@
 """A small model containing ``SortConv2d`` survives ``torch.jit.trace``, ``torch.compile`` and ONNX export
 (run by onnxruntime) with the same output as in eager mode. Tracing and compiling record the registered
-operator (``tests/test_operator.py`` checks that its fast kernel runs there); ONNX export writes the
-reference path's standard operators."""
+operator (``tests/test_operator.py`` checks that its fast kernel runs there); ONNX export writes the layer in
+standard operators (``timm_sortconv.ops.portable``), whose decompositions compute the reference path, and an
+exported graph with a dynamic height and width centres its strided layers for the size it is given."""
 import io
 import warnings
+from collections import Counter
 
 import pytest
+import timm
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from timm_sortconv import SortConv2d, sort_conv2d
+from timm_sortconv import onnx as sc_onnx
 from timm_sortconv.canonical import MomentCanonicalize2d
-from timm_sortconv.ops import geometry
+from timm_sortconv.ops import geometry, portable
+from timm_sortconv.ops.geometry import get_geometry
+from timm_sortconv.ops.reference import sort_conv2d_reference
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -130,3 +137,100 @@ def test_onnx_export_of_a_canonicalizing_model_runs_in_onnxruntime():
         for x in (example, other):
             (out,) = session.run(None, {"x": x.numpy()})
             torch.testing.assert_close(torch.from_numpy(out), model(x), atol=1e-4, rtol=1e-4)
+
+
+# The portable graph (timm_sortconv.ops.portable): every decomposition is the reference path's function, in
+# standard operators that both exporters write and onnxruntime runs.
+@pytest.mark.parametrize("name", portable.DECOMPOSITIONS)
+@pytest.mark.parametrize("k", [3, 4, 7])
+@pytest.mark.parametrize("sampling,sorting", [("polar", "ring"), ("square", "ring"), ("polar", "global"),
+                                              ("square", "c4"), ("polar", "c2")])
+def test_every_decomposition_computes_the_reference_path(name, k, sampling, sorting):
+    generator = torch.Generator().manual_seed(k)
+    x = torch.randn(2, 6, 11, 12, generator=generator, dtype=torch.float64)
+    weight = torch.randn(4, 3, k, k, generator=generator, dtype=torch.float64)
+    bias = torch.randn(4, generator=generator, dtype=torch.float64)
+    geometry = get_geometry(k, sampling, sorting)
+    with portable.decomposition(name):
+        out = portable.sort_conv2d_portable(x, weight, bias, geometry, (2, 1), (1, 2, 0, 1), (1, 2), 2)
+    expected = sort_conv2d_reference(F.pad(x, (1, 2, 0, 1)), weight, bias, geometry, (2, 1), (1, 2), 2)
+    torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-10)
+
+
+def test_an_unknown_decomposition_is_refused_with_the_accepted_ones():
+    with pytest.raises(ValueError, match="unknown decomposition='topk'; accepted: 'network', 'chunked'"):
+        with portable.decomposition("topk"):
+            pass
+
+
+def _exported(model, example, dynamo, dynamic_size=False):
+    buffer = io.BytesIO()
+    sc_onnx.export(model, example, buffer, dynamo=dynamo, dynamic_size=dynamic_size)
+    return buffer.getvalue()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+def test_the_exported_layer_is_a_sorting_network_of_standard_operators(dynamo):
+    """One SC layer's graph: a sampling convolution, Min/Max pairs (two per comparator of the geometry's network), no
+    TopK, one convolution for the weights; onnxruntime computes the layer."""
+    onnx = pytest.importorskip("onnx")
+    onnxruntime = pytest.importorskip("onnxruntime")
+    torch.manual_seed(0)
+    layer = SortConv2d(3, 5, 3, padding=1).eval()
+    example = torch.randn(2, 3, 10, 10)
+    data = _exported(layer, example, dynamo)
+    ops = Counter(node.op_type for node in onnx.load_from_string(data).graph.node)
+    comparators = len(get_geometry(3, "polar", "ring").comparators())
+    assert ops["Min"] == ops["Max"] == comparators and ops["Conv"] == 2 and "TopK" not in ops
+    session = onnxruntime.InferenceSession(data, providers=["CPUExecutionProvider"])
+    for x in (example, torch.randn(1, 3, 10, 10)):
+        with torch.no_grad():
+            torch.testing.assert_close(torch.from_numpy(session.run(None, {"x": x.numpy()})[0]), layer(x),
+                                       atol=1e-5, rtol=1e-5)
+
+
+def _turn_error(outputs):
+    upright = torch.from_numpy(outputs[0])
+    return max(float((torch.from_numpy(o) - upright).abs().max() / upright.abs().max()) for o in outputs[1:])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,kwargs,sizes", [
+    ("ri_resnet18", dict(channels=(4, 8, 8, 8), stem_width=4, num_classes=5), (33, 40, 47)),
+    ("scnn_p_rs_7_blur", dict(channels=(4, 4, 6, 6, 8, 8)), (28, 29, 30)),
+    ("scnn_p_align_7_guided", dict(channels=(4, 4, 6, 6, 8, 8)), (28, 30, 33)),
+])
+def test_a_graph_with_dynamic_height_and_width_is_centred_at_every_size(name, kwargs, sizes):
+    """Exported by the TorchScript-based exporter with a dynamic height and width at one size, the graph centres its
+    strided layers (convolutions, pooling, blurred pooling) for the size it is given: exactly invariant to quarter
+    turns in onnxruntime at sizes of both parities, as the model is, and equal to the model there."""
+    onnxruntime = pytest.importorskip("onnxruntime")
+    torch.manual_seed(0)
+    model = timm.create_model(name, **kwargs).eval()
+    channels = model.pretrained_cfg["input_size"][0]
+    data = _exported(model, torch.randn(2, channels, sizes[0], sizes[0]), False, dynamic_size=True)
+    session = onnxruntime.InferenceSession(data, providers=["CPUExecutionProvider"])
+    generator = torch.Generator().manual_seed(1)
+    for size in sizes:
+        x = torch.randn(2, channels, size, size, generator=generator)
+        outputs = [session.run(None, {"x": torch.rot90(x, turn, (2, 3)).contiguous().numpy()})[0] for turn in range(4)]
+        assert _turn_error(outputs) < 1e-5, size
+        with torch.no_grad():
+            torch.testing.assert_close(torch.from_numpy(outputs[0]), model(x), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_the_dynamo_exporter_refuses_a_dynamic_size_it_cannot_centre_and_exports_a_fixed_one():
+    """torch.export follows the centring's branches at a fixed size; for a dynamic height and width it would have to
+    reason about every strided layer's residue, so that is refused with one error saying what to do instead."""
+    onnxruntime = pytest.importorskip("onnxruntime")
+    torch.manual_seed(0)
+    model = timm.create_model("ri_resnet18", channels=(4, 8, 8, 8), stem_width=4, num_classes=5).eval()
+    example = torch.randn(2, 3, 33, 33)
+    with pytest.raises(Exception, match="torch.export cannot follow for a dynamic height or width.*dynamo=False"):
+        _exported(model, example, True, dynamic_size=True)
+    session = onnxruntime.InferenceSession(_exported(model, example, True), providers=["CPUExecutionProvider"])
+    with torch.no_grad():
+        torch.testing.assert_close(torch.from_numpy(session.run(None, {"x": example.numpy()})[0]), model(example),
+                                   atol=1e-4, rtol=1e-4)

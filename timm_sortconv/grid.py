@@ -115,18 +115,10 @@ def centre_grid(x: torch.Tensor, kernel_size: List[int], stride: List[int], padd
     return x
 
 
-def _centre_axis(x: torch.Tensor, dim: int, kernel_size: int, stride: int, padding: int, dilation: int,
-                 min_size: int) -> torch.Tensor:
-    """One axis of :func:`centre_grid`, compiled by TorchScript (:func:`_scripted_centre_axis`), so that a trace records
-    its branches on the size, which an ONNX graph keeps as ``If`` nodes: a graph with a dynamic height and width
-    centres at every size and computes only the branch a size takes."""
+def _centre_axis(x: torch.Tensor, dim: int, excess: int) -> torch.Tensor:
+    """One axis of :func:`centre_grid` with its residue ``excess``: read half a pixel on where it is odd, then
+    cropped by half of it on each side."""
     size = x.size(dim)
-    span = size + 2 * padding - dilation * (kernel_size - 1) - 1
-    if span < 0:
-        return x
-    excess = span % stride
-    if size - excess < min_size:
-        return x
     if excess % 2 == 1:
         size = size - 1
         x = (x.narrow(dim, 0, size) + x.narrow(dim, 1, size)) * 0.5
@@ -136,20 +128,37 @@ def _centre_axis(x: torch.Tensor, dim: int, kernel_size: int, stride: int, paddi
     return x
 
 
+def _residue(size: int, kernel_size: int, stride: int, padding: int, dilation: int, min_size: int) -> int:
+    """The residue of :func:`centre_grid` for one axis, 0 where nothing is to be done."""
+    span = size + 2 * padding - dilation * (kernel_size - 1) - 1
+    if stride == 1 or span < 0:
+        return 0
+    excess = span % stride
+    return 0 if size - excess < min_size else excess
+
+
+def _centre_both(x: torch.Tensor, kernel_size: List[int], stride: List[int], padding: List[int],
+                 dilation: List[int], min_size: int) -> torch.Tensor:
+    """:func:`centre_grid` compiled by TorchScript (:func:`_scripted_centre_both`), so that a trace records its
+    branches on the size, which an ONNX graph keeps as ``If`` nodes: a graph with a dynamic height and width centres at
+    every size. One branch first for the whole layer, so that a size with nothing to do costs one ``If`` (which
+    onnxruntime answers with a copy of the input), not one per step."""
+    rows = _residue(x.size(-2), kernel_size[0], stride[0], padding[0], dilation[0], min_size)
+    columns = _residue(x.size(-1), kernel_size[1], stride[1], padding[1], dilation[1], min_size)
+    if rows == 0 and columns == 0:
+        return x
+    return _centre_axis(_centre_axis(x, x.dim() - 2, rows), x.dim() - 1, columns)
+
+
 @functools.lru_cache(maxsize=None)
-def _scripted_centre_axis():
-    return torch.jit.script(_centre_axis)
+def _scripted_centre_both():
+    return torch.jit.script(_centre_both)
 
 
 def _centre_grid_traced(x: torch.Tensor, kernel_size: List[int], stride: List[int], padding: List[int],
                         dilation: List[int], min_size: int) -> torch.Tensor:
-    """:func:`centre_grid` as a trace records it: each strided axis by :func:`_centre_axis`, compiled."""
-    centre_axis = _scripted_centre_axis()
-    for axis in range(2):
-        if stride[axis] != 1:
-            x = centre_axis(x, x.dim() - 2 + axis, kernel_size[axis], stride[axis], padding[axis], dilation[axis],
-                            min_size)
-    return x
+    """:func:`centre_grid` as a trace records it (:func:`_centre_both`, compiled)."""
+    return _scripted_centre_both()(x, kernel_size, stride, padding, dilation, min_size)
 
 
 def _refuse_symbolic_sizes(x: torch.Tensor, stride: List[int]) -> None:

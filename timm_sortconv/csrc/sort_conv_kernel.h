@@ -43,14 +43,22 @@
 // (bf16_gemm.h) where the CPU has AVX-512 BF16: the sorted panel, the weights and the output
 // gradient are packed into bfloat16 pairs just before each product; sampling, sorting, unsorting and
 // the scatter stay in float32.
+//
+// Inside, the kernel reads and writes raw memory; the checks, the threads and the parallel loop come from
+// kernel_support.h. ATen appears only at the edges (make_plan's tensor overload, the weight packing's tensor
+// overload, forward_impl, backward_impl and timm_sortconv_cpu::forward / backward), which are left out of a
+// build without libtorch (TIMM_SORTCONV_STANDALONE: the onnxruntime operator, onnxruntime/sort_conv_op.cpp,
+// which calls make_plan's plain overload and run_forward).
 #pragma once
 
-#include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
+#include "kernel_support.h"
+
+#if !defined(TIMM_SORTCONV_STANDALONE)
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros_like.h>
+#endif
 #if defined(__SSE2__)
 #include <immintrin.h>
 #endif
@@ -64,7 +72,9 @@
 #include <vector>
 
 #include "polar_taps.h"
+#if !defined(TIMM_SORTCONV_STANDALONE)
 #include "sort_conv_cpu.h"
+#endif
 
 // Taps per polar sample: bilinear interpolation reads at most 4 window values (PolarTaps' second extent).
 constexpr int kPolarTaps = 4;
@@ -293,28 +303,36 @@ bool same_polar_taps(const std::vector<std::vector<std::pair<int64_t, double>>>&
 template <typename scalar_t>
 constexpr bool kUnrolledNetworks = std::is_same<scalar_t, float>::value;
 
+// The geometry tables of one variant as make_plan reads them (cpu_backend._Tables; the onnxruntime operator's
+// attributes): per sample (slot order) `taps` taps, each a window offset (dy, dx) from pixel k / 2 and a weight (0:
+// unused); the segments as [start, end) slot ranges; the comparators as (lo, hi) slot pairs, segment by segment.
+struct PlanTables {
+  const int64_t* tap_offsets = nullptr;  // (k*k, taps, 2)
+  const double* tap_weights = nullptr;   // (k*k, taps)
+  int64_t taps = 0;
+  const int64_t* segments = nullptr;  // (segment_count, 2)
+  int64_t segment_count = 0;
+  const int32_t* comparators = nullptr;  // (comparator_count, 2)
+  int64_t comparator_count = 0;
+};
+
+// The plan of a call on an input of src_h x src_w with these tables and settings.
 template <typename scalar_t>
-Plan<scalar_t> make_plan(const at::Tensor& input, const at::Tensor& tap_offsets, const at::Tensor& tap_weights,
-                         const at::Tensor& segments, const at::Tensor& comparators, int64_t kernel_size,
+Plan<scalar_t> make_plan(const PlanTables& tables, int64_t src_h, int64_t src_w, int64_t kernel_size,
                          int64_t stride_h, int64_t stride_w, int64_t dilation_h, int64_t dilation_w,
                          const std::array<int64_t, 4>& pad) {
   Plan<scalar_t> plan;
   const int64_t slots = kernel_size * kernel_size;
-  TORCH_CHECK(kernel_size >= 1, "sort_conv_cpu: kernel_size must be >= 1, got ", kernel_size);
-  TORCH_CHECK(stride_h >= 1 && stride_w >= 1 && dilation_h >= 1 && dilation_w >= 1,
-              "sort_conv_cpu: stride and dilation must be >= 1");
-  TORCH_CHECK(tap_offsets.dim() == 3 && tap_offsets.size(0) == slots && tap_offsets.size(2) == 2,
-              "sort_conv_cpu: tap_offsets must be (k*k, T, 2)");
-  TORCH_CHECK(tap_weights.dim() == 2 && tap_weights.size(0) == slots && tap_weights.size(1) == tap_offsets.size(1),
-              "sort_conv_cpu: tap_weights must be (k*k, T)");
-  TORCH_CHECK(comparators.dim() == 2 && comparators.size(1) == 2, "sort_conv_cpu: comparators must be (n, 2)");
+  TIMM_SORTCONV_CHECK(kernel_size >= 1, "sort_conv_cpu: kernel_size must be >= 1, got ", kernel_size);
+  TIMM_SORTCONV_CHECK(stride_h >= 1 && stride_w >= 1 && dilation_h >= 1 && dilation_w >= 1,
+                      "sort_conv_cpu: stride and dilation must be >= 1");
   plan.kernel_size = kernel_size;
   plan.slots = slots;
   // pad: (left, right, top, bottom) zeros around the input, as F.pad takes them.
-  TORCH_CHECK(std::all_of(pad.begin(), pad.end(), [](int64_t p) { return p >= 0; }),
-              "sort_conv_cpu: padding must be >= 0");
-  plan.src_h = input.size(2);
-  plan.src_w = input.size(3);
+  TIMM_SORTCONV_CHECK(std::all_of(pad.begin(), pad.end(), [](int64_t p) { return p >= 0; }),
+                      "sort_conv_cpu: padding must be >= 0");
+  plan.src_h = src_h;
+  plan.src_w = src_w;
   plan.pad_left = pad[0];
   plan.pad_top = pad[2];
   plan.in_h = plan.src_h + pad[2] + pad[3];
@@ -323,15 +341,14 @@ Plan<scalar_t> make_plan(const at::Tensor& input, const at::Tensor& tap_offsets,
   plan.stride_w = stride_w;
   plan.out_h = (plan.in_h - dilation_h * (kernel_size - 1) - 1) / stride_h + 1;
   plan.out_w = (plan.in_w - dilation_w * (kernel_size - 1) - 1) / stride_w + 1;
-  TORCH_CHECK(plan.in_h >= dilation_h * (kernel_size - 1) + 1 && plan.in_w >= dilation_w * (kernel_size - 1) + 1,
-              "sort_conv_cpu: padded input (", plan.in_h, ", ", plan.in_w, ") is smaller than the dilated kernel");
+  TIMM_SORTCONV_CHECK(
+      plan.in_h >= dilation_h * (kernel_size - 1) + 1 && plan.in_w >= dilation_w * (kernel_size - 1) + 1,
+      "sort_conv_cpu: padded input (", plan.in_h, ", ", plan.in_w, ") is smaller than the dilated kernel");
 
-  const auto offsets = tap_offsets.to(at::kLong).contiguous();
-  const auto weights = tap_weights.to(at::kDouble).contiguous();
-  const int64_t* off = offsets.data_ptr<int64_t>();
-  const double* wgt = weights.data_ptr<double>();
+  const int64_t* off = tables.tap_offsets;
+  const double* wgt = tables.tap_weights;
   // Offsets count from the window's pixel k / 2 (its centre for odd k, the pixel below and right of it for even k).
-  const int64_t half = kernel_size / 2, last = kernel_size - 1 - half, max_taps = tap_offsets.size(1);
+  const int64_t half = kernel_size / 2, last = kernel_size - 1 - half, max_taps = tables.taps;
   plan.grid_offset.resize(slots);
   for (int64_t q = 0; q < slots; ++q) {
     plan.grid_offset[q] = (q / kernel_size) * dilation_h * plan.in_w + (q % kernel_size) * dilation_w;
@@ -349,7 +366,8 @@ Plan<scalar_t> make_plan(const at::Tensor& input, const at::Tensor& tap_offsets,
         continue;
       }
       const int64_t dy = off[(s * max_taps + t) * 2], dx = off[(s * max_taps + t) * 2 + 1];
-      TORCH_CHECK(dy >= -half && dy <= last && dx >= -half && dx <= last, "sort_conv_cpu: a tap leaves the window");
+      TIMM_SORTCONV_CHECK(dy >= -half && dy <= last && dx >= -half && dx <= last,
+                          "sort_conv_cpu: a tap leaves the window");
       const int64_t q = (dy + half) * kernel_size + (dx + half);
       sample_position.push_back({s, q});
       position_sample.push_back({q, s});
@@ -364,37 +382,38 @@ Plan<scalar_t> make_plan(const at::Tensor& input, const at::Tensor& tap_offsets,
       }
       ++used;
     }
-    TORCH_CHECK(used >= 1, "sort_conv_cpu: sample ", s, " has no tap");
+    TIMM_SORTCONV_CHECK(used >= 1, "sort_conv_cpu: sample ", s, " has no tap");
   }
   plan.sampling = make_tap_table(slots, sample_position, tap_weight);
   plan.spreading = make_tap_table(slots, position_sample, tap_weight);
 
-  const auto pairs = comparators.to(at::kInt).contiguous();
-  const int32_t* pair = pairs.data_ptr<int32_t>();
-  plan.comparators.assign(pair, pair + pairs.numel());
-  const auto bounds = segments.to(at::kLong).contiguous();
-  TORCH_CHECK(bounds.dim() == 2 && bounds.size(1) == 2, "sort_conv_cpu: segments must be (n, 2)");
-  const int64_t* bound = bounds.data_ptr<int64_t>();
+  const int32_t* pair = tables.comparators;
+  const int64_t comparator_count = tables.comparator_count;
+  plan.comparators.assign(pair, pair + 2 * comparator_count);
+  const int64_t* bound = tables.segments;
   int64_t next_pair = 0, next_slot = 0;
-  for (int64_t i = 0; i < bounds.size(0); ++i) {
+  for (int64_t i = 0; i < tables.segment_count; ++i) {
     Segment segment;
     segment.start = bound[2 * i];
     segment.size = bound[2 * i + 1] - segment.start;
-    TORCH_CHECK(segment.start == next_slot && segment.size >= 1,
-                "sort_conv_cpu: segments must tile the slots in order");
+    TIMM_SORTCONV_CHECK(segment.start == next_slot && segment.size >= 1,
+                        "sort_conv_cpu: segments must tile the slots in order");
     next_slot += segment.size;
     segment.first_pair = next_pair;
-    while (next_pair < comparators.size(0) && pair[2 * next_pair] >= segment.start
+    while (next_pair < comparator_count && pair[2 * next_pair] >= segment.start
            && pair[2 * next_pair + 1] < segment.start + segment.size) {
-      TORCH_CHECK(pair[2 * next_pair] < pair[2 * next_pair + 1], "sort_conv_cpu: a comparator is not (lo, hi)");
+      TIMM_SORTCONV_CHECK(pair[2 * next_pair] < pair[2 * next_pair + 1],
+                          "sort_conv_cpu: a comparator is not (lo, hi)");
       ++next_pair;
     }
     segment.pairs = next_pair - segment.first_pair;
     segment.fixed = matches_fixed_network(segment.size, pair + 2 * segment.first_pair, segment.pairs, segment.start);
     plan.segments.push_back(segment);
   }
-  TORCH_CHECK(bounds.size(0) == 0 || next_slot == slots, "sort_conv_cpu: segments must cover all k*k slots");
-  TORCH_CHECK(next_pair == comparators.size(0), "sort_conv_cpu: comparator ", next_pair, " lies outside its segment");
+  TIMM_SORTCONV_CHECK(tables.segment_count == 0 || next_slot == slots,
+                      "sort_conv_cpu: segments must cover all k*k slots");
+  TIMM_SORTCONV_CHECK(next_pair == comparator_count, "sort_conv_cpu: comparator ", next_pair,
+                      " lies outside its segment");
   // Not for k = 3: there the staged taps measured as fast (A/B, 64x64 maps) and the fused ones up to 10% slower.
   if (!plan.single_tap && (same_polar_taps<5>(taps_of) || same_polar_taps<7>(taps_of))) {
     plan.polar_k = static_cast<int>(kernel_size);
@@ -410,6 +429,37 @@ Plan<scalar_t> make_plan(const at::Tensor& input, const at::Tensor& tap_offsets,
                                [](const Segment& segment) { return segment.fixed || segment.size == 1; });
   return plan;
 }
+
+#if !defined(TIMM_SORTCONV_STANDALONE)
+// make_plan from the tables as tensors (the PyTorch extension's arguments) and the input.
+template <typename scalar_t>
+Plan<scalar_t> make_plan(const at::Tensor& input, const at::Tensor& tap_offsets, const at::Tensor& tap_weights,
+                         const at::Tensor& segments, const at::Tensor& comparators, int64_t kernel_size,
+                         int64_t stride_h, int64_t stride_w, int64_t dilation_h, int64_t dilation_w,
+                         const std::array<int64_t, 4>& pad) {
+  const int64_t slots = kernel_size * kernel_size;
+  TORCH_CHECK(tap_offsets.dim() == 3 && tap_offsets.size(0) == slots && tap_offsets.size(2) == 2,
+              "sort_conv_cpu: tap_offsets must be (k*k, T, 2)");
+  TORCH_CHECK(tap_weights.dim() == 2 && tap_weights.size(0) == slots && tap_weights.size(1) == tap_offsets.size(1),
+              "sort_conv_cpu: tap_weights must be (k*k, T)");
+  TORCH_CHECK(comparators.dim() == 2 && comparators.size(1) == 2, "sort_conv_cpu: comparators must be (n, 2)");
+  TORCH_CHECK(segments.dim() == 2 && segments.size(1) == 2, "sort_conv_cpu: segments must be (n, 2)");
+  const auto offsets = tap_offsets.to(at::kLong).contiguous();
+  const auto weights = tap_weights.to(at::kDouble).contiguous();
+  const auto pairs = comparators.to(at::kInt).contiguous();
+  const auto bounds = segments.to(at::kLong).contiguous();
+  PlanTables tables;
+  tables.tap_offsets = offsets.data_ptr<int64_t>();
+  tables.tap_weights = weights.data_ptr<double>();
+  tables.taps = tap_offsets.size(1);
+  tables.segments = bounds.data_ptr<int64_t>();
+  tables.segment_count = bounds.size(0);
+  tables.comparators = pairs.data_ptr<int32_t>();
+  tables.comparator_count = pairs.size(0);
+  return make_plan<scalar_t>(tables, input.size(2), input.size(3), kernel_size, stride_h, stride_w, dilation_h,
+                             dilation_w, pad);
+}
+#endif
 
 // Copies the window values at `offsets[e]` (flat, from a window's top-left corner) of every lane of
 // the block into dest[e][lanes]; `channel_input` is one channel's plane of image 0. Runs are copied
@@ -1016,8 +1066,8 @@ void sort_polar_segment(const Plan<float>& plan, const Segment& segment, const f
     TIMM_SORTCONV_CASE(7, 25, 24)
     TIMM_SORTCONV_CASE(7, 0, 49)
     default:
-      TORCH_CHECK(false, "sort_conv_cpu: no polar segment [", segment.start, ", ", segment.start + segment.size,
-                  ") for k = ", plan.polar_k);
+      TIMM_SORTCONV_CHECK(false, "sort_conv_cpu: no polar segment [", segment.start, ", ",
+                          segment.start + segment.size, ") for k = ", plan.polar_k);
   }
 #undef TIMM_SORTCONV_CASE
 }
@@ -1051,7 +1101,7 @@ bool sort_direct(const Plan<float>& plan, const float* channel_input, const Bloc
         TIMM_SORTCONV_CASE(1)
         TIMM_SORTCONV_FIXED_SIZES(TIMM_SORTCONV_CASE)
         default:
-          TORCH_CHECK(false, "sort_conv_cpu: no unrolled network for ", segment.size, " slots");
+          TIMM_SORTCONV_CHECK(false, "sort_conv_cpu: no unrolled network for ", segment.size, " slots");
       }
 #undef TIMM_SORTCONV_CASE
     }
@@ -1111,6 +1161,35 @@ void gemm_rows(const scalar_t* panel, int64_t depth, const scalar_t* w, int64_t 
   for (int64_t i = 0, m0 = 0; i < tiles; ++i) {
     const int64_t m = (rows - m0) / (tiles - i);
     table[m - 1](panel, depth, w + m0, ldw, tile + m0 * lanes, accumulate);
+    m0 += m;
+  }
+}
+
+// gemm_rows with w in the layout of tile_weights: each register tile's depth x m weights contiguous, tile after
+// tile. The same products in the same order (the same result to the last bit); the weights of a tile are one
+// sequential stream instead of depth rows `ldw` apart, which the hardware prefetches where they come from memory.
+template <typename scalar_t>
+void gemm_tiles(const scalar_t* panel, int64_t depth, const scalar_t* w, int64_t rows, scalar_t* tile,
+                bool accumulate) {
+  static constexpr auto table = micro_gemm_table<scalar_t>(std::make_integer_sequence<int, kTileRows>{});
+  constexpr int64_t lanes = kLanes<scalar_t>;
+  const int64_t tiles = (rows + kTileRows - 1) / kTileRows;
+  for (int64_t i = 0, m0 = 0; i < tiles; ++i) {
+    const int64_t m = (rows - m0) / (tiles - i);
+    table[m - 1](panel, depth, w + m0 * depth, m, tile + m0 * lanes, accumulate);
+    m0 += m;
+  }
+}
+
+// A depth x rows matrix w (rows `ldw` apart) in gemm_tiles' layout, written to `tiled` (depth * rows values).
+template <typename scalar_t>
+void tile_weights(const scalar_t* w, int64_t depth, int64_t ldw, int64_t rows, scalar_t* tiled) {
+  const int64_t tiles = (rows + kTileRows - 1) / kTileRows;
+  for (int64_t i = 0, m0 = 0; i < tiles; ++i) {
+    const int64_t m = (rows - m0) / (tiles - i);
+    for (int64_t k = 0; k < depth; ++k) {
+      for (int64_t j = 0; j < m; ++j) tiled[m0 * depth + k * m + j] = w[k * ldw + m0 + j];
+    }
     m0 += m;
   }
 }
@@ -1326,7 +1405,7 @@ struct Shape {
 constexpr int64_t kMinWorkPerThread = int64_t(1) << 20;
 
 int64_t thread_count(int64_t items, int64_t multiply_adds) {
-  return std::max<int64_t>(1, std::min<int64_t>({static_cast<int64_t>(at::get_num_threads()), items,
+  return std::max<int64_t>(1, std::min<int64_t>({timm_sortconv_host::num_threads(), items,
                                                   multiply_adds / kMinWorkPerThread}));
 }
 
@@ -1338,7 +1417,7 @@ void for_each_thread(int64_t items, int64_t threads, const F& fn) {
     fn(0, 0, items);
     return;
   }
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+  timm_sortconv_host::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       fn(t, items * t / threads, items * (t + 1) / threads);
     }
@@ -1527,11 +1606,11 @@ int64_t blocks_per_pass(const Shape& shape, int64_t slots) {
 }
 
 // weight_pairs: the forward's weights as bfloat16 pair rows (pack_forward_weights), or nullptr to
-// multiply in float32.
+// multiply in float32; tiled: weight_packed is in the layout of tile_forward_weights.
 template <typename scalar_t, bool kUnitStride>
 void forward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scalar_t* input,
                     const scalar_t* weight_packed, const uint32_t* weight_pairs, const scalar_t* bias,
-                    scalar_t* output) {
+                    scalar_t* output, bool tiled) {
   using vec = typename Simd<scalar_t>::vec;
   constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
   const int64_t slots = plan.slots, positions = plan.out_h * plan.out_w, plane = plan.in_h * plan.in_w;
@@ -1586,7 +1665,12 @@ void forward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scalar
             }
 #endif
             // weight_packed is (groups, C/g, k*k, O/g): the rows of these channels' slots.
-            gemm_rows(panel.data(), channels * slots, weight_packed + (g * cg + c0) * slots * og, og, og, tile, true);
+            const scalar_t* chunk = weight_packed + (g * cg + c0) * slots * og;
+            if (tiled) {
+              gemm_tiles(panel.data(), channels * slots, chunk, og, tile, true);
+            } else {
+              gemm_rows(panel.data(), channels * slots, chunk, og, og, tile, true);
+            }
           }
         }
       }
@@ -1628,13 +1712,10 @@ std::vector<uint32_t> pack_forward_weights(const scalar_t* weight_packed, const 
 // as (groups, C/g * k*k, O/g) in slot order (slot s of channel c at row c * k*k + s): the output channels of
 // one slot side by side. One pass does the slot permutation and the transposition.
 template <typename scalar_t>
-at::Tensor pack_by_slot(const at::Tensor& weight, const Shape& shape, const std::vector<int64_t>& slot_to_grid) {
+void pack_by_slot(const scalar_t* src, scalar_t* dst, const Shape& shape, const std::vector<int64_t>& slot_to_grid) {
   const int64_t slots = static_cast<int64_t>(slot_to_grid.size()), cg = shape.in_per_group(),
                 og = shape.out_per_group(), row = cg * slots;
-  at::Tensor packed = at::empty({shape.groups, row, og}, weight.options());
-  const scalar_t* src = weight.data_ptr<scalar_t>();
-  scalar_t* dst = packed.data_ptr<scalar_t>();
-  at::parallel_for(0, shape.groups * cg, 16, [&](int64_t begin, int64_t end) {
+  timm_sortconv_host::parallel_for(0, shape.groups * cg, 16, [&](int64_t begin, int64_t end) {
     for (int64_t gc = begin; gc < end; ++gc) {
       // This channel's k*k columns of the group's O/g rows: a few cache lines per row, read once per slot.
       const scalar_t* channel = src + (gc / cg) * og * row + (gc % cg) * slots;
@@ -1645,6 +1726,39 @@ at::Tensor pack_by_slot(const at::Tensor& weight, const Shape& shape, const std:
       }
     }
   });
+}
+
+// pack_by_slot's weights with each panel chunk's rows (forward_kernel's products) in gemm_tiles' layout.
+template <typename scalar_t>
+void tile_forward_weights(const scalar_t* weight_packed, scalar_t* tiled, const Shape& shape, int64_t slots) {
+  const int64_t cg = shape.in_per_group(), og = shape.out_per_group(), panel_channels = panel_channels_of(cg, slots);
+  for (int64_t g = 0; g < shape.groups; ++g) {
+    for (int64_t c0 = 0; c0 < cg; c0 += panel_channels) {
+      const int64_t offset = (g * cg + c0) * slots * og;
+      tile_weights(weight_packed + offset, std::min(panel_channels, cg - c0) * slots, og, og, tiled + offset);
+    }
+  }
+}
+
+// The forward of a planned call on raw memory: input (B, C, src_h, src_w), weight_packed as pack_by_slot writes it
+// (tiled: as tile_forward_weights writes it), weight_pairs (pack_forward_weights) or nullptr, bias (O) or nullptr,
+// output (B, O, out_h, out_w).
+template <typename scalar_t>
+void run_forward(const Plan<scalar_t>& plan, const Shape& shape, const scalar_t* input, const scalar_t* weight_packed,
+                 const uint32_t* weight_pairs, const scalar_t* bias, scalar_t* output, bool tiled = false) {
+  if (plan.stride_w == 1) {
+    forward_kernel<scalar_t, true>(plan, shape, input, weight_packed, weight_pairs, bias, output, tiled);
+  } else {
+    forward_kernel<scalar_t, false>(plan, shape, input, weight_packed, weight_pairs, bias, output, tiled);
+  }
+}
+
+#if !defined(TIMM_SORTCONV_STANDALONE)
+template <typename scalar_t>
+at::Tensor pack_by_slot(const at::Tensor& weight, const Shape& shape, const std::vector<int64_t>& slot_to_grid) {
+  at::Tensor packed = at::empty({shape.groups, shape.in_per_group() * static_cast<int64_t>(slot_to_grid.size()),
+                                 shape.out_per_group()}, weight.options());
+  pack_by_slot(weight.data_ptr<scalar_t>(), packed.data_ptr<scalar_t>(), shape, slot_to_grid);
   return packed;
 }
 
@@ -1683,14 +1797,10 @@ at::Tensor forward_impl(const at::Tensor& input, const at::Tensor& weight_slots,
   const scalar_t* in = input.data_ptr<scalar_t>();
   const scalar_t* w = weight_packed.data_ptr<scalar_t>();
   const scalar_t* b = has_bias ? bias_values.data_ptr<scalar_t>() : nullptr;
-  scalar_t* out = output.data_ptr<scalar_t>();
-  if (plan.stride_w == 1) {
-    forward_kernel<scalar_t, true>(plan, shape, in, w, wp, b, out);
-  } else {
-    forward_kernel<scalar_t, false>(plan, shape, in, w, wp, b, out);
-  }
+  run_forward(plan, shape, in, w, wp, b, output.data_ptr<scalar_t>());
   return output;
 }
+#endif
 
 template <typename scalar_t, bool kUnitStride>
 void backward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scalar_t* input,
@@ -1823,6 +1933,7 @@ void backward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scala
   });
 }
 
+#if !defined(TIMM_SORTCONV_STANDALONE)
 // Adds the threads' private input gradients (with fewer images than threads) into grad_input.
 template <typename scalar_t>
 void sum_input_parts(const std::vector<std::vector<scalar_t>>& parts, at::Tensor& grad_input) {
@@ -1936,6 +2047,8 @@ Shape check_tensors(const at::Tensor& input, const at::Tensor& weight_slots, int
   return {input.size(0), input.size(1), weight_slots.size(0), groups};
 }
 
+#endif
+
 // Whether this build on this CPU multiplies in bfloat16 (timm_sortconv_cpu::bf16_products).
 inline bool bf16_build_and_hardware() {
 #if defined(TIMM_SORTCONV_BF16)
@@ -1944,6 +2057,8 @@ inline bool bf16_build_and_hardware() {
   return false;
 #endif
 }
+
+#if !defined(TIMM_SORTCONV_STANDALONE)
 
 // The grid position that each slot's weight comes from: `slot_to_grid` checked to be a permutation of the
 // k*k positions, or the identity where the weight is already in slot order (undefined tensor).
@@ -1974,9 +2089,11 @@ template <typename scalar_t>
 bool use_bf16_products(const timm_sortconv_cpu::Call& call) {
   return call.bf16_products && std::is_same<scalar_t, float>::value && bf16_build_and_hardware();
 }
+#endif
 
 }  // namespace
 
+#if !defined(TIMM_SORTCONV_STANDALONE)
 namespace timm_sortconv_cpu {
 
 template <typename scalar_t>
@@ -2011,3 +2128,4 @@ std::vector<at::Tensor> backward(const Call& call) {
 }
 
 }  // namespace timm_sortconv_cpu
+#endif

@@ -186,7 +186,9 @@ def check_input(input: Tensor, weight: Tensor, groups: int) -> None:
                            f"input of shape {list(input.shape)}")
     # (a traced size is a tensor, an exported one may be symbolic; the example being traced or exported has pixels
     # and the channels the weight expects, and the operator checks the channels of every call)
-    tracing = torch.jit.is_tracing() or torch.compiler.is_exporting()
+    tracing = torch.jit.is_tracing()
+    if not torch.jit.is_scripting():  # (TorchScript compiles no torch.compiler)
+        tracing = tracing or torch.compiler.is_exporting()
     if not tracing and (input.shape[-1] == 0 or input.shape[-2] == 0):
         raise RuntimeError(_no_pixels(input))
     if not input.is_floating_point() or not weight.is_floating_point():

@@ -4,8 +4,8 @@ modes.
 :func:`sort_conv2d` checks its arguments (:mod:`.checks`) and calls :func:`sort_conv2d_padded`, the forward
 that the layers call too: unbatched inputs, non-zero padding modes through ``F.pad``, then
 :func:`sort_conv2d_zero_padded`: the registered operator ``torch.ops.timm_sortconv.sort_conv2d``
-(:mod:`.operator`, which checks the tensors), or, while exporting to ONNX, the reference path written in
-standard operators, so that the ONNX graph needs no custom operator.
+(:mod:`.operator`, which checks the tensors), or, while exporting to ONNX, the same function written in standard
+operators (:mod:`.portable`), so that the ONNX graph needs no custom operator.
 """
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from .backends import check_backend_name
 from .checks import IntPair, check_input, functional_arguments, int_pair
 from .geometry import check_kernel_size, get_geometry
 from .alignment import align_conv2d_harmonic, is_aligned
-from .reference import sort_conv2d_reference
+from .portable import sort_conv2d_portable
+from .fused_export import fused_export_enabled, sort_conv2d_fused
 
 __all__ = ["sort_conv2d", "sort_conv2d_padded", "sort_conv2d_zero_padded", "resolve_padding"]
 
@@ -124,8 +125,8 @@ def sort_conv2d_zero_padded(input: torch.Tensor, weight: torch.Tensor, bias: Opt
     """SC with ``padding = [left, right, top, bottom]`` zeros, arguments other than the tensors already
     checked (TorchScript-able).
 
-    This is the registered operator, except during ONNX export, where the reference path's standard
-    operators are exported instead (ONNX runtimes know no ``timm_sortconv`` operator), and for plain eager
+    This is the registered operator, except during ONNX export, where the layer is written in standard operators
+    instead (:mod:`.portable`: ONNX runtimes know no ``timm_sortconv`` operator), and for plain eager
     calls (:func:`.operator.plain_eager`), which run the operator's own kernels and autograd formula without the
     dispatcher (:func:`.operator.sort_conv2d_eager`).
     """
@@ -135,10 +136,14 @@ def sort_conv2d_zero_padded(input: torch.Tensor, weight: torch.Tensor, bias: Opt
                                      backend)
         if torch.onnx.is_in_onnx_export():
             geometry = get_geometry(int(weight.shape[-1]), sampling, sorting)  # a traced size is a tensor
-            padded = F.pad(input, padding) if any(padding) else input
-            # the aligned variants in convolutions and products (the reference path's FFT has no ONNX form)
-            forward = align_conv2d_harmonic if is_aligned(geometry) else sort_conv2d_reference
-            return forward(padded, weight, bias, geometry, (stride[0], stride[1]),
-                                         (dilation[0], dilation[1]), groups)
+            if is_aligned(geometry):  # in convolutions and products (the reference path's FFT has no ONNX form)
+                padded = F.pad(input, padding) if any(padding) else input
+                return align_conv2d_harmonic(padded, weight, bias, geometry, (stride[0], stride[1]),
+                                             (dilation[0], dilation[1]), groups)
+            if fused_export_enabled():  # one timm_sortconv::SortConv2d node (.fused_export)
+                return sort_conv2d_fused(input, weight, bias, stride, padding, dilation, groups, sampling, sorting)
+            return sort_conv2d_portable(input, weight, bias, geometry, (stride[0], stride[1]),
+                                        (padding[0], padding[1], padding[2], padding[3]),
+                                        (dilation[0], dilation[1]), groups)
     return torch.ops.timm_sortconv.sort_conv2d(input, weight, bias, stride, padding, dilation, groups, sampling,
                                                sorting, backend)

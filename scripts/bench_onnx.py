@@ -1,0 +1,268 @@
+#!/usr/bin/env python3
+"""What an exported SC model costs where it is deployed: each model and its plain twin exported to ONNX and run by
+onnxruntime, in one process, taking turns.
+
+For every model (``--models``; ``sortify:NAME@SIZE`` is a timm model converted by ``sortify``, its twin the original)
+both networks are built with random weights in evaluation mode, exported by ``torch.onnx.export`` (``--exporter``:
+the TorchScript-based one, ``dynamo=False``, or ``dynamo``) at each batch size, and run by a stock onnxruntime
+``InferenceSession`` (CPUExecutionProvider, default graph optimisations) with each ``--threads`` setting (0: all
+cores, onnxruntime's default). After a warm-up call each, the two sessions take turns for ``--rounds`` rounds of
+``--repeats`` calls, and the least time of a call is kept. Printed per row: the milliseconds of SC and twin and their
+ratio, the agreement with PyTorch (the largest difference of an output over the largest output), the export's
+seconds, the file's megabytes and nodes, and the nodes per SC layer (the graph's nodes beyond the twin's, per SC
+layer, plus the one convolution it replaces).
+
+SC layers export in standard operators (``timm_sortconv.ops.portable``), as ``--decomposition`` writes them
+(``network``, the default, ``chunked``, ``layered`` or ``reference``), or with ``--fused`` as one custom node each,
+run by the package's onnxruntime library (``timm_sortconv.onnx``: ``session`` registers it and tells it the threads).
+The files go to a temporary folder, removed at the end. ``--csv PATH`` appends the rows, with the machine and the command, to a CSV
+(``results/benchmarks/onnx.csv``, which ``scripts/docs.py`` turns into BENCHMARKS.md's table).
+
+Examples::
+
+    python scripts/bench_onnx.py --models ri_resnet18 --batches 1 --threads 1
+    python scripts/bench_onnx.py --decomposition chunked --csv results/benchmarks/onnx.csv
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import sys
+import tempfile
+import time
+import warnings
+from datetime import datetime, timezone
+from typing import Dict, List, Tuple
+
+import timm
+import torch
+import torch.nn as nn
+
+import timm_sortconv
+from timm_sortconv import SortConv2d
+from timm_sortconv import onnx as sc_onnx
+from timm_sortconv.check import cpu_model
+from timm_sortconv.ops.cpu_backend import cpu_isa
+from timm_sortconv.ops.portable import DECOMPOSITIONS, decomposition
+
+MODELS = ("scnn_p_rs_7", "ri_vgg16", "ri_resnet18", "ri_densenet40", "sortify:resnet18@224")
+TWINS = {"scnn_p_rs_7": "scnn_baseline_7"}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="Exported SC models against their plain twins in onnxruntime")
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated (default: {','.join(MODELS)})")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 32], help="batch sizes (default: 1 32)")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 0],
+                        help="onnxruntime intra-op threads, 0: all cores (default: 1 0)")
+    parser.add_argument("--decomposition", default="network", choices=DECOMPOSITIONS,
+                        help="how SC layers are written in standard operators (default: network)")
+    parser.add_argument("--fused", action="store_true",
+                        help="export sorting layers as one timm_sortconv::SortConv2d node each and run them with the "
+                             "package's onnxruntime library (timm_sortconv.onnx; built on first use)")
+    parser.add_argument("--exporter", default="torchscript", choices=("torchscript", "dynamo"),
+                        help="torch.onnx.export's dynamo=False or dynamo=True (default: torchscript)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds, SC and twin taking turns (default: 3)")
+    parser.add_argument("--repeats", type=int, default=0,
+                        help="calls per round (default: 5 at batch 1, 2 at larger batches)")
+    parser.add_argument("--csv", default=None, metavar="PATH", help="append the rows to this CSV")
+    parser.add_argument("--profile", default=None, metavar="PATH",
+                        help="also profile the SC session (onnxruntime's profiler, 3 calls) and append its time per "
+                             "operator type to this CSV")
+    args = parser.parse_args(argv)
+    for name in args.models.split(","):
+        if name not in MODELS and not name.startswith("sortify:") and name not in timm.list_models():
+            parser.error(f"unknown model {name!r}; accepted: a registered model or sortify:NAME@SIZE")
+    return args
+
+
+def trained_like(model: nn.Module) -> nn.Module:
+    """Random BatchNorm statistics and affine weights, as a trained model has (a fresh model's last BatchNorm of a
+    residual block has zero weights, which would make the folded convolutions of its export all zero, and an exporter
+    store equal weights once)."""
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                for tensor, low in ((m.weight, 0.5), (m.bias, -0.5), (m.running_mean, -0.5), (m.running_var, 0.5)):
+                    if tensor is not None:
+                        tensor.copy_(torch.rand(tensor.shape, generator=generator) + low)
+    return model
+
+
+def build(name: str) -> Tuple[nn.Module, nn.Module, Tuple[int, int, int], str]:
+    """``(SC model, twin, input shape, twin's name)``: the same random weights (:func:`trained_like`)."""
+    torch.manual_seed(0)
+    if name.startswith("sortify:"):
+        base, size = name[len("sortify:"):].split("@")
+        twin = trained_like(timm.create_model(base)).eval()
+        model = timm_sortconv.sortify(timm.create_model(base)).eval()
+        model.load_state_dict(twin.state_dict())
+        return model, twin, (3, int(size), int(size)), base
+    model = trained_like(timm.create_model(name)).eval()
+    twin_name = TWINS.get(name, f"{name}_baseline")
+    twin = timm.create_model(twin_name).eval()
+    twin.load_state_dict(model.state_dict())
+    cfg = model.pretrained_cfg
+    return model, twin, tuple(cfg["input_size"]), twin_name
+
+
+def export(model: nn.Module, x: torch.Tensor, path: str, exporter: str, fused: bool = False) -> float:
+    """Exports ``model`` at ``x``'s shape (batch dynamic) to ``path``; returns the seconds it took."""
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sc_onnx.export(model, x, path, dynamo=exporter == "dynamo", fused=fused)
+    return time.perf_counter() - start
+
+
+def session(path: str, threads: int, fused: bool = False):
+    """A CPU session of ``path`` with ``threads`` intra-op threads (0: all); with ``fused`` the package's library
+    registered (:func:`timm_sortconv.onnx.session`)."""
+    import onnxruntime as ort
+
+    if fused:
+        return sc_onnx.session(path, threads)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+
+
+def best_of(runs: List, feed: Dict, rounds: int, repeats: int) -> List[float]:
+    """The least seconds of a call of each session, the sessions taking turns."""
+    for run in runs:
+        run(None, feed)
+    best = [float("inf")] * len(runs)
+    for _ in range(rounds):
+        for i, run in enumerate(runs):
+            for _ in range(repeats):
+                start = time.perf_counter()
+                run(None, feed)
+                best[i] = min(best[i], time.perf_counter() - start)
+    return best
+
+
+def profile(path: str, threads: int, feed: Dict, fused: bool = False, calls: int = 3) -> Dict[str, Tuple[float, int]]:
+    """Milliseconds per call and nodes of each operator type in onnxruntime's profile of ``calls`` calls (after a
+    warm-up call, left out)."""
+    import json
+
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.enable_profiling = True
+    with tempfile.TemporaryDirectory() as folder:
+        options.profile_file_prefix = os.path.join(folder, "profile")
+        session_ = sc_onnx.session(path, threads, options=options) if fused else ort.InferenceSession(
+            path, options, providers=["CPUExecutionProvider"])
+        for _ in range(calls + 1):
+            session_.run(None, feed)
+        with open(session_.end_profiling()) as f:
+            events = json.load(f)
+    runs = sorted(e["ts"] for e in events if e.get("cat") == "Session" and e.get("name") == "model_run")
+    start = runs[-calls] if len(runs) >= calls else 0
+    totals: Dict[str, List[float]] = {}
+    for event in events:
+        if event.get("cat") == "Node" and event["name"].endswith("_kernel_time") and event["ts"] >= start:
+            entry = totals.setdefault(event["args"]["op_name"], [0.0, 0])
+            entry[0] += event["dur"] / 1e3 / calls
+            entry[1] += 1
+    return {op: (ms, count // calls) for op, (ms, count) in totals.items()}
+
+
+def graph_nodes(path: str) -> int:
+    import onnx
+
+    return len(onnx.load(path, load_external_data=False).graph.node)
+
+
+def git_commit() -> str:
+    """The repository's commit, ``+`` if the work tree differs from it; ``unknown`` outside a checkout."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        commit = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return commit + ("+" if dirty else "")
+
+
+def machine() -> str:
+    import onnxruntime as ort
+
+    return (f"{cpu_model()}, {os.cpu_count()} logical CPUs; torch {torch.__version__.split('+')[0]}, onnxruntime "
+            f"{ort.__version__}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    command = "python scripts/bench_onnx.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    print(f"CPU: {machine()}; SC kernel {cpu_isa()}; load average {os.getloadavg()[0]:.2f}", flush=True)
+    header = ["model", "twin", "input", "batch", "threads", "decomposition", "exporter", "sc_ms", "twin_ms", "ratio",
+              "error", "sc_export_s", "twin_export_s", "sc_mb", "twin_mb", "sc_nodes", "twin_nodes",
+              "nodes_per_sc_layer", "date", "commit", "machine", "load", "command"]
+    rows, profiles = [], []
+    mode = "fused" if args.fused else args.decomposition
+    with tempfile.TemporaryDirectory() as folder, decomposition(args.decomposition):
+        for name in args.models.split(","):
+            model, twin, shape, twin_name = build(name)
+            sc_layers = sum(isinstance(m, SortConv2d) for m in model.modules())
+            for batch in args.batches:
+                x = torch.randn(batch, *shape)
+                paths = [os.path.join(folder, f"{tag}.onnx") for tag in ("sc", "twin")]
+                seconds = [export(model, x, paths[0], args.exporter, args.fused),
+                           export(twin, x, paths[1], args.exporter)]
+                sizes = [os.path.getsize(p) / 1e6 for p in paths]
+                nodes = [graph_nodes(p) for p in paths]
+                with torch.no_grad():
+                    expected = model(x)
+                for threads in args.threads:
+                    runs = [session(paths[0], threads, args.fused).run, session(paths[1], threads).run]
+                    feed = {"x": x.numpy()}
+                    (out,) = runs[0](None, feed)
+                    error = float((torch.from_numpy(out) - expected).abs().max() / expected.abs().max())
+                    repeats = args.repeats or (5 if batch == 1 else 2)
+                    sc_s, twin_s = best_of(runs, feed, args.rounds, repeats)
+                    row = dict(model=name, twin=twin_name, input="x".join(map(str, shape)), batch=batch,
+                               threads=threads or "all", decomposition=mode, exporter=args.exporter,
+                               sc_ms=f"{sc_s * 1e3:.2f}", twin_ms=f"{twin_s * 1e3:.2f}", ratio=f"{sc_s / twin_s:.2f}",
+                               error=f"{error:.1e}", sc_export_s=f"{seconds[0]:.1f}", twin_export_s=f"{seconds[1]:.1f}",
+                               sc_mb=f"{sizes[0]:.2f}", twin_mb=f"{sizes[1]:.2f}", sc_nodes=nodes[0],
+                               twin_nodes=nodes[1], nodes_per_sc_layer=f"{(nodes[0] - nodes[1]) / sc_layers + 1:.0f}",
+                               date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M"), commit=git_commit(),
+                               machine=machine(), load=f"{os.getloadavg()[0]:.2f}", command=command)
+                    rows.append(row)
+                    if args.profile:
+                        for op, (ms, count) in sorted(profile(paths[0], threads, feed, args.fused).items(),
+                                                      key=lambda i: -i[1][0]):
+                            profiles.append(dict(model=name, batch=batch, threads=row["threads"], decomposition=mode,
+                                                 op_type=op, ms=f"{ms:.2f}", nodes=count, sc_ms=row["sc_ms"],
+                                                 date=row["date"], commit=row["commit"], machine=row["machine"],
+                                                 command=command))
+                    print(f"{name} batch {batch}, threads {row['threads']}: SC {row['sc_ms']} ms, {twin_name} "
+                          f"{row['twin_ms']} ms, ratio {row['ratio']}; error {row['error']}; export {row['sc_export_s']} "
+                          f"/ {row['twin_export_s']} s; {row['sc_mb']} / {row['twin_mb']} MB; nodes {nodes[0]} / "
+                          f"{nodes[1]} ({row['nodes_per_sc_layer']} per SC layer)", flush=True)
+    for path, fields, table in ((args.csv, header, rows), (args.profile, list(profiles[0]) if profiles else [],
+                                                             profiles)):
+        if path and table:
+            new = not os.path.exists(path)
+            with open(path, "a", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=fields)
+                if new:
+                    writer.writeheader()
+                writer.writerows(table)
+    return 0
+
+
+if __name__ == "__main__":
+    from timm_sortconv.cli import run
+
+    run(main)

@@ -1,0 +1,241 @@
+"""The fused ONNX path: each sorting layer exported as one ``timm_sortconv::SortConv2d`` node and run by onnxruntime
+with the library built from the package's CPU kernel (``timm_sortconv.onnx``, ``ops/fused_export.py``,
+``ops/ort_library.py``).
+
+The file's outputs are compared with the reference path in PyTorch (the readable specification, which shares no
+kernel code with the library), for both exporters, across the variants the node takes; the graph must hold one node
+per sorting layer; the node's threads must not change its result; the layers it cannot compute must be refused at
+export time; a library that cannot be built must say why in one line.
+"""
+import io
+
+import pytest
+import torch
+import torch.nn as nn
+
+from conftest import quick_first, randomise_batchnorm, unavailable
+from timm_sortconv import SortConv2d, sort_conv2d
+from timm_sortconv import onnx as sc_onnx
+from timm_sortconv.ops import ort_library
+from timm_sortconv.ops.fused_export import drop_unread_constants
+
+onnx = pytest.importorskip("onnx")
+onnxruntime = pytest.importorskip("onnxruntime")
+
+
+@pytest.fixture(scope="module")
+def library():
+    try:
+        return sc_onnx.build_library()
+    except sc_onnx.LibraryBuildError as error:
+        unavailable(f"the onnxruntime operator library cannot be built here: {error}")
+
+
+def _fused(model, example, dynamo=False, dynamic_size=False):
+    buffer = io.BytesIO()
+    sc_onnx.export(model.eval(), example, buffer, dynamo=dynamo, dynamic_size=dynamic_size, fused=True)
+    return buffer.getvalue()
+
+
+def _fused_nodes(data):
+    graph = onnx.load_from_string(data).graph
+    return [node for node in graph.node if node.domain == "timm_sortconv"]
+
+
+def _run(data, library, x, threads=1):
+    return torch.from_numpy(sc_onnx.session(data, threads, library=library).run(None, {"x": x.numpy()})[0])
+
+
+def _reference(model, x):
+    """The model's output with every sorting layer on the reference path."""
+    backends = {}
+    for module in model.modules():
+        if isinstance(module, SortConv2d):
+            backends[module] = module.backend
+            module.backend = "reference"
+    try:
+        with torch.no_grad():
+            return model.eval()(x)
+    finally:
+        for module, backend in backends.items():
+            module.backend = backend
+
+
+def _assert_agrees(got, expected):
+    assert got.shape == expected.shape
+    error = (got - expected).abs().max() / expected.abs().max()
+    assert error < 1e-4, f"onnxruntime and PyTorch differ by {error:.2e} of the largest output"
+
+
+def _model(**kwargs):
+    torch.manual_seed(0)
+    return nn.Sequential(SortConv2d(3, 8, **kwargs), nn.ReLU())
+
+
+# (constructor arguments of a 3 -> 8 layer); the first runs in the quick loop
+VARIANTS = [
+    dict(kernel_size=5, padding=2, sampling="polar", sorting="ring"),
+    dict(kernel_size=3, padding=1, sampling="square", sorting="ring"),
+    dict(kernel_size=3, padding=1, sampling="square", sorting="global"),
+    dict(kernel_size=7, padding=3, sampling="polar", sorting="global"),
+    dict(kernel_size=5, padding=2, sampling="polar", sorting="c4"),
+    dict(kernel_size=5, padding=2, sampling="square", sorting="c2"),
+    dict(kernel_size=3, stride=2, padding=1, sampling="polar", sorting="ring"),
+    dict(kernel_size=3, stride=2, padding=1, sampling="polar", sorting="ring", stride_align="corner"),
+    dict(kernel_size=4, padding=2, sampling="polar", sorting="ring"),
+    dict(kernel_size=4, padding="same", sampling="square", sorting="global"),
+    dict(kernel_size=2, stride=2, sampling="square", sorting="ring"),
+    dict(kernel_size=3, padding=2, dilation=2, sampling="polar", sorting="ring", bias=False),
+    dict(kernel_size=3, padding=(0, 1), sampling="square", sorting="ring"),
+    dict(kernel_size=3, padding=1, padding_mode="reflect", sampling="polar", sorting="ring"),
+    dict(kernel_size=1, sampling="square", sorting="ring"),
+]
+
+
+@pytest.mark.parametrize("kwargs", quick_first(VARIANTS), ids=lambda kw: "-".join(f"{v}" for v in kw.values()))
+@pytest.mark.parametrize("dynamo", quick_first([False, True]), ids=["torchscript", "dynamo"])
+def test_each_variant_is_one_node_that_agrees_with_the_reference_path(library, kwargs, dynamo):
+    model = _model(**kwargs)
+    x = torch.randn(2, 3, 13, 12)
+    data = _fused(model, x, dynamo)
+    nodes = _fused_nodes(data)
+    assert [node.op_type for node in nodes] == ["SortConv2d"]
+    _assert_agrees(_run(data, library, x), _reference(model, x))
+
+
+@pytest.mark.parametrize("dynamo", quick_first([False, True]), ids=["torchscript", "dynamo"])
+def test_groups_and_a_dynamic_size(library, dynamo):
+    torch.manual_seed(0)
+    model = nn.Sequential(SortConv2d(4, 8, 5, padding=2, groups=2, sampling="polar", sorting="ring"), nn.ReLU(),
+                          SortConv2d(8, 6, 3, stride=2, padding=1, groups=2, sampling="square", sorting="global",
+                                     stride_align="corner"))
+    data = _fused(model, torch.randn(1, 4, 16, 16), dynamo, dynamic_size=True)
+    assert len(_fused_nodes(data)) == 2
+    for shape in ((1, 4, 16, 16), (3, 4, 15, 18)):
+        x = torch.randn(shape)
+        _assert_agrees(_run(data, library, x), _reference(model, x))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+def test_a_paper_network_has_one_node_per_sorting_layer(library, dynamo):
+    import timm
+
+    model = timm.create_model("scnn_p_rs_7", pretrained=True).eval()
+    layers = sum(isinstance(m, SortConv2d) for m in model.modules())
+    x = torch.randn(3, 1, 28, 28)
+    data = _fused(model, x, dynamo)
+    assert len(_fused_nodes(data)) == layers == 6
+    graph = onnx.load_from_string(data)
+    assert not [node for node in graph.graph.node if node.op_type == "BatchNormalization"]  # folded into the nodes
+    assert drop_unread_constants(graph) == 0  # no argument of the nodes left behind
+    _assert_agrees(_run(data, library, x), _reference(model, x))
+
+
+class _TwoNorms(nn.Module):
+    """A normalisation that alone reads a layer's output (folded) and one that shares it (kept)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.norm1 = SortConv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
+        self.conv2, self.norm2 = SortConv2d(8, 8, 5, padding=2, sampling="square"), nn.BatchNorm2d(8)
+
+    def forward(self, x):
+        y = self.conv2(torch.relu(self.norm1(self.conv1(x))))
+        return self.norm2(y) + y
+
+
+@pytest.mark.parametrize("dynamo", quick_first([False, True]), ids=["torchscript", "dynamo"])
+def test_a_normalisation_that_alone_reads_a_node_is_folded_into_it(library, dynamo):
+    torch.manual_seed(0)
+    model = _TwoNorms().eval()
+    randomise_batchnorm(model)
+    x = torch.randn(2, 3, 12, 12)
+    data = _fused(model, x, dynamo)
+    norms = [node for node in onnx.load_from_string(data).graph.node if node.op_type == "BatchNormalization"]
+    assert len(norms) == 1 and len(_fused_nodes(data)) == 2
+    _assert_agrees(_run(data, library, x), _reference(model, x))
+
+
+def test_threads_do_not_change_the_result(library):
+    torch.manual_seed(0)
+    model = nn.Sequential(SortConv2d(8, 16, 7, padding=3, sampling="polar", sorting="ring"), nn.ReLU(),
+                          SortConv2d(16, 16, 3, stride=2, padding=1, sampling="square", sorting="global"))
+    data = _fused(model, torch.randn(1, 8, 32, 32))
+    for batch in (1, 3):  # fewer images than threads (padded once, positions shared out) and more
+        x = torch.randn(batch, 8, 32, 32)
+        one, two = _run(data, library, x, threads=1), _run(data, library, x, threads=2)
+        assert torch.equal(one, two)
+        _assert_agrees(one, _reference(model, x))
+
+
+def test_a_file_runs_on_session_options_of_ones_own(library, tmp_path):
+    """register_custom_ops_library on plain options, as the module docstring describes, without the threads entry."""
+    model = _model(kernel_size=5, padding=2).eval()
+    x = torch.randn(1, 3, 12, 12)
+    path = tmp_path / "model.onnx"
+    sc_onnx.export(model, x, path, fused=True)
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = 2
+    options.register_custom_ops_library(str(library))
+    session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    _assert_agrees(torch.from_numpy(session.run(None, {"x": x.numpy()})[0]), _reference(model, x))
+
+
+def test_the_aligned_variants_stay_in_standard_operators(library):
+    torch.manual_seed(0)
+    model = nn.Sequential(SortConv2d(3, 8, 5, padding=2, sorting="align"), nn.ReLU(),
+                          SortConv2d(8, 8, 3, padding=1, sorting="ring"))
+    x = torch.randn(2, 3, 12, 12)
+    data = _fused(model, x)
+    assert len(_fused_nodes(data)) == 1
+    with torch.no_grad():
+        _assert_agrees(_run(data, library, x), model(x))
+
+
+def test_the_default_export_has_no_custom_node():
+    model = _model(kernel_size=5, padding=2)
+    buffer = io.BytesIO()
+    sc_onnx.export(model.eval(), torch.randn(1, 3, 12, 12), buffer)
+    assert not _fused_nodes(buffer.getvalue())
+    assert not sc_onnx.fused_export_enabled()
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda: _model(kernel_size=3, padding=1).double(), ("dtype=torch.float64", "torch.float32")),
+    (lambda: _model(kernel_size=17, padding=8), ("kernel_size=17", "1 to 15")),
+], ids=["float64", "kernel-17"])
+def test_what_the_node_cannot_compute_is_refused_at_export_time(make, words):
+    model = make()
+    x = torch.randn(1, 3, 20, 20, dtype=next(model.parameters()).dtype)
+    with pytest.raises(sc_onnx.FusedExportError) as raised:
+        _fused(model, x)
+    assert all(word in str(raised.value) for word in words) and "[layer 0]" in str(raised.value)
+
+
+def test_a_functional_call_is_refused_while_tracing():
+    class Functional(nn.Module):
+        def forward(self, x):
+            return sort_conv2d(x, torch.ones(2, 3, 3, 3, dtype=torch.float64), padding=1)
+
+    with pytest.raises(sc_onnx.FusedExportError, match="dtype=torch.float64"):
+        _fused(Functional(), torch.randn(1, 3, 8, 8, dtype=torch.float64))
+
+
+def test_a_library_that_cannot_be_built_says_why_in_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(ort_library.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(ort_library.INCLUDE_ENV, str(tmp_path))
+    with pytest.raises(ort_library.LibraryBuildError, match="holds no onnxruntime_c_api.h"):
+        ort_library.build_library()
+    monkeypatch.delenv(ort_library.INCLUDE_ENV)
+    monkeypatch.setattr(ort_library, "_download", lambda url: b"!<arch>\nnot the package")
+    with pytest.raises(ort_library.LibraryBuildError, match="SHA-256 .* expected"):
+        ort_library.headers_dir()
+    (tmp_path / "include").mkdir()
+    (tmp_path / "include" / "onnxruntime_c_api.h").write_text("")
+    monkeypatch.setenv(ort_library.INCLUDE_ENV, str(tmp_path / "include"))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    assert sc_onnx.main(["build"]) == 1  # python -m timm_sortconv.onnx build
+    assert capsys.readouterr().err.splitlines() == [
+        f"timm_sortconv.onnx: error: no C++ compiler: '{tmp_path / 'no-such-compiler'}' is not on PATH (install "
+        "g++ or clang++, or set CXX)"]

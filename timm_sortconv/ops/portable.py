@@ -1,0 +1,157 @@
+"""Sorting Convolution in standard operators: the graph that ``torch.onnx.export`` writes for an SC layer.
+
+An exported model runs in any ONNX runtime (onnxruntime, OpenVINO, TensorRT) with nothing to install or register, so
+each SC layer is written as a few standard operators, in three steps that mirror the kernels':
+
+1. **Sampling**: every channel's ``k*k`` samples of every window by one convolution of each channel alone (the input
+   viewed as ``(N*C, 1, H, W)``) with a fixed ``(k*k, 1, k, k)`` filter bank: the rows of the geometry's
+   interpolation matrix (square sampling: one-hot filters; polar: the bilinear taps), with the layer's stride,
+   dilation and zero padding. The filter bank is the same for every layer of a geometry (``k*k*k*k`` numbers), so
+   the file grows by a few kilobytes, not by a copy of the weights.
+2. **Sorting**: each segment (a ring, an orbit, or the whole window) by a min/max sorting network (Batcher's odd-even
+   merge, :meth:`~timm_sortconv.ops.geometry.SortGeometry.comparators`): the samples split into one map per slot,
+   each comparator a ``Min`` and a ``Max`` of two maps, then the maps concatenated again. A network is exact (it only
+   moves values) and needs no data-dependent control flow; ``TopK``, the only sort ONNX has, pays per row and costs
+   several times more in onnxruntime.
+3. **Weights**: one ``1 x 1`` convolution over the ``C*k*k`` sorted channels with the weight in slot order (channel
+   ``c*k*k + s``), the groups and the bias of the layer: the same products as the layer's convolution.
+
+The aligned variants (``sorting="align"``, ``"align-channel"``) export through their standard-operator form, the
+``harmonic`` backend (:func:`~timm_sortconv.ops.alignment.align_conv2d_harmonic`).
+
+The graph's cost against the layer's plain convolution is the sorting network's passes over memory: each comparator
+reads two maps of ``N*C*Ho*Wo`` values and writes two, where a convolution reads its input once. ``BENCHMARKS.md``
+("Exported to ONNX") measures it per model, with the other decompositions (:data:`DECOMPOSITIONS`): ``"chunked"``, the
+same network on groups of channels small enough for the cache (sized for one image), ``"layered"``, the network a layer
+of disjoint comparators at a time on the whole stack of samples (six nodes a layer instead of two a comparator), and
+``"reference"``, the reference path as traced (one ``TopK`` per segment). ``"network"`` is the default;
+:func:`decomposition` selects another while exporting.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterator, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from .geometry import SortGeometry
+from .reference import slot_weight, sort_conv2d_reference
+
+__all__ = ["DECOMPOSITIONS", "decomposition", "sort_conv2d_portable"]
+
+#: The ways an SC layer can be written in standard operators (module docstring).
+DECOMPOSITIONS = ("network", "chunked", "layered", "reference")
+_CHOSEN = ["network"]
+#: The values a chunk's sorting network keeps live, at most, in "chunked" (for one image): about the L2 cache of one
+#: core; and the most chunks a layer is cut into (each repeats the layer's network in the graph).
+CHUNK_VALUES = 1 << 18
+MAX_CHUNKS = 16
+
+
+@contextlib.contextmanager
+def decomposition(name: str) -> Iterator[None]:
+    """Exports inside the ``with`` block write SC layers as ``name`` (one of :data:`DECOMPOSITIONS`)."""
+    if name not in DECOMPOSITIONS:
+        raise ValueError(f"unknown decomposition={name!r}; accepted: {', '.join(map(repr, DECOMPOSITIONS))}")
+    previous = _CHOSEN[0]
+    _CHOSEN[0] = name
+    try:
+        yield
+    finally:
+        _CHOSEN[0] = previous
+
+
+def _sampling_filters(geometry: SortGeometry, like: torch.Tensor) -> torch.Tensor:
+    """``(k*k, 1, k, k)``: sample ``s`` of a window is its product with filter ``s`` (slot order)."""
+    k = geometry.kernel_size
+    return geometry.interpolation.to(device=like.device, dtype=like.dtype).reshape(k * k, 1, k, k)
+
+
+def _sorted_maps(samples: torch.Tensor, geometry: SortGeometry) -> torch.Tensor:
+    """``(M, k*k, Ho, Wo)`` samples with every segment sorted ascending by the geometry's min/max network."""
+    maps: List[torch.Tensor] = list(samples.split(1, dim=1))
+    for a, b in geometry.comparators():
+        low, high = torch.minimum(maps[a], maps[b]), torch.maximum(maps[a], maps[b])
+        maps[a], maps[b] = low, high
+    return torch.cat(maps, 1)
+
+
+def _network_layers(geometry: SortGeometry) -> List[List[Tuple[int, int]]]:
+    """The geometry's comparators in layers of disjoint pairs, each at the first layer after every comparator before it
+    that touches one of its slots (the network's depth)."""
+    layers: List[List[Tuple[int, int]]] = []
+    ready = [0] * geometry.kernel_size ** 2
+    for a, b in geometry.comparators():
+        depth = max(ready[a], ready[b])
+        if depth == len(layers):
+            layers.append([])
+        layers[depth].append((a, b))
+        ready[a] = ready[b] = depth + 1
+    return layers
+
+
+def _layered(samples: torch.Tensor, geometry: SortGeometry) -> Tuple[torch.Tensor, List[int]]:
+    """The sorting network a layer at a time on the whole ``(M, k*k, Ho, Wo)`` tensor: per layer the low and the high
+    sides of its comparators gathered, one ``Min`` and one ``Max``, and the maps concatenated again (six nodes a layer,
+    where :func:`_sorted_maps` has two a comparator). Returns the maps and the slot each holds."""
+    held = list(range(samples.shape[1]))  # held[i]: the slot whose sorted value map i holds
+    for layer in _network_layers(geometry):
+        where = {slot: i for i, slot in enumerate(held)}
+        low_side = [where[a] for a, _ in layer]
+        high_side = [where[b] for _, b in layer]
+        rest = [i for i in range(len(held)) if i not in set(low_side) | set(high_side)]
+        first = samples[:, low_side]
+        second = samples[:, high_side]
+        parts = [torch.minimum(first, second), torch.maximum(first, second)]
+        if rest:
+            parts.append(samples[:, rest])
+        samples = torch.cat(parts, 1)
+        held = [a for a, _ in layer] + [b for _, b in layer] + [held[i] for i in rest]
+    return samples, held
+
+
+def _sample_and_sort(x: torch.Tensor, geometry: SortGeometry, stride: Tuple[int, int], padding: Tuple[int, int],
+                     dilation: Tuple[int, int]) -> Tuple[torch.Tensor, List[int]]:
+    """``x`` ``(N, C, H, W)`` -> ``(N, C*k*k, Ho, Wo)``: each channel's windows sampled and sorted, channel ``c``'s
+    ``i``-th map at ``c*k*k + i``; and the slot each map holds (``held[i]``; in slot order but for ``"layered"``)."""
+    channels, height, width = int(x.shape[1]), x.shape[2], x.shape[3]
+    samples = F.conv2d(x.reshape(-1, 1, height, width), _sampling_filters(geometry, x), None, stride, padding,
+                       dilation)
+    ho, wo = samples.shape[2], samples.shape[3]
+    if _CHOSEN[0] == "layered":
+        samples, held = _layered(samples, geometry)
+    else:
+        samples, held = _sorted_maps(samples, geometry), list(range(samples.shape[1]))
+    return samples.reshape(-1, channels * geometry.kernel_size ** 2, ho, wo), held
+
+
+def sort_conv2d_portable(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], geometry: SortGeometry,
+                         stride: Tuple[int, int], padding: Tuple[int, int, int, int], dilation: Tuple[int, int],
+                         groups: int) -> torch.Tensor:
+    """SC of ``x`` with zero ``padding = (left, right, top, bottom)`` in standard operators (the module docstring);
+    the same function as the reference path. The sorting variants only: the aligned ones export through
+    :func:`~timm_sortconv.ops.alignment.align_conv2d_harmonic`."""
+    name = _CHOSEN[0]
+    if padding[0] != padding[1] or padding[2] != padding[3] or name == "reference":
+        x = F.pad(x, list(padding)) if any(padding) else x
+        padding = (0, 0, 0, 0)
+    if name == "reference":
+        return sort_conv2d_reference(x, weight, bias, geometry, stride, dilation, groups)
+    pad = (padding[2], padding[0])
+    channels = int(x.shape[1])
+    if name == "chunked":  # sized for one image at the traced size, at most MAX_CHUNKS a layer
+        per_channel = geometry.kernel_size ** 2 * int(x.shape[2]) * int(x.shape[3])
+        chunks = min(MAX_CHUNKS, max(1, math.ceil(channels * per_channel / CHUNK_VALUES)))
+        step = math.ceil(channels / chunks)
+        parts = [_sample_and_sort(x[:, c:c + step], geometry, stride, pad, dilation)[0]
+                 for c in range(0, channels, step)]
+        columns, held = (parts[0] if len(parts) == 1 else torch.cat(parts, 1)), list(range(geometry.kernel_size ** 2))
+    else:
+        columns, held = _sample_and_sort(x, geometry, stride, pad, dilation)
+    kernel = slot_weight(weight, geometry)
+    if held != sorted(held):  # map i of each channel holds slot held[i]: the weight follows, not the maps
+        kernel = kernel[:, :, held]
+    kernel = kernel.reshape(weight.shape[0], -1, 1, 1).to(columns.dtype)
+    return F.conv2d(columns, kernel, bias, 1, 0, 1, groups)
