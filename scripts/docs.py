@@ -404,6 +404,24 @@ def onnx() -> str:
     return "\n".join(lines)
 
 
+def onnx_brief() -> str:
+    """The exported models' cost in onnxruntime in one sentence (README.md), from :func:`onnx`'s rows."""
+    rows = read_csv(BENCH / "onnx.csv")
+
+    def extent(decomposition: str, models: Sequence[str]) -> str:
+        return span(float(r["ratio"]) for r in rows if r["decomposition"] == decomposition and r["model"] in models)
+
+    threes, sevens = ("ri_vgg16", "ri_resnet18", "sortify:resnet18@224"), ("scnn_p_rs_7", "ri_densenet40")
+    registered = ("scnn_p_rs_7", "ri_vgg16", "ri_resnet18", "ri_densenet40")
+    threads = sorted({r["threads"] for r in rows})
+    first = rows[0]
+    return (f"In onnxruntime ({first['machine'].split(',')[0]}, {' and '.join(threads)} threads, batch 1 and 32) the "
+            f"standard-operator graph runs at {extent('network', threes)} its plain twin for the 3x3 networks "
+            f"(`ri_vgg16`, `ri_resnet18`, a `sortify`-ed resnet18), {extent('network', sevens)} for `scnn_p_rs_7` "
+            f"and `ri_densenet40`; the fused node at {extent('fused', registered)} for every registered model "
+            f"(`BENCHMARKS.md`, \"Exported to ONNX\").")
+
+
 def decision(table: str) -> Callable[[], str]:
     """The block of ``scripts/research/decision_table.py``'s function ``table`` over its stored results."""
     def block() -> str:
@@ -419,7 +437,7 @@ BLOCKS: Dict[str, Callable[[], str]] = {
     "speed": speed, "speed-brief": speed_brief, "mnist-brief": mnist_brief, "cpu-layers-avx512": cpu_layers("avx512"), "cpu-layers-avx2": cpu_layers("avx2"),
     "cpu-training": cpu_training, "cpu-twins": cpu_twins, "gpu": gpu, "mnist": mnist, "demo": demo,
     "decision": decision("table"), "decision-attempts": decision("attempts_table"),
-    "decision-aligned": decision("aligned_table"), "onnx": onnx,
+    "decision-aligned": decision("aligned_table"), "onnx": onnx, "onnx-brief": onnx_brief,
 }
 
 

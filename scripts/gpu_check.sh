@@ -7,9 +7,9 @@
 # out of git (.git/info/exclude): .carry/wheels and .carry/mnist. Then, on the device, one call (10 minutes
 # at most per call, so the stages run in order of priority and each is cut off at the time left):
 #     run(command="bash scripts/gpu_check.sh", carry=[".carry"])
-# or name the stages: prewarm host models throughput compile firstcall profile check tests warmup table mnist
+# or name the stages: prewarm host models throughput compile firstcall align profile check tests warmup table mnist
 # (default: all but mnist, in this order: what the GPU issue needs first, the host's share of a call, the models'
-# layers, the training steps eager and compiled; the check compiles for longer). Results are written to $OUT (the device returns at most 8 files): <stage>.log (the
+# layers, the training steps eager and compiled, the aligned variants; the check compiles for longer). Results are written to $OUT (the device returns at most 8 files): <stage>.log (the
 # benchmark stages' logs are their markdown tables), results.jsonl (every measurement of the benchmark stages,
 # one JSON object per line, written as it is made), summary.txt with the versions, clocks and each stage's status and time, and
 # triton_cache.tgz.part-aa, -ab, ...: the compiled kernels, a gzipped tar split into 15 MiB parts (the device
@@ -45,6 +45,10 @@
 #               a cProfile of one layer's eager calls (where the host's time goes)
 #   compile     training steps of the three models against their twins under torch.compile, default and
 #               reduce-overhead (CUDA graphs), float32
+#   align       the aligned variants and the guided network (scnn_p_align_7_guided) on CUDA, where auto checks their
+#               standard-operator form against the reference path and keeps the faster: training steps against
+#               scnn_p_rs_7 and scnn_baseline_7, and each SC layer ring-sorted, aligned and guided
+#               (scripts/bench_align.py; its log is the markdown tables)
 #   mnist       the paper's MNIST protocol (scripts/configs/mnist_scnn.yaml, 100 epochs) on the Triton
 #               backend, for $MNIST_MODEL (default scnn_p_rs_7; e.g. scnn_p_rs_7_canon); $OUT/mnist_run gets its last checkpoint, summary.csv and args.yaml. It takes more
 #               than one call: copy $OUT/mnist_run to .carry/mnist_run and call again to resume from it
@@ -68,7 +72,7 @@ fi
 
 OUT=${OUT:-$PWD/gpu_check_out}
 mkdir -p "$OUT"
-STAGES=${*:-prewarm host models throughput compile firstcall profile check tests warmup table}
+STAGES=${*:-prewarm host models throughput compile firstcall align profile check tests warmup table}
 
 if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \
@@ -158,6 +162,12 @@ for name in $STAGES; do
         fi ;;
     compile)
         stage compile "$BENCH --shapes none --throughput --precisions fp32 --compile-modes default,reduce-overhead --steps 10" ;;
+    align)
+        if [ -n "${DRY_RUN:-}" ]; then
+            stage align "$PYTHON scripts/bench_align.py --device cpu --batch-size 2 --rounds 1 --models scnn_p_rs_7,guided --layers"
+        else
+            stage align "$PYTHON scripts/bench_align.py --device cuda --rounds 5 --models scnn_baseline_7,scnn_p_rs_7,align,guided --layers"
+        fi ;;
     firstcall)
         rm -rf /tmp/triton_cold
         stage firstcall "TRITON_CACHE_DIR=/tmp/triton_cold $BENCH --shapes scnn_p_rs_7 --precisions fp32 --triton-paths auto --repeats 0 --skip-reference" ;;
@@ -168,7 +178,7 @@ for name in $STAGES; do
         mkdir -p "$OUT/mnist_run"
         cp /tmp/train/mnist_run/{last.pth.tar,summary.csv,args.yaml} "$OUT/mnist_run/" 2>/dev/null ;;
     *)
-        echo "unknown stage $name; accepted: prepare prewarm host models throughput compile firstcall profile check tests warmup table mnist" | tee -a "$OUT/summary.txt" ;;
+        echo "unknown stage $name; accepted: prepare prewarm host models throughput compile firstcall align profile check tests warmup table mnist" | tee -a "$OUT/summary.txt" ;;
     esac
 done
 if [ -d /tmp/triton_cache ]; then

@@ -16,6 +16,7 @@ import torch.nn as nn
 from conftest import quick_first, randomise_batchnorm, unavailable
 from timm_sortconv import SortConv2d, sort_conv2d
 from timm_sortconv import onnx as sc_onnx
+from timm_sortconv.cli import run
 from timm_sortconv.ops import ort_library
 from timm_sortconv.ops.fused_export import drop_unread_constants
 
@@ -235,7 +236,9 @@ def test_a_library_that_cannot_be_built_says_why_in_one_line(tmp_path, monkeypat
     (tmp_path / "include" / "onnxruntime_c_api.h").write_text("")
     monkeypatch.setenv(ort_library.INCLUDE_ENV, str(tmp_path / "include"))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    assert sc_onnx.main(["build"]) == 1  # python -m timm_sortconv.onnx build
+    with pytest.raises(SystemExit) as status:  # python -m timm_sortconv.onnx build
+        run(sc_onnx.main, ["build"])
+    assert status.value.code == 2
     assert capsys.readouterr().err.splitlines() == [
-        f"timm_sortconv.onnx: error: no C++ compiler: '{tmp_path / 'no-such-compiler'}' is not on PATH (install "
-        "g++ or clang++, or set CXX)"]
+        f"error: no C++ compiler: '{tmp_path / 'no-such-compiler'}' is not on PATH (install g++ or clang++, or set "
+        "CXX)"]

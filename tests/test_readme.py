@@ -99,9 +99,15 @@ def check(command):
             return
         if rest[:2] == ["-m", "timm_sortconv.run"]:
             script = rest[2]
-            assert Path(script).name in ("train.py", "validate.py", "benchmark.py", "inference.py"), command
+            assert Path(script).name in ("train.py", "validate.py", "benchmark.py", "inference.py", "onnx_export.py",
+                                         "onnx_validate.py"), command
             if TIMM_SCRIPTS_DIR:  # else test_timm_script_commands_parse says it was skipped
                 parse_timm_script(Path(script).name, rest[3:])
+            return
+        if rest[:2] == ["-m", "timm_sortconv.onnx"]:
+            from timm_sortconv import onnx as sc_onnx
+
+            sc_onnx.parse_args(rest[2:])
             return
         if rest[:2] == ["-m", "timm_sortconv.check"]:
             from timm_sortconv import check as check_tool

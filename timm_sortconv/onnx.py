@@ -31,7 +31,6 @@ import argparse
 import contextlib
 import io
 import os
-import sys
 import warnings
 from pathlib import Path
 from typing import List, Optional, Union
@@ -44,7 +43,7 @@ from .ops.fused_export import (DOMAIN, OPSET, FusedExportError, check_fused, dro
 from .ops.ort_library import THREADS_KEY, LibraryBuildError, build_library, library_path
 
 __all__ = ["THREADS_KEY", "FusedExportError", "LibraryBuildError", "build_library", "check_model", "export",
-           "fused_export", "fused_export_enabled", "library_path", "main", "session"]
+           "fused_export", "fused_export_enabled", "library_path", "main", "parse_args", "session"]
 
 
 def check_model(model: nn.Module, example: Optional[torch.Tensor] = None) -> None:
@@ -173,16 +172,15 @@ def session(model: Union[str, os.PathLike, bytes], threads: int = 1, *, library:
 def _export_command(args: argparse.Namespace) -> int:
     import io
 
-    import timm
+    from .cli import create_model_or_error
 
-    import timm_sortconv  # noqa: F401  (registers the models)
-
-    model = timm.create_model(args.model, pretrained=args.pretrained).eval()
+    model = create_model_or_error(args.model, pretrained=args.pretrained).eval()
     size = model.pretrained_cfg.get("input_size", (3, 224, 224))
     example = torch.randn(args.batch, *size)
     buffer = io.BytesIO()
     export(model, example, buffer, dynamo=args.dynamo, fused=args.fused)
     data = buffer.getvalue()
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_bytes(data)
     if args.fused:
         runner = session(data, args.threads)
@@ -202,8 +200,7 @@ def _export_command(args: argparse.Namespace) -> int:
     return 0 if error < 1e-4 else 1
 
 
-def main(argv=None) -> int:
-    """``python -m timm_sortconv.onnx build`` (prints the library's path) / ``export MODEL FILE [--fused]``."""
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m timm_sortconv.onnx", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     build = commands.add_parser("build", help="build the onnxruntime operator library and print its path")
@@ -218,16 +215,34 @@ def main(argv=None) -> int:
     exporting.add_argument("--pretrained", action="store_true", help="the model's bundled weights")
     exporting.add_argument("--batch", type=int, default=1, help="the example's batch size (default: 1)")
     exporting.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads (default: 1)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line of :func:`main`, parsed (``--help`` lists it)."""
+    return _parser().parse_args(argv)
+
+
+def main(argv=None) -> None:
+    """``python -m timm_sortconv.onnx build`` (prints the library's path) / ``export MODEL FILE [--fused]``: exits
+    with status 1 where onnxruntime's output differs from PyTorch's by more than 1e-4 of the largest; a problem with
+    the input (an unknown model, weights it has none of, a layer the fused node cannot take, a library that cannot
+    be built) is one ``error:`` line (:func:`timm_sortconv.cli.run`)."""
+    from .cli import CommandError, check_model_name
+
+    args = parse_args(argv)
     try:
         if args.command == "build":
             print(build_library(args.isa, verbose=args.verbose))
-            return 0
-        return _export_command(args)
+            return
+        check_model_name(args.model)
+        if _export_command(args) != 0:
+            raise SystemExit(1)
     except (LibraryBuildError, FusedExportError) as error:
-        print(f"timm_sortconv.onnx: error: {error}", file=sys.stderr)
-        return 1
+        raise CommandError(str(error)) from None
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .cli import run
+
+    run(main)
