@@ -182,7 +182,8 @@ def _harmonic_backward(grad_output, x, weight, geometry, stride, dilation, group
 
 # The aligned variants in standard operators (a depthwise convolution, a product, a 1 x 1 convolution): any
 # device and dtype, so auto takes it for every aligned call that no backend registered ahead of it takes (the
-# fused CPU kernel, where it is built); the other sorting backends do not take them.
+# fused CPU kernel, where it is built); the other sorting backends do not take them. On CUDA, auto runs it checked
+# against the reference path and timed against it (the Triton backend's tuner gives it that form).
 register_backend(Backend("harmonic", _harmonic_forward, _harmonic_backward,
                          lambda x, weight, bias, geometry, *args: is_aligned(geometry), lambda: True))
 
