@@ -70,6 +70,12 @@ struct AlignTables {
   std::vector<int64_t> energy_row;    // fixed rows in E (the Nyquist ones), with their 1 / N^2
   std::vector<scalar_t> energy_weight;
   std::vector<int64_t> nyquist_row, nyquist_m;  // fixed rows turned by Re T_m (m = N / 2)
+  // Whether every ring is folded as _folded_dft folds it (its rows from the ring's first slot on: the cosine block,
+  // then the sine block) with a size ring_dft has unrolled; then per segment of the plan the index in `blocks` of
+  // its cosine block and of its sine block (-1: none), and whether its samples can be read straight from the input
+  // (polar sampling as PolarTaps<5> or <7> places it, or square sampling, in float32 where masked loads exist).
+  bool rings = false, direct = false;
+  std::vector<int64_t> cosine_block, sine_block;
 
   int64_t re(int64_t p) const { return pair_re_row[p]; }
   int64_t im(int64_t p) const { return pair_im_row[p]; }
@@ -94,8 +100,60 @@ std::pair<TapTable<scalar_t>, TapTable<scalar_t>> tap_tables_of(const at::Tensor
   return {make_tap_table(rows, forward_pairs, weights), make_tap_table(rows, backward_pairs, weights)};
 }
 
+// Ring sizes with an unrolled ring_dft (the centre: 1): the rings of odd square and polar windows up to 7 x 7.
+inline bool unrolled_ring(int64_t size) { return size == 1 || size == 8 || size == 16 || size == 24; }
+
+bool known_polar_segment(int64_t k, int64_t start, int64_t size);
+
+// Fills t.cosine_block, t.sine_block and t.rings, t.direct from the plan's segments and the fold (float64, k*k x k*k).
 template <typename scalar_t>
-AlignTables<scalar_t> make_align_tables(const timm_sortconv_cpu::AlignCall& align, int64_t slots) {
+void find_rings(const Plan<scalar_t>& plan, const at::Tensor& fold, AlignTables<scalar_t>& t) {
+  const int64_t slots = plan.slots;
+  std::vector<double> expected(slots * slots, 0.0);
+  std::vector<int64_t> block_at(slots + 1, -1);
+  for (size_t b = 0; b < t.blocks.size(); ++b) block_at[t.blocks[b].start] = static_cast<int64_t>(b);
+  bool rings = !plan.segments.empty();
+  for (const auto& segment : plan.segments) {
+    const int64_t s = segment.start, n = segment.size, c = n / 2 + 1;
+    if (!unrolled_ring(n)) rings = false;
+    if (n == 1) {
+      expected[s * slots + s] = 1.0;
+      t.cosine_block.push_back(block_at[s]);
+      t.sine_block.push_back(-1);
+      if (block_at[s] < 0 || t.blocks[block_at[s]].size != 1 || t.blocks[block_at[s]].forward[0] != scalar_t(1)) {
+        rings = false;
+      }
+      continue;
+    }
+    for (int64_t j = 0; j <= n / 2; ++j) {
+      expected[(s + j) * slots + s + j] = 1.0;
+      if (j > 0 && j < n / 2) {
+        expected[(s + j) * slots + s + n - j] = 1.0;
+        expected[(s + c + j - 1) * slots + s + j] = 1.0;
+        expected[(s + c + j - 1) * slots + s + n - j] = -1.0;
+      }
+    }
+    const int64_t cosine = block_at[s], sine = n / 2 > 1 ? block_at[s + c] : -1;
+    t.cosine_block.push_back(cosine);
+    t.sine_block.push_back(sine);
+    if (n % 2 != 0 || cosine < 0 || t.blocks[cosine].size != c || (n / 2 > 1 && (sine < 0 || t.blocks[sine].size != n - c))) {
+      rings = false;
+    }
+  }
+  const double* f = fold.data_ptr<double>();
+  t.rings = rings && std::equal(expected.begin(), expected.end(), f);
+#if defined(TIMM_SORTCONV_SORT_DIRECT)
+  t.direct = t.rings && kUnrolledNetworks<scalar_t>
+             && (plan.single_tap
+                 || (plan.polar_k != 0 && std::all_of(plan.segments.begin(), plan.segments.end(), [&](const Segment& g) {
+                       return known_polar_segment(plan.polar_k, g.start, g.size);
+                     })));
+#endif
+}
+
+template <typename scalar_t>
+AlignTables<scalar_t> make_align_tables(const timm_sortconv_cpu::AlignCall& align, const Plan<scalar_t>& plan) {
+  const int64_t slots = plan.slots;
   AlignTables<scalar_t> t;
   const auto fold = align.fold.to(at::kDouble).contiguous();
   const auto dft = align.dft.to(at::kDouble).contiguous();
@@ -136,6 +194,7 @@ AlignTables<scalar_t> make_align_tables(const timm_sortconv_cpu::AlignCall& alig
     t.blocks.push_back(std::move(block));
   }
   TORCH_CHECK(covered == slots, "sort_conv_cpu: the DFT's blocks must cover its k*k rows");
+  find_rings(plan, fold, t);
   const int64_t* pair = pairs.data_ptr<int64_t>();
   for (int64_t p = 0; p < t.pairs; ++p) {
     const int64_t re = pair[3 * p], im = pair[3 * p + 1], m = pair[3 * p + 2];
@@ -166,13 +225,271 @@ AlignTables<scalar_t> make_align_tables(const timm_sortconv_cpu::AlignCall& alig
   return t;
 }
 
-// The harmonic rows spectra[k*k][lanes] of one channel's windows in the block: gathered, folded, and each block of
-// the DFT a micro-GEMM over the lanes.
+// One vector of lanes of a ring's N samples (sample(j), j < N) to its N spectra rows (out(row, value)), in registers:
+// folded (u_0 = s_0, u_j = s_j + s_{N-j}, u_{N/2} = s_{N/2}; v_j = s_j - s_{N-j}, 0 < j < N/2), then the cosine
+// block from the u and the sine block from the v, each row the sum over the block's columns in column order. These
+// are the operations of apply_taps(t.fold) and gemm_rows on the blocks, in the same order (the same result), without
+// storing and reloading the samples and the folded rows. `cosine` and `sine` are the blocks' DftBlock::forward.
+template <typename vec, int N, typename scalar_t, typename Sample, typename Out>
+inline __attribute__((always_inline)) void ring_dft(const Sample& sample, const scalar_t* cosine, const scalar_t* sine,
+                                                    const Out& out) {
+  if constexpr (N == 1) {
+    out(0, sample(0));
+  } else {
+    constexpr int kCos = N / 2 + 1, kSin = N / 2 - 1;
+    vec u[kCos], v[kSin];
+    u[0] = sample(0);
+    u[N / 2] = sample(N / 2);
+#pragma GCC unroll 16
+    for (int j = 1; j < N / 2; ++j) {
+      const vec a = sample(j), b = sample(N - j);
+      u[j] = a + b;
+      v[j - 1] = a - b;
+    }
+#pragma GCC unroll 16
+    for (int m = 0; m < kCos; ++m) {
+      vec acc{};
+#pragma GCC unroll 16
+      for (int k = 0; k < kCos; ++k) acc += splat(cosine[k * kCos + m]) * u[k];
+      out(m, acc);
+    }
+#pragma GCC unroll 16
+    for (int m = 0; m < kSin; ++m) {
+      vec acc{};
+#pragma GCC unroll 16
+      for (int k = 0; k < kSin; ++k) acc += splat(sine[k * kSin + m]) * v[k];
+      out(kCos + m, acc);
+    }
+  }
+}
+
+// The transpose of ring_dft on one vector of lanes: the N samples' gradient (out(j, value)) from the N spectra rows'
+// (grad(row)), through the blocks' transposes (DftBlock::backward) and the unfold: g_{s_j} = g_{u_j} + g_{v_j},
+// g_{s_{N-j}} = g_{u_j} - g_{v_j}, as gemm_rows and apply_taps(t.unfold) compute them.
+template <typename vec, int N, typename scalar_t, typename Grad, typename Out>
+inline __attribute__((always_inline)) void ring_dft_transposed(const Grad& grad, const scalar_t* cosine,
+                                                               const scalar_t* sine, const Out& out) {
+  if constexpr (N == 1) {
+    out(0, grad(0));
+  } else {
+    constexpr int kCos = N / 2 + 1, kSin = N / 2 - 1;
+    vec gu[kCos], gv[kSin];
+#pragma GCC unroll 16
+    for (int m = 0; m < kCos; ++m) {
+      vec acc{};
+#pragma GCC unroll 16
+      for (int k = 0; k < kCos; ++k) acc += splat(cosine[k * kCos + m]) * grad(k);
+      gu[m] = acc;
+    }
+#pragma GCC unroll 16
+    for (int m = 0; m < kSin; ++m) {
+      vec acc{};
+#pragma GCC unroll 16
+      for (int k = 0; k < kSin; ++k) acc += splat(sine[k * kSin + m]) * grad(kCos + k);
+      gv[m] = acc;
+    }
+    out(0, gu[0]);
+    out(N / 2, gu[N / 2]);
+#pragma GCC unroll 16
+    for (int j = 1; j < N / 2; ++j) {
+      out(j, gu[j] + gv[j - 1]);
+      out(N - j, gu[j] - gv[j - 1]);
+    }
+  }
+}
+
+// Calls fn(std::integral_constant<int, N>) for an unrolled ring size N (unrolled_ring).
+template <typename F>
+inline __attribute__((always_inline)) void with_ring_size(int64_t size, const F& fn) {
+  switch (size) {
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    case 8: fn(std::integral_constant<int, 8>{}); break;
+    case 16: fn(std::integral_constant<int, 16>{}); break;
+    case 24: fn(std::integral_constant<int, 24>{}); break;
+    default: TORCH_CHECK(false, "sort_conv_cpu: no unrolled ring DFT for ", size, " samples");
+  }
+}
+
+template <typename scalar_t>
+const scalar_t* block_weights(const AlignTables<scalar_t>& t, int64_t block, bool backward) {
+  if (block < 0) return nullptr;
+  return backward ? t.blocks[block].backward.data() : t.blocks[block].forward.data();
+}
+
+// spectra[k*k][lanes] from samples[k*k][lanes], ring by ring (t.rings).
+template <typename scalar_t>
+void rings_to_spectra(const Plan<scalar_t>& plan, const AlignTables<scalar_t>& t, const scalar_t* samples,
+                      scalar_t* spectra) {
+  using vec = typename Simd<scalar_t>::vec;
+  constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
+  for (size_t i = 0; i < plan.segments.size(); ++i) {
+    const int64_t start = plan.segments[i].start;
+    const scalar_t* cosine = block_weights(t, t.cosine_block[i], false);
+    const scalar_t* sine = block_weights(t, t.sine_block[i], false);
+    with_ring_size(plan.segments[i].size, [&](auto size) {
+      for (int64_t h = 0; h < lanes; h += half) {
+        const scalar_t* in = samples + start * lanes + h;
+        scalar_t* out = spectra + start * lanes + h;
+        ring_dft<vec, decltype(size)::value>([&](int j) __attribute__((always_inline)) { return load(in + j * lanes); }, cosine, sine,
+                                             [&](int row, vec value) __attribute__((always_inline)) { store(out + row * lanes, value); });
+      }
+    });
+  }
+}
+
+// The samples' gradient grad_samples[k*k][lanes] from the spectra's, ring by ring (t.rings).
+template <typename scalar_t>
+void rings_to_samples(const Plan<scalar_t>& plan, const AlignTables<scalar_t>& t, const scalar_t* grad_spectra,
+                      scalar_t* grad_samples) {
+  using vec = typename Simd<scalar_t>::vec;
+  constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
+  for (size_t i = 0; i < plan.segments.size(); ++i) {
+    const int64_t start = plan.segments[i].start;
+    const scalar_t* cosine = block_weights(t, t.cosine_block[i], true);
+    const scalar_t* sine = block_weights(t, t.sine_block[i], true);
+    with_ring_size(plan.segments[i].size, [&](auto size) {
+      for (int64_t h = 0; h < lanes; h += half) {
+        const scalar_t* in = grad_spectra + start * lanes + h;
+        scalar_t* out = grad_samples + start * lanes + h;
+        ring_dft_transposed<vec, decltype(size)::value>([&](int row) __attribute__((always_inline)) { return load(in + row * lanes); }, cosine, sine,
+                                                        [&](int j, vec value) __attribute__((always_inline)) { store(out + j * lanes, value); });
+      }
+    });
+  }
+}
+
+#if defined(TIMM_SORTCONV_SORT_DIRECT)
+// a * b + c rounded once, as the compiler contracts apply_taps' sums (an explicit instruction: the contraction of an
+// expression may fuse either product of a sum of two).
+inline vfloat fused_multiply_add(vfloat a, vfloat b, vfloat c) {
+#if defined(__AVX512F__)
+  return (vfloat)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#else
+  return (vfloat)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#endif
+}
+
+bool known_polar_segment(int64_t k, int64_t start, int64_t size) {
+  return (k == 5 && ((start == 0 && size == 1) || (start == 1 && size == 8) || (start == 9 && size == 16)))
+         || (k == 7 && ((start == 0 && size == 1) || (start == 1 && size == 8) || (start == 9 && size == 16)
+                        || (start == 25 && size == 24)));
+}
+
+// One vector of ring [kStart, kStart + N)'s spectra with its samples read straight from the input: polar taps at
+// compile-time positions (sort_polar_fixed's loads) or square samples (single_tap).
+template <int K, int kStart, int N, bool kTwo>
+void polar_ring_spectra(const Plan<float>& plan, const float* cosine, const float* sine, const float* p0,
+                        const float* p1, PieceMask m0, PieceMask m1, float* out) {
+  using taps = PolarTaps<K>;
+  constexpr int64_t lanes = kLanes<float>;
+  int64_t row[K], col[K];
+  for (int i = 0; i < K; ++i) {
+    row[i] = plan.grid_offset[i * K];
+    col[i] = plan.grid_offset[i];
+  }
+  const float* weight = plan.polar_weight.data() + kStart * kPolarTaps;
+  ring_dft<vfloat, N>(
+      [&](int i) __attribute__((always_inline)) {
+        const int s = kStart + i;
+        const auto tap = [&](int t) __attribute__((always_inline)) {
+          return load_pieces<kTwo>(p0, p1, m0, m1, row[taps::kTap[s][t][0]] + col[taps::kTap[s][t][1]]);
+        };
+        const auto w = [&](int t) __attribute__((always_inline)) { return splat(weight[i * kPolarTaps + t]); };
+        if (taps::kCount[s] == 1) return w(0) * tap(0);
+        vfloat acc = fused_multiply_add(w(0), tap(0), w(1) * tap(1));
+#pragma GCC unroll 4
+        for (int t = 2; t < kPolarTaps; ++t) {
+          if (t < taps::kCount[s]) acc = fused_multiply_add(w(t), tap(t), acc);
+        }
+        return acc;
+      },
+      cosine, sine, [&](int r, vfloat value) __attribute__((always_inline)) { store(out + r * lanes, value); });
+}
+
+template <int N, bool kTwo>
+void square_ring_spectra(const Plan<float>& plan, int64_t start, const float* cosine, const float* sine,
+                         const float* p0, const float* p1, PieceMask m0, PieceMask m1, float* out) {
+  constexpr int64_t lanes = kLanes<float>;
+  const int64_t* offset = plan.sample_offset.data() + start;
+  ring_dft<vfloat, N>([&](int i) __attribute__((always_inline)) { return load_pieces<kTwo>(p0, p1, m0, m1, offset[i]); }, cosine, sine,
+                      [&](int r, vfloat value) __attribute__((always_inline)) { store(out + r * lanes, value); });
+}
+
+template <bool kTwo>
+void direct_ring_spectra(const Plan<float>& plan, const Segment& segment, const float* cosine, const float* sine,
+                         const float* p0, const float* p1, PieceMask m0, PieceMask m1, float* out) {
+  if (plan.polar_k == 0) {
+    with_ring_size(segment.size, [&](auto size) {
+      square_ring_spectra<decltype(size)::value, kTwo>(plan, segment.start, cosine, sine, p0, p1, m0, m1, out);
+    });
+    return;
+  }
+  const int64_t key = plan.polar_k * 10000 + segment.start * 100 + segment.size;
+#define TIMM_SORTCONV_CASE(k, start, size) \
+  case k * 10000 + start * 100 + size:    \
+    return polar_ring_spectra<k, start, size, kTwo>(plan, cosine, sine, p0, p1, m0, m1, out);
+  switch (key) {
+    TIMM_SORTCONV_CASE(5, 0, 1)
+    TIMM_SORTCONV_CASE(5, 1, 8)
+    TIMM_SORTCONV_CASE(5, 9, 16)
+    TIMM_SORTCONV_CASE(7, 0, 1)
+    TIMM_SORTCONV_CASE(7, 1, 8)
+    TIMM_SORTCONV_CASE(7, 9, 16)
+    TIMM_SORTCONV_CASE(7, 25, 24)
+    default:
+      TORCH_CHECK(false, "sort_conv_cpu: no polar ring [", segment.start, ", ", segment.start + segment.size,
+                  ") for k = ", plan.polar_k);
+  }
+#undef TIMM_SORTCONV_CASE
+}
+
+// window_spectra straight from the input (gathering, the fold and the DFT in registers, as sort_direct gathers and
+// sorts); false (nothing done) where the tables or the block do not allow it.
+bool direct_spectra(const Plan<float>& plan, const AlignTables<float>& t, const float* channel_input,
+                    const Block& block, float* spectra) {
+  constexpr int64_t lanes = kLanes<float>, half = kVecLanes<float>;
+  if (!t.direct || !block.direct) return false;
+  for (size_t i = 0; i < plan.segments.size(); ++i) {
+    const Segment& segment = plan.segments[i];
+    const float* cosine = block_weights(t, t.cosine_block[i], false);
+    const float* sine = block_weights(t, t.sine_block[i], false);
+    for (int64_t h = 0; h < lanes / half; ++h) {
+      const VectorSource& source = block.source[h];
+      const float* p0 = channel_input + source.base[0];
+      const float* p1 = channel_input + source.base[1];
+      const PieceMask m0 = piece_mask(source.mask[0]), m1 = piece_mask(source.mask[1]);
+      float* out = spectra + segment.start * lanes + h * half;
+      if (source.mask[1] != 0) {
+        direct_ring_spectra<true>(plan, segment, cosine, sine, p0, p1, m0, m1, out);
+      } else {
+        direct_ring_spectra<false>(plan, segment, cosine, sine, p0, p1, m0, m1, out);
+      }
+    }
+  }
+  return true;
+}
+#else
+bool known_polar_segment(int64_t, int64_t, int64_t) { return false; }
+#endif
+
+template <typename scalar_t>
+bool direct_spectra(const Plan<scalar_t>&, const AlignTables<scalar_t>&, const scalar_t*, const Block&, scalar_t*) {
+  return false;
+}
+
+// The harmonic rows spectra[k*k][lanes] of one channel's windows in the block: straight from the input where
+// direct_spectra can, else gathered, then folded and each block of the DFT taken ring by ring in registers
+// (t.rings) or as a micro-GEMM over the lanes.
 template <typename scalar_t, bool kUnitStride>
 void window_spectra(const Plan<scalar_t>& plan, const AlignTables<scalar_t>& t, const scalar_t* channel_input,
                     const Block& block, scalar_t* grid, scalar_t* samples, scalar_t* folded, scalar_t* spectra) {
   constexpr int64_t lanes = kLanes<scalar_t>;
+  if (kUnitStride && direct_spectra(plan, t, channel_input, block, spectra)) return;
   gather_samples<scalar_t, kUnitStride>(plan, channel_input, block, grid, samples);
+  if (t.rings) {
+    rings_to_spectra(plan, t, samples, spectra);
+    return;
+  }
   apply_taps(t.fold, samples, folded);
   for (const auto& b : t.blocks) {
     gemm_rows(folded + b.start * lanes, b.size, b.forward.data(), b.size, b.size, spectra + b.start * lanes, false);
@@ -181,9 +498,13 @@ void window_spectra(const Plan<scalar_t>& plan, const AlignTables<scalar_t>& t, 
 
 // The samples' gradient grad_samples[k*k][lanes] from the spectra's, through the DFT's and the fold's transposes.
 template <typename scalar_t>
-void spectra_to_samples(const AlignTables<scalar_t>& t, const scalar_t* grad_spectra, scalar_t* grad_folded,
-                        scalar_t* grad_samples) {
+void spectra_to_samples(const Plan<scalar_t>& plan, const AlignTables<scalar_t>& t, const scalar_t* grad_spectra,
+                        scalar_t* grad_folded, scalar_t* grad_samples) {
   constexpr int64_t lanes = kLanes<scalar_t>;
+  if (t.rings) {
+    rings_to_samples(plan, t, grad_spectra, grad_samples);
+    return;
+  }
   for (const auto& b : t.blocks) {
     gemm_rows(grad_spectra + b.start * lanes, b.size, b.backward.data(), b.size, b.size, grad_folded + b.start * lanes,
               false);
@@ -443,22 +764,26 @@ void add_orientation_gradient(const AlignTables<scalar_t>& t, const scalar_t* gr
 // unit of channel ci, or of every channel's unit in turn.
 inline int64_t units_of(bool shared, int64_t channels_per_group) { return shared ? 1 : channels_per_group; }
 
-// Turns the group's spectra[C/g][k*k][lanes] into `aligned` (which may be `spectra`) and leaves each unit's
-// state in states[unit] (state_rows() rows of lanes; one row block per unit).
-template <typename scalar_t>
-void align_group(const AlignTables<scalar_t>& t, int64_t channels, const scalar_t* spectra, scalar_t* aligned,
-                 scalar_t* states) {
+// The group's spectra[C/g][k*k][lanes] of the block, each channel's (c, E) added to its unit's state while its
+// spectra are still in L1 (the same sums in the same order as taking them after all the channels), and, where
+// anything turns, each unit's gated powers: states[unit] holds state_rows() rows of lanes.
+template <typename scalar_t, bool kUnitStride>
+void group_spectra(const Plan<scalar_t>& plan, const AlignTables<scalar_t>& t, int64_t channels,
+                   const scalar_t* group_input, const Block& block, scalar_t* grid, scalar_t* samples,
+                   scalar_t* folded, scalar_t* spectra, scalar_t* states) {
   constexpr int64_t lanes = kLanes<scalar_t>;
-  const int64_t slots = t.harmonics, state_size = t.state_rows() * lanes;
+  const int64_t slots = plan.slots, plane = plan.in_h * plan.in_w, state_size = t.state_rows() * lanes;
   const int64_t units = units_of(t.shared, channels);
-  std::fill(states, states + units * state_size, scalar_t(0));
+  const bool turns = t.pairs > 0;
+  if (turns) std::fill(states, states + units * state_size, scalar_t(0));
   for (int64_t ci = 0; ci < channels; ++ci) {
-    add_orientation(t, spectra + ci * slots * lanes, states + (t.shared ? 0 : ci) * state_size);
+    scalar_t* channel_spectra = spectra + ci * slots * lanes;
+    window_spectra<scalar_t, kUnitStride>(plan, t, group_input + ci * plane, block, grid, samples, folded,
+                                          channel_spectra);
+    if (turns) add_orientation(t, channel_spectra, states + (t.shared ? 0 : ci) * state_size);
   }
-  for (int64_t u = 0; u < units; ++u) make_turns(t, states + u * state_size);
-  for (int64_t ci = 0; ci < channels; ++ci) {
-    turn_spectra(t, states + (t.shared ? 0 : ci) * state_size, spectra + ci * slots * lanes,
-                 aligned + ci * slots * lanes);
+  if (turns) {
+    for (int64_t u = 0; u < units; ++u) make_turns(t, states + u * state_size);
   }
 }
 
@@ -468,7 +793,7 @@ void align_forward_kernel(const Plan<scalar_t>& plan, const AlignTables<scalar_t
                           scalar_t* output) {
   constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
   const int64_t slots = plan.slots, positions = plan.positions(), plane = plan.in_h * plan.in_w;
-  const int64_t cg = shape.in_per_group(), og = shape.out_per_group();
+  const int64_t cg = shape.in_per_group(), og = shape.out_per_group(), state_size = t.state_rows() * lanes;
   const int64_t panel_channels = panel_channels_of(cg, slots);
   const int64_t threads = thread_count(shape.batch * positions / lanes, multiply_adds(shape, positions, slots));
   for_each_thread_range(shape.batch, positions, threads, false, [&](int64_t, int64_t begin, int64_t end) {
@@ -487,16 +812,19 @@ void align_forward_kernel(const Plan<scalar_t>& plan, const AlignTables<scalar_t
         std::fill(tile.data() + o * lanes, tile.data() + (o + 1) * lanes, bias != nullptr ? bias[o] : scalar_t(0));
       }
       for (int64_t g = 0; g < shape.groups; ++g) {
-        for (int64_t ci = 0; ci < cg; ++ci) {
-          window_spectra<scalar_t, kUnitStride>(plan, t, images + (g * cg + ci) * plane, block, grid.data(),
-                                                samples.data(), folded.data(), spectra.data() + ci * slots * lanes);
-        }
-        if (t.pairs > 0) align_group(t, cg, spectra.data(), spectra.data(), states.data());
+        group_spectra<scalar_t, kUnitStride>(plan, t, cg, images + g * cg * plane, block, grid.data(), samples.data(),
+                                             folded.data(), spectra.data(), states.data());
+        // Panel by panel, each turned in place just before its product, so that the product reads it from L1.
         // weight_packed is (groups, C/g * k*k, O/g), the harmonic channels of these channels as rows.
         for (int64_t c0 = 0; c0 < cg; c0 += panel_channels) {
           const int64_t channels = std::min(panel_channels, cg - c0);
-          gemm_rows(spectra.data() + c0 * slots * lanes, channels * slots, weight_packed + (g * cg + c0) * slots * og,
-                    og, og, tile.data() + g * og * lanes, true);
+          scalar_t* panel = spectra.data() + c0 * slots * lanes;
+          for (int64_t ci = c0; t.pairs > 0 && ci < c0 + channels; ++ci) {
+            scalar_t* channel_spectra = spectra.data() + ci * slots * lanes;
+            turn_spectra(t, states.data() + (t.shared ? 0 : ci) * state_size, channel_spectra, channel_spectra);
+          }
+          gemm_rows(panel, channels * slots, weight_packed + (g * cg + c0) * slots * og, og, og,
+                    tile.data() + g * og * lanes, true);
         }
       }
       for (int64_t o = 0; o < shape.out_channels; ++o) {
@@ -516,14 +844,16 @@ void align_backward_kernel(const Plan<scalar_t>& plan, const AlignTables<scalar_
   constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
   const int64_t slots = plan.slots, positions = plan.positions(), plane = plan.in_h * plan.in_w;
   const int64_t cg = shape.in_per_group(), og = shape.out_per_group(), state_size = t.state_rows() * lanes;
+  const int64_t panel_channels = panel_channels_of(cg, slots);
   const bool need_input = grad_input != nullptr || !grad_input_parts.empty();
   const bool need_weight = !grad_weight_parts.empty();
   // A thread owns whole images (its scatter races with nobody) unless there are fewer images than threads.
   const bool whole_images = need_input && grad_input_parts.empty();
   for_each_thread_range(shape.batch, positions, threads, whole_images, [&](int64_t thread, int64_t begin, int64_t end) {
     std::vector<scalar_t> grad_tile(shape.out_channels * lanes), grad_tile_t(shape.groups * lanes * outputs_padded);
-    std::vector<scalar_t> spectra(cg * slots * lanes), aligned(cg * slots * lanes), samples(slots * lanes + half),
-        grid(slots * lanes + half), folded(slots * lanes), grad_samples(slots * lanes), grad_grid(slots * lanes);
+    std::vector<scalar_t> spectra(cg * slots * lanes), aligned(panel_channels * slots * lanes),
+        grad_columns(cg * slots * lanes), samples(slots * lanes + half), grid(slots * lanes + half),
+        folded(slots * lanes), grad_samples(slots * lanes), grad_grid(slots * lanes);
     std::vector<scalar_t> states(units_of(t.shared, cg) * state_size), grad_turn(2 * (t.largest + 1) * lanes),
         grad_orientation(3 * lanes);
     std::vector<Block> blocks(1);
@@ -555,46 +885,58 @@ void align_backward_kernel(const Plan<scalar_t>& plan, const AlignTables<scalar_
         }
       }
       for (int64_t g = 0; g < shape.groups; ++g) {
-        for (int64_t ci = 0; ci < cg; ++ci) {
-          window_spectra<scalar_t, kUnitStride>(plan, t, images + (g * cg + ci) * plane, block, grid.data(),
-                                                samples.data(), folded.data(), spectra.data() + ci * slots * lanes);
-        }
+        group_spectra<scalar_t, kUnitStride>(plan, t, cg, images + g * cg * plane, block, grid.data(), samples.data(),
+                                             folded.data(), spectra.data(), states.data());
         const bool turns = t.pairs > 0;
-        scalar_t* columns = turns ? aligned.data() : spectra.data();
-        if (turns) align_group(t, cg, spectra.data(), columns, states.data());
-        if (need_weight) {
-          gemm_reduce(columns, 0, cg * slots, &count, 1, grad_tile_t.data() + g * lanes * outputs_padded,
-                      outputs_padded, grad_weight + g * cg * slots * outputs_padded);
-        }
-        if (!need_input) continue;
-        // The aligned columns' gradient, into `aligned` (no longer needed): for each of the group's O/g outputs,
-        // the harmonic weight's row times the output gradient.
-        scalar_t* grad_columns = aligned.data();
-        gemm_rows(grad_tile.data() + g * og * lanes, og, weight + g * og * cg * slots, cg * slots, cg * slots,
-                  grad_columns, false);
+        const auto state_of = [&](int64_t ci) { return states.data() + (t.shared ? 0 : ci) * state_size; };
         const auto to_input = [&](int64_t ci) {
-          spectra_to_samples(t, grad_columns + ci * slots * lanes, folded.data(), grad_samples.data());
+          spectra_to_samples(plan, t, grad_columns.data() + ci * slots * lanes, folded.data(), grad_samples.data());
           scatter_gradients<scalar_t, kUnitStride>(plan, block, grad_samples.data(), grad_grid.data(),
                                                    grad_images + (g * cg + ci) * plane);
         };
-        if (!turns) {
-          for (int64_t ci = 0; ci < cg; ++ci) to_input(ci);
-          continue;
-        }
-        // One unit at a time: its channels' turns transposed (collecting dL/dT), its orientation's gradient, then
-        // that gradient added to each of its channels before they go back to the input.
-        const int64_t units = units_of(t.shared, cg), per_unit = cg / units;
-        for (int64_t u = 0; u < units; ++u) {
-          const scalar_t* state = states.data() + u * state_size;
-          std::fill(grad_turn.begin(), grad_turn.end(), scalar_t(0));
-          for (int64_t ci = u * per_unit; ci < (u + 1) * per_unit; ++ci) {
-            turn_back(t, state, spectra.data() + ci * slots * lanes, grad_columns + ci * slots * lanes,
-                      grad_turn.data());
+        if (turns && t.shared) std::fill(grad_turn.begin(), grad_turn.end(), scalar_t(0));
+        // Panel by panel, so that what it reads and writes stays in L1: its aligned columns (turned into `aligned`),
+        // their share of the weight gradient, their gradient (for each of the group's O/g outputs the harmonic
+        // weight's row times the output gradient) and that gradient back through the turn, collecting dL/dT. A unit
+        // of one channel then goes on to its orientation's gradient and to the input; the group's unit ("align")
+        // does once all its channels have added to dL/dT.
+        for (int64_t c0 = 0; c0 < cg; c0 += panel_channels) {
+          const int64_t channels = std::min(panel_channels, cg - c0);
+          const scalar_t* columns = spectra.data() + c0 * slots * lanes;
+          if (turns) {
+            for (int64_t ci = c0; ci < c0 + channels; ++ci) {
+              turn_spectra(t, state_of(ci), spectra.data() + ci * slots * lanes,
+                           aligned.data() + (ci - c0) * slots * lanes);
+            }
+            columns = aligned.data();
           }
-          orientation_backward(t, state, grad_turn.data(), grad_orientation.data());
-          for (int64_t ci = u * per_unit; ci < (u + 1) * per_unit; ++ci) {
+          if (need_weight) {
+            gemm_reduce(columns, 0, channels * slots, &count, 1, grad_tile_t.data() + g * lanes * outputs_padded,
+                        outputs_padded, grad_weight + (g * cg + c0) * slots * outputs_padded);
+          }
+          if (!need_input) continue;
+          gemm_rows(grad_tile.data() + g * og * lanes, og, weight + g * og * cg * slots + c0 * slots, cg * slots,
+                    channels * slots, grad_columns.data() + c0 * slots * lanes, false);
+          for (int64_t ci = c0; ci < c0 + channels; ++ci) {
+            if (!turns) {
+              to_input(ci);
+              continue;
+            }
+            const scalar_t* channel_spectra = spectra.data() + ci * slots * lanes;
+            scalar_t* channel_grad = grad_columns.data() + ci * slots * lanes;
+            if (!t.shared) std::fill(grad_turn.begin(), grad_turn.end(), scalar_t(0));
+            turn_back(t, state_of(ci), channel_spectra, channel_grad, grad_turn.data());
+            if (t.shared) continue;
+            orientation_backward(t, state_of(ci), grad_turn.data(), grad_orientation.data());
+            add_orientation_gradient(t, grad_orientation.data(), channel_spectra, channel_grad);
+            to_input(ci);
+          }
+        }
+        if (need_input && turns && t.shared) {
+          orientation_backward(t, states.data(), grad_turn.data(), grad_orientation.data());
+          for (int64_t ci = 0; ci < cg; ++ci) {
             add_orientation_gradient(t, grad_orientation.data(), spectra.data() + ci * slots * lanes,
-                                     grad_columns + ci * slots * lanes);
+                                     grad_columns.data() + ci * slots * lanes);
             to_input(ci);
           }
         }
@@ -615,7 +957,7 @@ at::Tensor align_forward_impl(const timm_sortconv_cpu::AlignCall& align) {
   const auto plan = make_plan<scalar_t>(call.input, call.tap_offsets, call.tap_weights, call.segments,
                                         call.comparators, call.kernel_size, call.stride_h, call.stride_w,
                                         call.dilation_h, call.dilation_w, call.pad);
-  const auto tables = make_align_tables<scalar_t>(align, plan.slots);
+  const auto tables = make_align_tables<scalar_t>(align, plan);
   at::Tensor output = at::empty({shape.batch, shape.out_channels, plan.out_h, plan.out_w}, call.input.options());
   // The harmonic weight as (groups, C/g * k*k, O/g): pack_by_slot with the identity order.
   const at::Tensor weight_packed =
@@ -647,7 +989,7 @@ std::vector<at::Tensor> align_backward_impl(const timm_sortconv_cpu::AlignCall& 
   TORCH_CHECK(grad_output.dim() == 4 && grad_output.size(0) == shape.batch && grad_output.size(1) == shape.out_channels
                   && grad_output.size(2) == plan.out_h && grad_output.size(3) == plan.out_w,
               "sort_conv_cpu: grad_output has the wrong shape");
-  const auto tables = make_align_tables<scalar_t>(align, plan.slots);
+  const auto tables = make_align_tables<scalar_t>(align, plan);
   constexpr int64_t half = kVecLanes<scalar_t>;
   const int64_t slots = plan.slots, og = shape.out_per_group();
   const int64_t outputs_padded = (og + half - 1) / half * half;
