@@ -200,11 +200,14 @@ def _turn_error(outputs):
     ("ri_resnet18", dict(channels=(4, 8, 8, 8), stem_width=4, num_classes=5), (33, 40, 47)),
     ("scnn_p_rs_7_blur", dict(channels=(4, 4, 6, 6, 8, 8)), (28, 29, 30)),
     ("scnn_p_align_7_guided", dict(channels=(4, 4, 6, 6, 8, 8)), (28, 30, 33)),
+    ("scnn_p_rs_7_canon", dict(channels=(4, 4, 6, 6, 8, 8)), (28, 31)),
+    ("scnn_p_align_7_guided_canon", dict(channels=(4, 4, 6, 6, 8, 8)), (28, 31)),
 ])
 def test_a_graph_with_dynamic_height_and_width_is_centred_at_every_size(name, kwargs, sizes):
     """Exported by the TorchScript-based exporter with a dynamic height and width at one size, the graph centres its
-    strided layers (convolutions, pooling, blurred pooling) for the size it is given: exactly invariant to quarter
-    turns in onnxruntime at sizes of both parities, as the model is, and equal to the model there."""
+    strided layers (convolutions, pooling, blurred pooling), its canonical turn and its guide for the size it is given:
+    exactly invariant to quarter turns in onnxruntime at sizes of both parities, as the model is, and equal to the
+    model there."""
     onnxruntime = pytest.importorskip("onnxruntime")
     torch.manual_seed(0)
     model = timm.create_model(name, **kwargs).eval()

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import timm_sortconv  # noqa: F401  (registers the models)
 from timm_sortconv import SortConv2d, quarter_turn_check, sortify
-from timm_sortconv.guide import GAIN, OrientationGuide, _area_matrix, attach_guide, guided_layers
+from timm_sortconv.guide import GAIN, OrientationGuide, _area_matrix, attach_guide, check_guide_ramp, guided_layers
 from timm_sortconv.models import SCNN
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -50,6 +50,48 @@ def test_a_sortified_timm_model_with_a_guide_is_exactly_invariant_to_quarter_tur
     torch.manual_seed(0)
     model = sortify(timm.create_model("resnet18", num_classes=3), sorting="align", guide_blur=3.0).eval().double()
     assert quarter_turn_check(model, 45, batch=1, search=0).error < 1e-10
+
+
+@pytest.mark.parametrize("size", [28, 29])
+def test_a_guided_scnn_with_a_ramp_is_exactly_invariant_to_quarter_turns(size):
+    """The ramp is fixed along +x of the image; the canonical turn in front keeps the network invariant."""
+    model = small_guided(canonicalize="moment1", guide_ramp=0.05).double()
+    assert quarter_turn_check(model, size, batch=2, search=0).error < 1e-10
+
+
+def test_a_sortified_timm_model_with_a_ramp_is_exactly_invariant_to_quarter_turns():
+    torch.manual_seed(0)
+    model = sortify(timm.create_model("resnet10t", num_classes=3), sorting="align", guide_blur=3.0,
+                    canonicalize="moment1", guide_ramp=0.02).eval().double()
+    assert model.conv1[0].orientation_guide.ramp == 0.02
+    assert quarter_turn_check(model, 37, batch=1, search=0).error < 1e-10
+
+
+@pytest.mark.parametrize("width", [16, 17])
+def test_the_ramp_is_a_slope_along_x_centred_on_the_image_before_the_gain(width):
+    x = torch.rand(2, 3, 12, width, dtype=torch.float64)
+    plain, ramped = OrientationGuide(2.0).double(), OrientationGuide(2.0, ramp=0.25).double()
+    slope = (torch.arange(width, dtype=torch.float64) - (width - 1) / 2) * 0.25 * GAIN
+    torch.testing.assert_close(ramped(x) - plain(x), slope.expand(2, 1, 12, width))
+    # where the input is flat the ramp alone is the guide: its first harmonic points along +x in every window
+    flat = torch.ones(1, 1, 12, width, dtype=torch.float64)
+    torch.testing.assert_close(ramped(flat), slope.expand(1, 1, 12, width))
+
+
+def test_where_the_input_is_flat_the_ramp_turns_the_windows():
+    """On a flat image the plain guide is zero (the features orient each window) and the ramped one points along +x
+    everywhere: a guided layer's output then differs."""
+    torch.manual_seed(3)
+    layer = SortConv2d(3, 4, 5, padding=2, sorting="align", guided=True).double()
+    x = torch.randn(1, 3, 16, 16, dtype=torch.float64)
+    flat = torch.ones(1, 1, 16, 16, dtype=torch.float64)
+    outputs = []
+    for guide in (OrientationGuide(2.0), OrientationGuide(2.0, ramp=0.02)):
+        guide.double()
+        guide.map = guide(flat)
+        layer.guide_source = (guide,)
+        outputs.append(layer(x))
+    assert (outputs[0] - outputs[1]).abs().max() > 1e-2 * outputs[0].abs().max()
 
 
 def test_the_guide_decides_the_turn_where_it_varies():
@@ -155,6 +197,15 @@ def test_the_model_api_holds():
     assert all(p.grad is not None for p in model.parameters())
 
 
+def test_the_registered_network_for_both_kinds_of_turn_is_built_as_its_card_says():
+    model = timm.create_model("scnn_p_align_7_guided_canon")
+    convs = [m for m in model.modules() if isinstance(m, SortConv2d)]
+    assert len(convs) == 6 and all(c.guided and c.sorting == "align" for c in convs)
+    guide = model.features[0].conv.orientation_guide
+    assert guide.blur.sigma == 4.0 and guide.ramp == 0.02 and model.canonicalize.order == 1
+    assert model.state_dict().keys() == timm.create_model("scnn_p_align_7_guided").state_dict().keys()
+
+
 def test_the_registered_model_is_built_as_its_card_says():
     model = timm.create_model("scnn_p_align_7_guided")
     convs = [m for m in model.modules() if isinstance(m, SortConv2d)]
@@ -222,6 +273,25 @@ def test_combinations_the_guide_cannot_serve_are_refused_at_construction():
         sortify(model, sorting="align", guide_source="conv1")
     assert not any(isinstance(m, SortConv2d) for m in model.modules())
     assert all(torch.equal(before[key], value) for key, value in model.state_dict().items())
+
+
+def test_a_ramp_without_a_guide_or_a_canonical_turn_is_refused_at_construction():
+    with pytest.raises(ValueError, match="guide_ramp=0.02 is fixed along the \\+x axis.*canonicalize='moment1'"):
+        SCNN(sorting="align", guide_blur=4.0, guide_ramp=0.02)
+    with pytest.raises(ValueError, match="guide_ramp=0.02 .* needs guide_blur > 0"):
+        SCNN(sorting="align", canonicalize="moment1", guide_ramp=0.02)
+    for bad in (-0.1, float("nan"), True, "0.02"):
+        with pytest.raises(ValueError, match="guide_ramp must be a slope >= 0 a pixel"):
+            SCNN(sorting="align", guide_blur=4.0, canonicalize="moment1", guide_ramp=bad)
+    with pytest.raises(ValueError, match="guide_ramp must be a slope"):
+        OrientationGuide(2.0, ramp=-1)
+    model = timm.create_model("resnet10t")
+    with pytest.raises(ValueError, match="fixed along the \\+x axis"):
+        sortify(model, sorting="align", guide_blur=4.0, guide_ramp=0.02)
+    assert not any(isinstance(m, SortConv2d) for m in model.modules())
+    with pytest.raises(ValueError, match="fixed along the \\+x axis"):
+        attach_guide(nn.Sequential(SortConv2d(1, 2, 3, sorting="align")), ramp=0.02)
+    assert check_guide_ramp(0, 0.0, None) == 0.0
 
 
 def test_attach_guide_refuses_what_it_cannot_guide():

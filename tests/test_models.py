@@ -25,7 +25,7 @@ ALL = SCNNS + SCNN_BASELINES + RI + RI_BASELINES
 FAMILIES = {"scnn_p_rs_3": 28, "ri_vgg16": 32, "ri_resnet18": 18, "ri_densenet40": 15}
 # Every registered SC entrypoint, its default input side, and three other sides of both parities.
 BEYOND_THE_PAPER = ["scnn_p_rs_7_canon", "scnn_p_c2_7_canon", "scnn_p_rs_7_blur", "scnn_p_rs_7_early_canon",
-                    "scnn_p_align_7_guided"]
+                    "scnn_p_align_7_guided", "scnn_p_align_7_guided_canon"]
 SC_ENTRYPOINTS = SCNNS + BEYOND_THE_PAPER + RI
 OTHER_SIZES = {28: (27, 30, 33), 128: (127, 130, 97)}
 # Small inputs every family accepts (RI-VGG16 pools five times).

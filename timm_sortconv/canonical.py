@@ -107,9 +107,16 @@ def _moment_terms(images: torch.Tensor, order: int) -> Tuple[torch.Tensor, torch
     xs = torch.arange(w, dtype=dtype, device=x.device) - (w - 1) / 2.0
     yy, xx = torch.meshgrid(ys, xs, indexing="ij")
     radius = torch.sqrt(xx * xx + yy * yy)
-    disc = ((min(h, w) / 2.0 - radius) / 2.0).clamp(0.0, 1.0)  # fades out over the last 2 pixels
+    # min(h, w) / 2 from the coordinates (a trace keeps what Python's min returns as a constant); fades out over the
+    # last 2 pixels
+    disc = ((torch.minimum(-ys[0], -xs[0]) + 0.5 - radius) / 2.0).clamp(0.0, 1.0)
     # theta counter-clockwise on screen: y points down, so the angle of (x, -y).
     theta = torch.atan2(-yy, xx)
+    if not torch.jit.is_scripting():  # TorchScript compiles no branch under this test
+        if torch.onnx.is_in_onnx_export():
+            # ONNX writes atan2 as atan(y / x), NaN at the centre of an odd-sized image, where atan2(0, 0) = 0 and
+            # the weight is 0: there it reads atan2(0, 1) = 0 instead
+            theta = torch.atan2(-yy, torch.where(radius > 0, xx, torch.ones_like(xx)))
     weight = disc * radius.pow(order)
     centred = x - (x * disc).sum(dim=(-2, -1), keepdim=True) / disc.sum().clamp_min(1e-12)
     return centred * weight * torch.cos(order * theta), centred * weight * torch.sin(order * theta)

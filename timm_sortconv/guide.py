@@ -21,6 +21,13 @@ orientation of each window from one map made once per forward from the model's i
   the aligned operator (its reference path, the fused CPU kernel, the standard-operator ``harmonic`` backend,
   ``torch.compile``, ``torch.export``, ONNX) runs a guided layer.
 
+* **A ramp for whole-image turns** (``ramp``, for a model that turns its input to a canonical orientation first,
+  ``canonicalize=``): a ramp of ``ramp`` units a pixel along the +x axis of the turned image, added to the map before
+  the gain. Where the blurred input is flat (a blob's top, the background) the windows then turn by the image's
+  canonical orientation instead of by their features, so that whole-image turns are followed as well as turned
+  parts. The ramp is fixed in the turned image's frame: the model stays invariant to quarter turns through the
+  canonical turn in front of it, which is why a ramp without one is refused.
+
 Why the invariance to quarter turns stays exact: the guide is equivariant (a channel mean, a minimum over the
 image, a symmetric blur with zero padding, a gain), its pooling too, and the aligned operator is exactly invariant
 to quarter turns of all its input channels together.
@@ -43,7 +50,8 @@ import torch.nn.functional as F
 
 from .antialias import GaussianBlur2d
 
-__all__ = ["GAIN", "OrientationGuide", "attach_guide", "check_guidable", "check_guide_blur", "guided_layers"]
+__all__ = ["GAIN", "OrientationGuide", "attach_guide", "check_guidable", "check_guide_blur", "check_guide_ramp",
+           "guided_layers"]
 
 #: How much the guide is scaled, so that its first harmonic outweighs the features' (activations are of order 1
 #: after BatchNorm, a blurred normalised image's gradient about 0.1 a pixel); float32 keeps 7 digits of the sum.
@@ -62,6 +70,29 @@ def check_guide_blur(guide_blur, sorting: Optional[str] = "align") -> float:
                          f"sorting='align' (one orientation per position, shared by a group's channels); got "
                          f"sorting={sorting!r}")
     return float(guide_blur)
+
+
+def check_guide_ramp(guide_ramp, guide_blur: float = 4.0, canonicalize=None) -> float:
+    """Returns ``guide_ramp`` as a float if it is a slope ``>= 0`` a pixel (0: no ramp) that a model with these
+    ``guide_blur`` and ``canonicalize`` can take (a ramp needs a guide and a canonical turn in front of it), else
+    raises ``ValueError`` naming what is accepted. ``canonicalize`` is the option (``"moment1"``...) or the module
+    that applies it (an ``nn.Identity`` turns nothing)."""
+    guide_ramp = _ramp_slope(guide_ramp)
+    if guide_ramp and not guide_blur:
+        raise ValueError(f"guide_ramp={guide_ramp!r} is added to the orientation guide, which needs guide_blur > 0")
+    if guide_ramp and (canonicalize is None or isinstance(canonicalize, nn.Identity)):
+        raise ValueError(f"guide_ramp={guide_ramp!r} is fixed along the +x axis of the image, so the model keeps its "
+                         "invariance only if it turns its input to a canonical orientation first: pass "
+                         "canonicalize='moment1' (or 'moment2', 'moment4') with it")
+    return guide_ramp
+
+
+def _ramp_slope(guide_ramp) -> float:
+    if isinstance(guide_ramp, bool) or not isinstance(guide_ramp, (int, float)) or not (
+            math.isfinite(guide_ramp) and guide_ramp >= 0):
+        raise ValueError(f"guide_ramp must be a slope >= 0 a pixel (0: no ramp; 0.02 in scnn_p_align_7_guided_canon), "
+                         f"got {guide_ramp!r}")
+    return float(guide_ramp)
 
 
 def _area_matrix(size_in: int, size_out: int, like: torch.Tensor) -> torch.Tensor:
@@ -83,6 +114,7 @@ class OrientationGuide(nn.Module):
     Args:
         blur: the Gaussian's standard deviation in pixels (> 0).
         gain: the factor of :data:`GAIN`.
+        ramp: the slope a pixel of the ramp along +x added before the gain (0: none; the module docstring).
 
     Example:
         >>> guide = OrientationGuide(2.0)
@@ -92,12 +124,13 @@ class OrientationGuide(nn.Module):
         True
     """
 
-    def __init__(self, blur: float = 4.0, gain: float = GAIN, device=None, dtype=None) -> None:
+    def __init__(self, blur: float = 4.0, gain: float = GAIN, ramp: float = 0.0, device=None, dtype=None) -> None:
         super().__init__()
         if check_guide_blur(blur) <= 0:
             raise ValueError(f"OrientationGuide needs a blur > 0 pixels, got {blur!r}")
         self.blur = GaussianBlur2d(blur, device=device, dtype=dtype)
         self.gain = float(gain)
+        self.ramp = _ramp_slope(ramp)
         self.map: Optional[torch.Tensor] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -105,7 +138,11 @@ class OrientationGuide(nn.Module):
         if x.dim() == 3:
             x = x.unsqueeze(0)
         base = x.mean(1, keepdim=True)
-        return self.blur(base - base.amin(dim=(2, 3), keepdim=True)) * self.gain
+        guide = self.blur(base - base.amin(dim=(2, 3), keepdim=True))
+        if self.ramp:
+            columns = torch.arange(guide.shape[-1], dtype=guide.dtype, device=guide.device)
+            guide = guide + (columns - (guide.shape[-1] - 1) / 2) * self.ramp
+        return guide * self.gain
 
     def hook(self, module: nn.Module, args: tuple) -> None:
         """Forward pre-hook of the module whose input the guide is made from: keeps the map for this forward."""
@@ -126,7 +163,7 @@ class OrientationGuide(nn.Module):
         return F.adaptive_avg_pool2d(guide, (height, width))
 
     def extra_repr(self) -> str:
-        return f"blur={self.blur.sigma}, gain={self.gain:g}"
+        return f"blur={self.blur.sigma}, gain={self.gain:g}" + (f", ramp={self.ramp:g}" if self.ramp else "")
 
 
 def guided_layers(model: nn.Module) -> List[str]:
@@ -166,13 +203,15 @@ def check_guidable(model: nn.Module, source: Optional[str] = None) -> None:
     _source(model, source)
 
 
-def attach_guide(model: nn.Module, blur: float = 4.0, source: Optional[str] = None) -> OrientationGuide:
+def attach_guide(model: nn.Module, blur: float = 4.0, source: Optional[str] = None,
+                 ramp: float = 0.0) -> OrientationGuide:
     """Guides every ``SortConv2d`` of ``model`` with ``sorting="align"``, in place: the guide is made from the
     input of ``source`` (a qualified module name; default: the first ``nn.Conv2d`` in ``model.modules()``, the stem)
     once per forward, and each such layer reads it (the module docstring). The guide becomes the child
     ``orientation_guide`` of the source module; it has no parameters and saves nothing, so the ``state_dict`` keys
     stay. Attach after any conversion of the source module (``sortify`` does so with ``guide_blur=``): a
-    replaced module loses its hooks.
+    replaced module loses its hooks. ``ramp`` (the module docstring) needs ``model.canonicalize``, the canonical
+    turn this package's models and ``sortify(canonicalize=...)`` put in front: attach after it.
 
     Raises ``ValueError`` before changing anything when the model has no aligned layer, has a layer the guide cannot
     serve (``sorting="align-channel"``, whose channels turn each by its own orientation), or is guided already.
@@ -191,13 +230,14 @@ def attach_guide(model: nn.Module, blur: float = 4.0, source: Optional[str] = No
     if blur <= 0:
         raise ValueError(f"attach_guide needs a blur > 0 pixels, got {blur!r}")
     check_guidable(model, source)
+    check_guide_ramp(ramp, blur, getattr(model, "canonicalize", None))
     aligned = [m for m in model.modules() if isinstance(m, SortConv2d) and m.sorting == "align"]
     if not aligned:
         raise ValueError("the model has no SortConv2d with sorting='align' for the orientation guide to turn; build "
                          "it with sorting='align' (or sortify(model, sorting='align', guide_blur=...))")
     _, source_module = _source(model, source)
     parameter = next(model.parameters(), None)
-    guide = OrientationGuide(blur, device=None if parameter is None else parameter.device)
+    guide = OrientationGuide(blur, ramp=ramp, device=None if parameter is None else parameter.device)
     # A child of the module it is made from (not of the model, which may be an nn.Sequential that would run it).
     source_module.orientation_guide = guide
     source_module.register_forward_pre_hook(guide.hook)

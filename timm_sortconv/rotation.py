@@ -85,7 +85,8 @@ def _source_grid(h: int, w: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     # y-down coordinates is (x cos - y sin, x sin + y cos) for a counter-clockwise turn on screen.
     src_x = xx * cos - yy * sin
     src_y = xx * sin + yy * cos
-    return torch.stack((src_x / max(cx, 0.5), src_y / max(cy, 0.5)), dim=-1)
+    # the half sizes from the coordinates rather than Python's max, which a trace would keep as the traced size's
+    return torch.stack((src_x / (-xs[0]).clamp_min(0.5), src_y / (-ys[0]).clamp_min(0.5)), dim=-1)
 
 
 def rotate_each(images: torch.Tensor, angles: torch.Tensor, padding_mode: str = "zeros") -> torch.Tensor:

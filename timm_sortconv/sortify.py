@@ -49,7 +49,7 @@ from timm.layers import CondConv2d, Conv2dSame
 from timm.layers.conv2d_same import Conv2dSameExport
 
 from .canonical import CanonicalInputMixin, canonical_order, create_canonicalizer
-from .guide import attach_guide, check_guidable, check_guide_blur, guided_layers
+from .guide import attach_guide, check_guidable, check_guide_blur, check_guide_ramp, guided_layers
 from .grid import CENTRED_LAYERS, CentredAvgPool2d, CentredConv2d, CentredMaxPool2d, check_stride_align
 from .layers import SortConv2d, SortConv2dSame
 from .ops.backends import check_backend_name
@@ -209,6 +209,7 @@ def sortify(
     canonicalize: Optional[str] = None,
     guide_blur: float = 0.0,
     guide_source: Optional[str] = None,
+    guide_ramp: float = 0.0,
     return_report: bool = False,
 ):
     """Replaces, in place, every eligible ``nn.Conv2d`` of ``model`` by a Sorting Convolution.
@@ -252,6 +253,9 @@ def sortify(
             default: the model's first ``nn.Conv2d``, the stem, which reads the image in every timm and
             torchvision CNN); no parameters, no ``state_dict`` keys.
         guide_source: see ``guide_blur``.
+        guide_ramp: with ``guide_blur`` and ``canonicalize``, a ramp of that many units a pixel along the turned
+            image's +x axis added to the guide (:mod:`timm_sortconv.guide`; 0, the default: none), so that where the
+            blurred input is flat the windows turn by the image's canonical orientation.
         return_report: also return the :class:`SortifyReport`.
 
     Returns:
@@ -277,6 +281,7 @@ def sortify(
                          "guide_blur > 0")
     if guide_blur:  # what attach_guide would refuse after the conversion, refused before it
         check_guidable(model, guide_source)
+    check_guide_ramp(guide_ramp, guide_blur, canonicalize if canonical_order(canonicalize) else None)
     include_patterns = _as_patterns(include, "include")
     exclude_patterns = _as_patterns(exclude, "exclude")
     if canonical_order(canonicalize):
@@ -338,7 +343,7 @@ def sortify(
     if canonicalize is not None:
         _add_canonicalizer(model, canonicalize)
     if guide_blur:
-        attach_guide(model, guide_blur, guide_source)
+        attach_guide(model, guide_blur, guide_source, ramp=guide_ramp)
         report.guided = guided_layers(model)
         report.guide_source = guide_source or next(name for name, m in model.named_modules()
                                                    if isinstance(m, nn.Conv2d))

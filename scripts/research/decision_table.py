@@ -145,7 +145,7 @@ ROWS += (
     # well as sc2+canon nearly (96.1 against 96.7, seed 0) but dips by 2.5 points between the quarter turns, where
     # every layer's polar samples are interpolated; the canonical turn in front leaves it only the residue of each
     # turn (its windows still follow the parts); then with the grid's own samples (square), and with a guide that
-    # also carries the canonical orientation where the blurred mass is flat (a ramp along it, scnn_options.py).
+    # also carries the canonical orientation where the blurred mass is flat (`guide_ramp`, timm_sortconv.guide).
     Row("guide+canon", "scnn", {"sorting": "align", "guide_blur": 4.0, "canonicalize": "moment1"}, aligned=3,
         what="`scnn_p_align_7_guided` + the canonical turn (`canonicalize=moment1`)"),
     Row("guide+canon-square", "scnn", {"sampling": "square", "sorting": "align", "guide_blur": 4.0,

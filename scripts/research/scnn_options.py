@@ -15,11 +15,6 @@ downsampling and other padding modes, put into a built ``timm_sortconv.models.SC
   ``pretrained_cfg`` mean and std, MNIST's 0.1307 and 0.3081: the background is -0.42) or ``"unit"`` (mean 0,
   std 1: the pixels on [0, 1] as ``ToTensor`` alone gives them, the background 0, the value the first layer pads
   with). It sets the model's ``pretrained_cfg`` (a copy), which the research tools normalise with.
-* ``guide_ramp``: for a guided SCNN (``guide_blur``) that turns its input to the canonical orientation first
-  (``canonicalize``), a ramp of that many units a pixel along the canonical direction (the +x axis of the turned
-  image) added to the guide's map before its gain: where the blurred input is flat (a blob's top, the background) the
-  windows turn by the image's canonical orientation instead of fading to their ring means. The ramp is fixed in the
-  turned image's frame, so the network stays invariant to quarter turns through the canonical turn alone.
 Why they keep SC's exact invariance to quarter turns: the layers have no parameters (their kernels are buffers,
 not saved, so the ``state_dict`` keys stay those of the model) and their kernels are symmetric under
 ``torch.rot90``: :class:`GaussianBlur2d` has an odd kernel centred on a pixel, and :class:`BlurPool2d`'s output
@@ -34,21 +29,18 @@ from collections import OrderedDict
 from typing import Dict, Sequence, Tuple, Union
 
 import timm
-import torch
 import torch.nn as nn
 
 from timm_sortconv.antialias import DOWNSAMPLES, BlurPool2d, GaussianBlur2d, create_downsample, gaussian_kernel1d
 from timm_sortconv.grid import CentredMaxPool2d
-from timm_sortconv.guide import OrientationGuide
 from timm_sortconv.models import SCNN, ConvNormAct
 
-__all__ = ["DOWNSAMPLES", "INPUT_NORMS", "OPTIONS", "PADDING_MODES", "BlurPool2d", "GaussianBlur2d", "RampGuide",
-           "apply_options",
+__all__ = ["DOWNSAMPLES", "INPUT_NORMS", "OPTIONS", "PADDING_MODES", "BlurPool2d", "GaussianBlur2d", "apply_options",
            "create_downsample", "create_model", "gaussian_kernel1d", "split_options"]
 
 PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
 #: The keyword arguments this module takes beside a model's own.
-OPTIONS = ("blur_sigma", "downsample", "padding_mode", "input_norm", "guide_ramp")
+OPTIONS = ("blur_sigma", "downsample", "padding_mode", "input_norm")
 INPUT_NORMS = ("model", "unit")
 
 
@@ -59,19 +51,8 @@ def _blur_sigmas(blur_sigma: Union[float, Sequence[float]]) -> Tuple[float, ...]
     return sigmas
 
 
-class RampGuide(OrientationGuide):
-    """The library's guide with a ramp along the +x axis added to its map (``guide_ramp``)."""
-
-    ramp: float
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        guide = super().forward(x)
-        columns = torch.arange(guide.shape[-1], dtype=guide.dtype, device=guide.device)
-        return guide + (columns - (guide.shape[-1] - 1) / 2) * (self.ramp * self.gain)
-
-
 def apply_options(model: nn.Module, blur_sigma: Union[float, Sequence[float]] = 0.0, downsample: str = "max",
-                  padding_mode: str = "zeros", input_norm: str = "model", guide_ramp: float = 0.0) -> SCNN:
+                  padding_mode: str = "zeros", input_norm: str = "model") -> SCNN:
     """``model`` (an ``SCNN``, with its pooling as built) given the options of the module docstring, in place.
 
     Every argument is checked before anything changes. The blur becomes a child ``pre`` of each block, before
@@ -85,12 +66,6 @@ def apply_options(model: nn.Module, blur_sigma: Union[float, Sequence[float]] = 
         raise ValueError(f"padding_mode={padding_mode!r} is not accepted; use one of {PADDING_MODES}")
     if input_norm not in INPUT_NORMS:
         raise ValueError(f"input_norm={input_norm!r} is not accepted; use one of {INPUT_NORMS}")
-    guides = [m for m in model.modules() if isinstance(m, OrientationGuide)]
-    if isinstance(guide_ramp, bool) or not isinstance(guide_ramp, (int, float)) or guide_ramp < 0:
-        raise ValueError(f"guide_ramp must be a number >= 0 (0: none), got {guide_ramp!r}")
-    if guide_ramp and (not guides or isinstance(model.canonicalize, nn.Identity)):
-        raise ValueError("guide_ramp is for guided SCNNs that turn their input first: pass guide_blur > 0 and "
-                         "canonicalize='moment1' (or another order) with it")
     pools = [i for i, m in enumerate(model.features) if isinstance(m, nn.MaxPool2d)]
     stride_align = "centre" if isinstance(model.features[pools[0]], CentredMaxPool2d) else "corner"
     create_downsample(downsample, stride_align)  # checks the name
@@ -104,9 +79,6 @@ def apply_options(model: nn.Module, blur_sigma: Union[float, Sequence[float]] = 
     if downsample != "max":
         for index in pools:
             model.features[index] = create_downsample(downsample, stride_align)
-    for guide in guides if guide_ramp else []:
-        guide.__class__ = RampGuide
-        guide.ramp = float(guide_ramp)
     if input_norm == "unit":
         channels = model.features[0].conv.in_channels
         cfg = getattr(model, "pretrained_cfg", None) or {}  # the bare SCNN class has none

@@ -4,7 +4,9 @@ half-turn orbit sorting, ``sorting='c2'``), and ``scnn_p_rs_7_blur``, P-RS-7 wit
 max pooling (:mod:`timm_sortconv.antialias`), for scenes whose parts are turned independently, and
 ``scnn_p_rs_7_early_canon``, which sorts in its first two convolutions only and turns its input by its first
 angular moment, and ``scnn_p_align_7_guided``, whose windows are turned by the orientation of the blurred input
-around them (:mod:`timm_sortconv.guide`), for scenes whose parts are turned independently.
+around them (:mod:`timm_sortconv.guide`), for scenes whose parts are turned independently, and
+``scnn_p_align_7_guided_canon``, the same turned by its first angular moment first with the canonical orientation
+in its guide, for whole-image turns and turned parts alike.
 
 Six convolutions with 32, 32, 64, 64, 128, 128 channels, each followed by BatchNorm and ReLU; 2x2 max
 pooling after the second and the fourth; the first four have a ``K x K`` kernel (K = 3, 5 or 7), the
@@ -28,7 +30,7 @@ from timm.models import build_model_with_cfg, generate_default_cfgs, register_mo
 
 from ..antialias import GaussianBlur2d, create_downsample
 from ..canonical import create_canonicalizer
-from ..guide import attach_guide, check_guide_blur
+from ..guide import attach_guide, check_guide_blur, check_guide_ramp
 from ..hub import HUB_ORG, bundled_weights_dir
 from ._common import PAPER_CFG, SequentialClassifierMixin
 from ._conv import ConvNormAct, fixed_variant_args, get_conv_layer
@@ -69,6 +71,9 @@ class SCNN(SequentialClassifierMixin, nn.Module):
             that many pixels around it instead of by its own (:mod:`timm_sortconv.guide`; 0: no guide). The guide
             is made from the input of the first convolution (after ``canonicalize``); no parameters, no
             ``state_dict`` keys. ``scnn_p_align_7_guided`` (4 pixels).
+        guide_ramp: with ``guide_blur`` and ``canonicalize``, a ramp of that many units a pixel along the turned
+            image's +x axis added to the guide (:mod:`timm_sortconv.guide`; 0: none): where the blurred input is
+            flat the windows turn by the image's canonical orientation. ``scnn_p_align_7_guided_canon`` (0.02).
         sorted_convs: how many of the six convolutions, from the input on, sort (6, the default: all; the
             others are ``nn.Conv2d`` with the same parameters). With 2, the early layers' responses ignore how
             small patches are turned, and the later layers still see orientation (a 6 from a 9), which a network
@@ -96,6 +101,7 @@ class SCNN(SequentialClassifierMixin, nn.Module):
             input_blur: float = 0.,
             downsample: str = 'max',
             guide_blur: float = 0.,
+            guide_ramp: float = 0.,
             sorted_convs: int = 6,
             drop_rate: float = 0.,
             bn_momentum: float = 0.1,
@@ -113,6 +119,7 @@ class SCNN(SequentialClassifierMixin, nn.Module):
         conv_layer = get_conv_layer(sampling, sorting, backend, stride_align)
         create_downsample(downsample, stride_align)  # checks the name before anything is built
         guide_blur = check_guide_blur(guide_blur, sorting)
+        guide_ramp = check_guide_ramp(guide_ramp, guide_blur, self.canonicalize)
         if isinstance(sorted_convs, bool) or not isinstance(sorted_convs, int) or not 0 <= sorted_convs <= 6:
             raise ValueError(f"sorted_convs must be a whole number of convolutions from 0 to 6, got {sorted_convs!r}")
         plain_layer = get_conv_layer(None, None, backend, stride_align)
@@ -144,7 +151,7 @@ class SCNN(SequentialClassifierMixin, nn.Module):
         self.num_features = self.head_hidden_size = prev_chs
         self.head = ClassifierHead(prev_chs, num_classes, pool_type=global_pool, drop_rate=drop_rate, **dd)
         if guide_blur:
-            attach_guide(self, guide_blur)
+            attach_guide(self, guide_blur, ramp=guide_ramp)
 
 
 def _create_scnn(variant: str, kernel_size: int, sampling: Optional[str], sorting: Optional[str],
@@ -192,6 +199,7 @@ default_cfgs = generate_default_cfgs({
     'scnn_p_rs_7_blur.mnist': _cfg(**_pretrained('scnn_p_rs_7_blur')),
     'scnn_p_rs_7_early_canon.mnist': _cfg(**_pretrained('scnn_p_rs_7_early_canon')),
     'scnn_p_align_7_guided.mnist': _cfg(**_pretrained('scnn_p_align_7_guided')),
+    'scnn_p_align_7_guided_canon.mnist': _cfg(**_pretrained('scnn_p_align_7_guided_canon')),
 })
 
 
@@ -332,3 +340,16 @@ def scnn_p_align_7_guided(pretrained: bool = False, **kwargs: Any) -> SCNN:
     to pick SC"). Exactly invariant to quarter turns; the same weights' shapes as ``scnn_baseline_7``."""
     kwargs.setdefault('guide_blur', 4.0)
     return _create_scnn('scnn_p_align_7_guided', 7, 'polar', 'align', pretrained, **kwargs)
+
+
+@register_model
+def scnn_p_align_7_guided_canon(pretrained: bool = False, **kwargs: Any) -> SCNN:
+    """``scnn_p_align_7_guided`` whose input is first turned by its first angular moment (``canonicalize='moment1'``)
+    and whose guide carries that canonical orientation (``guide_ramp=0.02``, :mod:`timm_sortconv.guide`): where the
+    blurred input is flat its windows turn with the whole image, elsewhere with its parts. One network for
+    whole-image turns and for parts turned independently (RESULTS.md, "When to pick SC"). Exactly invariant to
+    quarter turns; the same weights' shapes as ``scnn_baseline_7``."""
+    kwargs.setdefault('canonicalize', 'moment1')
+    kwargs.setdefault('guide_blur', 4.0)
+    kwargs.setdefault('guide_ramp', 0.02)
+    return _create_scnn('scnn_p_align_7_guided_canon', 7, 'polar', 'align', pretrained, **kwargs)
