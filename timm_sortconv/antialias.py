@@ -71,6 +71,7 @@ class _SeparableFilter(nn.Module):
         return f"kernel={[round(v, 4) for v in self.kernel.tolist()]}, stride={self.stride}, padding={self.padding}"
 
 
+@register_notrace_module  # reads its channel count from the input's shape (FX feature extraction keeps it whole)
 class GaussianBlur2d(_SeparableFilter):
     """A fixed Gaussian blur of standard deviation ``sigma`` pixels, per channel, same size out (zero padding).
 

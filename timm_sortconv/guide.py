@@ -19,7 +19,8 @@ orientation of each window from one map made once per forward from the model's i
   blurred input varies, and where it is flat (far from every part) the features orient the window as without a
   guide. The layer's parameters and ``state_dict`` keys are those of an unguided layer, and everything that runs
   the aligned operator (its reference path, the fused CPU kernel, the standard-operator ``harmonic`` backend,
-  ``torch.compile``, ``torch.export``, ONNX) runs a guided layer.
+  ``torch.compile``, ``torch.export``, ONNX) runs a guided layer. ``torch.jit.script`` cannot compile the
+  pre-hook that shares the guide between layers: scripting a guided model raises one error saying so.
 
 * **A ramp for whole-image turns** (``ramp``, for a model that turns its input to a canonical orientation first,
   ``canonicalize=``): a ramp of ``ramp`` units a pixel along the +x axis of the turned image, added to the map before

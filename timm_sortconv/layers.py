@@ -118,6 +118,15 @@ class SortConv2d(nn.Conv2d):
         self.guided = guided
         self.guide_source: tuple = ()
 
+    def __prepare_scriptable__(self):
+        """``torch.jit.script`` calls this first: a guided layer reads its guide from a module the model shares
+        between its layers through a forward pre-hook, which TorchScript cannot compile; say so in one error."""
+        if self.guided:
+            raise RuntimeError("a guided SortConv2d (guide_blur, timm_sortconv.guide) cannot be compiled by "
+                               "torch.jit.script: its guide is shared between layers through a forward pre-hook; "
+                               "use torch.compile, torch.export or ONNX export, which run it")
+        return self
+
     @torch.jit.unused
     def _with_guide(self, input: Tensor, weight: Tensor) -> Tuple[Tensor, Tensor]:
         """``input`` with the orientation guide at its size as one more channel after each group's channels, and

@@ -281,7 +281,9 @@ def sortify(
                          "guide_blur > 0")
     if guide_blur:  # what attach_guide would refuse after the conversion, refused before it
         check_guidable(model, guide_source)
-    check_guide_ramp(guide_ramp, guide_blur, canonicalize if canonical_order(canonicalize) else None)
+    # a ramp needs a canonical turn in front: the one asked for, or one the model has already
+    check_guide_ramp(guide_ramp, guide_blur,
+                     canonicalize if canonical_order(canonicalize) else getattr(model, "canonicalize", None))
     include_patterns = _as_patterns(include, "include")
     exclude_patterns = _as_patterns(exclude, "exclude")
     if canonical_order(canonicalize):

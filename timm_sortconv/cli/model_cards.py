@@ -73,6 +73,13 @@ GUIDED = ("; every window is turned by the orientation of the input blurred by 4
           "independently")
 
 
+GUIDED_CANONICAL = ("; each input image is first turned about its centre by the angle of its first-order angular moment "
+                    "(`canonicalize='moment1'`, no parameters), which turns a quarter-turned image into the same "
+                    "image, and the guide carries that orientation: a ramp of 0.02 a pixel along the turned image's "
+                    "+x axis is added to it (`guide_ramp=0.02`), so that where the blurred input is flat the windows "
+                    "turn with the whole image")
+
+
 def _stem(model: str) -> str:
     return model.removesuffix("_canon").removesuffix("_early").removesuffix("_blur").removesuffix("_guided")
 
@@ -85,7 +92,8 @@ def base_model(model: str) -> str:
 
 def describe(model: str) -> str:
     early = model.endswith("_early_canon")
-    canonical = model.endswith("_canon") and not early
+    guided_canonical = model.endswith("_guided_canon")
+    canonical = model.endswith("_canon") and not early and not guided_canonical
     _, variant, *rest = _stem(model).split("_")
     k = rest[-1]
     if variant == "baseline":
@@ -98,7 +106,8 @@ def describe(model: str) -> str:
             f"{SAMPLING[sampling]}, {SORTING[sorting]}; "
             f"{k}x{k} kernels in the first four layers (rings of {rings} values), 3x3 in the last two"
             + (CANONICAL if canonical else "") + (EARLY_CANONICAL if early else "")
-            + (BLURRED if model.endswith("_blur") else "") + (GUIDED if model.endswith("_guided") else ""))
+            + (BLURRED if model.endswith("_blur") else "") + (GUIDED if "_guided" in model else "")
+            + (GUIDED_CANONICAL if guided_canonical else ""))
 
 
 def angle_table(row, exact: bool = True) -> str:
