@@ -216,6 +216,8 @@ MNIST_ROWS = (
      "sorting in the first two layers only + the first moment's turn (bundled)"),
     ("scnn_p_align_7_guided", ("scnn_p_align_7_guided",),
      "aligned windows turned by the blurred input's orientation (bundled)"),
+    ("scnn_p_align_7_guided_canon", ("scnn_p_align_7_guided_canon",),
+     "the same + the first moment's turn, its orientation in the guide (bundled)"),
     ("scnn_baseline_7", ("scnn_baseline_7-canon1-e5",), "control: plain CNN + the canonical turn (not shipped)"),
 )
 
