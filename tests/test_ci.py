@@ -41,7 +41,8 @@ def test_a_kernel_that_does_not_build_fails_the_cpu_backend_tests_under_ci(ci, s
         "cpu_backend.load_extension = failed_build\n")
     env = dict(os.environ, CI=ci, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
     env.pop("TIMM_SORTCONV_DISABLE_FAST", None)
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no_kernel", "-p", "no:cacheprovider", "-rse",
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no_kernel", "-p", "no:cacheprovider",
+                             "-n", "0", "-rse",
                              "tests/test_cpu_backend.py::test_compiled_polar_tap_positions_match_the_geometry"],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     log = result.stdout + result.stderr

@@ -200,6 +200,10 @@ NOT_RUN = {
     "bash scripts/paper_protocol.sh start output/paper timm_sortconv/data/mnist_sample scnn_p_rs_7": "a 100-epoch run "
     "in the background: tests/test_train.py runs the script on a tiny configuration, stopped and started again",
     "bash scripts/paper_protocol.sh status output/paper scnn_p_rs_7": "the status of that run",
+    # shortened to one epoch, the same run as the torchrun line before it; its configuration is the first line's
+    ".venv/bin/torchrun --nproc_per_node 2 scripts/train.py -c scripts/configs/mnist_scnn.yaml --model scnn_p_rs_7 "
+    "--data-dir timm_sortconv/data/mnist_sample --device cpu": "the torchrun line before it with the paper's "
+    "configuration, which the first line trains with: shortened to one epoch, the same run",
 }
 
 

@@ -42,8 +42,9 @@ def test_every_entrypoint_passes_timms_model_tests():
         with pytest.raises(RuntimeError, match="guided SortConv2d .* cannot be compiled by torch.jit.script"):
             torch.jit.script(timm.create_model(name))
     pattern = f"({' or '.join(models)}) and not (torchscript and _guided)"
-    result = subprocess.run([sys.executable, "-m", "pytest", "-p", "timm_sortconv", "-p", "no:cacheprovider", "-v",
-                             "-W", "ignore", "-k", pattern, str(TIMM_TESTS)],
+    # (-n 0: in one process, whose -v lines name each test's outcome; this repository's pytest settings apply there)
+    result = subprocess.run([sys.executable, "-m", "pytest", "-p", "timm_sortconv", "-p", "no:cacheprovider", "-n", "0",
+                             "-v", "-W", "ignore", "-k", pattern, str(TIMM_TESTS)],
                             capture_output=True, text=True, timeout=1800, cwd=TIMM_TESTS.parent.parent)
     log = result.stdout + result.stderr
     summary = log.strip().splitlines()[-1]

@@ -56,7 +56,7 @@ def test_kernels_in_the_interpreter():
             "test_the_columns_fused_and_gemm_kernels_keep_their_windows_in_registers",
             "test_compile_threads_compiles_the_selected_kernels_alone_and_in_threads",
             "test_never_chosen_for_cpu_tensors")
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", "-k",
                              " and ".join(f"not {name}" for name in skip), __file__],
                             env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
