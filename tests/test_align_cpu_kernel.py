@@ -16,6 +16,7 @@ from test_alignment import oracle
 from test_cpu_backend import TOLERANCE, extension, forward_and_gradients, isa, randn, threads  # noqa: F401
 from timm_sortconv import SortConv2d, sort_conv2d
 from timm_sortconv.ops import cpu_backend
+from timm_sortconv.ops.checks import ShapeError
 from timm_sortconv.ops.backends import resolve_backend
 from timm_sortconv.ops.geometry import get_geometry
 
@@ -175,3 +176,59 @@ def test_bfloat16_calls_are_computed_in_float32():
     for a, b in zip(*results):
         assert a.dtype == torch.bfloat16
         torch.testing.assert_close(a, b.bfloat16(), rtol=0, atol=0)
+
+
+def with_zero_guide_weight(weight, groups):
+    """``weight`` with a zero weight for one more input channel after each group's."""
+    out_channels, per_group, k = weight.shape[0], weight.shape[1], weight.shape[-1]
+    grouped = weight.view(groups, out_channels // groups, per_group, k, k)
+    return torch.cat([grouped, torch.zeros_like(grouped[:, :, :1])], 2).view(out_channels, per_group + 1, k, k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+def test_a_guide_channel_computes_what_a_zero_weight_does(dtype, threads, isa):
+    """With sorting="align" the input may carry one guide channel after each group's (checks.guide_channels, what a
+    guided layer passes): the output and every gradient (the guide's, through the orientation, included) are those
+    of the same call with a zero weight for that channel, on the reference path. On 2 threads too, where fewer images
+    than threads share blocks."""
+    assert_guide_channel_is_a_zero_weight("cpu", dtype, threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("backend", ["harmonic", "reference"])
+def test_a_guide_channel_computes_what_a_zero_weight_does_in_standard_operators(backend, dtype, threads):
+    assert_guide_channel_is_a_zero_weight(backend, dtype, threads)
+
+
+def assert_guide_channel_is_a_zero_weight(backend, dtype, threads):
+    for index, (k, stride, groups, batch, count) in enumerate([(7, 1, 1, 2, 1), (5, 2, 2, 2, 1), (3, 1, 2, 1, 2),
+                                                               (1, 1, 1, 2, 1), (4, 1, 1, 1, 2)]):
+        threads(count)
+        x = randn(batch, 2 * groups + groups, 11, 14, seed=index, dtype=dtype)
+        weight = randn(3 * groups, 2, k, k, seed=10 + index, dtype=dtype)
+        bias = randn(3 * groups, seed=20 + index, dtype=dtype)
+        kwargs = dict(stride=stride, padding=k // 2, groups=groups, sorting="align")
+        got = forward_and_gradients(backend, x, weight, bias, **kwargs)
+        out, grad_x, grad_weight, grad_bias = forward_and_gradients("reference", x, with_zero_guide_weight(
+            weight, groups), bias, **kwargs)
+        grad_weight = grad_weight.view(groups, 3, 3, k, k)[:, :, :2].reshape(weight.shape)
+        assert grad_x.view(batch, groups, 3, *grad_x.shape[2:])[:, :, 2].abs().max() > 0 or k < 3
+        for name, a, b in zip(("output", "grad input", "grad weight", "grad bias"), got,
+                              (out, grad_x, grad_weight, grad_bias)):
+            torch.testing.assert_close(a, b, **TOLERANCE[dtype], msg=lambda m: f"{name} (k {k}): {m}")
+
+
+def test_a_guide_channel_is_taken_only_where_one_orientation_serves_a_group():
+    """The operator refuses the extra channel for the other sortings (each channel turns by its own orientation,
+    or none turns) with the channels it accepts, and an unguided aligned layer refuses it as nn.Conv2d does."""
+    x, weight = randn(1, 3, 9, 9), randn(4, 2, 3, 3)
+    for sorting in ("align-channel", "ring"):
+        with pytest.raises(ShapeError, match="input has 3 channels .* expects 2$"):
+            sort_conv2d(x, weight, sorting=sorting)
+    with pytest.raises(ShapeError, match=r"expects 2 \(or 3: one guide channel after each group's"):
+        sort_conv2d(randn(1, 4, 9, 9), weight, sorting="align")
+    layer = SortConv2d(2, 4, 3, sorting="align").double()
+    for stride in (1, 2):
+        layer.stride = (stride, stride)
+        with pytest.raises(ShapeError, match="input has 3 channels"):
+            layer(x)

@@ -14,10 +14,11 @@ orientation of each window from one map made once per forward from the model's i
   front of that convolution (the canonical turn, a normalisation).
 * **How a layer reads it**: each guided ``SortConv2d`` pools the map to its own input size (adaptive average
   pooling, whose windows are mirror-symmetric, so the pooled map turns with the input) and takes it as one more
-  input channel of each group, with a zero weight. The aligned operator sums the first harmonics of a group's
-  channels into the window's orientation; scaled by :data:`GAIN`, the guide's outweighs the features' wherever the
-  blurred input varies, and where it is flat (far from every part) the features orient the window as without a
-  guide. The layer's parameters and ``state_dict`` keys are those of an unguided layer, and everything that runs
+  input channel of each group: the operator's guide channel (:func:`.ops.checks.guide_channels`), which joins the
+  orientation and has no weight (what a zero weight would give, without its products). The aligned operator sums
+  the first harmonics of a group's channels into the window's orientation; scaled by :data:`GAIN`, the guide's
+  outweighs the features' wherever the blurred input varies, and where it is flat (far from every part) the
+  features orient the window as without a guide. The layer's parameters and ``state_dict`` keys are those of an unguided layer, and everything that runs
   the aligned operator (its reference path, the fused CPU kernel, the standard-operator ``harmonic`` backend,
   ``torch.compile``, ``torch.export``, ONNX) runs a guided layer. ``torch.jit.script`` cannot compile the
   pre-hook that shares the guide between layers: scripting a guided model raises one error saying so.

@@ -129,8 +129,9 @@ class SortConv2d(nn.Conv2d):
 
     @torch.jit.unused
     def _with_guide(self, input: Tensor, weight: Tensor) -> Tuple[Tensor, Tensor]:
-        """``input`` with the orientation guide at its size as one more channel after each group's channels, and
-        ``weight`` with a zero weight for it (:mod:`timm_sortconv.guide`)."""
+        """``input`` with the orientation guide at its size as one more channel after each group's channels, the
+        guide channel that ``sorting="align"`` reads for the orientation only (it has no weight), and ``weight``
+        (:mod:`timm_sortconv.guide`)."""
         if not self.guide_source:
             raise RuntimeError("this guided SortConv2d has no orientation guide; attach one to its model with "
                                "timm_sortconv.guide.attach_guide(model, blur)")
@@ -146,15 +147,17 @@ class SortConv2d(nn.Conv2d):
         else:
             grouped = batch.unflatten(1, (self.groups, -1))
             batch = torch.cat([grouped, guide.unsqueeze(1).expand(-1, self.groups, -1, -1, -1)], 2).flatten(1, 2)
-        weight = torch.cat([weight, weight.new_zeros(weight.shape[0], 1, weight.shape[2], weight.shape[3])], 1)
         return (batch.squeeze(0) if unbatched else batch), weight
 
     def _conv_forward(self, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         # (the input is checked by sort_conv2d_padded, or by the operator's per-call checks on its eager path)
         if self.guided:
             input, weight = self._with_guide(input, weight)
+        elif self.sorting == "align":  # the operator takes one guide channel more a group there; this layer none
+            check_input(input, weight, self.groups)
         if self.stride_align == "centre" and (self.stride[0] != 1 or self.stride[1] != 1):  # unit strides: centred
-            check_input(input, weight, self.groups)  # before the centring reads the input half a pixel on
+            # before the centring reads the input half a pixel on
+            check_input(input, weight, self.groups, self.sorting if self.guided else "")
             input = centre_grid(input, [self.kernel_size[0], self.kernel_size[1]], [self.stride[0], self.stride[1]],
                                 [self._reversed_padding_repeated_twice[2], self._reversed_padding_repeated_twice[0]],
                                 [self.dilation[0], self.dilation[1]],
@@ -231,7 +234,7 @@ class SortConv2dSame(SortConv2d):
     def _conv_forward(self, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if self.guided:
             input, weight = self._with_guide(input, weight)
-        check_input(input, weight, self.groups)
+        check_input(input, weight, self.groups, self.sorting if self.guided else "")
         if self.stride_align == "centre":
             input = centre_grid_same(input, [self.kernel_size[0], self.kernel_size[1]],
                                      [self.stride[0], self.stride[1]], [self.dilation[0], self.dilation[1]])

@@ -20,7 +20,8 @@
 //   3. turns the spectra in place: (Re, Im) S_m times T_m as complex numbers, a Nyquist row times Re T_{N/2},
 //      S_0 and the centre as they are;
 //   4. multiplies the block's aligned columns (C/g * k*k rows of lanes) into the outputs with the micro-GEMM.
-// Nothing of size k*k times the input is written to memory: the buffer holds one block's columns.
+// Nothing of size k*k times the input is written to memory: the buffer holds one block's columns. A guide channel
+// (AlignCall::guides: the last of each group's input channels, with no weight) takes steps 1 and 2 only.
 //
 // Backward keeps only the input and the weight, as the sorting kernel does: per block it recomputes the spectra,
 // the orientation and the aligned columns, then
@@ -58,6 +59,8 @@ template <typename scalar_t>
 struct AlignTables {
   int64_t harmonics = 0, pairs = 0, largest = 0;
   bool shared = true;  // "align": one orientation per group; "align-channel": per channel
+  // Guide channels after each group's weighted channels ("align" only): in the orientation, not in the products.
+  int64_t guides = 0;
   scalar_t relative = 0, tiny = 0;
   TapTable<scalar_t> fold;    // folded samples <- samples (slot order): s_0, s_j + s_{N-j}, s_{N/2}, s_j - s_{N-j}
   TapTable<scalar_t> unfold;  // its transpose, for the gradients
@@ -174,6 +177,9 @@ AlignTables<scalar_t> make_align_tables(const timm_sortconv_cpu::AlignCall& alig
               "sort_conv_cpu: the harmonic tables must describe fixed + 2 * pairs = k*k rows");
   TORCH_CHECK(blocks.dim() == 2 && blocks.size(1) == 2, "sort_conv_cpu: blocks must be (n, 2)");
   t.shared = align.shared;
+  t.guides = align.guides;
+  TORCH_CHECK(t.guides == 0 || (t.guides == 1 && t.shared),
+              "sort_conv_cpu: a group carries at most one guide channel, and only with one orientation a group");
   t.relative = static_cast<scalar_t>(align.relative);
   t.tiny = static_cast<scalar_t>(align.tiny);
   std::tie(t.fold, t.unfold) = tap_tables_of<scalar_t>(fold, slots);
@@ -794,26 +800,28 @@ void align_forward_kernel(const Plan<scalar_t>& plan, const AlignTables<scalar_t
   constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
   const int64_t slots = plan.slots, positions = plan.positions(), plane = plan.in_h * plan.in_w;
   const int64_t cg = shape.in_per_group(), og = shape.out_per_group(), state_size = t.state_rows() * lanes;
+  // The input's channels per group: the weighted ones, then the guide's (t.guides), read for the orientation only.
+  const int64_t cin = cg + t.guides, in_channels = cin * shape.groups;
   const int64_t panel_channels = panel_channels_of(cg, slots);
   const int64_t threads = thread_count(shape.batch * positions / lanes, multiply_adds(shape, positions, slots));
   for_each_thread_range(shape.batch, positions, threads, false, [&](int64_t, int64_t begin, int64_t end) {
     // gather_samples may write a vector past its last row.
-    std::vector<scalar_t> spectra(cg * slots * lanes), samples(slots * lanes + half), grid(slots * lanes + half),
+    std::vector<scalar_t> spectra(cin * slots * lanes), samples(slots * lanes + half), grid(slots * lanes + half),
         folded(slots * lanes);
     std::vector<scalar_t> states(units_of(t.shared, cg) * t.state_rows() * lanes), tile(shape.out_channels * lanes);
     std::vector<Block> blocks(1);
-    ImageRing<scalar_t> ring(plan, input, nullptr, shape.batch, shape.channels, begin, end, lanes);
+    ImageRing<scalar_t> ring(plan, input, nullptr, shape.batch, in_channels, begin, end, lanes);
     for (int64_t start = begin; start < end; start += lanes) {
       const int64_t stop = std::min(start + lanes, end);
-      cover_pass<scalar_t, kUnitStride>(plan, ring, start, stop, shape.channels, blocks);
+      cover_pass<scalar_t, kUnitStride>(plan, ring, start, stop, in_channels, blocks);
       const Block& block = blocks[0];
       const scalar_t* images = ring.images();
       for (int64_t o = 0; o < shape.out_channels; ++o) {
         std::fill(tile.data() + o * lanes, tile.data() + (o + 1) * lanes, bias != nullptr ? bias[o] : scalar_t(0));
       }
       for (int64_t g = 0; g < shape.groups; ++g) {
-        group_spectra<scalar_t, kUnitStride>(plan, t, cg, images + g * cg * plane, block, grid.data(), samples.data(),
-                                             folded.data(), spectra.data(), states.data());
+        group_spectra<scalar_t, kUnitStride>(plan, t, cin, images + g * cin * plane, block, grid.data(),
+                                             samples.data(), folded.data(), spectra.data(), states.data());
         // Panel by panel, each turned in place just before its product, so that the product reads it from L1.
         // weight_packed is (groups, C/g * k*k, O/g), the harmonic channels of these channels as rows.
         for (int64_t c0 = 0; c0 < cg; c0 += panel_channels) {
@@ -844,6 +852,7 @@ void align_backward_kernel(const Plan<scalar_t>& plan, const AlignTables<scalar_
   constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
   const int64_t slots = plan.slots, positions = plan.positions(), plane = plan.in_h * plan.in_w;
   const int64_t cg = shape.in_per_group(), og = shape.out_per_group(), state_size = t.state_rows() * lanes;
+  const int64_t cin = cg + t.guides, in_channels = cin * shape.groups;  // as in align_forward_kernel
   const int64_t panel_channels = panel_channels_of(cg, slots);
   const bool need_input = grad_input != nullptr || !grad_input_parts.empty();
   const bool need_weight = !grad_weight_parts.empty();
@@ -851,19 +860,19 @@ void align_backward_kernel(const Plan<scalar_t>& plan, const AlignTables<scalar_
   const bool whole_images = need_input && grad_input_parts.empty();
   for_each_thread_range(shape.batch, positions, threads, whole_images, [&](int64_t thread, int64_t begin, int64_t end) {
     std::vector<scalar_t> grad_tile(shape.out_channels * lanes), grad_tile_t(shape.groups * lanes * outputs_padded);
-    std::vector<scalar_t> spectra(cg * slots * lanes), aligned(panel_channels * slots * lanes),
-        grad_columns(cg * slots * lanes), samples(slots * lanes + half), grid(slots * lanes + half),
+    std::vector<scalar_t> spectra(cin * slots * lanes), aligned(panel_channels * slots * lanes),
+        grad_columns(cin * slots * lanes), samples(slots * lanes + half), grid(slots * lanes + half),
         folded(slots * lanes), grad_samples(slots * lanes), grad_grid(slots * lanes);
     std::vector<scalar_t> states(units_of(t.shared, cg) * state_size), grad_turn(2 * (t.largest + 1) * lanes),
         grad_orientation(3 * lanes);
     std::vector<Block> blocks(1);
     scalar_t* grad_in = grad_input_parts.empty() ? grad_input : grad_input_parts[thread].data();
     scalar_t* grad_weight = need_weight ? grad_weight_parts[thread].data() : nullptr;
-    ImageRing<scalar_t> ring(plan, input, need_input ? grad_in : nullptr, shape.batch, shape.channels, begin, end,
+    ImageRing<scalar_t> ring(plan, input, need_input ? grad_in : nullptr, shape.batch, in_channels, begin, end,
                              lanes);
     for (int64_t start = begin; start < end; start += lanes) {
       const int64_t stop = std::min(start + lanes, end);
-      cover_pass<scalar_t, kUnitStride>(plan, ring, start, stop, shape.channels, blocks);
+      cover_pass<scalar_t, kUnitStride>(plan, ring, start, stop, in_channels, blocks);
       const Block& block = blocks[0];
       const int64_t count = block.count;
       const scalar_t* images = ring.images();
@@ -885,14 +894,14 @@ void align_backward_kernel(const Plan<scalar_t>& plan, const AlignTables<scalar_
         }
       }
       for (int64_t g = 0; g < shape.groups; ++g) {
-        group_spectra<scalar_t, kUnitStride>(plan, t, cg, images + g * cg * plane, block, grid.data(), samples.data(),
-                                             folded.data(), spectra.data(), states.data());
+        group_spectra<scalar_t, kUnitStride>(plan, t, cin, images + g * cin * plane, block, grid.data(),
+                                             samples.data(), folded.data(), spectra.data(), states.data());
         const bool turns = t.pairs > 0;
         const auto state_of = [&](int64_t ci) { return states.data() + (t.shared ? 0 : ci) * state_size; };
         const auto to_input = [&](int64_t ci) {
           spectra_to_samples(plan, t, grad_columns.data() + ci * slots * lanes, folded.data(), grad_samples.data());
           scatter_gradients<scalar_t, kUnitStride>(plan, block, grad_samples.data(), grad_grid.data(),
-                                                   grad_images + (g * cg + ci) * plane);
+                                                   grad_images + (g * cin + ci) * plane);
         };
         if (turns && t.shared) std::fill(grad_turn.begin(), grad_turn.end(), scalar_t(0));
         // Panel by panel, so that what it reads and writes stays in L1: its aligned columns (turned into `aligned`),
@@ -934,7 +943,9 @@ void align_backward_kernel(const Plan<scalar_t>& plan, const AlignTables<scalar_
         }
         if (need_input && turns && t.shared) {
           orientation_backward(t, states.data(), grad_turn.data(), grad_orientation.data());
-          for (int64_t ci = 0; ci < cg; ++ci) {
+          // A guide channel's columns have no weight: its gradient comes through the orientation alone.
+          std::fill(grad_columns.begin() + cg * slots * lanes, grad_columns.end(), scalar_t(0));
+          for (int64_t ci = 0; ci < cin; ++ci) {
             add_orientation_gradient(t, grad_orientation.data(), spectra.data() + ci * slots * lanes,
                                      grad_columns.data() + ci * slots * lanes);
             to_input(ci);
@@ -946,10 +957,29 @@ void align_backward_kernel(const Plan<scalar_t>& plan, const AlignTables<scalar_
   });
 }
 
+// The call's Shape over its weighted channels (check_tensors' checks), with the input's guide channels checked: C/g
+// weighted channels, then align.guides guide channels, per group.
+Shape align_shape(const timm_sortconv_cpu::AlignCall& align) {
+  const auto& call = align.call;
+  const at::Tensor &input = call.input, &weight = call.weight_slots;
+  const int64_t groups = call.groups, kk = call.kernel_size * call.kernel_size;
+  TORCH_CHECK(input.device().is_cpu() && weight.device().is_cpu(), "sort_conv_cpu: tensors must be on the CPU");
+  TORCH_CHECK(input.dim() == 4 && input.is_contiguous(),
+              "sort_conv_cpu: input must be a contiguous (B, C, H, W) tensor");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(),
+              "sort_conv_cpu: weight must be a contiguous (O, C/groups * k*k) harmonic weight");
+  TORCH_CHECK(input.scalar_type() == weight.scalar_type(), "sort_conv_cpu: input and weight dtypes differ");
+  TORCH_CHECK(groups >= 1 && input.size(1) % groups == 0 && weight.size(0) % groups == 0 && weight.size(1) % kk == 0,
+              "sort_conv_cpu: groups must divide the channels");
+  TORCH_CHECK(align.guides >= 0 && (weight.size(1) / kk + align.guides) * groups == input.size(1),
+              "sort_conv_cpu: weight has ", weight.size(1), " columns, expected (C/groups - guides) * k*k");
+  return {input.size(0), weight.size(1) / kk * groups, weight.size(0), groups};
+}
+
 template <typename scalar_t>
 at::Tensor align_forward_impl(const timm_sortconv_cpu::AlignCall& align) {
   const auto& call = align.call;
-  const Shape shape = check_tensors(call.input, call.weight_slots, call.groups, call.kernel_size);
+  const Shape shape = align_shape(align);
   if (call.bias.has_value() && call.bias->defined()) {
     TORCH_CHECK(call.bias->scalar_type() == call.input.scalar_type() && call.bias->numel() == shape.out_channels,
                 "sort_conv_cpu: bias must have O entries of the input's dtype");
@@ -979,7 +1009,7 @@ at::Tensor align_forward_impl(const timm_sortconv_cpu::AlignCall& align) {
 template <typename scalar_t>
 std::vector<at::Tensor> align_backward_impl(const timm_sortconv_cpu::AlignCall& align) {
   const auto& call = align.call;
-  const Shape shape = check_tensors(call.input, call.weight_slots, call.groups, call.kernel_size);
+  const Shape shape = align_shape(align);
   const at::Tensor& grad_output = call.grad_output;
   TORCH_CHECK(grad_output.is_contiguous() && grad_output.scalar_type() == call.input.scalar_type(),
               "sort_conv_cpu: grad_output must be contiguous with the input's dtype");

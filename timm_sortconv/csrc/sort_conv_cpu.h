@@ -43,6 +43,9 @@ struct AlignCall {
   at::Tensor energy_fixed;  // (fixed,) float64: 1 / N^2 for a Nyquist row, else 0
   bool shared = true;       // one orientation per group ("align"), else per channel
   double relative = 0, tiny = 0;  // alignment.RELATIVE, alignment.TINY
+  // Guide channels after each group's C/g weighted ones (0 or 1, "align" only; checks.guide_channels): read for the
+  // orientation, not multiplied. The input has (C/g + guides) * groups channels; its gradient covers them all.
+  int64_t guides = 0;
 };
 
 // Whether this build on this CPU multiplies in bfloat16 (AVX-512 BF16).

@@ -43,6 +43,11 @@ window's scale: ``e`` varies fastest where ``|c|`` is small, and there ``g`` is 
 quotients defined for a window that is exactly flat. The orientation is computed in float32 at least, and the
 gradient flows through it (it is a smooth function of the window wherever ``c != 0``).
 
+**Guide channels.** With ``"align"`` the input may carry one channel more per group than the weight takes
+(:func:`.checks.guide_channels`): the group's last channel is a guide (:mod:`timm_sortconv.guide`). It is sampled and
+its spectra join ``c``, ``E`` and ``M`` like any channel of the group, but it has no weight: the result is that of
+a zero weight for it, without the products, and its gradient comes through the orientation alone.
+
 Three implementations compute the same function:
 
 * :func:`aligned_samples`: the specification, used by the reference path: the samples, each ring's FFT, the
@@ -243,7 +248,8 @@ def align_conv2d_harmonic(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
                           geometry: SortGeometry, stride: Tuple[int, int], dilation: Tuple[int, int],
                           groups: int) -> torch.Tensor:
     """The aligned variants on an already padded input ``x``, in standard operators (module docstring);
-    equal to the reference path up to rounding, differentiable by autograd."""
+    equal to the reference path up to rounding, differentiable by autograd. Guide channels
+    (:func:`.checks.guide_channels`) join the orientation and are left out of the product."""
     # int(): a traced size is a tensor, and an exported convolution needs a kernel of known shape (a layer's
     # channels are fixed, its height and width may vary)
     batch, channels = x.shape[0], int(x.shape[1])
@@ -256,8 +262,10 @@ def align_conv2d_harmonic(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
     fixed, re, im = spectra[:, :, :nf], spectra[:, :, nf:nf + pairs], spectra[:, :, nf + pairs:]
     flat = weight.reshape(weight.shape[0], weight.shape[1], kk).index_select(2, geometry.slot_to_grid.to(x.device))
     harmonic_weight = flat @ tables.synthesis  # (O, C / groups, k*k) over the harmonic channels
-    if pairs == 0:  # a 1 x 1 or 2 x 2 window: nothing turns
-        return F.conv2d(spectra.reshape(batch, channels * kk, ho, wo),
+    if pairs == 0:  # a 1 x 1 or 2 x 2 window: nothing turns (and a guide channel does nothing)
+        if weight.shape[1] * groups != channels:
+            spectra = spectra.reshape(batch, groups, channels // groups, kk, ho, wo)[:, :, :weight.shape[1]]
+        return F.conv2d(spectra.reshape(batch, groups * weight.shape[1] * kk, ho, wo),
                         harmonic_weight.reshape(weight.shape[0], -1, 1, 1), bias, 1, 0, 1, groups)
     work = _orientation_dtype(x.dtype)
     re_w, im_w = re.to(work), im.to(work)
@@ -280,5 +288,8 @@ def align_conv2d_harmonic(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
     aligned_im = torch.addcmul(re * pair_im, im, pair_re)
     nyquist = turn_re.index_select(2, tables.nyquist).view(batch, groups, per_group, nf, ho, wo)
     fixed = fixed.reshape(*split, nf, ho, wo) * nyquist
-    aligned = torch.cat([fixed, aligned_re, aligned_im], 3).reshape(batch, channels * kk, ho, wo)
+    aligned = torch.cat([fixed, aligned_re, aligned_im], 3)
+    if weight.shape[1] * groups != channels:  # the guide channel ends each group: turned with it, not multiplied
+        aligned = aligned.reshape(batch, groups, channels // groups, kk, ho, wo)[:, :, :weight.shape[1]]
+    aligned = aligned.reshape(batch, groups * weight.shape[1] * kk, ho, wo)
     return F.conv2d(aligned, harmonic_weight.reshape(weight.shape[0], -1, 1, 1), bias, 1, 0, 1, groups)

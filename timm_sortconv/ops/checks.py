@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["DtypeError", "PADDING_MODES", "ShapeError", "check_input", "check_shapes", "check_size", "check_tensors",
-           "functional_arguments", "layer_arguments"]
+           "functional_arguments", "guide_channels", "layer_arguments"]
 
 PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
 PADDING_STRINGS = ("same", "valid")
@@ -124,10 +124,24 @@ def _not_floating(dtypes: str) -> str:
             "complex ones are not accepted; got " + dtypes)
 
 
-def _channels_message(input: Tensor, weight: Tensor, groups: int) -> str:
+def guide_channels(channels: int, weight: Tensor, groups: int, sorting: str) -> int:
+    """How many guide channels each group of an input with ``channels`` channels carries: 1 where ``sorting`` is
+    ``"align"`` and the input has one channel per group more than ``weight`` takes (the orientation guide,
+    :mod:`.alignment`: it joins the orientation of its group's windows and has no weight), else 0. The caller
+    checks that the channels fit one of the two forms."""
+    return 1 if sorting == "align" and channels == (weight.shape[1] + 1) * groups else 0
+
+
+def _channels_fit(channels: int, weight: Tensor, groups: int, sorting: str) -> bool:
+    return channels == weight.shape[1] * groups or guide_channels(channels, weight, groups, sorting) == 1
+
+
+def _channels_message(input: Tensor, weight: Tensor, groups: int, sorting: str = "") -> str:
     """The message for an input whose channels (dimension -3, batched or not) ``weight`` does not expect."""
+    guided = (f" (or {(weight.shape[1] + 1) * groups}: one guide channel after each group's, which "
+              "sorting='align' reads for the orientation only)") if sorting == "align" else ""
     return (f"sort_conv2d: input has {input.shape[-3]} channels (shape {list(input.shape)}) but the weight "
-            f"{list(weight.shape)} with groups={groups} expects {weight.shape[1] * groups}")
+            f"{list(weight.shape)} with groups={groups} expects {weight.shape[1] * groups}{guided}")
 
 
 def check_padding_mode(padding_mode: str) -> str:
@@ -173,12 +187,13 @@ def functional_arguments(weight: Tensor, stride: IntPair, padding: Union[str, In
     return stride_pair, padding_pair, dilation_pair, groups
 
 
-def check_input(input: Tensor, weight: Tensor, groups: int) -> None:
+def check_input(input: Tensor, weight: Tensor, groups: int, sorting: str = "") -> None:
     """Raises an error naming what is wrong with ``input`` for ``weight`` and what is accepted: unless it is 3-D
     (unbatched) or 4-D (batched) with pixels (only its batch may be empty), as ``F.conv2d`` wants it
     (``RuntimeError``), with floating-point tensors (:class:`DtypeError` where their dtypes differ, as
     ``F.conv2d`` refuses them, else ``TypeError``), with the channels the weight expects with ``groups``
-    (:class:`ShapeError`). The layers' forward calls it first (TorchScript compiles it), so that the centring
+    (:class:`ShapeError`; with ``sorting="align"`` also one guide channel more per group,
+    :func:`guide_channels`). The layers' forward calls it first (TorchScript compiles it), so that the centring
     of a strided grid (:mod:`timm_sortconv.grid`) sees an input it can centre, and an integer input is refused
     before it is read half a pixel on, which would make it float."""
     if input.dim() != 3 and input.dim() != 4:
@@ -196,15 +211,15 @@ def check_input(input: Tensor, weight: Tensor, groups: int) -> None:
         if input.dtype != weight.dtype:
             raise DtypeError(_not_floating(dtypes))
         raise TypeError(_not_floating(dtypes))
-    if not tracing and input.shape[-3] != weight.shape[1] * groups:
-        raise ShapeError(_channels_message(input, weight, groups))
+    if not tracing and not _channels_fit(input.shape[-3], weight, groups, sorting):
+        raise ShapeError(_channels_message(input, weight, groups, sorting))
 
 
 def _no_pixels(input: Tensor) -> str:
     return f"sort_conv2d: the input of shape {list(input.shape)} has no pixels; only its batch may be empty"
 
 
-def check_tensors(input: Tensor, weight: Tensor, bias: Optional[Tensor], groups: int) -> None:
+def check_tensors(input: Tensor, weight: Tensor, bias: Optional[Tensor], groups: int, sorting: str = "") -> None:
     """Raises an error naming what is wrong with the tensors of a call and what is accepted: floating-point
     tensors of one dtype on one device, an input (4-D: :func:`check_input` ran at the entry) whose channels
     the weight expects, a bias per output channel. Tensors that are not all floating-point are a
@@ -220,15 +235,15 @@ def check_tensors(input: Tensor, weight: Tensor, bias: Optional[Tensor], groups:
                            + ", ".join(f"{name} on {t.device}" for name, t in tensors.items()))
     if len({t.dtype for t in tensors.values()}) > 1:
         raise RuntimeError("sort_conv2d needs its tensors in one dtype (outside autocast, as F.conv2d), got " + dtypes)
-    if input.shape[-3] != weight.shape[1] * groups:
-        raise ShapeError(_channels_message(input, weight, groups))
+    if not _channels_fit(input.shape[-3], weight, groups, sorting):
+        raise ShapeError(_channels_message(input, weight, groups, sorting))
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ShapeError(f"sort_conv2d: bias of shape {tuple(bias.shape)} does not match {weight.shape[0]} "
                          "output channels")
 
 
 def check_shapes(input: Tensor, weight: Tensor, bias: Optional[Tensor], groups: int, padding: Sequence[int],
-                 dilation: Sequence[int]) -> None:
+                 dilation: Sequence[int], sorting: str = "") -> None:
     """The checks of :func:`check_input`, :func:`check_tensors` and :func:`check_size` that depend on sizes: the
     input's channels and pixels, the bias's shape and the padded input's size (the dtypes and devices are checked
     once per kind of call). An input that is not 4-D is refused here too."""
@@ -237,7 +252,8 @@ def check_shapes(input: Tensor, weight: Tensor, bias: Optional[Tensor], groups: 
             raise RuntimeError(f"sort_conv2d expects a 4-D (N, C, H, W) input, got shape {list(input.shape)}")
         if input.shape[2] == 0 or input.shape[3] == 0:
             raise RuntimeError(_no_pixels(input))
-        raise ShapeError(_channels_message(input, weight, groups))
+        if not _channels_fit(input.shape[1], weight, groups, sorting):
+            raise ShapeError(_channels_message(input, weight, groups, sorting))
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
         raise ShapeError(f"sort_conv2d: bias of shape {tuple(bias.shape)} does not match {weight.shape[0]} "
                          "output channels")

@@ -514,6 +514,14 @@ def _harmonic_weight(weight: torch.Tensor, align: _AlignTables) -> torch.Tensor:
     return (weight.reshape(weight.shape[0], weight.shape[1], -1) @ align.to_harmonic).reshape(weight.shape[0], -1)
 
 
+def _guide_kwargs(x: torch.Tensor, weight: torch.Tensor, groups: int) -> Dict[str, int]:
+    """The extension's ``guides`` argument: the guide channels each group of ``x`` carries after the weighted ones
+    (:func:`.checks.guide_channels`; the operator has checked that the channels fit); none where there are none, so
+    that ``scripts/research/bench_kernel_ab.py`` can run kernel versions from before the argument existed."""
+    guides = x.shape[1] // groups - weight.shape[1]
+    return {"guides": guides} if guides else {}
+
+
 def _geometry_args(geometry: SortGeometry, tables: _Tables, stride, dilation, groups) -> Dict[str, object]:
     return dict(tap_offsets=tables.tap_offsets, tap_weights=tables.tap_weights, segments=tables.segments,
                 kernel_size=geometry.kernel_size, stride_h=stride[0], stride_w=stride[1], dilation_h=dilation[0],
@@ -606,7 +614,7 @@ class CpuKernel:
         align = _align_tables_for(geometry, x.dtype)
         return self.module.align_forward(x, _harmonic_weight(weight, align), bias,
                                          **_geometry_args(geometry, _tables_for(geometry), stride, dilation, groups),
-                                         **align.kwargs, **_padding_kwargs(pad))
+                                         **align.kwargs, **_padding_kwargs(pad), **_guide_kwargs(x, weight, groups))
 
     def _align_backward(self, grad_output, x, weight, geometry, stride, dilation, groups, need_input, need_weight,
                         pad):
@@ -618,7 +626,8 @@ class CpuKernel:
         grad_input, grad_harmonic = self.module.align_backward(
             grad_output, x, _harmonic_weight(weight, align),
             **_geometry_args(geometry, _tables_for(geometry), stride, dilation, groups),
-            **align.kwargs, need_input_grad=need_input, need_weight_grad=need_weight, **_padding_kwargs(pad))
+            **align.kwargs, need_input_grad=need_input, need_weight_grad=need_weight, **_padding_kwargs(pad),
+            **_guide_kwargs(x, weight, groups))
         if not need_weight:
             return grad_input, None
         grad_weight = grad_harmonic.view(weight.shape[0], weight.shape[1], -1) @ align.to_harmonic.t()

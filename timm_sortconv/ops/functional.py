@@ -73,6 +73,9 @@ def sort_conv2d(
             quarter/half turn maps onto one another are sorted together (see :mod:`.geometry`); or
             ``"align"``/``"align-channel"``: instead of sorting, each window is turned back by its own
             orientation (one per position shared by a group's channels / one per channel, :mod:`.alignment`).
+            With ``"align"`` the input may carry one *guide channel* after each group's channels
+            (``(C_in / groups + 1) * groups`` channels): it joins the orientation of its group's windows and has
+            no weight (as a zero weight would give, without its products; :mod:`timm_sortconv.guide`).
         backend: ``"auto"`` (the fastest backend that supports the call), ``"reference"`` or the name of
             a fast backend (see :func:`timm_sortconv.ops.available_backends`).
 
@@ -90,7 +93,7 @@ def sort_conv2d(
             raise TypeError(f"sort_conv2d expects a torch.Tensor {name}, got {type(tensor).__name__}")
     stride, padding, dilation, groups = functional_arguments(weight, stride, padding, dilation, groups,
                                                              padding_mode)
-    check_input(input, weight, groups)
+    check_input(input, weight, groups, sorting)
     # int(): while tracing, sizes are tensors; the kernel size is a constant of the traced graph.
     k = check_kernel_size(tuple(int(size) for size in weight.shape[2:]))
     get_geometry(k, sampling, sorting)  # checks the variant; built now, outside any traced region, and cached
@@ -108,7 +111,7 @@ def sort_conv2d_padded(input: torch.Tensor, weight: torch.Tensor, bias: Optional
         if padding_mode == "zeros" and input.dim() == 4 and plain_eager(input, weight, bias):
             return sort_conv2d_eager(input, weight, bias, stride, padding, dilation, groups, sampling, sorting,
                                      backend)
-    check_input(input, weight, groups)  # (the eager path's operator checks its 4-D inputs per call)
+    check_input(input, weight, groups, sorting)  # (the eager path's operator checks its 4-D inputs per call)
     unbatched = input.dim() == 3
     if unbatched:
         input = input.unsqueeze(0)

@@ -69,7 +69,7 @@ def _call(input: Tensor, weight: Tensor, bias: Optional[Tensor], stride, dilatio
            groups, environment())
     plan = _PLANS.get(key)
     if plan is None:
-        check_tensors(input, weight, bias, groups)
+        check_tensors(input, weight, bias, groups, sorting)
         geometry = get_geometry(weight.shape[-1], sampling, sorting)
         chosen = resolve_backend(backend, input, weight, bias, geometry, (stride[0], stride[1]),
                                  (dilation[0], dilation[1]), groups)
@@ -103,7 +103,7 @@ def _forward(input: Tensor, weight: Tensor, bias: Optional[Tensor], stride: List
              dilation: List[int], groups: int, sampling: str, sorting: str, backend: str) -> Tensor:
     """The operator's forward: the checks of the call's sizes, the backend's kernel, the promised layout."""
     chosen, geometry = _call(input, weight, bias, stride, dilation, groups, sampling, sorting, backend)
-    check_shapes(input, weight, bias, groups, padding, dilation)
+    check_shapes(input, weight, bias, groups, padding, dilation, sorting)
     x, pad = _padded_for(chosen, input, tuple(padding))
     out = chosen.forward(x, weight.contiguous(), None if bias is None else bias.contiguous(), geometry,
                          (stride[0], stride[1]), (dilation[0], dilation[1]), groups, pad)
@@ -127,7 +127,7 @@ def _output_shape(input: Tensor, weight: Tensor, stride, padding, dilation) -> L
 
 @sort_conv2d_op.register_fake
 def _(input, weight, bias, stride, padding, dilation, groups, sampling, sorting, backend):
-    check_tensors(input, weight, bias, groups)
+    check_tensors(input, weight, bias, groups, sorting)
     return input.new_empty(_output_shape(input, weight, stride, padding, dilation)).contiguous(
         memory_format=_memory_format(input))
 

@@ -131,15 +131,16 @@ def _output_size(x: torch.Tensor, k: int, stride: Tuple[int, int], dilation: Tup
 def sort_conv2d_reference(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                           geometry: SortGeometry, stride: Tuple[int, int], dilation: Tuple[int, int],
                           groups: int) -> torch.Tensor:
-    """SC on an already padded input ``x``; shapes are checked by the caller."""
+    """SC on an already padded input ``x``; shapes are checked by the caller. An aligned input's guide channels
+    (:func:`.checks.guide_channels`) join the orientation and are left out of the product."""
     k = geometry.kernel_size
     batch, channels = x.shape[0], x.shape[1]
     ho, wo = _output_size(x, k, stride, dilation)
     cols = sorted_patches(x, geometry, stride, dilation, (ho, wo), groups)
     w = slot_weight(weight, geometry)
-    out_channels = w.shape[0]
-    cols = cols.reshape(batch, groups, channels // groups, ho, wo, k * k)
-    w = w.reshape(groups, out_channels // groups, channels // groups, k * k).to(cols.dtype)
+    out_channels, weighted = w.shape[0], w.shape[1]
+    cols = cols.reshape(batch, groups, channels // groups, ho, wo, k * k)[:, :, :weighted]
+    w = w.reshape(groups, out_channels // groups, weighted, k * k).to(cols.dtype)
     out = torch.einsum("bgchws,gocs->bgohw", cols, w).reshape(batch, out_channels, ho, wo)
     if bias is not None:
         out = out + bias.to(out.dtype).view(1, -1, 1, 1)
