@@ -957,29 +957,10 @@ void align_backward_kernel(const Plan<scalar_t>& plan, const AlignTables<scalar_
   });
 }
 
-// The call's Shape over its weighted channels (check_tensors' checks), with the input's guide channels checked: C/g
-// weighted channels, then align.guides guide channels, per group.
-Shape align_shape(const timm_sortconv_cpu::AlignCall& align) {
-  const auto& call = align.call;
-  const at::Tensor &input = call.input, &weight = call.weight_slots;
-  const int64_t groups = call.groups, kk = call.kernel_size * call.kernel_size;
-  TORCH_CHECK(input.device().is_cpu() && weight.device().is_cpu(), "sort_conv_cpu: tensors must be on the CPU");
-  TORCH_CHECK(input.dim() == 4 && input.is_contiguous(),
-              "sort_conv_cpu: input must be a contiguous (B, C, H, W) tensor");
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(),
-              "sort_conv_cpu: weight must be a contiguous (O, C/groups * k*k) harmonic weight");
-  TORCH_CHECK(input.scalar_type() == weight.scalar_type(), "sort_conv_cpu: input and weight dtypes differ");
-  TORCH_CHECK(groups >= 1 && input.size(1) % groups == 0 && weight.size(0) % groups == 0 && weight.size(1) % kk == 0,
-              "sort_conv_cpu: groups must divide the channels");
-  TORCH_CHECK(align.guides >= 0 && (weight.size(1) / kk + align.guides) * groups == input.size(1),
-              "sort_conv_cpu: weight has ", weight.size(1), " columns, expected (C/groups - guides) * k*k");
-  return {input.size(0), weight.size(1) / kk * groups, weight.size(0), groups};
-}
-
 template <typename scalar_t>
 at::Tensor align_forward_impl(const timm_sortconv_cpu::AlignCall& align) {
   const auto& call = align.call;
-  const Shape shape = align_shape(align);
+  const Shape shape = check_tensors(call.input, call.weight_slots, call.groups, call.kernel_size, align.guides);
   if (call.bias.has_value() && call.bias->defined()) {
     TORCH_CHECK(call.bias->scalar_type() == call.input.scalar_type() && call.bias->numel() == shape.out_channels,
                 "sort_conv_cpu: bias must have O entries of the input's dtype");
@@ -1009,7 +990,7 @@ at::Tensor align_forward_impl(const timm_sortconv_cpu::AlignCall& align) {
 template <typename scalar_t>
 std::vector<at::Tensor> align_backward_impl(const timm_sortconv_cpu::AlignCall& align) {
   const auto& call = align.call;
-  const Shape shape = align_shape(align);
+  const Shape shape = check_tensors(call.input, call.weight_slots, call.groups, call.kernel_size, align.guides);
   const at::Tensor& grad_output = call.grad_output;
   TORCH_CHECK(grad_output.is_contiguous() && grad_output.scalar_type() == call.input.scalar_type(),
               "sort_conv_cpu: grad_output must be contiguous with the input's dtype");

@@ -2032,7 +2032,10 @@ std::vector<at::Tensor> backward_impl(const at::Tensor& grad_output, const at::T
   return {grad_input, grad_weight};
 }
 
-Shape check_tensors(const at::Tensor& input, const at::Tensor& weight_slots, int64_t groups, int64_t kernel_size) {
+// The call's Shape; `guides`: the guide channels each group of the input carries after the weight's C/g
+// (align_conv_kernel.h), which the Shape's channels leave out.
+Shape check_tensors(const at::Tensor& input, const at::Tensor& weight_slots, int64_t groups, int64_t kernel_size,
+                    int64_t guides = 0) {
   TORCH_CHECK(input.device().is_cpu() && weight_slots.device().is_cpu(), "sort_conv_cpu: tensors must be on the CPU");
   TORCH_CHECK(input.dim() == 4 && input.is_contiguous(),
               "sort_conv_cpu: input must be a contiguous (B, C, H, W) tensor");
@@ -2042,9 +2045,11 @@ Shape check_tensors(const at::Tensor& input, const at::Tensor& weight_slots, int
   TORCH_CHECK(input.scalar_type() == weight_slots.scalar_type(), "sort_conv_cpu: input and weight dtypes differ");
   TORCH_CHECK(groups >= 1 && input.size(1) % groups == 0 && weight_slots.size(0) % groups == 0,
               "sort_conv_cpu: groups must divide the channels");
-  TORCH_CHECK(weight_slots.size(1) * groups == input.size(1) * kernel_size * kernel_size,
-              "sort_conv_cpu: weight has ", weight_slots.size(1), " columns, expected C/groups * k*k");
-  return {input.size(0), input.size(1), weight_slots.size(0), groups};
+  const int64_t weighted = input.size(1) - guides * groups;
+  TORCH_CHECK(guides >= 0 && weight_slots.size(1) * groups == weighted * kernel_size * kernel_size,
+              "sort_conv_cpu: weight has ", weight_slots.size(1), " columns, expected (C/groups - ", guides,
+              " guides) * k*k");
+  return {input.size(0), weighted, weight_slots.size(0), groups};
 }
 
 #endif

@@ -82,6 +82,7 @@ import torch.nn.functional as F
 from .alignment import RELATIVE, TINY, harmonic_tables, is_aligned
 from .backends import (DISABLE_ENV, NO_PADDING, Backend, availability_changed, environment_reader, fast_disabled,
                        register_backend)
+from .checks import guide_channels
 from .geometry import ALIGNMENTS, SortGeometry
 
 __all__ = ["ISA_ENV", "ISA_LEVELS", "MAX_KERNEL_SIZE", "POLAR_TAP_SIZES", "SOURCE_DIR", "CpuKernel",
@@ -514,11 +515,11 @@ def _harmonic_weight(weight: torch.Tensor, align: _AlignTables) -> torch.Tensor:
     return (weight.reshape(weight.shape[0], weight.shape[1], -1) @ align.to_harmonic).reshape(weight.shape[0], -1)
 
 
-def _guide_kwargs(x: torch.Tensor, weight: torch.Tensor, groups: int) -> Dict[str, int]:
-    """The extension's ``guides`` argument: the guide channels each group of ``x`` carries after the weighted ones
-    (:func:`.checks.guide_channels`; the operator has checked that the channels fit); none where there are none, so
-    that ``scripts/research/bench_kernel_ab.py`` can run kernel versions from before the argument existed."""
-    guides = x.shape[1] // groups - weight.shape[1]
+def _guide_kwargs(x: torch.Tensor, weight: torch.Tensor, groups: int, geometry: SortGeometry) -> Dict[str, int]:
+    """The extension's ``guides`` argument: :func:`.checks.guide_channels` of the call (the operator has checked that
+    the channels fit); none where there are none, so that ``scripts/research/bench_kernel_ab.py`` can run kernel
+    versions from before the argument existed."""
+    guides = guide_channels(x.shape[1], weight, groups, geometry.sorting)
     return {"guides": guides} if guides else {}
 
 
@@ -614,7 +615,8 @@ class CpuKernel:
         align = _align_tables_for(geometry, x.dtype)
         return self.module.align_forward(x, _harmonic_weight(weight, align), bias,
                                          **_geometry_args(geometry, _tables_for(geometry), stride, dilation, groups),
-                                         **align.kwargs, **_padding_kwargs(pad), **_guide_kwargs(x, weight, groups))
+                                         **align.kwargs, **_padding_kwargs(pad),
+                                         **_guide_kwargs(x, weight, groups, geometry))
 
     def _align_backward(self, grad_output, x, weight, geometry, stride, dilation, groups, need_input, need_weight,
                         pad):
@@ -627,7 +629,7 @@ class CpuKernel:
             grad_output, x, _harmonic_weight(weight, align),
             **_geometry_args(geometry, _tables_for(geometry), stride, dilation, groups),
             **align.kwargs, need_input_grad=need_input, need_weight_grad=need_weight, **_padding_kwargs(pad),
-            **_guide_kwargs(x, weight, groups))
+            **_guide_kwargs(x, weight, groups, geometry))
         if not need_weight:
             return grad_input, None
         grad_weight = grad_harmonic.view(weight.shape[0], weight.shape[1], -1) @ align.to_harmonic.t()
