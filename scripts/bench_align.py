@@ -13,7 +13,9 @@ machine's load falls on all alike, and the least time of the rounds is kept: on 
 (``time.process_time``, which time spent waiting for a core does not count) and the wall-clock time beside it; on a
 GPU the wall-clock time with the device synchronised. With ``--layers`` it also times each SC layer's forward and
 forward+backward at its input size in the network: ring-sorted, aligned, and guided (the aligned layer with the
-guide's channel, as the guided network runs it).
+guide's channel, as the guided network runs it). As in a training step, the backward computes the gradient of the
+weight and of the layer's input, except at the first layer, whose input is the image (its rows are marked
+"weight only").
 
 Printed: the device, PyTorch's threads, the 1-minute load average before and after, and Markdown tables of
 milliseconds per step with each model's ratio to ``scnn_p_rs_7``, and per layer with the aligned and guided layers'
@@ -138,6 +140,7 @@ def layer_calls(batch: int, backend: str, device: torch.device) -> Dict[str, Cal
     calls = {}
     for index, (layer, shape) in enumerate(shapes):
         x = torch.randn(shape, generator=torch.Generator().manual_seed(index)).to(device)
+        input_grad = index > 0  # the image needs no gradient
         layer = layer.to(device)
         for label in ("ring", "align", "guided"):
             if label == "guided":
@@ -151,12 +154,12 @@ def layer_calls(batch: int, backend: str, device: torch.device) -> Dict[str, Cal
                 with torch.no_grad():
                     conv(x)
 
-            def forward_backward(conv=conv, x=x):
-                leaf = x.detach().requires_grad_()
+            def forward_backward(conv=conv, x=x, input_grad=input_grad):
+                leaf = x.detach().requires_grad_(input_grad)
                 conv(leaf).sum().backward()
 
             calls[f"{name} forward"] = forward
-            calls[f"{name} forward+backward"] = forward_backward
+            calls[f"{name} forward+backward{'' if input_grad else ' (weight only)'}"] = forward_backward
     return calls
 
 

@@ -232,3 +232,26 @@ def test_a_guide_channel_is_taken_only_where_one_orientation_serves_a_group():
         layer.stride = (stride, stride)
         with pytest.raises(ShapeError, match="input has 3 channels"):
             layer(x)
+
+
+@pytest.mark.parametrize("k", [3, 4, 5, 7])
+@pytest.mark.parametrize("sampling", ["polar", "square"])
+def test_a_guides_orientation_from_its_samples_is_the_one_of_its_ring_spectra(sampling, k):
+    """The kernel takes a guide channel's (c, E) from its samples (cpu_backend._guide_first, add_guide_orientation):
+    c as sums with the tables' weights, E as each ring's variance plus its weight times the squared mean. Both must
+    be what aligned_samples computes from each ring's FFT (c = sum S_1 / N, E = sum |S_m|^2 / N^2 over m != 0 plus
+    LEVEL / RELATIVE * S_0^2 / N^2 over the rings, the centre left out), for every geometry the models use."""
+    from timm_sortconv.ops.alignment import LEVEL, RELATIVE
+    geometry = get_geometry(k, sampling, "align")
+    guide = cpu_backend._align_tables_for(geometry, torch.float32).guide_first
+    assert guide.shape == (3, k * k)
+    samples = torch.randn(64, k * k, dtype=torch.float64, generator=torch.Generator().manual_seed(k)) + 3.0
+    rings = [(s, e) for s, e in geometry.segments if e - s > 1]
+    first = sum(torch.fft.fft(samples[:, s:e])[:, 1] / (e - s) for s, e in rings)
+    energy = sum((torch.fft.fft(samples[:, s:e]).abs()[:, 1:] ** 2).sum(1) / (e - s) ** 2
+                 + LEVEL / RELATIVE * samples[:, s:e].sum(1) ** 2 / (e - s) ** 2 for s, e in rings)
+    torch.testing.assert_close(samples @ guide[0], first.real, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(samples @ guide[1], first.imag, rtol=1e-12, atol=1e-12)
+    kernel_energy = sum(samples[:, s:e].var(1, unbiased=False) + guide[2, s] * samples[:, s:e].mean(1) ** 2
+                        for s, e in geometry.segments)
+    torch.testing.assert_close(kernel_energy, energy, rtol=1e-12, atol=1e-12)

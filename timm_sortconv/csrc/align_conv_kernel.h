@@ -6,10 +6,11 @@
 //
 // Everything is written in the harmonic basis of alignment.harmonic_tables: a window's k*k harmonic rows are the
 // centre, each ring's S_0 and, for an even ring, its Nyquist S_{N/2}, and Re S_m and Im S_m of every (ring,
-// 0 < m < N/2), here ordered ring by ring (cpu_backend._folded_dft; the tables say which row is which). The caller
-// gives the weight in that basis (the slot-order weight times the inverse transform, so that the product with the
-// aligned harmonics equals the product of the slot-order weight with the aligned samples) and takes the weight
-// gradient back through the same matrix. Per block of kLanes output positions and group, the forward pass
+// 0 < m < N/2), here ordered ring by ring (cpu_backend._folded_dft; the tables say which row is which). The weight
+// comes in grid order and is taken to that basis per call (harmonic_weight: each channel's slot-order weights through
+// the same transform, rows scaled, so that its product with the aligned harmonics equals the product of the
+// slot-order weight with the aligned samples); its gradient goes back through the transpose
+// (sum_harmonic_weight_parts). Per block of kLanes output positions and group, the forward pass
 //   1. gathers every channel's samples (sort_conv_kernel.h's gather_samples) and takes their ring spectra into a
 //      per-thread buffer spectra[C/g][k*k][lanes]: each ring folded (s_0, s_j + s_{N-j}, s_{N/2}, s_j - s_{N-j}),
 //      then its cosine rows from the first and its sine rows from the second, two dense blocks of about N/2 a side
@@ -21,7 +22,8 @@
 //      S_0 and the centre as they are;
 //   4. multiplies the block's aligned columns (C/g * k*k rows of lanes) into the outputs with the micro-GEMM.
 // Nothing of size k*k times the input is written to memory: the buffer holds one block's columns. A guide channel
-// (AlignCall::guides: the last of each group's input channels, with no weight) takes steps 1 and 2 only.
+// (AlignCall::guides: the last of each group's input channels, with no weight) takes steps 1 and 2 only, and where
+// the tables allow, without its spectra: its samples' sums give its c and E (add_guide_orientation).
 //
 // Backward keeps only the input and the weight, as the sorting kernel does: per block it recomputes the spectra,
 // the orientation and the aligned columns, then
@@ -62,7 +64,9 @@ struct AlignTables {
   // Guide channels after each group's weighted channels ("align" only): in the orientation, not in the products.
   int64_t guides = 0;
   scalar_t relative = 0, tiny = 0;
-  TapTable<scalar_t> fold;    // folded samples <- samples (slot order): s_0, s_j + s_{N-j}, s_{N/2}, s_j - s_{N-j}
+  // Folded samples <- samples (slot order): s_0, s_j + s_{N-j}, s_{N/2}, s_j - s_{N-j}; built only where the rings
+  // are not folded inline (rings false).
+  TapTable<scalar_t> fold;
   TapTable<scalar_t> unfold;  // its transpose, for the gradients
   std::vector<DftBlock<scalar_t>> blocks;
   // Per pair (ring, 0 < m < N/2): the rows of Re S_m and Im S_m, and m.
@@ -73,6 +77,16 @@ struct AlignTables {
   std::vector<int64_t> energy_row;    // fixed rows in E (the Nyquist ones), with their 1 / N^2
   std::vector<scalar_t> energy_weight;
   std::vector<int64_t> nyquist_row, nyquist_m;  // fixed rows turned by Re T_m (m = N / 2)
+  std::vector<int64_t> still_row;               // the fixed rows that do not turn (the centre, each S_0)
+  // Per harmonic row r, 1 / |analysis row r|^2 (analysis = dft @ fold): a channel's harmonic weight row r is the
+  // analysis of its slot-order weights times this (harmonic_weight), as alignment.harmonic_tables' synthesis is
+  // analysis^T scaled by it.
+  std::vector<scalar_t> weight_scale;
+  // A guide channel's (c_re, c_im) as sums over its samples in slot order (the m = 1 rows of the analysis, times
+  // first_weight), and per slot the weight of its ring's squared mean in E, where each ring's energy terms are
+  // Parseval's (E_ring = the samples' variance over the ring + that weight times their squared mean:
+  // cpu_backend._guide_first checks it); empty otherwise, and a guide then takes the spectra path.
+  std::vector<scalar_t> guide_re, guide_im, guide_level;
   // Whether every ring is folded as _folded_dft folds it (its rows from the ring's first slot on: the cosine block,
   // then the sine block) with a size ring_dft has unrolled; then per segment of the plan the index in `blocks` of
   // its cosine block and of its sine block (-1: none), and whether its samples can be read straight from the input
@@ -182,7 +196,6 @@ AlignTables<scalar_t> make_align_tables(const timm_sortconv_cpu::AlignCall& alig
               "sort_conv_cpu: a group carries at most one guide channel, and only with one orientation a group");
   t.relative = static_cast<scalar_t>(align.relative);
   t.tiny = static_cast<scalar_t>(align.tiny);
-  std::tie(t.fold, t.unfold) = tap_tables_of<scalar_t>(fold, slots);
   const double* d = dft.data_ptr<double>();
   int64_t covered = 0;
   for (int64_t b = 0; b < blocks.size(0); ++b) {
@@ -190,6 +203,8 @@ AlignTables<scalar_t> make_align_tables(const timm_sortconv_cpu::AlignCall& alig
     block.start = blocks.data_ptr<int64_t>()[2 * b];
     block.size = blocks.data_ptr<int64_t>()[2 * b + 1];
     TORCH_CHECK(block.start == covered && block.size >= 1, "sort_conv_cpu: the DFT's blocks must tile its rows");
+    block.forward.reserve(block.size * block.size);
+    block.backward.reserve(block.size * block.size);
     covered += block.size;
     for (int64_t k = 0; k < block.size; ++k) {
       for (int64_t m = 0; m < block.size; ++m) {
@@ -200,7 +215,22 @@ AlignTables<scalar_t> make_align_tables(const timm_sortconv_cpu::AlignCall& alig
     t.blocks.push_back(std::move(block));
   }
   TORCH_CHECK(covered == slots, "sort_conv_cpu: the DFT's blocks must cover its k*k rows");
+  const auto weight_scale = align.weight_scale.to(at::kDouble).contiguous();
+  TORCH_CHECK(weight_scale.dim() == 1 && weight_scale.numel() == slots,
+              "sort_conv_cpu: weight_scale must have k*k rows");
+  for (int64_t r = 0; r < slots; ++r) {
+    t.weight_scale.push_back(static_cast<scalar_t>(weight_scale.data_ptr<double>()[r]));
+  }
+  const auto guide_first = align.guide_first.to(at::kDouble).contiguous();
+  TORCH_CHECK(guide_first.numel() == 0 || (guide_first.dim() == 2 && guide_first.size(0) == 3
+                                            && guide_first.size(1) == slots),
+              "sort_conv_cpu: guide_first must be (3, k*k) or empty");
+  for (int64_t i = 0; i < guide_first.numel(); ++i) {
+    auto& row = i < slots ? t.guide_re : (i < 2 * slots ? t.guide_im : t.guide_level);
+    row.push_back(static_cast<scalar_t>(guide_first.data_ptr<double>()[i]));
+  }
   find_rings(plan, fold, t);
+  if (!t.rings) std::tie(t.fold, t.unfold) = tap_tables_of<scalar_t>(fold, slots);  // what the ring DFTs do inline
   const int64_t* pair = pairs.data_ptr<int64_t>();
   for (int64_t p = 0; p < t.pairs; ++p) {
     const int64_t re = pair[3 * p], im = pair[3 * p + 1], m = pair[3 * p + 2];
@@ -222,6 +252,8 @@ AlignTables<scalar_t> make_align_tables(const timm_sortconv_cpu::AlignCall& alig
       t.nyquist_row.push_back(row);
       t.nyquist_m.push_back(m);
       t.largest = std::max(t.largest, m);
+    } else {
+      t.still_row.push_back(row);
     }
     if (energy_fixed.data_ptr<double>()[f] != 0.0) {
       t.energy_row.push_back(row);
@@ -381,9 +413,22 @@ bool known_polar_segment(int64_t k, int64_t start, int64_t size) {
                         || (start == 25 && size == 24)));
 }
 
-// One vector of ring [kStart, kStart + N)'s spectra with its samples read straight from the input: polar taps at
-// compile-time positions (sort_polar_fixed's loads) or square samples (single_tap).
-template <int K, int kStart, int N, bool kTwo>
+// Calls out(j, sample j) for a ring's N samples, as ring_dft would read them: the samples themselves where only they
+// are wanted (kSamples: a guide's, add_guide_orientation), else ring_dft's spectra rows.
+template <bool kSamples, typename vec, int N, typename scalar_t, typename Sample, typename Out>
+inline __attribute__((always_inline)) void ring_rows(const Sample& sample, const scalar_t* cosine, const scalar_t* sine,
+                                                     const Out& out) {
+  if constexpr (kSamples) {
+#pragma GCC unroll 24
+    for (int j = 0; j < N; ++j) out(j, sample(j));
+  } else {
+    ring_dft<vec, N>(sample, cosine, sine, out);
+  }
+}
+
+// One vector of ring [kStart, kStart + N)'s spectra (or samples: kSamples) with its samples read straight from the
+// input: polar taps at compile-time positions (sort_polar_fixed's loads) or square samples (single_tap).
+template <int K, int kStart, int N, bool kTwo, bool kSamples>
 void polar_ring_spectra(const Plan<float>& plan, const float* cosine, const float* sine, const float* p0,
                         const float* p1, PieceMask m0, PieceMask m1, float* out) {
   using taps = PolarTaps<K>;
@@ -394,7 +439,7 @@ void polar_ring_spectra(const Plan<float>& plan, const float* cosine, const floa
     col[i] = plan.grid_offset[i];
   }
   const float* weight = plan.polar_weight.data() + kStart * kPolarTaps;
-  ring_dft<vfloat, N>(
+  ring_rows<kSamples, vfloat, N>(
       [&](int i) __attribute__((always_inline)) {
         const int s = kStart + i;
         const auto tap = [&](int t) __attribute__((always_inline)) {
@@ -412,28 +457,29 @@ void polar_ring_spectra(const Plan<float>& plan, const float* cosine, const floa
       cosine, sine, [&](int r, vfloat value) __attribute__((always_inline)) { store(out + r * lanes, value); });
 }
 
-template <int N, bool kTwo>
+template <int N, bool kTwo, bool kSamples>
 void square_ring_spectra(const Plan<float>& plan, int64_t start, const float* cosine, const float* sine,
                          const float* p0, const float* p1, PieceMask m0, PieceMask m1, float* out) {
   constexpr int64_t lanes = kLanes<float>;
   const int64_t* offset = plan.sample_offset.data() + start;
-  ring_dft<vfloat, N>([&](int i) __attribute__((always_inline)) { return load_pieces<kTwo>(p0, p1, m0, m1, offset[i]); }, cosine, sine,
+  ring_rows<kSamples, vfloat, N>([&](int i) __attribute__((always_inline)) { return load_pieces<kTwo>(p0, p1, m0, m1, offset[i]); }, cosine, sine,
                       [&](int r, vfloat value) __attribute__((always_inline)) { store(out + r * lanes, value); });
 }
 
-template <bool kTwo>
+template <bool kTwo, bool kSamples>
 void direct_ring_spectra(const Plan<float>& plan, const Segment& segment, const float* cosine, const float* sine,
                          const float* p0, const float* p1, PieceMask m0, PieceMask m1, float* out) {
   if (plan.polar_k == 0) {
     with_ring_size(segment.size, [&](auto size) {
-      square_ring_spectra<decltype(size)::value, kTwo>(plan, segment.start, cosine, sine, p0, p1, m0, m1, out);
+      square_ring_spectra<decltype(size)::value, kTwo, kSamples>(plan, segment.start, cosine, sine, p0, p1, m0, m1,
+                                                                 out);
     });
     return;
   }
   const int64_t key = plan.polar_k * 10000 + segment.start * 100 + segment.size;
 #define TIMM_SORTCONV_CASE(k, start, size) \
   case k * 10000 + start * 100 + size:    \
-    return polar_ring_spectra<k, start, size, kTwo>(plan, cosine, sine, p0, p1, m0, m1, out);
+    return polar_ring_spectra<k, start, size, kTwo, kSamples>(plan, cosine, sine, p0, p1, m0, m1, out);
   switch (key) {
     TIMM_SORTCONV_CASE(5, 0, 1)
     TIMM_SORTCONV_CASE(5, 1, 8)
@@ -450,7 +496,9 @@ void direct_ring_spectra(const Plan<float>& plan, const Segment& segment, const 
 }
 
 // window_spectra straight from the input (gathering, the fold and the DFT in registers, as sort_direct gathers and
-// sorts); false (nothing done) where the tables or the block do not allow it.
+// sorts), or only the samples (kSamples: gather_samples' values); false (nothing done) where the tables or the
+// block do not allow it.
+template <bool kSamples = false>
 bool direct_spectra(const Plan<float>& plan, const AlignTables<float>& t, const float* channel_input,
                     const Block& block, float* spectra) {
   constexpr int64_t lanes = kLanes<float>, half = kVecLanes<float>;
@@ -466,9 +514,9 @@ bool direct_spectra(const Plan<float>& plan, const AlignTables<float>& t, const 
       const PieceMask m0 = piece_mask(source.mask[0]), m1 = piece_mask(source.mask[1]);
       float* out = spectra + segment.start * lanes + h * half;
       if (source.mask[1] != 0) {
-        direct_ring_spectra<true>(plan, segment, cosine, sine, p0, p1, m0, m1, out);
+        direct_ring_spectra<true, kSamples>(plan, segment, cosine, sine, p0, p1, m0, m1, out);
       } else {
-        direct_ring_spectra<false>(plan, segment, cosine, sine, p0, p1, m0, m1, out);
+        direct_ring_spectra<false, kSamples>(plan, segment, cosine, sine, p0, p1, m0, m1, out);
       }
     }
   }
@@ -478,7 +526,7 @@ bool direct_spectra(const Plan<float>& plan, const AlignTables<float>& t, const 
 bool known_polar_segment(int64_t, int64_t, int64_t) { return false; }
 #endif
 
-template <typename scalar_t>
+template <bool kSamples = false, typename scalar_t>
 bool direct_spectra(const Plan<scalar_t>&, const AlignTables<scalar_t>&, const scalar_t*, const Block&, scalar_t*) {
   return false;
 }
@@ -486,12 +534,11 @@ bool direct_spectra(const Plan<scalar_t>&, const AlignTables<scalar_t>&, const s
 // The harmonic rows spectra[k*k][lanes] of one channel's windows in the block: straight from the input where
 // direct_spectra can, else gathered, then folded and each block of the DFT taken ring by ring in registers
 // (t.rings) or as a micro-GEMM over the lanes.
-template <typename scalar_t, bool kUnitStride>
-void window_spectra(const Plan<scalar_t>& plan, const AlignTables<scalar_t>& t, const scalar_t* channel_input,
-                    const Block& block, scalar_t* grid, scalar_t* samples, scalar_t* folded, scalar_t* spectra) {
+// spectra[k*k][lanes] from samples[k*k][lanes] (slot order): the fold, then the DFT's blocks.
+template <typename scalar_t>
+void samples_to_spectra(const Plan<scalar_t>& plan, const AlignTables<scalar_t>& t, const scalar_t* samples,
+                        scalar_t* folded, scalar_t* spectra) {
   constexpr int64_t lanes = kLanes<scalar_t>;
-  if (kUnitStride && direct_spectra(plan, t, channel_input, block, spectra)) return;
-  gather_samples<scalar_t, kUnitStride>(plan, channel_input, block, grid, samples);
   if (t.rings) {
     rings_to_spectra(plan, t, samples, spectra);
     return;
@@ -500,6 +547,14 @@ void window_spectra(const Plan<scalar_t>& plan, const AlignTables<scalar_t>& t, 
   for (const auto& b : t.blocks) {
     gemm_rows(folded + b.start * lanes, b.size, b.forward.data(), b.size, b.size, spectra + b.start * lanes, false);
   }
+}
+
+template <typename scalar_t, bool kUnitStride>
+void window_spectra(const Plan<scalar_t>& plan, const AlignTables<scalar_t>& t, const scalar_t* channel_input,
+                    const Block& block, scalar_t* grid, scalar_t* samples, scalar_t* folded, scalar_t* spectra) {
+  if (kUnitStride && direct_spectra(plan, t, channel_input, block, spectra)) return;
+  gather_samples<scalar_t, kUnitStride>(plan, channel_input, block, grid, samples);
+  samples_to_spectra(plan, t, samples, folded, spectra);
 }
 
 // The samples' gradient grad_samples[k*k][lanes] from the spectra's, through the DFT's and the fold's transposes.
@@ -518,35 +573,103 @@ void spectra_to_samples(const Plan<scalar_t>& plan, const AlignTables<scalar_t>&
   apply_taps(t.unfold, grad_folded, grad_samples);
 }
 
-// state[0..2] += one channel's (c_re, c_im, E).
+// state[0..2] += one channel's (c_re, c_im, E), summed in registers a vector of lanes at a time.
 template <typename scalar_t>
 void add_orientation(const AlignTables<scalar_t>& t, const scalar_t* spectra, scalar_t* state) {
-  constexpr int64_t lanes = kLanes<scalar_t>;
-  scalar_t* __restrict c_re = state;
-  scalar_t* __restrict c_im = state + lanes;
-  scalar_t* __restrict energy = state + 2 * lanes;
-  for (size_t i = 0; i < t.first_pair.size(); ++i) {
-    const scalar_t w = t.first_weight[i];
-    const scalar_t* re = spectra + t.re(t.first_pair[i]) * lanes;
-    const scalar_t* im = spectra + t.im(t.first_pair[i]) * lanes;
-#pragma omp simd
-    for (int64_t l = 0; l < lanes; ++l) {
-      c_re[l] += w * re[l];
-      c_im[l] += w * im[l];
+  using vec = typename Simd<scalar_t>::vec;
+  constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
+  for (int64_t h = 0; h < lanes; h += half) {
+    vec c_re = load(state + h), c_im = load(state + lanes + h), energy = load(state + 2 * lanes + h);
+    for (size_t i = 0; i < t.first_pair.size(); ++i) {
+      const vec w = splat(t.first_weight[i]);
+      c_re += w * load(spectra + t.re(t.first_pair[i]) * lanes + h);
+      c_im += w * load(spectra + t.im(t.first_pair[i]) * lanes + h);
     }
+    for (int64_t p = 0; p < t.pairs; ++p) {
+      const vec re = load(spectra + t.re(p) * lanes + h), im = load(spectra + t.im(p) * lanes + h);
+      energy += splat(t.pair_energy[p]) * (re * re + im * im);
+    }
+    for (size_t i = 0; i < t.energy_row.size(); ++i) {
+      const vec x = load(spectra + t.energy_row[i] * lanes + h);
+      energy += splat(t.energy_weight[i]) * x * x;
+    }
+    store(state + h, c_re);
+    store(state + lanes + h, c_im);
+    store(state + 2 * lanes + h, energy);
   }
-  for (int64_t p = 0; p < t.pairs; ++p) {
-    const scalar_t w = t.pair_energy[p];
-    const scalar_t* re = spectra + t.re(p) * lanes;
-    const scalar_t* im = spectra + t.im(p) * lanes;
-#pragma omp simd
-    for (int64_t l = 0; l < lanes; ++l) energy[l] += w * (re[l] * re[l] + im[l] * im[l]);
+}
+
+// state[0..2] += a guide channel's (c_re, c_im, E) from its samples[k*k][lanes] (t.guide_re non-empty): c from the
+// tables' sums over the samples, E per ring as the samples' variance, sum_j (s_j - mean)^2 / N, which by Parseval
+// is sum_{m != 0} |S_m|^2 / N^2, plus the ring's guide_level times mean^2 (S_0's term): add_orientation's sum, the
+// same values up to rounding, without the ring DFTs.
+template <typename scalar_t>
+void add_guide_orientation(const Plan<scalar_t>& plan, const AlignTables<scalar_t>& t, const scalar_t* samples,
+                           scalar_t* state) {
+  using vec = typename Simd<scalar_t>::vec;
+  constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
+  static_assert(lanes == 2 * half, "a block's lanes are two vectors");
+  // Both vectors of lanes at once (a and b), each sum in registers: independent chains of additions.
+  vec re_a{}, re_b{}, im_a{}, im_b{}, energy_a{}, energy_b{};
+  for (int64_t s = 0; s < plan.slots; ++s) {
+    const vec wr = splat(t.guide_re[s]), wi = splat(t.guide_im[s]);
+    const vec a = load(samples + s * lanes), b = load(samples + s * lanes + half);
+    re_a += wr * a;
+    re_b += wr * b;
+    im_a += wi * a;
+    im_b += wi * b;
   }
-  for (size_t i = 0; i < t.energy_row.size(); ++i) {
-    const scalar_t w = t.energy_weight[i];
-    const scalar_t* s = spectra + t.energy_row[i] * lanes;
-#pragma omp simd
-    for (int64_t l = 0; l < lanes; ++l) energy[l] += w * s[l] * s[l];
+  for (const auto& segment : plan.segments) {
+    const scalar_t* ring = samples + segment.start * lanes;
+    const vec per = splat(scalar_t(1) / static_cast<scalar_t>(segment.size));
+    const vec level = splat(t.guide_level[segment.start]);
+    vec sum_a{}, sum_b{};
+    for (int64_t j = 0; j < segment.size; ++j) {
+      sum_a += load(ring + j * lanes);
+      sum_b += load(ring + j * lanes + half);
+    }
+    const vec mean_a = sum_a * per, mean_b = sum_b * per;
+    energy_a += level * mean_a * mean_a;
+    energy_b += level * mean_b * mean_b;
+    vec squares_a{}, squares_b{};
+    for (int64_t j = 0; segment.size > 1 && j < segment.size; ++j) {
+      const vec da = load(ring + j * lanes) - mean_a, db = load(ring + j * lanes + half) - mean_b;
+      squares_a += da * da;
+      squares_b += db * db;
+    }
+    energy_a += per * squares_a;
+    energy_b += per * squares_b;
+  }
+  const vec sums[6] = {re_a, re_b, im_a, im_b, energy_a, energy_b};
+  for (int64_t r = 0; r < 6; ++r) store(state + r * half, load(state + r * half) + sums[r]);
+}
+
+// The transpose of add_guide_orientation: the guide's samples' gradient grad_samples[k*k][lanes] from its
+// orientation's (grad_orientation: dL/dc_re, dL/dc_im, dL/dE): the tables' sums' weights, 2 (s_j - mean) / N from
+// each ring's variance and 2 level mean / N from its squared mean.
+template <typename scalar_t>
+void guide_samples_gradient(const Plan<scalar_t>& plan, const AlignTables<scalar_t>& t,
+                            const scalar_t* grad_orientation, const scalar_t* samples, scalar_t* grad_samples) {
+  using vec = typename Simd<scalar_t>::vec;
+  constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
+  for (int64_t h = 0; h < lanes; h += half) {
+    const vec g_re = load(grad_orientation + h), g_im = load(grad_orientation + lanes + h);
+    const vec g_energy = load(grad_orientation + 2 * lanes + h);
+    for (int64_t s = 0; s < plan.slots; ++s) {
+      store(grad_samples + s * lanes + h, splat(t.guide_re[s]) * g_re + splat(t.guide_im[s]) * g_im);
+    }
+    for (const auto& segment : plan.segments) {
+      const scalar_t* ring = samples + segment.start * lanes + h;
+      scalar_t* grad = grad_samples + segment.start * lanes + h;
+      const vec per = splat(scalar_t(1) / static_cast<scalar_t>(segment.size));
+      vec sum{};
+      for (int64_t j = 0; j < segment.size; ++j) sum += load(ring + j * lanes);
+      const vec mean = sum * per, scale = splat(scalar_t(2)) * per * g_energy;
+      const vec offset = (splat(t.guide_level[segment.start]) - splat(scalar_t(1))) * mean;
+      for (int64_t j = 0; j < segment.size; ++j) {
+        store(grad + j * lanes, load(grad + j * lanes) + scale * (load(ring + j * lanes) + offset));
+      }
+    }
   }
 }
 
@@ -606,7 +729,9 @@ void turn_spectra(const AlignTables<scalar_t>& t, const scalar_t* state, const s
   constexpr int64_t lanes = kLanes<scalar_t>;
   const scalar_t* turn_re = state + 3 * lanes;
   const scalar_t* turn_im = turn_re + (t.largest + 1) * lanes;
-  if (out != in) std::memcpy(out, in, t.harmonics * lanes * sizeof(scalar_t));  // the rows that do not turn
+  if (out != in) {
+    for (const int64_t row : t.still_row) std::memcpy(out + row * lanes, in + row * lanes, lanes * sizeof(scalar_t));
+  }
   for (size_t i = 0; i < t.nyquist_row.size(); ++i) {
     const scalar_t* tr = turn_re + t.nyquist_m[i] * lanes;
     const scalar_t* s = in + t.nyquist_row[i] * lanes;
@@ -772,7 +897,9 @@ inline int64_t units_of(bool shared, int64_t channels_per_group) { return shared
 
 // The group's spectra[C/g][k*k][lanes] of the block, each channel's (c, E) added to its unit's state while its
 // spectra are still in L1 (the same sums in the same order as taking them after all the channels), and, where
-// anything turns, each unit's gated powers: states[unit] holds state_rows() rows of lanes.
+// anything turns, each unit's gated powers: states[unit] holds state_rows() rows of lanes. A guide channel's rows
+// hold its samples instead where add_guide_orientation serves it (t.guide_re non-empty; spectra then has a vector
+// more than its rows, which gather_samples may write).
 template <typename scalar_t, bool kUnitStride>
 void group_spectra(const Plan<scalar_t>& plan, const AlignTables<scalar_t>& t, int64_t channels,
                    const scalar_t* group_input, const Block& block, scalar_t* grid, scalar_t* samples,
@@ -784,6 +911,14 @@ void group_spectra(const Plan<scalar_t>& plan, const AlignTables<scalar_t>& t, i
   if (turns) std::fill(states, states + units * state_size, scalar_t(0));
   for (int64_t ci = 0; ci < channels; ++ci) {
     scalar_t* channel_spectra = spectra + ci * slots * lanes;
+    if (ci >= channels - t.guides && !t.guide_re.empty()) {  // a guide: its samples in its rows, for the backward
+      if (!turns) continue;
+      if (!kUnitStride || !direct_spectra<true>(plan, t, group_input + ci * plane, block, channel_spectra)) {
+        gather_samples<scalar_t, kUnitStride>(plan, group_input + ci * plane, block, grid, channel_spectra);
+      }
+      add_guide_orientation(plan, t, channel_spectra, states);
+      continue;
+    }
     window_spectra<scalar_t, kUnitStride>(plan, t, group_input + ci * plane, block, grid, samples, folded,
                                           channel_spectra);
     if (turns) add_orientation(t, channel_spectra, states + (t.shared ? 0 : ci) * state_size);
@@ -806,8 +941,8 @@ void align_forward_kernel(const Plan<scalar_t>& plan, const AlignTables<scalar_t
   const int64_t threads = thread_count(shape.batch * positions / lanes, multiply_adds(shape, positions, slots));
   for_each_thread_range(shape.batch, positions, threads, false, [&](int64_t, int64_t begin, int64_t end) {
     // gather_samples may write a vector past its last row.
-    std::vector<scalar_t> spectra(cin * slots * lanes), samples(slots * lanes + half), grid(slots * lanes + half),
-        folded(slots * lanes);
+    std::vector<scalar_t> spectra(cin * slots * lanes + half), samples(slots * lanes + half),
+        grid(slots * lanes + half), folded(slots * lanes);
     std::vector<scalar_t> states(units_of(t.shared, cg) * t.state_rows() * lanes), tile(shape.out_channels * lanes);
     std::vector<Block> blocks(1);
     ImageRing<scalar_t> ring(plan, input, nullptr, shape.batch, in_channels, begin, end, lanes);
@@ -860,7 +995,7 @@ void align_backward_kernel(const Plan<scalar_t>& plan, const AlignTables<scalar_
   const bool whole_images = need_input && grad_input_parts.empty();
   for_each_thread_range(shape.batch, positions, threads, whole_images, [&](int64_t thread, int64_t begin, int64_t end) {
     std::vector<scalar_t> grad_tile(shape.out_channels * lanes), grad_tile_t(shape.groups * lanes * outputs_padded);
-    std::vector<scalar_t> spectra(cin * slots * lanes), aligned(panel_channels * slots * lanes),
+    std::vector<scalar_t> spectra(cin * slots * lanes + half), aligned(panel_channels * slots * lanes),
         grad_columns(cin * slots * lanes), samples(slots * lanes + half), grid(slots * lanes + half),
         folded(slots * lanes), grad_samples(slots * lanes), grad_grid(slots * lanes);
     std::vector<scalar_t> states(units_of(t.shared, cg) * state_size), grad_turn(2 * (t.largest + 1) * lanes),
@@ -946,6 +1081,13 @@ void align_backward_kernel(const Plan<scalar_t>& plan, const AlignTables<scalar_
           // A guide channel's columns have no weight: its gradient comes through the orientation alone.
           std::fill(grad_columns.begin() + cg * slots * lanes, grad_columns.end(), scalar_t(0));
           for (int64_t ci = 0; ci < cin; ++ci) {
+            if (ci >= cg && !t.guide_re.empty()) {  // its rows hold its samples (group_spectra)
+              guide_samples_gradient(plan, t, grad_orientation.data(), spectra.data() + ci * slots * lanes,
+                                     grad_samples.data());
+              scatter_gradients<scalar_t, kUnitStride>(plan, block, grad_samples.data(), grad_grid.data(),
+                                                       grad_images + (g * cin + ci) * plane);
+              continue;
+            }
             add_orientation_gradient(t, grad_orientation.data(), spectra.data() + ci * slots * lanes,
                                      grad_columns.data() + ci * slots * lanes);
             to_input(ci);
@@ -955,6 +1097,95 @@ void align_backward_kernel(const Plan<scalar_t>& plan, const AlignTables<scalar_
     }
     ring.finish();
   });
+}
+
+// fn(channel, o0, count, buffers) for each of the layer's input channels (in parallel) and each run of up to kLanes
+// of its group's outputs from o0 on: the weight's values of a channel taking the place of a block's positions.
+// `buffers` holds three rows of k*k by kLanes per thread.
+template <typename scalar_t, typename F>
+void for_each_weight_run(const Shape& shape, int64_t slots, const F& fn) {
+  constexpr int64_t lanes = kLanes<scalar_t>;
+  const int64_t og = shape.out_per_group();
+  timm_sortconv_host::parallel_for(0, shape.channels, 16, [&](int64_t begin, int64_t end) {
+    std::vector<scalar_t> buffers(3 * slots * lanes);
+    for (int64_t channel = begin; channel < end; ++channel) {
+      for (int64_t o0 = 0; o0 < og; o0 += lanes) fn(channel, o0, std::min(lanes, og - o0), buffers.data());
+    }
+  });
+}
+
+// The weight (O, C/g * k*k), each channel's k*k values in grid order, in the harmonic basis the kernel multiplies
+// in: per channel, the slot-order values (slot s at grid position slot_to_grid[s]) through the analysis (the fold and
+// the DFT's blocks, as a window's samples go: samples_to_spectra), each harmonic row then scaled by weight_scale.
+// The product of this weight with the aligned harmonics is the product of the slot-order weight with the aligned
+// samples (alignment.harmonic_tables' synthesis). Written as (groups, C/g * k*k, O/g), the forward's products'
+// layout, where `packed`, else as (O, C/g * k*k).
+template <typename scalar_t>
+at::Tensor harmonic_weight(const Plan<scalar_t>& plan, const AlignTables<scalar_t>& t, const Shape& shape,
+                           const at::Tensor& weight, const std::vector<int64_t>& slot_to_grid, bool packed) {
+  constexpr int64_t lanes = kLanes<scalar_t>;
+  const int64_t slots = plan.slots, cg = shape.in_per_group(), og = shape.out_per_group(), row = cg * slots;
+  at::Tensor out = packed ? at::empty({shape.groups, row, og}, weight.options())
+                          : at::empty({shape.out_channels, row}, weight.options());
+  const scalar_t* src = weight.data_ptr<scalar_t>();
+  scalar_t* dst = out.data_ptr<scalar_t>();
+  for_each_weight_run<scalar_t>(shape, slots, [&](int64_t channel, int64_t o0, int64_t count, scalar_t* buffers) {
+    scalar_t *samples = buffers, *folded = buffers + slots * lanes, *spectra = buffers + 2 * slots * lanes;
+    const int64_t g = channel / cg, ci = channel % cg;
+    const scalar_t* from = src + (g * og + o0) * row + ci * slots;
+    for (int64_t s = 0; s < slots; ++s) {
+      scalar_t* to = samples + s * lanes;
+      for (int64_t l = 0; l < count; ++l) to[l] = from[l * row + slot_to_grid[s]];
+      std::fill(to + count, to + lanes, scalar_t(0));
+    }
+    samples_to_spectra(plan, t, samples, folded, spectra);
+    for (int64_t r = 0; r < slots; ++r) {
+      const scalar_t scale = t.weight_scale[r];
+      const scalar_t* values = spectra + r * lanes;
+      if (packed) {
+        scalar_t* to = dst + (channel * slots + r) * og + o0;
+        for (int64_t l = 0; l < count; ++l) to[l] = values[l] * scale;
+      } else {
+        scalar_t* to = dst + (g * og + o0) * row + ci * slots + r;
+        for (int64_t l = 0; l < count; ++l) to[l * row] = values[l] * scale;
+      }
+    }
+  });
+  return out;
+}
+
+// The gradient of the grid-order weight (O, C/g * k*k) from the threads' parts of the harmonic weight's, (C * k*k,
+// outputs_padded) each: summed, scaled by weight_scale and taken back through the analysis (its transpose:
+// spectra_to_samples), slot s to grid position slot_to_grid[s]. harmonic_weight's transpose.
+template <typename scalar_t>
+at::Tensor sum_harmonic_weight_parts(const Plan<scalar_t>& plan, const AlignTables<scalar_t>& t,
+                                     const std::vector<std::vector<scalar_t>>& parts, const at::Tensor& weight,
+                                     const Shape& shape, int64_t outputs_padded,
+                                     const std::vector<int64_t>& slot_to_grid) {
+  constexpr int64_t lanes = kLanes<scalar_t>;
+  const int64_t slots = plan.slots, cg = shape.in_per_group(), og = shape.out_per_group(), row = cg * slots;
+  at::Tensor grad_weight = at::empty_like(weight);
+  scalar_t* dst = grad_weight.data_ptr<scalar_t>();
+  for_each_weight_run<scalar_t>(shape, slots, [&](int64_t channel, int64_t o0, int64_t count, scalar_t* buffers) {
+    scalar_t *grad_spectra = buffers, *grad_folded = buffers + slots * lanes,
+             *grad_samples = buffers + 2 * slots * lanes;
+    for (int64_t r = 0; r < slots; ++r) {
+      scalar_t* to = grad_spectra + r * lanes;
+      std::fill(to, to + lanes, scalar_t(0));
+      for (const auto& part : parts) {
+        const scalar_t* from = part.data() + (channel * slots + r) * outputs_padded + o0;
+        for (int64_t l = 0; l < count; ++l) to[l] += from[l];
+      }
+      for (int64_t l = 0; l < count; ++l) to[l] *= t.weight_scale[r];
+    }
+    spectra_to_samples(plan, t, grad_spectra, grad_folded, grad_samples);
+    scalar_t* to = dst + ((channel / cg) * og + o0) * row + (channel % cg) * slots;
+    for (int64_t s = 0; s < slots; ++s) {
+      const scalar_t* values = grad_samples + s * lanes;
+      for (int64_t l = 0; l < count; ++l) to[l * row + slot_to_grid[s]] = values[l];
+    }
+  });
+  return grad_weight;
 }
 
 template <typename scalar_t>
@@ -970,9 +1201,9 @@ at::Tensor align_forward_impl(const timm_sortconv_cpu::AlignCall& align) {
                                         call.dilation_h, call.dilation_w, call.pad);
   const auto tables = make_align_tables<scalar_t>(align, plan);
   at::Tensor output = at::empty({shape.batch, shape.out_channels, plan.out_h, plan.out_w}, call.input.options());
-  // The harmonic weight as (groups, C/g * k*k, O/g): pack_by_slot with the identity order.
-  const at::Tensor weight_packed =
-      pack_by_slot<scalar_t>(call.weight_slots, shape, slot_order(at::Tensor(), plan.slots));
+  // The harmonic weight as (groups, C/g * k*k, O/g), the layout of the products.
+  const at::Tensor weight_packed = harmonic_weight(plan, tables, shape, call.weight_slots.contiguous(),
+                                                   slot_order(call.slot_to_grid, plan.slots), true);
   const bool has_bias = call.bias.has_value() && call.bias->defined();
   const auto bias_values = has_bias ? call.bias->contiguous() : at::Tensor();
   const scalar_t* in = call.input.data_ptr<scalar_t>();
@@ -1018,7 +1249,8 @@ std::vector<at::Tensor> align_backward_impl(const timm_sortconv_cpu::AlignCall& 
   if (need_weight) {
     grad_weight_parts.assign(threads, std::vector<scalar_t>(shape.channels * slots * outputs_padded, scalar_t(0)));
   }
-  const at::Tensor weight = call.weight_slots.contiguous();
+  const std::vector<int64_t> order = slot_order(call.slot_to_grid, slots);
+  const at::Tensor weight = harmonic_weight(plan, tables, shape, call.weight_slots.contiguous(), order, false);
   scalar_t* grad_in = need_input && !private_grad_input ? grad_input.data_ptr<scalar_t>() : nullptr;
   const scalar_t* in = call.input.data_ptr<scalar_t>();
   const scalar_t* grad_out = grad_output.data_ptr<scalar_t>();
@@ -1032,8 +1264,8 @@ std::vector<at::Tensor> align_backward_impl(const timm_sortconv_cpu::AlignCall& 
   }
   if (private_grad_input) sum_input_parts(grad_input_parts, grad_input);
   if (need_weight) {
-    // The harmonic weight's gradient, in its own (the kernel's) order.
-    grad_weight = sum_weight_parts(grad_weight_parts, weight, shape, outputs_padded, slot_order(at::Tensor(), slots));
+    grad_weight = sum_harmonic_weight_parts(plan, tables, grad_weight_parts, call.weight_slots, shape, outputs_padded,
+                                            order);
   }
   return {grad_input, grad_weight};
 }

@@ -79,7 +79,9 @@ std::vector<at::Tensor> sort_conv_backward(const at::Tensor& grad_output, const 
   return in_weight_shape(result, weight);
 }
 
-timm_sortconv_cpu::AlignCall align_call(const at::Tensor& input, const at::Tensor& weight_harmonic,
+timm_sortconv_cpu::AlignCall align_call(const at::Tensor& input, const at::Tensor& weight,
+                                        const at::Tensor& slot_to_grid, const at::Tensor& weight_scale,
+                                        const at::Tensor& guide_first,
                                         const c10::optional<at::Tensor>& bias, const at::Tensor& tap_offsets,
                                         const at::Tensor& tap_weights, const at::Tensor& segments,
                                         const at::Tensor& fold, const at::Tensor& dft,
@@ -91,13 +93,15 @@ timm_sortconv_cpu::AlignCall align_call(const at::Tensor& input, const at::Tenso
                                         int64_t pad_left, int64_t pad_right, int64_t pad_top, int64_t pad_bottom,
                                         int64_t guides) {
   const at::Tensor no_comparators = at::empty({0, 2}, at::kInt);
-  return {Call{input, weight_harmonic, at::Tensor(), bias, tap_offsets, tap_weights, segments, no_comparators,
+  return {Call{input, weight, slot_to_grid, bias, tap_offsets, tap_weights, segments, no_comparators,
                kernel_size, stride_h, stride_w, dilation_h, dilation_w, groups,
                {pad_left, pad_right, pad_top, pad_bottom}},
-          fold, dft, blocks, pairs, first, energy_pairs, fixed, energy_fixed, shared, relative, tiny, guides};
+          fold, dft, blocks, pairs, first, energy_pairs, fixed, energy_fixed, weight_scale, guide_first, shared,
+          relative, tiny, guides};
 }
 
-at::Tensor align_forward(const at::Tensor& input, const at::Tensor& weight_harmonic,
+at::Tensor align_forward(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& slot_to_grid,
+                         const at::Tensor& weight_scale, const at::Tensor& guide_first,
                          const c10::optional<at::Tensor>& bias, const at::Tensor& tap_offsets,
                          const at::Tensor& tap_weights, const at::Tensor& segments, const at::Tensor& fold,
                          const at::Tensor& dft, const at::Tensor& blocks, const at::Tensor& pairs,
@@ -106,10 +110,10 @@ at::Tensor align_forward(const at::Tensor& input, const at::Tensor& weight_harmo
                          double tiny, int64_t kernel_size, int64_t stride_h, int64_t stride_w, int64_t dilation_h,
                          int64_t dilation_w, int64_t groups, int64_t pad_left, int64_t pad_right, int64_t pad_top,
                          int64_t pad_bottom, int64_t guides) {
-  const auto align = align_call(input, weight_harmonic, bias, tap_offsets, tap_weights, segments, fold, dft, blocks,
-                                pairs, first, energy_pairs, fixed, energy_fixed, shared, relative, tiny, kernel_size,
-                                stride_h, stride_w, dilation_h, dilation_w, groups, pad_left, pad_right, pad_top,
-                                pad_bottom, guides);
+  const auto align = align_call(input, weight, slot_to_grid, weight_scale, guide_first, bias, tap_offsets,
+                                tap_weights, segments, fold, dft, blocks, pairs, first, energy_pairs, fixed,
+                                energy_fixed, shared, relative, tiny, kernel_size, stride_h, stride_w, dilation_h,
+                                dilation_w, groups, pad_left, pad_right, pad_top, pad_bottom, guides);
   at::Tensor output;
   AT_DISPATCH_FLOATING_TYPES(input.scalar_type(), "align_forward",
                              [&] { output = timm_sortconv_cpu::align_forward<scalar_t>(align); });
@@ -117,7 +121,9 @@ at::Tensor align_forward(const at::Tensor& input, const at::Tensor& weight_harmo
 }
 
 std::vector<at::Tensor> align_backward(const at::Tensor& grad_output, const at::Tensor& input,
-                                       const at::Tensor& weight_harmonic, const at::Tensor& tap_offsets,
+                                       const at::Tensor& weight, const at::Tensor& slot_to_grid,
+                                       const at::Tensor& weight_scale, const at::Tensor& guide_first,
+                                       const at::Tensor& tap_offsets,
                                        const at::Tensor& tap_weights, const at::Tensor& segments,
                                        const at::Tensor& fold, const at::Tensor& dft, const at::Tensor& blocks,
                                        const at::Tensor& pairs, const at::Tensor& first,
@@ -127,10 +133,10 @@ std::vector<at::Tensor> align_backward(const at::Tensor& grad_output, const at::
                                        int64_t stride_w, int64_t dilation_h, int64_t dilation_w, int64_t groups,
                                        bool need_input_grad, bool need_weight_grad, int64_t pad_left,
                                        int64_t pad_right, int64_t pad_top, int64_t pad_bottom, int64_t guides) {
-  auto align = align_call(input, weight_harmonic, c10::nullopt, tap_offsets, tap_weights, segments, fold, dft, blocks,
-                          pairs, first, energy_pairs, fixed, energy_fixed, shared, relative, tiny, kernel_size,
-                          stride_h, stride_w, dilation_h, dilation_w, groups, pad_left, pad_right, pad_top,
-                          pad_bottom, guides);
+  auto align = align_call(input, weight, slot_to_grid, weight_scale, guide_first, c10::nullopt, tap_offsets,
+                          tap_weights, segments, fold, dft, blocks, pairs, first, energy_pairs, fixed, energy_fixed,
+                          shared, relative, tiny, kernel_size, stride_h, stride_w, dilation_h, dilation_w, groups,
+                          pad_left, pad_right, pad_top, pad_bottom, guides);
   align.call.grad_output = grad_output;
   align.call.need_input_grad = need_input_grad;
   align.call.need_weight_grad = need_weight_grad;
@@ -168,20 +174,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("stride_w"), py::arg("dilation_h"), py::arg("dilation_w"), py::arg("groups"),
         py::arg("need_input_grad"), py::arg("need_weight_grad"), py::arg("pad_left") = 0, py::arg("pad_right") = 0,
         py::arg("pad_top") = 0, py::arg("pad_bottom") = 0, py::arg("slot_to_grid") = py::none());
-  // The aligned variants (align_conv_kernel.h): the weight in the harmonic basis of alignment.harmonic_tables.
+  // The aligned variants (align_conv_kernel.h): the kernel takes the weight to the harmonic basis of
+  // alignment.harmonic_tables itself.
   m.def("align_forward", &align_forward,
-        "aligned SC forward; the weight is the harmonic weight (O, C/groups * k*k) in the kernel's order, the "
-        "tables those of cpu_backend._AlignTables; `guides` channels (0 or 1) after each group's C/groups join the "
-        "orientation only",
-        py::arg("input"), py::arg("weight_harmonic"), py::arg("bias"), py::arg("tap_offsets"), py::arg("tap_weights"),
+        "aligned SC forward; the weight (O, C/groups * k*k) is in grid order (slot s at grid position "
+        "slot_to_grid[s]), the tables those of cpu_backend._AlignTables; `guides` channels (0 or 1) after each "
+        "group's C/groups join the orientation only",
+        py::arg("input"), py::arg("weight"), py::arg("slot_to_grid"), py::arg("weight_scale"),
+        py::arg("guide_first"), py::arg("bias"), py::arg("tap_offsets"), py::arg("tap_weights"),
         py::arg("segments"), py::arg("fold"), py::arg("dft"), py::arg("blocks"), py::arg("pairs"), py::arg("first"),
-        py::arg("energy_pairs"), py::arg("fixed"), py::arg("energy_fixed"), py::arg("shared"), py::arg("relative"), py::arg("tiny"),
+        py::arg("energy_pairs"), py::arg("fixed"), py::arg("energy_fixed"), py::arg("shared"), py::arg("relative"),
+        py::arg("tiny"),
         py::arg("kernel_size"), py::arg("stride_h"), py::arg("stride_w"), py::arg("dilation_h"),
         py::arg("dilation_w"), py::arg("groups"), py::arg("pad_left") = 0, py::arg("pad_right") = 0,
         py::arg("pad_top") = 0, py::arg("pad_bottom") = 0, py::arg("guides") = 0);
   m.def("align_backward", &align_backward,
-        "aligned SC backward; returns (grad_input of the unpadded input, grad of the harmonic weight)",
-        py::arg("grad_output"), py::arg("input"), py::arg("weight_harmonic"), py::arg("tap_offsets"),
+        "aligned SC backward; returns (grad_input of the unpadded input, grad of the weight in grid order)",
+        py::arg("grad_output"), py::arg("input"), py::arg("weight"), py::arg("slot_to_grid"),
+        py::arg("weight_scale"), py::arg("guide_first"), py::arg("tap_offsets"),
         py::arg("tap_weights"), py::arg("segments"), py::arg("fold"), py::arg("dft"), py::arg("blocks"),
         py::arg("pairs"), py::arg("first"), py::arg("energy_pairs"), py::arg("fixed"), py::arg("energy_fixed"),
         py::arg("shared"), py::arg("relative"), py::arg("tiny"), py::arg("kernel_size"), py::arg("stride_h"),
@@ -190,4 +200,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("pad_top") = 0, py::arg("pad_bottom") = 0, py::arg("guides") = 0);
   // The aligned calls take the guide channels of checks.guide_channels (`guides`, after the padding).
   m.attr("align_takes_guides") = true;
+  // ... and the weight in grid order with its slot order, taken to the harmonic basis by the kernel, and a guide's
+  // orientation as sums over its samples (guide_first).
+  m.attr("align_takes_grid_weight") = true;
 }

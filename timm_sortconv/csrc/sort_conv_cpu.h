@@ -28,9 +28,9 @@ struct Call {
   bool bf16_products = false;
 };
 
-// An aligned call (sorting="align", "align-channel": align_conv_kernel.h): `call` with the harmonic weight (O,
-// C/g * k*k, its rows in the kernel's order) as weight_slots (no slot_to_grid) and no comparators, and the tables
-// of cpu_backend._AlignTables.
+// An aligned call (sorting="align", "align-channel": align_conv_kernel.h): `call` with the weight (O, C/g * k*k) in
+// grid order as weight_slots, its slot order (slot_to_grid) and no comparators, and the tables of
+// cpu_backend._AlignTables.
 struct AlignCall {
   Call call;
   at::Tensor fold;          // (k*k, k*k) float64: folded samples <- samples (slot order)
@@ -41,6 +41,9 @@ struct AlignCall {
   at::Tensor energy_pairs;  // (pairs,) float64: 2 / N^2
   at::Tensor fixed;         // (fixed, 2) int64: the other rows, and m where one is a ring's Nyquist term (else 0)
   at::Tensor energy_fixed;  // (fixed,) float64: 1 / N^2 for a Nyquist row, else 0
+  at::Tensor weight_scale;  // (k*k,) float64: 1 / |row|^2 of dft @ fold, the weight's harmonic rows' scale
+  at::Tensor guide_first;   // (3, k*k) float64: c_re, c_im as sums over a guide's samples (slot order) and each
+                            // ring's squared-mean weight in E (cpu_backend._guide_first), or empty
   bool shared = true;       // one orientation per group ("align"), else per channel
   double relative = 0, tiny = 0;  // alignment.RELATIVE, alignment.TINY
   // Guide channels after each group's C/g weighted ones (0 or 1, "align" only; checks.guide_channels): read for the
@@ -62,7 +65,8 @@ std::vector<at::Tensor> backward(const Call& call);
 template <typename scalar_t>
 at::Tensor align_forward(const AlignCall& align);
 
-// (grad_input of the unpadded input, grad of the harmonic weight (O, C/g * k*k)); either undefined where not needed.
+// (grad_input of the unpadded input, grad of the weight (O, C/g * k*k) in grid order); either undefined where not
+// needed.
 template <typename scalar_t>
 std::vector<at::Tensor> align_backward(const AlignCall& align);
 

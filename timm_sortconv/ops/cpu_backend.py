@@ -22,8 +22,9 @@ The aligned variants (``sorting="align"``, ``"align-channel"``: :mod:`.alignment
 same extension (``csrc/align_conv_kernel.h``), on the same blocks, image copies and micro-GEMMs: per block it takes
 every channel's ring spectra (the sampling taps, then each ring's real DFT), the orientation of each group (or
 channel) and the gated turn, and multiplies the block's aligned columns with the weight written in the same
-harmonic basis (done here, per call: ``weight @ to_harmonic``, and the weight gradient back through its
-transpose); its backward recomputes them and runs the gradient back through the turn and the orientation.
+harmonic basis (each channel's weights through the same ring transform while the kernel repacks them, and the
+weight gradient back through its transpose); its backward recomputes them and runs the gradient back through the
+turn and the orientation.
 
 The extension is compiled with ``torch.utils.cpp_extension.load`` the first time ``backend="auto"``
 (or ``"cpu"``) needs it (``-O3``, OpenMP through ``at::parallel_for``), once per instruction-set level
@@ -476,10 +477,11 @@ def _folded_dft(geometry: SortGeometry) -> Tuple[torch.Tensor, torch.Tensor, tor
 class _AlignTables:
     """The aligned variants' tables as the extension reads them, cached per geometry and dtype: ``kwargs`` for
     ``align_forward``/``align_backward`` (:func:`_folded_dft`, and :func:`.alignment.harmonic_tables`'s description
-    of each harmonic channel, at the kernel's row of that channel), and ``to_harmonic`` ``(k*k, k*k)``, which takes
+    of each harmonic channel, at the kernel's row of that channel); ``to_harmonic`` ``(k*k, k*k)``, which takes
     each channel's weights in grid order to the harmonic basis in the kernel's order (the inverse transform's rows
     in grid order: the product of the slot-order weight with the aligned samples is the product of the harmonic
-    weight with the aligned harmonics)."""
+    weight with the aligned harmonics), and ``weight_scale``, with which the kernel computes that product itself;
+    ``guide_first`` (:func:`_guide_first`)."""
 
     def __init__(self, geometry: SortGeometry, dtype: torch.dtype) -> None:
         exact = harmonic_tables(geometry, torch.device("cpu"), torch.float64)
@@ -498,6 +500,33 @@ class _AlignTables:
             fixed=torch.stack([row_of[:fixed], exact.nyquist], 1), energy_fixed=exact.energy_fixed,
             shared=ALIGNMENTS[geometry.sorting] == "shared", relative=RELATIVE, tiny=TINY)
         self.to_harmonic = exact.synthesis[torch.argsort(geometry.slot_to_grid)][:, order].to(dtype)
+        # 1 / |row|^2 of the analysis in the kernel's order: the kernel's harmonic weight is the analysis of the
+        # slot-order weight with its rows scaled by this (the synthesis is the analysis transposed and so scaled)
+        analysis = dft @ fold
+        self.weight_scale = (analysis ** 2).sum(1).reciprocal()
+        self.guide_first = _guide_first(geometry, analysis, self.kwargs)
+
+
+def _guide_first(geometry: SortGeometry, analysis: torch.Tensor, tables: Dict[str, object]) -> torch.Tensor:
+    """``(3, k*k)``: a guide channel's ``c_re`` and ``c_im`` as sums over its samples in slot order, and for each slot
+    the weight ``w`` of its ring's squared mean in ``E``, for the kernel to take a guide's orientation without its
+    ring DFTs: where ``E``'s terms of each ring of ``N`` samples are Parseval's sum over ``m != 0`` plus ``S_0``'s
+    share, ``E_ring = sum_j (s_j - mean)^2 / N + w mean^2`` (checked here, in float64, as quadratic forms of the
+    samples). ``(0, k*k)`` where they are not (the kernel then takes the guide's spectra)."""
+    pairs, fixed = tables["pairs"].long(), tables["fixed"].long()
+    first = tables["first"].to(torch.float64)
+    rows = [(pairs[:, 0], tables["energy_pairs"]), (pairs[:, 1], tables["energy_pairs"]),
+            (fixed[:, 0], tables["energy_fixed"])]
+    energy = sum((analysis[r].t() * w.to(torch.float64)) @ analysis[r] for r, w in rows)
+    expected = torch.zeros_like(energy)
+    level = torch.zeros(analysis.shape[1], dtype=torch.float64)
+    for start, end in geometry.segments:
+        n = end - start
+        level[start:end] = energy[start:end, start:end].sum()  # the form's value at s = 1: w
+        expected[start:end, start:end] = torch.eye(n, dtype=torch.float64) / n + (level[start] - 1.0) / n ** 2
+    if not torch.allclose(energy, expected, rtol=0.0, atol=1e-12):
+        return torch.zeros(0, analysis.shape[1], dtype=torch.float64)
+    return torch.stack([first @ analysis[pairs[:, 0]], first @ analysis[pairs[:, 1]], level])
 
 
 _align_tables: Dict[Tuple[int, str, str, torch.dtype], _AlignTables] = {}
@@ -510,9 +539,19 @@ def _align_tables_for(geometry: SortGeometry, dtype: torch.dtype) -> _AlignTable
     return _align_tables[key]
 
 
-def _harmonic_weight(weight: torch.Tensor, align: _AlignTables) -> torch.Tensor:
-    """The weight ``(O, C/g, k, k)`` in the harmonic basis, as the kernel takes it: ``(O, C/g * k*k)``."""
-    return (weight.reshape(weight.shape[0], weight.shape[1], -1) @ align.to_harmonic).reshape(weight.shape[0], -1)
+def _align_weight_args(module: ModuleType, weight: torch.Tensor, geometry: SortGeometry,
+                       align: _AlignTables) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """The weight as the extension's ``align_forward``/``align_backward`` take it, and their keywords for it and
+    for a guide: ``(O, C/g * k*k)`` in grid order with its slot order and the harmonic rows' scale (the kernel takes
+    it to the harmonic basis while repacking it), and :func:`_guide_first`; or, for a kernel from before those
+    arguments (``scripts/research/bench_kernel_ab.py`` loads older versions), already in the harmonic basis
+    (``weight @ to_harmonic``)."""
+    if getattr(module, "align_takes_grid_weight", False):
+        return weight.reshape(weight.shape[0], -1), {"slot_to_grid": _tables_for(geometry).slot_to_grid,
+                                                     "weight_scale": align.weight_scale,
+                                                     "guide_first": align.guide_first}
+    flat = weight.reshape(weight.shape[0], weight.shape[1], -1) @ align.to_harmonic
+    return flat.reshape(weight.shape[0], -1), {}
 
 
 def _guide_kwargs(x: torch.Tensor, weight: torch.Tensor, groups: int, geometry: SortGeometry) -> Dict[str, int]:
@@ -604,16 +643,17 @@ class CpuKernel:
             grad_weight = grad_weight.view(out_channels, in_per_group, -1).index_select(2, tables.grid_to_slot)
         return grad_input, grad_weight.view_as(weight)
 
-    # The aligned variants (csrc/align_conv_kernel.h). The kernel multiplies in the harmonic basis: the weight goes
-    # there here (harmonic = grid weights @ to_harmonic) and its gradient comes back through the transpose. A
-    # bfloat16 call is computed in float32 (products included) and rounded to bfloat16 at the end.
+    # The aligned variants (csrc/align_conv_kernel.h). The kernel multiplies in the harmonic basis and takes the
+    # weight there itself (_align_weight_args). A bfloat16 call is computed in float32 (products included) and
+    # rounded to bfloat16 at the end.
     def _align_forward(self, x, weight, bias, geometry, stride, dilation, groups, pad):
         if x.dtype == torch.bfloat16:
             bias = None if bias is None else bias.float()
             return self._align_forward(x.float(), weight.float(), bias, geometry, stride, dilation, groups,
                                        pad).bfloat16()
         align = _align_tables_for(geometry, x.dtype)
-        return self.module.align_forward(x, _harmonic_weight(weight, align), bias,
+        flat, weight_kwargs = _align_weight_args(self.module, weight, geometry, align)
+        return self.module.align_forward(x, flat, bias=bias, **weight_kwargs,
                                          **_geometry_args(geometry, _tables_for(geometry), stride, dilation, groups),
                                          **align.kwargs, **_padding_kwargs(pad),
                                          **_guide_kwargs(x, weight, groups, geometry))
@@ -625,14 +665,16 @@ class CpuKernel:
                                          groups, need_input, need_weight, pad)
             return tuple(None if g is None else g.bfloat16() for g in grads)
         align = _align_tables_for(geometry, x.dtype)
-        grad_input, grad_harmonic = self.module.align_backward(
-            grad_output, x, _harmonic_weight(weight, align),
+        flat, weight_kwargs = _align_weight_args(self.module, weight, geometry, align)
+        grad_input, grad_weight = self.module.align_backward(
+            grad_output, x, flat, **weight_kwargs,
             **_geometry_args(geometry, _tables_for(geometry), stride, dilation, groups),
             **align.kwargs, need_input_grad=need_input, need_weight_grad=need_weight, **_padding_kwargs(pad),
             **_guide_kwargs(x, weight, groups, geometry))
         if not need_weight:
             return grad_input, None
-        grad_weight = grad_harmonic.view(weight.shape[0], weight.shape[1], -1) @ align.to_harmonic.t()
+        if not weight_kwargs:  # an older kernel answers in the harmonic basis
+            grad_weight = grad_weight.view(weight.shape[0], weight.shape[1], -1) @ align.to_harmonic.t()
         return grad_input, grad_weight.view_as(weight)
 
 
