@@ -609,38 +609,61 @@ void add_guide_orientation(const Plan<scalar_t>& plan, const AlignTables<scalar_
   using vec = typename Simd<scalar_t>::vec;
   constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
   static_assert(lanes == 2 * half, "a block's lanes are two vectors");
-  // Both vectors of lanes at once (a and b), each sum in registers: independent chains of additions.
-  vec re_a{}, re_b{}, im_a{}, im_b{}, energy_a{}, energy_b{};
-  for (int64_t s = 0; s < plan.slots; ++s) {
+  // Both vectors of lanes (a and b) at once, and even and odd samples in separate sums: four independent chains of
+  // additions for each quantity, so that the adds' latency does not bound the loops.
+  vec re_a[2] = {}, re_b[2] = {}, im_a[2] = {}, im_b[2] = {}, energy_a{}, energy_b{};
+  const auto first = [&](int64_t s, int u) __attribute__((always_inline)) {
     const vec wr = splat(t.guide_re[s]), wi = splat(t.guide_im[s]);
     const vec a = load(samples + s * lanes), b = load(samples + s * lanes + half);
-    re_a += wr * a;
-    re_b += wr * b;
-    im_a += wi * a;
-    im_b += wi * b;
+    re_a[u] += wr * a;
+    re_b[u] += wr * b;
+    im_a[u] += wi * a;
+    im_b[u] += wi * b;
+  };
+  int64_t s = 0;
+  for (; s + 1 < plan.slots; s += 2) {
+    first(s, 0);
+    first(s + 1, 1);
   }
+  if (s < plan.slots) first(s, 0);
   for (const auto& segment : plan.segments) {
     const scalar_t* ring = samples + segment.start * lanes;
-    const vec per = splat(scalar_t(1) / static_cast<scalar_t>(segment.size));
-    const vec level = splat(t.guide_level[segment.start]);
-    vec sum_a{}, sum_b{};
-    for (int64_t j = 0; j < segment.size; ++j) {
-      sum_a += load(ring + j * lanes);
-      sum_b += load(ring + j * lanes + half);
+    const int64_t n = segment.size;
+    const vec per = splat(scalar_t(1) / static_cast<scalar_t>(n));
+    vec sum_a[2] = {}, sum_b[2] = {};
+    int64_t j = 0;
+    for (; j + 1 < n; j += 2) {
+      sum_a[0] += load(ring + j * lanes);
+      sum_b[0] += load(ring + j * lanes + half);
+      sum_a[1] += load(ring + (j + 1) * lanes);
+      sum_b[1] += load(ring + (j + 1) * lanes + half);
     }
-    const vec mean_a = sum_a * per, mean_b = sum_b * per;
+    if (j < n) {
+      sum_a[0] += load(ring + j * lanes);
+      sum_b[0] += load(ring + j * lanes + half);
+    }
+    const vec mean_a = (sum_a[0] + sum_a[1]) * per, mean_b = (sum_b[0] + sum_b[1]) * per;
+    const vec level = splat(t.guide_level[segment.start]);
     energy_a += level * mean_a * mean_a;
     energy_b += level * mean_b * mean_b;
-    vec squares_a{}, squares_b{};
-    for (int64_t j = 0; segment.size > 1 && j < segment.size; ++j) {
-      const vec da = load(ring + j * lanes) - mean_a, db = load(ring + j * lanes + half) - mean_b;
-      squares_a += da * da;
-      squares_b += db * db;
+    if (n == 1) continue;
+    vec squares_a[2] = {}, squares_b[2] = {};
+    for (j = 0; j + 1 < n; j += 2) {
+      for (int u = 0; u < 2; ++u) {
+        const vec da = load(ring + (j + u) * lanes) - mean_a, db = load(ring + (j + u) * lanes + half) - mean_b;
+        squares_a[u] += da * da;
+        squares_b[u] += db * db;
+      }
     }
-    energy_a += per * squares_a;
-    energy_b += per * squares_b;
+    if (j < n) {
+      const vec da = load(ring + j * lanes) - mean_a, db = load(ring + j * lanes + half) - mean_b;
+      squares_a[0] += da * da;
+      squares_b[0] += db * db;
+    }
+    energy_a += per * (squares_a[0] + squares_a[1]);
+    energy_b += per * (squares_b[0] + squares_b[1]);
   }
-  const vec sums[6] = {re_a, re_b, im_a, im_b, energy_a, energy_b};
+  const vec sums[6] = {re_a[0] + re_a[1], re_b[0] + re_b[1], im_a[0] + im_a[1], im_b[0] + im_b[1], energy_a, energy_b};
   for (int64_t r = 0; r < 6; ++r) store(state + r * half, load(state + r * half) + sums[r]);
 }
 
@@ -1132,23 +1155,26 @@ at::Tensor harmonic_weight(const Plan<scalar_t>& plan, const AlignTables<scalar_
   for_each_weight_run<scalar_t>(shape, slots, [&](int64_t channel, int64_t o0, int64_t count, scalar_t* buffers) {
     scalar_t *samples = buffers, *folded = buffers + slots * lanes, *spectra = buffers + 2 * slots * lanes;
     const int64_t g = channel / cg, ci = channel % cg;
-    const scalar_t* from = src + (g * og + o0) * row + ci * slots;
-    for (int64_t s = 0; s < slots; ++s) {
-      scalar_t* to = samples + s * lanes;
-      for (int64_t l = 0; l < count; ++l) to[l] = from[l * row + slot_to_grid[s]];
-      std::fill(to + count, to + lanes, scalar_t(0));
+    // Each output's k*k values are contiguous in its row: read (and, unpacked, written) output by output, so that
+    // a run visits each row's page once, not once per slot.
+    if (count < lanes) std::fill(samples, samples + slots * lanes, scalar_t(0));
+    for (int64_t l = 0; l < count; ++l) {
+      const scalar_t* from = src + (g * og + o0 + l) * row + ci * slots;
+      for (int64_t s = 0; s < slots; ++s) samples[s * lanes + l] = from[slot_to_grid[s]];
     }
     samples_to_spectra(plan, t, samples, folded, spectra);
-    for (int64_t r = 0; r < slots; ++r) {
-      const scalar_t scale = t.weight_scale[r];
-      const scalar_t* values = spectra + r * lanes;
-      if (packed) {
+    if (packed) {
+      for (int64_t r = 0; r < slots; ++r) {
+        const scalar_t scale = t.weight_scale[r];
+        const scalar_t* values = spectra + r * lanes;
         scalar_t* to = dst + (channel * slots + r) * og + o0;
         for (int64_t l = 0; l < count; ++l) to[l] = values[l] * scale;
-      } else {
-        scalar_t* to = dst + (g * og + o0) * row + ci * slots + r;
-        for (int64_t l = 0; l < count; ++l) to[l * row] = values[l] * scale;
       }
+      return;
+    }
+    for (int64_t l = 0; l < count; ++l) {
+      scalar_t* to = dst + (g * og + o0 + l) * row + ci * slots;
+      for (int64_t r = 0; r < slots; ++r) to[r] = spectra[r * lanes + l] * t.weight_scale[r];
     }
   });
   return out;
@@ -1179,10 +1205,9 @@ at::Tensor sum_harmonic_weight_parts(const Plan<scalar_t>& plan, const AlignTabl
       for (int64_t l = 0; l < count; ++l) to[l] *= t.weight_scale[r];
     }
     spectra_to_samples(plan, t, grad_spectra, grad_folded, grad_samples);
-    scalar_t* to = dst + ((channel / cg) * og + o0) * row + (channel % cg) * slots;
-    for (int64_t s = 0; s < slots; ++s) {
-      const scalar_t* values = grad_samples + s * lanes;
-      for (int64_t l = 0; l < count; ++l) to[l * row + slot_to_grid[s]] = values[l];
+    for (int64_t l = 0; l < count; ++l) {  // output by output, as harmonic_weight reads them
+      scalar_t* to = dst + ((channel / cg) * og + o0 + l) * row + (channel % cg) * slots;
+      for (int64_t s = 0; s < slots; ++s) to[slot_to_grid[s]] = grad_samples[s * lanes + l];
     }
   });
   return grad_weight;
