@@ -599,6 +599,21 @@ void add_orientation(const AlignTables<scalar_t>& t, const scalar_t* spectra, sc
   }
 }
 
+// The mean of one vector of lanes of a ring's n samples (rows kLanes apart), its sum in two chains of additions.
+template <typename scalar_t>
+inline typename Simd<scalar_t>::vec ring_mean(const scalar_t* ring, int64_t n) {
+  using vec = typename Simd<scalar_t>::vec;
+  constexpr int64_t lanes = kLanes<scalar_t>;
+  vec even{}, odd{};
+  int64_t j = 0;
+  for (; j + 1 < n; j += 2) {
+    even += load(ring + j * lanes);
+    odd += load(ring + (j + 1) * lanes);
+  }
+  if (j < n) even += load(ring + j * lanes);
+  return (even + odd) * splat(scalar_t(1) / static_cast<scalar_t>(n));
+}
+
 // state[0..2] += a guide channel's (c_re, c_im, E) from its samples[k*k][lanes] (t.guide_re non-empty): c from the
 // tables' sums over the samples, E per ring as the samples' variance, sum_j (s_j - mean)^2 / N, which by Parseval
 // is sum_{m != 0} |S_m|^2 / N^2, plus the ring's guide_level times mean^2 (S_0's term): add_orientation's sum, the
@@ -630,25 +645,14 @@ void add_guide_orientation(const Plan<scalar_t>& plan, const AlignTables<scalar_
     const scalar_t* ring = samples + segment.start * lanes;
     const int64_t n = segment.size;
     const vec per = splat(scalar_t(1) / static_cast<scalar_t>(n));
-    vec sum_a[2] = {}, sum_b[2] = {};
-    int64_t j = 0;
-    for (; j + 1 < n; j += 2) {
-      sum_a[0] += load(ring + j * lanes);
-      sum_b[0] += load(ring + j * lanes + half);
-      sum_a[1] += load(ring + (j + 1) * lanes);
-      sum_b[1] += load(ring + (j + 1) * lanes + half);
-    }
-    if (j < n) {
-      sum_a[0] += load(ring + j * lanes);
-      sum_b[0] += load(ring + j * lanes + half);
-    }
-    const vec mean_a = (sum_a[0] + sum_a[1]) * per, mean_b = (sum_b[0] + sum_b[1]) * per;
+    const vec mean_a = ring_mean(ring, n), mean_b = ring_mean(ring + half, n);
     const vec level = splat(t.guide_level[segment.start]);
     energy_a += level * mean_a * mean_a;
     energy_b += level * mean_b * mean_b;
     if (n == 1) continue;
     vec squares_a[2] = {}, squares_b[2] = {};
-    for (j = 0; j + 1 < n; j += 2) {
+    int64_t j = 0;
+    for (; j + 1 < n; j += 2) {
       for (int u = 0; u < 2; ++u) {
         const vec da = load(ring + (j + u) * lanes) - mean_a, db = load(ring + (j + u) * lanes + half) - mean_b;
         squares_a[u] += da * da;
@@ -685,9 +689,7 @@ void guide_samples_gradient(const Plan<scalar_t>& plan, const AlignTables<scalar
       const scalar_t* ring = samples + segment.start * lanes + h;
       scalar_t* grad = grad_samples + segment.start * lanes + h;
       const vec per = splat(scalar_t(1) / static_cast<scalar_t>(segment.size));
-      vec sum{};
-      for (int64_t j = 0; j < segment.size; ++j) sum += load(ring + j * lanes);
-      const vec mean = sum * per, scale = splat(scalar_t(2)) * per * g_energy;
+      const vec mean = ring_mean(ring, segment.size), scale = splat(scalar_t(2)) * per * g_energy;
       const vec offset = (splat(t.guide_level[segment.start]) - splat(scalar_t(1))) * mean;
       for (int64_t j = 0; j < segment.size; ++j) {
         store(grad + j * lanes, load(grad + j * lanes) + scale * (load(ring + j * lanes) + offset));

@@ -486,8 +486,9 @@ class _AlignTables:
     def __init__(self, geometry: SortGeometry, dtype: torch.dtype) -> None:
         exact = harmonic_tables(geometry, torch.device("cpu"), torch.float64)
         fold, dft, blocks = _folded_dft(geometry)
+        analysis = dft @ fold  # the analysis rows in the kernel's order
         # order[row]: the harmonic channel (harmonic_tables' order) at the kernel's row, found by its analysis row
-        distance = torch.cdist(dft @ fold, exact.analysis, p=float("inf"))
+        distance = torch.cdist(analysis, exact.analysis, p=float("inf"))
         order = distance.argmin(1)
         if not (distance.amin(1) < 1e-9).all() or sorted(order.tolist()) != list(range(len(order))):
             raise AssertionError(f"the folded DFT of {geometry} does not match harmonic_tables")
@@ -500,9 +501,8 @@ class _AlignTables:
             fixed=torch.stack([row_of[:fixed], exact.nyquist], 1), energy_fixed=exact.energy_fixed,
             shared=ALIGNMENTS[geometry.sorting] == "shared", relative=RELATIVE, tiny=TINY)
         self.to_harmonic = exact.synthesis[torch.argsort(geometry.slot_to_grid)][:, order].to(dtype)
-        # 1 / |row|^2 of the analysis in the kernel's order: the kernel's harmonic weight is the analysis of the
-        # slot-order weight with its rows scaled by this (the synthesis is the analysis transposed and so scaled)
-        analysis = dft @ fold
+        # 1 / |row|^2 of the analysis: the kernel's harmonic weight is the analysis of the slot-order weight with
+        # its rows scaled by this (the synthesis is the analysis transposed and so scaled)
         self.weight_scale = (analysis ** 2).sum(1).reciprocal()
         self.guide_first = _guide_first(geometry, analysis, self.kwargs)
 
