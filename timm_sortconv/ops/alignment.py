@@ -262,11 +262,9 @@ def align_conv2d_harmonic(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
     fixed, re, im = spectra[:, :, :nf], spectra[:, :, nf:nf + pairs], spectra[:, :, nf + pairs:]
     flat = weight.reshape(weight.shape[0], weight.shape[1], kk).index_select(2, geometry.slot_to_grid.to(x.device))
     harmonic_weight = flat @ tables.synthesis  # (O, C / groups, k*k) over the harmonic channels
+    shape = (batch, channels, kk, ho, wo)
     if pairs == 0:  # a 1 x 1 or 2 x 2 window: nothing turns (and a guide channel does nothing)
-        if weight.shape[1] * groups != channels:
-            spectra = spectra.reshape(batch, groups, channels // groups, kk, ho, wo)[:, :, :weight.shape[1]]
-        return F.conv2d(spectra.reshape(batch, groups * weight.shape[1] * kk, ho, wo),
-                        harmonic_weight.reshape(weight.shape[0], -1, 1, 1), bias, 1, 0, 1, groups)
+        return _harmonic_product(spectra, shape, harmonic_weight, bias, groups)
     work = _orientation_dtype(x.dtype)
     re_w, im_w = re.to(work), im.to(work)
     first = tables.first.to(work).view(-1, 1, 1)
@@ -288,8 +286,18 @@ def align_conv2d_harmonic(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
     aligned_im = torch.addcmul(re * pair_im, im, pair_re)
     nyquist = turn_re.index_select(2, tables.nyquist).view(batch, groups, per_group, nf, ho, wo)
     fixed = fixed.reshape(*split, nf, ho, wo) * nyquist
-    aligned = torch.cat([fixed, aligned_re, aligned_im], 3)
-    if weight.shape[1] * groups != channels:  # the guide channel ends each group: turned with it, not multiplied
-        aligned = aligned.reshape(batch, groups, channels // groups, kk, ho, wo)[:, :, :weight.shape[1]]
-    aligned = aligned.reshape(batch, groups * weight.shape[1] * kk, ho, wo)
-    return F.conv2d(aligned, harmonic_weight.reshape(weight.shape[0], -1, 1, 1), bias, 1, 0, 1, groups)
+    return _harmonic_product(torch.cat([fixed, aligned_re, aligned_im], 3), shape, harmonic_weight, bias, groups)
+
+
+def _harmonic_product(columns: torch.Tensor, shape: Tuple, harmonic_weight: torch.Tensor, bias: Optional[torch.Tensor],
+                      groups: int) -> torch.Tensor:
+    """The harmonic columns of every input channel (``shape``: batch, channels, k*k, Ho, Wo, whatever ``columns``'
+    own layout of them) times ``harmonic_weight`` ``(O, C/groups, k*k)``, a grouped ``1 x 1`` convolution. A guide
+    channel (:func:`.checks.guide_channels`: the last of each group, where the input has one more per group than the
+    weight takes) is left out: it turns the windows, it is not multiplied."""
+    batch, channels, kk, ho, wo = shape
+    weighted = harmonic_weight.shape[1]
+    if weighted * groups != channels:
+        columns = columns.reshape(batch, groups, channels // groups, kk, ho, wo)[:, :, :weighted]
+    return F.conv2d(columns.reshape(batch, groups * weighted * kk, ho, wo),
+                    harmonic_weight.reshape(harmonic_weight.shape[0], -1, 1, 1), bias, 1, 0, 1, groups)
