@@ -55,6 +55,20 @@ def test_agrees_with_reference(sorting, sampling, k, dtype, threads, isa):
                      padding_mode=padding_mode, sampling=sampling, sorting=sorting)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("k", [3, 7])
+def test_wide_layers_agree_with_reference(k, dtype, threads, isa):
+    """The weight goes to the harmonic basis (and its gradient back) in runs of a block's lanes of outputs, moved
+    between outputs and window positions in squares of a vector a side: 37 and 16 outputs a group, 3 channels, cover
+    full runs, a partial run, full squares and the edges on every vector width."""
+    threads(1)
+    for index, (out_channels, groups) in enumerate([(37, 1), (32, 2)]):
+        x = randn(2, 3 * groups, 6, 7, seed=index, dtype=dtype)
+        weight = randn(out_channels, 3, k, k, seed=10 + index, dtype=dtype)
+        bias = randn(out_channels, seed=20 + index, dtype=dtype)
+        assert_agree(x, weight, bias, padding=k // 2, groups=groups, sampling="polar", sorting="align")
+
+
 @pytest.mark.parametrize("sorting", ALIGNED)
 @pytest.mark.parametrize("sampling", ["polar", "square"])
 def test_forward_and_both_gradients_agree_with_the_oracle(sampling, sorting):

@@ -43,6 +43,8 @@
 
 #include <cmath>
 #include <tuple>
+#include <type_traits>
+#include <utility>
 
 #include "sort_conv_kernel.h"
 
@@ -1124,6 +1126,68 @@ void align_backward_kernel(const Plan<scalar_t>& plan, const AlignTables<scalar_
   });
 }
 
+// Lane-wise integer vectors of the scalar's width, for __builtin_shuffle's masks.
+typedef int32_t vint32 __attribute__((vector_size(TIMM_SORTCONV_VECTOR_BYTES)));
+typedef int64_t vint64 __attribute__((vector_size(TIMM_SORTCONV_VECTOR_BYTES)));
+
+// One stage of a vector transpose on rows a and b = a's partner D rows on: lane j of the first result is a[j] where
+// bit D of j is clear and b[j - D] where it is set, of the second a[j + D] and b[j], so that rows and lanes trade that
+// bit. Both are two-source shuffles with constant masks (one instruction each with AVX-512 or AVX2).
+template <int D, typename vec, int... J>
+inline __attribute__((always_inline)) void trade_bit(vec& a, vec& b, std::integer_sequence<int, J...>) {
+  constexpr int V = sizeof...(J);
+#if defined(__clang__)
+  const vec low = __builtin_shufflevector(a, b, ((J & D) == 0 ? J : V + J - D)...);
+  const vec high = __builtin_shufflevector(a, b, ((J & D) == 0 ? J + D : V + J)...);
+#else
+  using mask = typename std::conditional<sizeof(a[0]) == 4, vint32, vint64>::type;
+  const vec low = __builtin_shuffle(a, b, mask{((J & D) == 0 ? J : V + J - D)...});
+  const vec high = __builtin_shuffle(a, b, mask{((J & D) == 0 ? J + D : V + J)...});
+#endif
+  a = low;
+  b = high;
+}
+
+// dst[j * dst_stride + i] = src[i * src_stride + j] for i, j < kVecLanes: a square of one vector a side transposed in
+// registers (log2 kVecLanes stages of kVecLanes shuffles), where moving it value by value costs a scalar load and a
+// store to another cache line per value.
+template <typename scalar_t>
+inline void transpose_square(const scalar_t* src, int64_t src_stride, scalar_t* dst, int64_t dst_stride) {
+  using vec = typename Simd<scalar_t>::vec;
+  constexpr int V = static_cast<int>(kVecLanes<scalar_t>);
+  vec r[V];
+  for (int i = 0; i < V; ++i) r[i] = load(src + i * src_stride);
+  const auto lanes = std::make_integer_sequence<int, V>{};
+  const auto stage = [&](auto distance) {
+    constexpr int D = decltype(distance)::value;
+    for (int i = 0; i < V; ++i) {
+      if ((i & D) == 0) trade_bit<D>(r[i], r[i + D], lanes);
+    }
+  };
+  if constexpr (V >= 16) stage(std::integral_constant<int, 8>{});
+  if constexpr (V >= 8) stage(std::integral_constant<int, 4>{});
+  if constexpr (V >= 4) stage(std::integral_constant<int, 2>{});
+  if constexpr (V >= 2) stage(std::integral_constant<int, 1>{});
+  for (int i = 0; i < V; ++i) store(dst + i * dst_stride, r[i]);
+}
+
+// dst[j * dst_stride + i] = src[i * src_stride + j] for i < rows, j < columns: squares of kVecLanes in registers, the
+// edges value by value.
+template <typename scalar_t>
+void transpose(const scalar_t* src, int64_t src_stride, int64_t rows, int64_t columns, scalar_t* dst,
+               int64_t dst_stride) {
+  constexpr int64_t V = kVecLanes<scalar_t>;
+  const int64_t full_rows = rows / V * V, full_columns = columns / V * V;
+  for (int64_t i = 0; i < full_rows; i += V) {
+    for (int64_t j = 0; j < full_columns; j += V) {
+      transpose_square(src + i * src_stride + j, src_stride, dst + j * dst_stride + i, dst_stride);
+    }
+  }
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t j = i < full_rows ? full_columns : 0; j < columns; ++j) dst[j * dst_stride + i] = src[i * src_stride + j];
+  }
+}
+
 // fn(channel, o0, count, buffers) for each of the layer's input channels (in parallel) and each run of up to kLanes
 // of its group's outputs from o0 on: the weight's values of a channel taking the place of a block's positions.
 // `buffers` holds three rows of k*k by kLanes per thread.
@@ -1157,26 +1221,41 @@ at::Tensor harmonic_weight(const Plan<scalar_t>& plan, const AlignTables<scalar_
   for_each_weight_run<scalar_t>(shape, slots, [&](int64_t channel, int64_t o0, int64_t count, scalar_t* buffers) {
     scalar_t *samples = buffers, *folded = buffers + slots * lanes, *spectra = buffers + 2 * slots * lanes;
     const int64_t g = channel / cg, ci = channel % cg;
-    // Each output's k*k values are contiguous in its row: read (and, unpacked, written) output by output, so that
-    // a run visits each row's page once, not once per slot.
-    if (count < lanes) std::fill(samples, samples + slots * lanes, scalar_t(0));
-    for (int64_t l = 0; l < count; ++l) {
-      const scalar_t* from = src + (g * og + o0 + l) * row + ci * slots;
-      for (int64_t s = 0; s < slots; ++s) samples[s * lanes + l] = from[slot_to_grid[s]];
+    const scalar_t* from = src + (g * og + o0) * row + ci * slots;
+    scalar_t* to = dst + (g * og + o0) * row + ci * slots;  // unpacked
+    // The run's outputs' k*k values (contiguous in each output's row) to one row of lanes per slot. Windows of a
+    // vector or more are transposed into grid order (in `spectra`, free until samples_to_spectra) and the rows then
+    // taken in slot order; smaller ones are read value by value in slot order.
+    const bool squares = slots >= kVecLanes<scalar_t>;
+    scalar_t* grid = squares ? spectra : samples;
+    if (count < lanes) std::fill(grid, grid + slots * lanes, scalar_t(0));
+    if (squares) {
+      transpose(from, row, count, slots, grid, lanes);
+      for (int64_t s = 0; s < slots; ++s) {
+        std::copy(grid + slot_to_grid[s] * lanes, grid + (slot_to_grid[s] + 1) * lanes, samples + s * lanes);
+      }
+    } else {
+      for (int64_t l = 0; l < count; ++l) {
+        for (int64_t s = 0; s < slots; ++s) samples[s * lanes + l] = from[l * row + slot_to_grid[s]];
+      }
     }
     samples_to_spectra(plan, t, samples, folded, spectra);
     if (packed) {
       for (int64_t r = 0; r < slots; ++r) {
         const scalar_t scale = t.weight_scale[r];
         const scalar_t* values = spectra + r * lanes;
-        scalar_t* to = dst + (channel * slots + r) * og + o0;
-        for (int64_t l = 0; l < count; ++l) to[l] = values[l] * scale;
+        scalar_t* packed_row = dst + (channel * slots + r) * og + o0;
+        for (int64_t l = 0; l < count; ++l) packed_row[l] = values[l] * scale;
       }
-      return;
-    }
-    for (int64_t l = 0; l < count; ++l) {
-      scalar_t* to = dst + (g * og + o0 + l) * row + ci * slots;
-      for (int64_t r = 0; r < slots; ++r) to[r] = spectra[r * lanes + l] * t.weight_scale[r];
+    } else if (squares) {
+      for (int64_t r = 0; r < slots; ++r) {
+        for (int64_t l = 0; l < lanes; ++l) spectra[r * lanes + l] *= t.weight_scale[r];
+      }
+      transpose(spectra, lanes, slots, count, to, row);
+    } else {
+      for (int64_t l = 0; l < count; ++l) {
+        for (int64_t r = 0; r < slots; ++r) to[l * row + r] = spectra[r * lanes + l] * t.weight_scale[r];
+      }
     }
   });
   return out;
@@ -1207,10 +1286,19 @@ at::Tensor sum_harmonic_weight_parts(const Plan<scalar_t>& plan, const AlignTabl
       for (int64_t l = 0; l < count; ++l) to[l] *= t.weight_scale[r];
     }
     spectra_to_samples(plan, t, grad_spectra, grad_folded, grad_samples);
-    for (int64_t l = 0; l < count; ++l) {  // output by output, as harmonic_weight reads them
-      scalar_t* to = dst + ((channel / cg) * og + o0 + l) * row + (channel % cg) * slots;
-      for (int64_t s = 0; s < slots; ++s) to[slot_to_grid[s]] = grad_samples[s * lanes + l];
+    scalar_t* to = dst + ((channel / cg) * og + o0) * row + (channel % cg) * slots;
+    if (slots < kVecLanes<scalar_t>) {  // output by output, as harmonic_weight reads small windows
+      for (int64_t l = 0; l < count; ++l) {
+        for (int64_t s = 0; s < slots; ++s) to[l * row + slot_to_grid[s]] = grad_samples[s * lanes + l];
+      }
+      return;
     }
+    // The rows in grid order (in `grad_spectra`, free now), then transposed into the run's outputs' rows.
+    scalar_t* grid = grad_spectra;
+    for (int64_t s = 0; s < slots; ++s) {
+      std::copy(grad_samples + s * lanes, grad_samples + (s + 1) * lanes, grid + slot_to_grid[s] * lanes);
+    }
+    transpose(grid, lanes, slots, count, to, row);
   });
   return grad_weight;
 }
