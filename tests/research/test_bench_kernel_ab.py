@@ -19,6 +19,13 @@ def test_kernel_ab_script_checks_its_input(tmp_path, capsys):
         assert error.value.code == 2
         assert "--shape takes B,C_in,C_out,H,k with an odd k" in capsys.readouterr().err
     assert ab.parse_args(["git:HEAD", "--shape", "2,3,4,5,7"]).shape == (2, 3, 4, 5, 7)
+    for variant in ("polar", "polar-ring-guided", "disc-ring", "polar-align-guided-x"):
+        with pytest.raises(SystemExit) as error:
+            ab.parse_args(["git:HEAD", "--variants", variant])
+        assert error.value.code == 2
+        assert "--variants takes sampling-sorting or sampling-align-guided" in capsys.readouterr().err
+    assert ab.parse_args(["git:HEAD", "--variants", "polar-ring,square-align-guided"]).variants == [
+        ("polar-ring", "polar", "ring", False), ("square-align-guided", "square", "align", True)]
     with pytest.raises(SystemExit, match="no sort_conv_cpu.cpp there"):
         ab.checkout_csrc(str(tmp_path), tmp_path)
     with pytest.raises(SystemExit, match="no-such-revision"):
