@@ -59,10 +59,11 @@ def test_agrees_with_reference(sorting, sampling, k, dtype, threads, isa):
 @pytest.mark.parametrize("k", [3, 7])
 def test_wide_layers_agree_with_reference(k, dtype, threads, isa):
     """The weight goes to the harmonic basis (and its gradient back) in runs of a block's lanes of outputs, moved
-    between outputs and window positions in squares of a vector a side: 37 and 16 outputs a group, 3 channels, cover
-    full runs, a partial run, full squares and the edges on every vector width."""
+    between outputs and window positions in squares of a vector a side. 52, 44 and 39 outputs leave a last run longer
+    than a vector but shorter than a block on each vector width (AVX-512, AVX2 and 16 bytes, float32 and float64); 2
+    groups of 16 outputs read each group's rows of the weight; with full runs, full squares and the edges."""
     threads(1)
-    for index, (out_channels, groups) in enumerate([(37, 1), (32, 2)]):
+    for index, (out_channels, groups) in enumerate([(52, 1), (44, 1), (39, 1), (32, 2)]):
         x = randn(2, 3 * groups, 6, 7, seed=index, dtype=dtype)
         weight = randn(out_channels, 3, k, k, seed=10 + index, dtype=dtype)
         bias = randn(out_channels, seed=20 + index, dtype=dtype)
