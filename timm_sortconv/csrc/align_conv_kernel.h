@@ -1126,10 +1126,6 @@ void align_backward_kernel(const Plan<scalar_t>& plan, const AlignTables<scalar_
   });
 }
 
-// Lane-wise integer vectors of the scalar's width, for __builtin_shuffle's masks.
-typedef int32_t vint32 __attribute__((vector_size(TIMM_SORTCONV_VECTOR_BYTES)));
-typedef int64_t vint64 __attribute__((vector_size(TIMM_SORTCONV_VECTOR_BYTES)));
-
 // One stage of a vector transpose on rows a and b = a's partner D rows on: lane j of the first result is a[j] where
 // bit D of j is clear and b[j - D] where it is set, of the second a[j + D] and b[j], so that rows and lanes trade that
 // bit. Both are two-source shuffles with constant masks (one instruction each with AVX-512 or AVX2).
@@ -1140,7 +1136,7 @@ inline __attribute__((always_inline)) void trade_bit(vec& a, vec& b, std::intege
   const vec low = __builtin_shufflevector(a, b, ((J & D) == 0 ? J : V + J - D)...);
   const vec high = __builtin_shufflevector(a, b, ((J & D) == 0 ? J + D : V + J)...);
 #else
-  using mask = typename std::conditional<sizeof(a[0]) == 4, vint32, vint64>::type;
+  using mask = decltype(a < b);  // the lane-wise integer vector of the scalar's width (as SwapMaskOf's default)
   const vec low = __builtin_shuffle(a, b, mask{((J & D) == 0 ? J : V + J - D)...});
   const vec high = __builtin_shuffle(a, b, mask{((J & D) == 0 ? J + D : V + J)...});
 #endif
@@ -1184,7 +1180,9 @@ void transpose(const scalar_t* src, int64_t src_stride, int64_t rows, int64_t co
     }
   }
   for (int64_t i = 0; i < rows; ++i) {
-    for (int64_t j = i < full_rows ? full_columns : 0; j < columns; ++j) dst[j * dst_stride + i] = src[i * src_stride + j];
+    for (int64_t j = i < full_rows ? full_columns : 0; j < columns; ++j) {
+      dst[j * dst_stride + i] = src[i * src_stride + j];
+    }
   }
 }
 
