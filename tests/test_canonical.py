@@ -12,8 +12,8 @@ import torch.nn as nn
 
 import timm_sortconv  # noqa: F401  (registers the models)
 from timm_sortconv import SortConv2d, sortify
-from timm_sortconv.canonical import CANONICALIZERS, MomentCanonicalize2d, create_canonicalizer, moment_angle, \
-    moment_terms
+from timm_sortconv.canonical import CANONICALIZERS, PADDING_MODES, MomentCanonicalize2d, canonical_frame, \
+    canonical_size, create_canonicalizer, moment_angle, moment_terms
 from timm_sortconv.data import create_dataset, mnist_sample_dir
 from timm_sortconv.rotation import rotate, rotate_each
 
@@ -80,9 +80,9 @@ def test_moment_angle_of_a_bar_and_of_a_blank_image():
     assert abs(angles[0].item() - 30.0) < 1.0
     assert angles[1].item() == 0.0  # no orientation to read: no turn
     # an image too small for the disc has no orientation either: the same image back, nothing undefined
-    tiny = torch.tensor([[[[0.2, 0.9]]]])
+    tiny = torch.tensor([[[[0.7]]]])
     assert moment_angle(tiny).item() == 0.0
-    assert torch.allclose(MomentCanonicalize2d()(tiny), tiny)
+    assert torch.equal(MomentCanonicalize2d()(tiny), tiny)
 
 
 @pytest.mark.parametrize("order", [1, 2, 4])
@@ -282,3 +282,165 @@ def test_features_only_models_canonicalize_first(name, size):
     with torch.no_grad():
         for a, b in zip(feats(x), plain(MomentCanonicalize2d(2)(x))):
             assert torch.allclose(a, b, atol=1e-5)
+
+
+# Inputs of any shape: a non-square image is turned in a frame that holds the circle about it (canonical_size).
+
+def scenes(*parts, angles=None):
+    """MNIST digits of the sample side by side, ``(8, 1, 28, 28 * len(parts))`` float64 on [0, 1] with a black (0)
+    background: part ``j`` holds digits ``parts[j] .. + 8``, each turned about its own centre by ``angles[j]``."""
+    data = create_dataset("sortconv/mnist", root=str(mnist_sample_dir()), split="test")
+    digit = lambda start: data.images[start:start + 8].to(torch.float64).unsqueeze(1) / 255.0  # noqa: E731
+    return torch.cat([rotate(digit(start), angle) for start, angle in zip(parts, angles or (0.0,) * len(parts))], -1)
+
+
+@pytest.mark.parametrize("height, width", [(28, 56), (56, 28), (28, 29), (30, 57), (1, 2), (3, 100), (5, 5)])
+def test_the_frame_is_the_smallest_that_holds_every_pixel_at_full_weight_centred(height, width):
+    frame = canonical_size(height, width)
+    if height == width:
+        assert frame == (height, width)
+        return
+    bound = math.hypot(height - 1, width - 1) + 4  # 2 r_max + 4: every pixel 2 pixels inside the disc
+    for side, size in zip(frame, (height, width)):
+        assert side >= bound and (side - size) % 2 == 0 and side - 2 < bound
+    assert canonical_size(width, height) == frame[::-1]
+
+
+@pytest.mark.parametrize("padding_mode", PADDING_MODES)
+@pytest.mark.parametrize("height, width", [(28, 56), (7, 4), (3, 20)])
+def test_the_frame_holds_the_input_at_its_centre_and_what_the_turn_reads_outside_it(padding_mode, height, width):
+    x = torch.rand(2, 3, height, width, dtype=torch.float64)
+    framed = canonical_frame(x, padding_mode)
+    rows, columns = canonical_size(height, width)
+    top, left = (rows - height) // 2, (columns - width) // 2
+    assert framed.shape == (2, 3, rows, columns) and torch.equal(framed[..., top:top + height, left:left + width], x)
+    # outside the input: what grid_sample (the turn) reads there, at the same pixel positions
+    ys = (torch.arange(rows, dtype=torch.float64) - top) / (height - 1) * 2 - 1
+    xs = (torch.arange(columns, dtype=torch.float64) - left) / (width - 1) * 2 - 1
+    grid = torch.stack(torch.meshgrid(xs, ys, indexing="xy"), -1).expand(2, -1, -1, -1)
+    read = torch.nn.functional.grid_sample(x, grid, padding_mode=padding_mode, align_corners=True)
+    torch.testing.assert_close(framed, read, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("order", [1, 2, 4])
+@pytest.mark.parametrize("layout, padding_mode", [
+    ("pair", "zeros"), ("pair", "border"),  # two digits side by side, 28x56
+    ("three", "zeros"),  # three in a row, 28x84
+    ("diagonal", "zeros"), ("diagonal", "border"),  # two, one lower right of the other, 42x84: a tilted axis
+])
+def test_non_square_and_several_part_inputs_keep_all_their_ink(order, layout, padding_mode):
+    """Turned inside their own frame, two digits side by side kept 0.86 of their ink; in the frame that holds the
+    circle about them, all of it, up to the bilinear turn's rounding, whatever the angle the moment reads."""
+    if layout == "diagonal":
+        pair = scenes(0, 8, angles=(35.0, 110.0))
+        x = torch.zeros(8, 1, 42, 84, dtype=torch.float64)
+        x[..., :28, :28], x[..., 14:, 56:] = pair[..., :28], pair[..., 28:]
+    else:
+        x = scenes(0, 8, 16, angles=(0.0, 200.0, 70.0)) if layout == "three" else scenes(0, 8, angles=(35.0, 110.0))
+    background = 0.0 if padding_mode == "zeros" else -MEAN / STD  # "border": normalised, as the models see it
+    images = x if padding_mode == "zeros" else (x - MEAN) / STD
+    out = MomentCanonicalize2d(order, padding_mode)(images)
+    assert out.shape[-2:] == canonical_size(*x.shape[-2:])
+    kept = (out - background).sum((1, 2, 3)) / (images - background).sum((1, 2, 3))
+    assert (kept > 0.995).all(), kept  # nothing cut
+    if padding_mode == "zeros":  # nothing added either ("border" repeats ink that touches the input's edge)
+        assert (kept < 1.005).all(), kept
+    if layout == "diagonal" or order == 1:  # angles to turn by away from the quarter turns (a row's axis is on one)
+        angle = moment_angle(images, order, padding_mode)
+        assert (torch.remainder(angle, 90.0) - 45.0).abs().min() < 35.0, angle
+
+
+def test_the_orientation_is_read_over_the_whole_input():
+    """A blob in a corner of a strip, far outside the strip's inscribed disc, sets the direction of the centroid."""
+    x = torch.zeros(1, 1, 20, 60, dtype=torch.float64)
+    x[0, 0, 1:4, 56:59] = 1.0  # about pixel (2, 57): 27.5 right of the centre, 7.5 above it
+    assert abs(moment_angle(x, 1).item() - math.degrees(math.atan2(7.5, 27.5))) < 1e-9
+    assert abs(moment_angle(torch.rot90(x, 2, (2, 3)), 1).item() - math.degrees(math.atan2(-7.5, -27.5))) < 1e-9
+
+
+@pytest.mark.parametrize("order", [1, 2, 4])
+@pytest.mark.parametrize("width", [56, 57])
+def test_a_half_turn_of_a_non_square_input_gives_its_canonical_image_up_to_the_leftover(order, width):
+    """A half turn maps a non-square frame onto itself and adds 180 degrees to the moment's angle: the canonical
+    images agree up to the leftover turn of the order (none for order 1, a half turn for 2 and 4)."""
+    x = torch.nn.functional.pad(scenes(0, 8, angles=(20.0, 75.0)), (0, width - 56))
+    canon = MomentCanonicalize2d(order)
+    a, b = canon(x), canon(torch.rot90(x, 2, (2, 3)))
+    expected = a if order == 1 else torch.rot90(a, 2, (2, 3))
+    assert b.shape == a.shape and (b - expected).abs().max() < 1e-8 * a.abs().max()
+
+
+@pytest.mark.parametrize("order", [1, 2, 4])
+@pytest.mark.parametrize("size", [(28, 28), (28, 56)])
+def test_quarter_turns_give_the_canonical_image_up_to_the_leftover_quarter_turns(order, size):
+    """Exact equivariance: a square input keeps its frame, and a non-square one whose sides have one parity has a
+    square frame, which its quarter turns turn."""
+    x = scenes(*range(0, 8 * (size[1] // 28), 8), angles=(15.0, 50.0)[:size[1] // 28])
+    canon = MomentCanonicalize2d(order)
+    ref = canon(x)
+    assert ref.shape[-2:] == canonical_size(*size) and (size[0] != size[1] or ref.shape == x.shape)
+    leftovers = {1: (0,), 2: (0, 2), 4: (0, 1, 2, 3)}[order]
+    for turn in (1, 2, 3):
+        out = canon(torch.rot90(x, turn, (2, 3)))
+        error = torch.stack([(out - torch.rot90(ref, t, (2, 3))).flatten(1).abs().amax(1) for t in leftovers])
+        assert error.min(0).values.max() < 1e-8 * ref.abs().max(), (turn, error)
+
+
+@pytest.mark.parametrize("padding_mode", PADDING_MODES)
+def test_the_framed_turn_passes_gradients(padding_mode):
+    """With the angle held fixed the framed turn is linear in the image: gradcheck it; and a model with the turn
+    in front passes gradients from a non-square input to the input and to every weight."""
+    from timm_sortconv.rotation import rotate_each
+
+    y = torch.rand(2, 1, 5, 9, dtype=torch.float64, requires_grad=True)
+    angles = moment_angle(y, 1, padding_mode).detach()
+    assert torch.autograd.gradcheck(lambda t: rotate_each(canonical_frame(t, padding_mode), -angles, padding_mode),
+                                    (y,))
+    torch.manual_seed(0)
+    model = timm.create_model("scnn_p_align_7_guided_canon", channels=(4,) * 6)
+    x = scenes(0, 8)[:2].float().requires_grad_(True)
+    model(x).logsumexp(1).sum().backward()
+    assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_models_take_the_frame_and_their_guide_is_made_in_it():
+    """The turn is the first thing a model runs: its guide (made at the first convolution) and its feature maps
+    have the frame's size, and the guided model with the turn in front reads a half-turned pair as the pair."""
+    torch.manual_seed(0)
+    model = timm.create_model("scnn_p_align_7_guided_canon", channels=(4,) * 6).double().eval()
+    x = (scenes(0, 8, angles=(30.0, 0.0)) - MEAN) / STD
+    with torch.no_grad():
+        logits = model(x)
+        guide = next(m for m in model.modules() if m.__class__.__name__ == "OrientationGuide")
+        assert guide.map.shape[-2:] == canonical_size(28, 56)
+        torch.testing.assert_close(model(torch.rot90(x, 2, (2, 3))), logits, atol=1e-6 * logits.abs().max(), rtol=0)
+        last = model.forward_intermediates(x, intermediates_only=True)[-1]
+        assert last.shape[-2:] == model._forward_intermediates(
+            MomentCanonicalize2d(1)(x), None, False, False, "NCHW", True)[-1].shape[-2:]
+    plain = sortify(nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.AdaptiveAvgPool2d(1)), canonicalize="moment2")
+    assert plain[0](MomentCanonicalize2d(2)(x.float())).shape[-2:] == canonical_size(28, 56)
+    assert plain(x.float()).shape == (8, 4, 1, 1)
+
+
+def test_the_framed_turn_survives_scripting():
+    canon = MomentCanonicalize2d(1)
+    x = scenes(0, 8)[:2].float()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # scripting's deprecation notice
+        scripted = torch.jit.script(canon)
+    torch.testing.assert_close(scripted(x), canon(x))
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: MomentCanonicalize2d()(torch.rand(28, 56)), ValueError, r"\(N, C, H, W\) or \(C, H, W\), got \[28, 56\]"),
+    (lambda: MomentCanonicalize2d()(torch.zeros(1, 1, 28, 56, dtype=torch.uint8)), TypeError,
+     r"needs floating-point images: convert them first \(x.float\(\)\)"),
+    (lambda: MomentCanonicalize2d()(torch.rand(1, 1, 0, 5)), ValueError, "at least 1x1 pixels"),
+    (lambda: moment_angle(torch.rand(1, 1, 4, 0)), ValueError, "at least 1x1 pixels"),
+    (lambda: canonical_frame(torch.rand(1, 1, 4, 6), "edge"), ValueError, "padding_mode must be 'border', 'zeros'"),
+    (lambda: moment_terms(torch.rand(1, 1, 4, 6), 1, "edge"), ValueError, "padding_mode must be"),
+])
+def test_what_the_turn_refuses_is_refused_with_what_to_do(call, error, match):
+    with pytest.raises(error, match=match):
+        call()

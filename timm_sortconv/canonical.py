@@ -24,6 +24,31 @@ centre of its 28x28 frame). An image whose moment vanishes (a blank image, or on
 of ``360 / k`` degrees) has no orientation to read; its angle is taken as 0. The angle is a function of
 the input but is treated as a constant by autograd (the gradient flows through the turned image only),
 because ``arg`` has no useful gradient where the moment is small.
+
+**Any input shape.** A square frame is closed under the quarter turns, and so is its inscribed disc, over which
+the moment is read: a square input is turned inside its own frame, and the turn is exactly equivariant to its
+quarter turns (what lies outside the inscribed disc, the corners, is turned out of the frame, and the corners
+turned in hold ``padding_mode``: the turn MNIST-rot applies to its digits). A non-square frame is closed under the
+half turn only, and its content may fill it to its edges (parts side by side), so turning it inside its own frame
+would cut it. A non-square ``H x W`` input is therefore first placed at the centre of a larger frame
+``H' x W'`` (:func:`canonical_size`, :func:`canonical_frame`), whose new pixels hold what ``padding_mode`` gives
+to pixels turned in from outside (``"zeros"``: 0; ``"border"``: the nearest edge pixel of the input;
+``"reflection"``: the input mirrored about its edge pixels), and the moment is read and the turn made in that
+frame. Its size: the input's pixel centres lie within ``r_max = sqrt((H - 1)^2 + (W - 1)^2) / 2`` of its
+centre, and the disc weight ``w`` is 1 up to 2 pixels inside the frame's inscribed circle (radius
+``min(H', W') / 2``), so
+
+    ``H', W' >= 2 r_max + 4``,  ``H' - H`` and ``W' - W`` even
+
+puts every pixel of the input at full weight (the orientation is read over the whole input) and, whatever the
+angle, every output pixel that reads an input pixel (bilinearly: within ``sqrt(2)`` of its turned centre, at most
+``r_max + 1.5`` from the centre) inside the frame, whose half side is at least that: nothing is cut. The even
+margins keep the input's centre at the frame's centre, the centre of the turn. ``H' = W'`` when
+``H`` and ``W`` have the same parity (two 28x28 digits side by side, 28x56: 66x66), else they differ by one.
+The frame holds the circle about the input, the one shape that no angle changes, so every image of a batch comes
+out at the same size, and a half turn of the input (or a quarter turn, when ``H' = W'``) turns the frame with it.
+The network after the turn must take the frame: every model of this package pools globally; it sees
+``H' W'`` pixels (2.8 times a 28x56 input's).
 """
 from __future__ import annotations
 
@@ -32,15 +57,18 @@ from typing import List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from timm.layers import register_notrace_module
 
 from .rotation import _rotate_each
 
-__all__ = ["CANONICALIZERS", "CanonicalInputMixin", "MomentCanonicalize2d", "canonical_order", "create_canonicalizer",
-           "moment_angle", "moment_terms"]
+__all__ = ["CANONICALIZERS", "PADDING_MODES", "CanonicalInputMixin", "MomentCanonicalize2d", "canonical_frame",
+           "canonical_order", "canonical_size", "create_canonicalizer", "moment_angle", "moment_terms"]
 
 #: Names accepted by :func:`create_canonicalizer` (and the models' ``canonicalize=``), by moment order.
 CANONICALIZERS = {"moment1": 1, "moment2": 2, "moment4": 4}
+#: What the pixels from outside the input hold (``grid_sample``'s padding modes).
+PADDING_MODES = ("border", "zeros", "reflection")
 
 
 def _check_order(order: int) -> None:
@@ -48,13 +76,90 @@ def _check_order(order: int) -> None:
         raise ValueError(f"order must be an int >= 1, got {order!r}")
 
 
-def moment_angle(images: torch.Tensor, order: int = 2) -> torch.Tensor:
-    """The orientation ``arg(c_k) / k`` of each image's order-``k`` angular moment, in degrees.
+def _check_padding_mode(padding_mode: str) -> None:
+    if padding_mode not in PADDING_MODES:
+        raise ValueError(f"padding_mode must be 'border', 'zeros' or 'reflection', got {padding_mode!r}")
+
+
+def _check_images(images: torch.Tensor, name: str) -> None:
+    if images.dim() != 4:
+        raise ValueError(f"{name} expects images of shape (N, C, H, W), got {list(images.shape)}")
+    if images.shape[-2] < 1 or images.shape[-1] < 1:
+        raise ValueError(f"{name} expects images of at least 1x1 pixels, got {list(images.shape)}")
+
+
+def canonical_size(height: int, width: int) -> Tuple[int, int]:
+    """The frame ``(H', W')`` in which an ``H x W`` image is turned (the module docstring, "Any input shape"):
+    ``(H, W)`` for a square image, else the smallest ``H' >= 2 r_max + 4`` with ``H' - H`` even and the same for
+    ``W'``, where ``r_max = sqrt((H - 1)^2 + (W - 1)^2) / 2``.
+
+    Example:
+        >>> canonical_size(28, 28), canonical_size(28, 56), canonical_size(28, 29)
+        ((28, 28), (66, 66), (44, 43))
+    """
+    if height == width:
+        return height, width
+    # the smallest s with s * s >= (H - 1)^2 + (W - 1)^2, in integers (float's sqrt is only a first guess)
+    square = (height - 1) * (height - 1) + (width - 1) * (width - 1)
+    side = int(math.sqrt(float(square)))
+    while side * side < square:
+        side += 1
+    while side > 0 and (side - 1) * (side - 1) >= square:
+        side -= 1
+    side += 4
+    return side + (side - height) % 2, side + (side - width) % 2
+
+
+def _edge_index(index: torch.Tensor, size: int, padding_mode: str) -> torch.Tensor:
+    """The input pixel that ``padding_mode`` reads at each of ``index`` (positions along an axis of ``size``
+    pixels, some outside it): the nearest edge pixel (``"border"``), or the reflection about the edge pixels
+    (``"reflection"``, period ``2 (size - 1)``), as ``grid_sample`` with ``align_corners=True`` reads them."""
+    if padding_mode == "border" or size == 1:
+        return index.clamp(0, size - 1)
+    period = 2 * (size - 1)
+    folded = torch.remainder(index, period)
+    return torch.where(folded < size, folded, period - folded)
+
+
+def canonical_frame(images: torch.Tensor, padding_mode: str = "border") -> torch.Tensor:
+    """``images`` ``(N, C, H, W)`` at the centre of their frame :func:`canonical_size` ``(H, W)``, the new pixels
+    filled by ``padding_mode`` (the module docstring, "Any input shape"); a square image is returned as it is.
+
+    Example:
+        >>> x = torch.ones(1, 1, 28, 56)
+        >>> framed = canonical_frame(x, padding_mode="zeros")
+        >>> framed.shape, framed.sum().item(), torch.equal(framed[..., 19:47, 5:61], x)
+        (torch.Size([1, 1, 66, 66]), 1568.0, True)
+    """
+    _check_images(images, "canonical_frame")
+    _check_padding_mode(padding_mode)
+    return _frame(images, padding_mode)
+
+
+def _frame(images: torch.Tensor, padding_mode: str) -> torch.Tensor:
+    """:func:`canonical_frame` without the argument checks (TorchScript compiles this one)."""
+    h, w = images.shape[-2], images.shape[-1]
+    height, width = canonical_size(h, w)
+    if height == h and width == w:
+        return images
+    top, left = (height - h) // 2, (width - w) // 2
+    if padding_mode == "zeros":
+        return F.pad(images, [left, left, top, top])
+    rows = _edge_index(torch.arange(height, device=images.device) - top, h, padding_mode)
+    columns = _edge_index(torch.arange(width, device=images.device) - left, w, padding_mode)
+    return images.index_select(-2, rows).index_select(-1, columns)
+
+
+def moment_angle(images: torch.Tensor, order: int = 2, padding_mode: str = "border") -> torch.Tensor:
+    """The orientation ``arg(c_k) / k`` of each image's order-``k`` angular moment, in degrees: the angle
+    :class:`MomentCanonicalize2d` turns by.
 
     Args:
-        images: ``(N, C, H, W)``; the channels are averaged first.
+        images: ``(N, C, H, W)``; the channels are averaged first. A non-square image is read in its frame
+            (:func:`canonical_frame`), over the whole image.
         order: ``k >= 1``; the angle is defined modulo ``360 / k`` degrees and lies in
             ``[-180 / k, 180 / k]``.
+        padding_mode: what the frame of a non-square image holds outside it (:func:`canonical_frame`).
 
     Returns:
         ``(N,)`` float32 (float64 for float64 input) angles, counter-clockwise on screen: turning an
@@ -68,22 +173,25 @@ def moment_angle(images: torch.Tensor, order: int = 2) -> torch.Tensor:
         >>> round(moment_angle(rotate(x, 30)).item())
         30
     """
-    if images.dim() != 4:
-        raise ValueError(f"moment_angle expects images of shape (N, C, H, W), got {list(images.shape)}")
+    _check_images(images, "moment_angle")
     _check_order(order)
-    return _moment_angle(images, order)
+    _check_padding_mode(padding_mode)
+    return _moment_angle(_frame(images, padding_mode), order)
 
 
-def moment_terms(images: torch.Tensor, order: int = 2) -> Tuple[torch.Tensor, torch.Tensor]:
+def moment_terms(images: torch.Tensor, order: int = 2,
+                 padding_mode: str = "border") -> Tuple[torch.Tensor, torch.Tensor]:
     """Each pixel's term ``w(r_p) (I(p) - m) r_p^k exp(i k theta_p)`` of the order-``k`` angular moment ``c_k``
     (the module docstring defines them): their sum is ``c_k``, whose argument :func:`moment_angle` reads.
 
     Args:
         images: ``(N, C, H, W)``; the channels are averaged first.
         order: ``k >= 1``.
+        padding_mode: what the frame of a non-square image holds outside it (:func:`canonical_frame`).
 
     Returns:
-        ``(real, imag)``, each ``(N, H, W)``, float32 (float64 for float64 input); zero outside the disc.
+        ``(real, imag)``, each ``(N, H', W')`` (:func:`canonical_size`: ``(N, H, W)`` for square images),
+        float32 (float64 for float64 input); zero outside the disc.
 
     Example:
         >>> x = torch.zeros(1, 1, 15, 15)
@@ -92,14 +200,14 @@ def moment_terms(images: torch.Tensor, order: int = 2) -> Tuple[torch.Tensor, to
         >>> real.shape, round(real.sum().item()), round(imag.sum().item())
         (torch.Size([1, 15, 15]), 110, 0)
     """
-    if images.dim() != 4:
-        raise ValueError(f"moment_terms expects images of shape (N, C, H, W), got {list(images.shape)}")
+    _check_images(images, "moment_terms")
     _check_order(order)
-    return _moment_terms(images, order)
+    _check_padding_mode(padding_mode)
+    return _moment_terms(_frame(images, padding_mode), order)
 
 
 def _moment_terms(images: torch.Tensor, order: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """:func:`moment_terms` without the argument checks."""
+    """:func:`moment_terms` of images already in their frame, without the argument checks."""
     dtype = torch.float64 if images.dtype == torch.float64 else torch.float32
     x = images.detach().to(dtype).mean(dim=1)
     h, w = x.shape[-2], x.shape[-1]
@@ -123,7 +231,8 @@ def _moment_terms(images: torch.Tensor, order: int) -> Tuple[torch.Tensor, torch
 
 
 def _moment_angle(images: torch.Tensor, order: int) -> torch.Tensor:
-    """:func:`moment_angle` without the argument checks (TorchScript compiles this one)."""
+    """:func:`moment_angle` of images already in their frame, without the argument checks (TorchScript compiles
+    this one)."""
     real, imag = _moment_terms(images, order)
     real, imag = real.sum(dim=(-2, -1)), imag.sum(dim=(-2, -1))
     # plain arithmetic rather than torch.rad2deg, which ONNX export does not know
@@ -135,14 +244,18 @@ def _moment_angle(images: torch.Tensor, order: int) -> torch.Tensor:
 class MomentCanonicalize2d(nn.Module):
     """Turns each image by minus its :func:`moment_angle`, about its centre (the module docstring says why).
 
+    A square image is turned inside its own frame; a non-square one inside a larger frame that holds it whole
+    whatever the angle (:func:`canonical_size`; the module docstring, "Any input shape").
+
     Args:
         order: the moment's order ``k`` (1, 2 or 4 are the useful ones; 2 and 4 leave a multiple of a
             quarter turn, which an SC network ignores).
-        padding_mode: what the corners turned in from outside the image hold: ``"border"`` (the nearest
-            edge pixel: the background of a digit or a texture, the default), ``"zeros"`` or
-            ``"reflection"``.
+        padding_mode: what the pixels from outside the image hold, in the corners turned in and in the frame
+            around a non-square image: ``"border"`` (the nearest edge pixel: the background of a digit or a
+            texture, the default), ``"zeros"`` or ``"reflection"``.
 
-    Shape: ``(N, C, H, W)`` or ``(C, H, W)`` in and out, any float dtype.
+    Shape: ``(N, C, H, W)`` or ``(C, H, W)`` in, ``(N, C, H', W')`` or ``(C, H', W')`` out
+    (:func:`canonical_size`: ``H' = H``, ``W' = W`` for square images), any float dtype.
 
     Example:
         >>> from timm_sortconv.rotation import rotate
@@ -153,19 +266,29 @@ class MomentCanonicalize2d(nn.Module):
         >>> def change(u, v): return float((u - v).norm() / u.norm())
         >>> round(change(x, rotate(x, 35)), 2), round(change(a, b), 2)  # turned: 0.83; canonical: interpolation
         (0.83, 0.24)
+        >>> canon(torch.zeros(2, 1, 28, 56)).shape  # two digits side by side: turned in a frame that holds them
+        torch.Size([2, 1, 66, 66])
     """
 
     def __init__(self, order: int = 2, padding_mode: str = "border") -> None:
         super().__init__()
         _check_order(order)
-        if padding_mode not in ("border", "zeros", "reflection"):
-            raise ValueError(f"padding_mode must be 'border', 'zeros' or 'reflection', got {padding_mode!r}")
+        _check_padding_mode(padding_mode)
         self.order = order
         self.padding_mode = padding_mode
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 3 and x.dim() != 4:
+            raise ValueError("MomentCanonicalize2d expects images of shape (N, C, H, W) or (C, H, W), got "
+                             + str(list(x.shape)))
+        if not x.is_floating_point():
+            raise TypeError("MomentCanonicalize2d turns by interpolation and needs floating-point images: convert "
+                            "them first (x.float())")
         batch = x if x.dim() == 4 else x.unsqueeze(0)
-        out = _rotate_each(batch, -_moment_angle(batch, self.order), self.padding_mode)
+        if batch.shape[-2] < 1 or batch.shape[-1] < 1:
+            raise ValueError("MomentCanonicalize2d expects images of at least 1x1 pixels, got " + str(list(x.shape)))
+        framed = _frame(batch, self.padding_mode)
+        out = _rotate_each(framed, -_moment_angle(framed, self.order), self.padding_mode)
         return out if x.dim() == 4 else out.squeeze(0)
 
     def extra_repr(self) -> str:

@@ -246,7 +246,9 @@ def sortify(
             model through a forward pre-hook, which only a call of the model itself runs, not
             ``forward_features`` or FX tracing), so that the model's invariance covers the angles between the quarter turns (with ``sorting="c2"``:
             ``"moment2"`` or ``"moment1"``). It has no parameters, so the ``state_dict`` keys do not change.
-            A model that turns its input already is refused before anything changes.
+            A non-square input is turned in a larger frame that holds it whole
+            (:func:`~timm_sortconv.canonical.canonical_size`), which the model must take (a globally pooled one
+            does). A model that turns its input already is refused before anything changes.
         guide_blur: with ``sorting="align"``, turn every aligned window by the orientation of the input blurred by
             that many pixels around it instead of by its own (:mod:`timm_sortconv.guide`; 0, the default: no
             guide). The guide is made once per forward from the input of ``guide_source`` (a qualified module name;

@@ -60,6 +60,8 @@ class SCNN(SequentialClassifierMixin, nn.Module):
             turn is a multiple of 90 degrees, which the SC layers ignore, so the network's invariance
             extends to the angles between the quarter turns; no parameters. With ``sorting='c2'`` (half
             turns ignored, the direction modulo 180 degrees kept) use order 2: it leaves a multiple of 180.
+            A non-square input is turned in a larger frame that holds it whole, which the layers then read
+            (:func:`~timm_sortconv.canonical.canonical_size`: 28x56 becomes 66x66).
         input_blur: ``sigma`` in pixels of a fixed Gaussian blur before the first convolution (0: none;
             :class:`~timm_sortconv.antialias.GaussianBlur2d`, the child ``features.0.pre``).
         downsample: the two 2x downsamplings, ``'max'`` (the paper's 2x2 max pooling), ``'avg'``, or the blurred
