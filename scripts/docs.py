@@ -16,8 +16,8 @@ Stored results read here:
 
 * ``results/benchmarks/*.csv``: CPU layer, training and twin benchmarks; the GPU's training steps and layers.
 * ``results/demo/``: the demo's rotation sweep (``scripts/demo.py`` as the README runs it) and how it was run.
-* ``model_cards/results/full/*.json``: the bundled MNIST models (``scripts/mnist_results.py``).
-* ``scripts/research/results/decision/``: the decision table (``scripts/research/decision_table.py``).
+* ``model_cards/results/full.csv``: the bundled MNIST models (``scripts/mnist_results.py``).
+* ``scripts/research/results/decision.csv``: the decision table (``scripts/research/decision_table.py``).
 """
 from __future__ import annotations
 
@@ -226,11 +226,12 @@ def mnist_entries() -> List[Tuple[str, str, List[Dict], Tuple]]:
     """(model, what it is, its training stages' rows as stored, the paper's (MNIST, MNIST-rot) or (None, None))
     for :data:`MNIST_ROWS`: the paper's figures only where the row is the paper's network and schedule."""
     sys.path.insert(0, str(REPO))
-    from timm_sortconv.cli.mnist_results import PAPER
+    from timm_sortconv.cli.mnist_results import PAPER, records
 
+    table = records(REPO / "model_cards" / "results" / "full.csv")
     entries = []
     for model, rows, what in MNIST_ROWS:
-        stages = [json.loads((REPO / "model_cards" / "results" / "full" / f"{row}.json").read_text()) for row in rows]
+        stages = [table.find(name=row) for row in rows]
         paper = PAPER.get(model, (None, None)) if rows[-1] in (model, f"{model}-paper") else (None, None)
         entries.append((model, what, stages, paper))
     return entries
@@ -246,7 +247,7 @@ def mnist() -> str:
                      stage["epochs"] for stage in stages) > 1)]
         lines.append(f"| `{model}` | {what} | " + " | ".join(cells) + " |")
     lines += ["", "MNIST: all 10,000 test images; MNIST-rot: all 360,000 (the test set turned by 0, 10, ..., 350 "
-              "degrees). Rows, commands and per-angle CSVs: `model_cards/results/full/`."]
+              "degrees). Rows, commands and per-angle accuracies: `model_cards/results/full.csv`."]
     return "\n".join(lines)
 
 

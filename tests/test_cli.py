@@ -5,7 +5,6 @@ A model name timm does not know ends a tool in one ``error:`` line naming timm's
 ``--pretrained`` for a model without weights (naming those with weights) and a data set whose images have other
 channels than the model takes (naming the option that fixes it).
 """
-import json
 import logging
 import subprocess
 import sys
@@ -27,16 +26,16 @@ def typo_commands(tmp_path):
     """For each tool that takes a model name: its ``main`` and a command line with a typo in one model option.
     (``scripts/demo.py`` builds its models' names itself, from ``--kernel-size``, whose choices argparse checks;
     ``check`` measures a fixed list.)"""
-    row = tmp_path / "row.json"
-    row.write_text(json.dumps({"model": TYPO, "model_kwargs": [], "train_args": [], "commands": [],
-                               "reproduce": f"python scripts/mnist_results.py --model {TYPO} --data-dir DATA"}))
+    row = tmp_path / "rows.csv"
+    mnist_results.records(row).put({"name": TYPO, "model": TYPO, "model_kwargs": [], "train_args": [], "commands": [],
+                                    "reproduce": f"python scripts/mnist_results.py --model {TYPO} --data-dir DATA"})
     data = ["--dataset", "sortconv/mnist", "--data-dir", SAMPLE]
     return {
         "train --model": (train.main, ["--model", TYPO, *data, "--output", str(tmp_path)]),
         "validate --model": (validate.main, ["--model", TYPO, *data]),
         "validate --baseline-model": (validate.main, ["--model", "scnn_p_rs_3", "--baseline-model", TYPO, *data]),
         "mnist_results --model": (mnist_results.main, ["--model", TYPO, "--data-dir", SAMPLE, "--runs",
-                                                       str(tmp_path / "runs"), "--results", str(tmp_path / "rows")]),
+                                                       str(tmp_path / "runs"), "--results", str(row)]),
         "invariance --models": (invariance.main, ["--models", "scnn_p_rs_3", TYPO]),
         "invariance --models --quarter-turn": (invariance.main, ["--models", TYPO, "--quarter-turn", "28"]),
         "push_to_hub --model": (push_to_hub.main, ["--model", TYPO, "--checkpoint", str(row), "--dry-run",

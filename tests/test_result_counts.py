@@ -2,7 +2,7 @@
 package (500 test images), where the full set's 10,000 and an asked-for slice larger than the set are both wrong.
 
 A 4-channel SCNN trains two epochs on 100 images; its row and the learning curve's point after epoch 1 (asked for
-600 images) each sweep the 500 test images at 36 angles and must say so, in the JSON, the curve and the line
+600 images) each sweep the 500 test images at 36 angles and must say so, in the table's row, the curve and the line
 printed; ``--compare`` accepts rows swept on the same images and refuses others.
 """
 import contextlib
@@ -20,7 +20,7 @@ SAMPLE = str(mnist_sample_dir())
 @pytest.fixture(scope="module")
 def row(tmp_path_factory):
     folder = tmp_path_factory.mktemp("rows")
-    common = ["--data-dir", SAMPLE, "--runs", str(folder / "runs"), "--results", str(folder / "res"), "-j", "0",
+    common = ["--data-dir", SAMPLE, "--runs", str(folder / "runs"), "--results", str(folder / "res.csv"), "-j", "0",
               "--model-kwargs", "channels=(4,4,4,4,4,4)"]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -37,7 +37,8 @@ def test_mnist_results_records_the_images_it_evaluated(row):
     test_images = len(MNIST(SAMPLE, split="test"))
     assert test_images == 500
     assert record["mnist_test_images"] == record["mnist_rot_images"] == test_images
-    assert json.loads((folder / "res" / "sc.json").read_text()) == record
+    assert results_tool.records(folder / "res.csv").records() == [record]  # the table's row reads back the same
+    assert (folder / "runs" / "sc" / "mnist_rot.csv").is_file() and (folder / "runs" / "sc" / "mnist_rot.png").is_file()
     (point,) = record["curve"]
     assert point["epoch"] == 1 and point["mnist_test_images"] == point["mnist_rot_images"] == test_images
     assert json.loads((folder / "runs" / "sc" / "curve.json").read_text())["1"] == point

@@ -34,24 +34,25 @@ the bundled weights of ``--model`` built with ``--model-kwargs``, which tests an
 Peers and screening layers (``--model`` names that are not timm models: ``e2cnn``, ``orientmax:``/``orientkey:``,
 ``frames<pool><K>x<step>:``, ``gmr:``) are defined and explained in ``peers.py`` beside this script.
 
-Outputs: ``<results>/<name>/seed<S>.json`` (the numbers, the command, the per-image results packed as
-base64 bits) and ``<output>/<name>/seed<S>.pth`` (the weights). A seed whose JSON exists is skipped.
-``--table`` prints the Markdown table of every row under ``--results``. ``--features`` measures, for
-every trained seed under ``--results`` (bundled weights for ``--pretrained`` rows), and for the same network
-untrained, from its seed, how far the
-pooled features (the classifier's input) of the first ``--feature-samples`` sweep images move when the
+Outputs: one row per name and seed in the table ``--results`` (a CSV,
+:class:`~timm_sortconv.cli.records.RecordTable`: the numbers, the command, the per-image results packed as base64
+bits) and ``<output>/<name>/seed<S>.pth`` (the weights). A seed whose row is there is skipped. ``--table`` prints
+the Markdown table of every row of ``--results``. ``--features`` measures, for every trained seed in
+``--results`` (bundled weights for ``--pretrained`` rows), and for the same network untrained, from its seed, how
+far the pooled features (the classifier's input) of the first ``--feature-samples`` sweep images move when the
 images are rotated by 45 degrees: the mean of ``||f(rotated) - f(upright)||`` relative to the mean
-``||f(upright)||``, and relative to the mean distance between the ten class centroids of the upright
-features (how far the rotation moves an image compared with how far apart the classes are); it writes
-``<results>/features.json``. ``--turn-cost WITHOUT WITH`` compares two stored rows' upright accuracy, image by
-image, by how strongly each upright image is oriented (:func:`moment_strength`) and by class: where a canonical
-turn costs what it costs. ``--csv OUT`` writes every row under ``--results`` as one line of a CSV (:func:`write_csv`).
+``||f(upright)||``, and relative to the mean distance between the ten class centroids of the upright features (how
+far the rotation moves an image compared with how far apart the classes are); it writes them, one row per name and
+seed, to ``<results>_features.csv`` beside the table. ``--turn-cost WITHOUT WITH`` compares two stored rows'
+upright accuracy, image by image, by how strongly each upright image is oriented (:func:`moment_strength`) and by
+class: where a canonical turn costs what it costs. ``--csv OUT`` writes every row of ``--results`` as one line of a
+CSV (:func:`write_csv`).
 
 Example::
 
     python scripts/research/ablation.py --name p_rs_7 --model scnn_p_rs_7 --data-dir DATA --train-samples 10000 \\
-        --epochs 2 --seeds 0 1 2 --angles 0:90:10 --results scripts/research/results/ablation/screen
-    python scripts/research/ablation.py --table --results scripts/research/results/ablation/screen
+        --epochs 2 --seeds 0 1 2 --angles 0:90:10 --results scripts/research/results/ablation/screen.csv
+    python scripts/research/ablation.py --table --results scripts/research/results/ablation/screen.csv
 """
 from __future__ import annotations
 
@@ -75,11 +76,23 @@ import scnn_options
 from peers import MNIST_CFG, E2CNN, FrameAverage, gmr_convert, orient_convert
 from timm_sortconv.canonical import moment_terms
 from timm_sortconv.cli import CommandError, key_value, parse_key_values, run
+from timm_sortconv.cli.records import RecordTable
 from timm_sortconv.data import RotatedDataset, cap_samples, create_dataset
 from timm_sortconv.rotation import parse_rotations, rotate
 
-# The rows this repository keeps (RESULTS.md); --results names another folder.
-RESULTS = Path(__file__).resolve().parent / "results" / "ablation" / "screen"
+# The rows this repository keeps (RESULTS.md); --results names another table.
+RESULTS = Path(__file__).resolve().parent / "results" / "ablation" / "screen.csv"
+
+
+def records(results) -> RecordTable:
+    """The results table: one row per name and training seed."""
+    return RecordTable(results, key=("name", "seed"))
+
+
+def beside(results, suffix: str) -> Path:
+    """A file that belongs to the table ``results``: ``<table>_<suffix>`` (its features, its rows' notes)."""
+    results = Path(results)
+    return results.with_name(f"{results.stem}_{suffix}")
 
 
 def load_split(data_dir: str, split: str, samples: int, seed: int):
@@ -216,17 +229,15 @@ def pack(correct: torch.Tensor) -> str:
 def run_rows(args) -> None:
     kwargs = parse_key_values(args.model_kwargs)
     angles = parse_rotations(args.angles)
-    rows_dir = Path(args.results) / args.name
+    table = records(args.results)
     weights_dir = Path(args.output) / args.name
-    rows_dir.mkdir(parents=True, exist_ok=True)
     weights_dir.mkdir(parents=True, exist_ok=True)
     if not args.pretrained:
         train_images, train_labels, _ = load_split(args.data_dir, "train", args.train_samples, seed=42)
     sweep_images, sweep_labels = rotated_sweep(args.data_dir, args.sweep_samples, angles, args.cache_dir)
     for seed in args.seeds:
-        out = rows_dir / f"seed{seed}.json"
-        if out.is_file():
-            print(f"{out} exists: skipped")
+        if table.find(name=args.name, seed=seed) is not None:
+            print(f"{args.name} seed {seed} is in {args.results}: skipped")
             continue
         torch.manual_seed(seed)
         if args.pretrained:
@@ -253,7 +264,7 @@ def run_rows(args) -> None:
                       threads=torch.get_num_threads(), canvas=CANVAS,
                       command="python scripts/research/ablation.py " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
                       correct=pack(correct))
-        out.write_text(json.dumps(result, indent=1))
+        table.put(result)
         print(f"  mean {result['mean']:.2f} +- {result['mean_se']:.2f}, upright {result['upright']:.2f}, "
               f"worst {result['worst']:.2f} at {result['worst_angle']:g}, dip {result['dip']:.2f} "
               f"+- {result['dip_se']:.2f} (train {seconds / 60:.1f} min)", flush=True)
@@ -281,10 +292,10 @@ def features(args) -> None:
     global CANVAS
     images, labels = rotated_sweep(args.data_dir, args.sweep_samples, [0.0, 45.0], args.cache_dir)
     images, labels = images[:, :args.feature_samples], labels[:args.feature_samples]
-    rows = []
-    for path in sorted(Path(args.results).glob("*/seed*.json")):
-        row = json.loads(path.read_text())
-        weights = Path(args.output) / row["name"] / f"{path.stem}.pth"
+    found = RecordTable(beside(args.results, "features.csv"), key=("name", "seed"), spread=("trained", "untrained"))
+    command = "python scripts/research/ablation.py " + " ".join(map(shlex.quote, sys.argv[1:]))
+    for row in records(args.results).records():
+        weights = Path(args.output) / row["name"] / f"seed{row['seed']}.pth"
         bundled = row["epochs"] == 0
         CANVAS = row.get("canvas", 28)
         if not (bundled or weights.is_file()):
@@ -298,16 +309,18 @@ def features(args) -> None:
             model.train()  # as when the weights were saved (e2cnn keeps expanded filters only in eval mode)
             model.load_state_dict(torch.load(weights))
         trained = feature_change(model, images[0], images[1], labels)
-        rows.append(dict(name=row["name"], seed=row["seed"], dip=row["dip"], trained=trained, untrained=untrained))
+        found.put(dict(name=row["name"], seed=row["seed"], dip=row["dip"], trained=trained, untrained=untrained,
+                       angle=45, images=len(labels), command=command))
         print(f"| {row['name']} | {row['seed']} | {row['dip']:.2f} | {100 * untrained['relative']:.1f}% | "
               f"{100 * trained['relative']:.1f}% | {trained['to_class_distance']:.3f} |", flush=True)
-    (Path(args.results) / "features.json").write_text(json.dumps(dict(
-        angle=45, images=len(labels), command="python scripts/research/ablation.py " + " ".join(map(shlex.quote, sys.argv[1:])),
-        rows=rows), indent=1))
 
 
-def _load_seeds(row: Path) -> Dict[int, Dict]:
-    return {s["seed"]: s for s in (json.loads(f.read_text()) for f in sorted(row.glob("seed*.json")))}
+def _load_rows(results) -> Dict[str, Dict[int, Dict]]:
+    """``{name: {seed: record}}`` of the table ``results``, names and seeds in the table's order."""
+    found: Dict[str, Dict[int, Dict]] = {}
+    for record in records(results).records():
+        found.setdefault(record["name"], {})[record["seed"]] = record
+    return found
 
 
 def paired_change(row: Dict[int, Dict], reference: Dict[int, Dict], key: str) -> Optional[Tuple[float, float]]:
@@ -328,26 +341,24 @@ def paired_difference(row: Dict[int, Dict], reference: Dict[int, Dict], key: str
 
 
 def table(results: str, paired: Optional[str] = None) -> str:
-    """The Markdown table of every row under ``results``: per row the mean over its seeds, with the
+    """The Markdown table of every row of the table ``results`` (by name): per row the mean over its seeds, with the
     spread between seeds (sd) and the mean per-seed standard error over images (se); and, where
     ``--features`` measured the row's seeds, their mean feature change (untrained, trained, trained
     relative to the class centroids' distance). With ``paired`` (a row's name), three more columns: each
     row's :func:`paired_difference` from that row in mean, worst angle and dip ("-" for a row with
     other parameters, or fewer than two seeds in common)."""
-    reference = _load_seeds(Path(results) / paired) if paired else None
+    found = _load_rows(results)
+    reference = found.get(paired) if paired else None
     if paired and not reference:
-        raise CommandError(f"--paired {paired}: no seed*.json under {Path(results) / paired}")
-    measured = Path(results) / "features.json"
+        raise CommandError(f"--paired {paired}: no row of that name in {results}")
     changes: Dict[str, List[Dict]] = {}
-    for entry in json.loads(measured.read_text())["rows"] if measured.is_file() else []:
+    for entry in RecordTable(beside(results, "features.csv"), key=("name", "seed")).records():
         changes.setdefault(entry["name"], []).append(entry)
     lines = ["| row | seeds | params | train | mean | upright | worst (angle) | dip | feature change at 45 degrees: "
              "untrained, trained, trained / class distance |" + (f" paired vs {paired}: mean | worst | dip |" if paired else ""),
              "|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if paired else "")]
-    for row in sorted(p for p in Path(results).iterdir() if p.is_dir()):
-        seeds = [json.loads(f.read_text()) for f in sorted(row.glob("seed*.json"))]
-        if not seeds:
-            continue
+    for name in sorted(found):
+        seeds = list(found[name].values())
 
         def cell(key: str) -> str:
             values = np.array([s[key] for s in seeds])
@@ -356,7 +367,7 @@ def table(results: str, paired: Optional[str] = None) -> str:
             return f"{values.mean():.2f} (se {se:.2f}{sd})"
 
         worst_angles = sorted({f"{s['worst_angle']:g}" for s in seeds})
-        measured_seeds = changes.get(row.name, [])
+        measured_seeds = changes.get(name, [])
         change = "-"
         if measured_seeds:
             mean = lambda key, sub: np.mean([m[sub][key] for m in measured_seeds])  # noqa: E731
@@ -364,10 +375,10 @@ def table(results: str, paired: Optional[str] = None) -> str:
                       f"{mean('to_class_distance', 'trained'):.3f} ({len(measured_seeds)} seeds)")
         first = seeds[0]
         trained = f"{first['train_samples']:,} x {first['epochs']}" if first["epochs"] else "bundled"
-        line = (f"| {row.name} | {len(seeds)} | {first['params']:,} | {trained} | {cell('mean')} | "
+        line = (f"| {name} | {len(seeds)} | {first['params']:,} | {trained} | {cell('mean')} | "
                 f"{cell('upright')} | {cell('worst')} ({'/'.join(worst_angles)}) | {cell('dip')} | {change} |")
         if reference is not None:
-            same_net = first["params"] == next(iter(reference.values()))["params"] and row.name != paired
+            same_net = first["params"] == next(iter(reference.values()))["params"] and name != paired
             diffs = [paired_difference({s["seed"]: s for s in seeds}, reference, key) if same_net else None
                      for key in ("mean", "worst", "dip")]
             line += "".join(f" {d or '-'} |" for d in diffs)
@@ -375,16 +386,9 @@ def table(results: str, paired: Optional[str] = None) -> str:
     return "\n".join(lines)
 
 
-# Where the commands recorded in older seed JSONs pointed, and where the same files are now.
-_MOVED = (("scripts/ablation.py", "scripts/research/ablation.py"),
-          ("results/mnist/ablation/", "scripts/research/results/ablation/"))
-
-
 def _portable_command(command: str) -> str:
-    """A seed's recorded command as it runs from this checkout: today's paths, ``DATA`` for the MNIST folder, and
-    without the machine's ``--output``/``--cache-dir`` folders (the defaults serve)."""
-    for old, new in _MOVED:
-        command = command.replace(old, new)
+    """A seed's recorded command as it runs from any checkout: ``DATA`` for the MNIST folder, and without the
+    machine's ``--output``/``--cache-dir`` folders (the defaults serve)."""
     command = re.sub(r"--data-dir \S+", "--data-dir DATA", command)
     return re.sub(r" --(?:output|cache-dir) \S+", "", command)
 
@@ -396,26 +400,24 @@ CSV_COLUMNS = ("group", "row", "change", "vs", "seeds", "model", "model_kwargs",
 
 
 def write_csv(results: str, out: str, rows_file: Optional[str] = None) -> int:
-    """Writes every row under ``results`` as one CSV line (:data:`CSV_COLUMNS`) and returns how many.
+    """Writes every row of the table ``results`` as one CSV line (:data:`CSV_COLUMNS`) and returns how many.
 
     Numbers are means over the row's seeds, unrounded (``*_se``: the mean per-seed standard error over images; ``mean_sd``:
     the spread between seeds; ``worst_angles``: each seed's worst angle), the training recipe is the first seed's,
     ``train_minutes`` the range over seeds, ``command`` the first seed's (:func:`_portable_command`). ``rows_file``
-    (default ``<results>/rows.csv``; columns ``group, row, vs, change``) orders the rows and says what each changes
-    and which row it is compared with: the ``paired_*`` columns are :func:`paired_change` from that row, for rows
-    with its parameter count. Rows it does not list follow, by name, with those columns empty.
+    (default ``<results>_rows.csv`` beside the table; columns ``group, row, vs, change``) orders the rows and says what
+    each changes and which row it is compared with: the ``paired_*`` columns are :func:`paired_change` from that row,
+    for rows with its parameter count. Rows it does not list follow, by name, with those columns empty.
     """
-    results_dir = Path(results)
-    rows_path = Path(rows_file) if rows_file else results_dir / "rows.csv"
+    rows_path = Path(rows_file) if rows_file else beside(results, "rows.csv")
     notes = {}
     if rows_path.is_file():
         with open(rows_path, newline="") as f:
             notes = {entry["row"]: entry for entry in csv.DictReader(f)}
-    found = {p.name: _load_seeds(p) for p in results_dir.iterdir() if p.is_dir()}
-    found = {name: seeds for name, seeds in found.items() if seeds}
+    found = _load_rows(results)
     missing = sorted(set(notes) - set(found))
     if missing:
-        raise CommandError(f"--csv: {rows_path} lists rows with no seed*.json under {results_dir}: {', '.join(missing)}")
+        raise CommandError(f"--csv: {rows_path} lists rows that {results} does not hold: {', '.join(missing)}")
     names = [name for name in notes] + sorted(set(found) - set(notes))
     lines = []
     for name in names:
@@ -454,7 +456,7 @@ def write_csv(results: str, out: str, rows_file: Optional[str] = None) -> int:
 
 
 def unpack(row: Dict) -> np.ndarray:
-    """A seed's per-image results, ``(images, angles)`` bool, from its JSON (:func:`pack` wrote them)."""
+    """A seed's per-image results, ``(images, angles)`` bool, from its record (:func:`pack` wrote them)."""
     images, angles = row["images"], len(row["angles"])
     bits = np.unpackbits(np.frombuffer(base64.b64decode(row["correct"]), dtype=np.uint8))
     return bits[:images * angles].reshape(images, angles).astype(bool)
@@ -480,7 +482,8 @@ def turn_cost(results: str, without: str, with_turn: str, data_dir: str, order: 
     ``without`` and row ``with_turn`` (mean over the seeds both ran) and their paired difference, per
     quartile of the upright sweep images' :func:`moment_strength` of ``order`` (Q1:
     the least oriented quarter, whose turn depends most on details of the writing) and per class."""
-    rows = [_load_seeds(Path(results) / name) for name in (without, with_turn)]
+    found = _load_rows(results)
+    rows = [found.get(name, {}) for name in (without, with_turn)]
     seeds = sorted(set(rows[0]) & set(rows[1]))
     if not seeds:
         raise CommandError(f"--turn-cost: {without} and {with_turn} have no seed in common under {results}")
@@ -514,7 +517,7 @@ def turn_cost(results: str, without: str, with_turn: str, data_dir: str, order: 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--name", help="row name (folder under --results)")
+    parser.add_argument("--name", help="row name (the table's name column)")
     parser.add_argument("--model", default="scnn_p_rs_7")
     parser.add_argument("--model-kwargs", nargs="*", default=[], type=key_value, metavar="KEY=VALUE",
                         help="create_model arguments")
@@ -534,7 +537,9 @@ def main(argv=None) -> None:
                              "training and sweep alike: moves the digit away from the map borders")
     parser.add_argument("--sweep-samples", type=int, default=2000)
     parser.add_argument("--angles", default="0:90:10", help="START:STOP:STEP or a list, degrees")
-    parser.add_argument("--results", default=str(RESULTS), help="row folders (default: results/ablation/screen beside this script)")
+    parser.add_argument("--results", default=str(RESULTS),
+                        help="the results table, one row per name and seed (default: results/ablation/screen.csv "
+                             "beside this script)")
     parser.add_argument("--output", default="output/ablation", help="where the weights go")
     parser.add_argument("--cache-dir", default="output/ablation/cache", help="rotated test images ('' for none)")
     parser.add_argument("--log-interval", type=int, default=100)
@@ -544,17 +549,17 @@ def main(argv=None) -> None:
     parser.add_argument("--paired", metavar="ROW", help="with --table: add each row's paired difference from ROW "
                         "(mean over common seeds, with its standard error)")
     parser.add_argument("--features", action="store_true", help="pooled-feature change at 45 degrees of every "
-                        "trained seed under --results (and of its untrained network), then exit")
+                        "trained seed of --results (and of its untrained network), then exit")
     parser.add_argument("--feature-samples", type=int, default=500)
     parser.add_argument("--turn-cost", nargs=2, metavar=("WITHOUT", "WITH"),
-                        help="where a canonical turn costs upright accuracy: rows WITHOUT and WITH the turn under "
+                        help="where a canonical turn costs upright accuracy: rows WITHOUT and WITH the turn of "
                              "--results, by quartile of the images' --order moment strength and by class (needs "
                              "--data-dir), then exit")
     parser.add_argument("--order", type=int, default=2, help="with --turn-cost: the moment order of the turn")
-    parser.add_argument("--csv", metavar="OUT", help="write every row under --results as one line of the CSV OUT "
+    parser.add_argument("--csv", metavar="OUT", help="write every row of --results as one line of the CSV OUT "
                         "(what each row changes and what it is paired with: --rows), then exit")
     parser.add_argument("--rows", metavar="FILE", help="with --csv: the rows' order, change and pairing (columns "
-                        "group,row,vs,change; default: rows.csv under --results)")
+                        "group,row,vs,change; default: <results>_rows.csv beside the table)")
     args = parser.parse_args(argv)
     if args.csv:
         print(f"{write_csv(args.results, args.csv, args.rows)} rows written to {args.csv}")

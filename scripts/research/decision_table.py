@@ -11,7 +11,7 @@ training-set sizes, with the networks laid out as the paper's SCNN (:data:`ROWS`
   recipe), the last weights kept. Rows with ``augment`` turn each training image by its own angle drawn
   uniformly from [0, 360) (bilinear, zero fill, rounded to 8 bits as MNIST-rot's images are). A row with
   ``time_of`` (the E(2)-CNN) trains for the time its named row takes: its steps are ``--steps`` times the
-  ratio of the two rows' step times, measured in one process taking turns (``timing.json``).
+  ratio of the two rows' step times, measured in one process taking turns (``decision_timing.json``).
 * **Seeds**: ``--seeds`` (default 0 1 2) at every size below 50,000, seed 0 at 50,000 (``--big-seeds``).
 * **Measured** per run: MNIST-rot on a fixed slice of ``--sweep-samples`` test images (seed 42, as
   ablation.py) turned by 0, 10, ..., 350 degrees as MNIST-rot is made: mean, worst angle, with standard errors
@@ -20,9 +20,9 @@ training-set sizes, with the networks laid out as the paper's SCNN (:data:`ROWS`
   turned about its own centre at test time): per row one training seed on 10,000 upright scenes for one epoch
   (200 steps; a ``time_of`` row its time), augmented rows with the whole canvas turned; measured on 1,000
   test scenes: mean over 12 turns and what it keeps of the upright accuracy (``retained``).
-* **Time**: ``timing.json`` holds every row's training step (batch 50, one thread), the minimum of
-  interleaved rounds on this machine, with the CPU and the load average; ``s/epoch`` is that times the 1,000
-  steps of an epoch of 50,000 images.
+* **Time**: ``decision_timing.json`` (beside the results table) holds every row's training step (batch 50, one
+  thread), the minimum of interleaved rounds on this machine, with the CPU and the load average; ``s/epoch`` is
+  that times the 1,000 steps of an epoch of 50,000 images.
 
 **The attempts** (rows with ``attempt``, at most two rounds): SC configurations meant to beat the augmented plain
 CNN and the E(2)-CNN at the smallest size (:data:`RIVALS`); they run at that size only, and on the local task,
@@ -39,10 +39,11 @@ channels it has about as many, and a training step 8.7x P-RS-7's, so it runs at 
 at the smallest size only (a row with ``sizes``).
 
 Runs are jobs, done in a fixed order (every row at 1,000 images first, seed by seed, then 5,000, then 50,000,
-then the local task, then the rows with ``sizes``), each writing ``<results>/<row>/<job>.json``; a job whose
-JSON exists is skipped. Training checkpoints every ``--checkpoint-every`` steps under ``--output`` (outside the
-repository), so a killed run goes on from its last checkpoint when the same command runs again, and ends with the
-weights an uninterrupted run has. Several processes may share the work (``run`` in each): a job is claimed by a lock
+then the local task, then the rows with ``sizes``), each adding its row to the table ``--results`` (one CSV,
+:class:`~timm_sortconv.cli.records.RecordTable`: the row's name, the job's name as ``job``, ``mnist_rot.*`` and
+``machine.*`` in columns); a job whose row is there is skipped. Training checkpoints every ``--checkpoint-every``
+steps under ``--output`` (outside the repository), so a killed run goes on from its last checkpoint when the same
+command runs again, and ends with the weights an uninterrupted run has. Several processes may share the work (``run`` in each): a job is claimed by a lock
 file under ``--output``, freed when its process has died.
 
 Example (``DATA``: the MNIST folder; ``RUNS``: a folder outside the repository)::
@@ -72,9 +73,10 @@ import local_rotation
 from ablation import create_model, load_split, rotated_sweep, summarise, sweep_correct
 from timm_sortconv.check import cpu_model
 from timm_sortconv.cli import run
+from timm_sortconv.cli.records import RecordTable
 from timm_sortconv.rotation import rotate_each
 
-RESULTS = Path(__file__).resolve().parent / "results" / "decision"
+RESULTS = Path(__file__).resolve().parent / "results" / "decision.csv"
 BATCH = 50
 LR = 2e-3
 ANGLES = [float(a) for a in range(0, 360, 10)]
@@ -325,13 +327,23 @@ def measure_timing(rows: Sequence[Row], rounds: int, steps: int, channels: Optio
             "machine_before": before, "machine_after": machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 
+def timing_path(results: Path) -> Path:
+    """The step times' file beside the results table ``results``: ``<table>_timing.json``."""
+    return results.with_name(f"{results.stem}_timing.json")
+
+
+def records(results: Path) -> RecordTable:
+    """The results table: one row per job, named by the row's name and the job's (``job``)."""
+    return RecordTable(results, key=("row", "job"), spread=("mnist_rot", "machine"))
+
+
 def timing(results: Path, rows: Sequence[Row], rounds: int = 3, steps: int = 5,
            channels: Optional[Sequence[int]] = None) -> Dict:
-    """``timing.json`` under ``results``: measured once for ``rows``. Rows missing from a stored file are
+    """:func:`timing_path` of ``results``: measured once for ``rows``. Rows missing from a stored file are
     measured (with ``p_rs_7``, whose stored time then scales theirs, so that a busier minute does not move
     them) and added under ``added``; the stored rows' times are kept, since the ``time_of`` rows' steps were
     fixed by them."""
-    path = results / "timing.json"
+    path = timing_path(results)
     command = "python scripts/research/decision_table.py " + " ".join(map(shlex.quote, sys.argv[1:]))
     stored = json.loads(path.read_text()) if path.is_file() else None
     missing = [row for row in rows if stored is None or row.name not in stored["seconds_per_step"]]
@@ -351,7 +363,7 @@ def timing(results: Path, rows: Sequence[Row], rounds: int = 3, steps: int = 5,
     else:
         print(f"timing the training steps of {', '.join(row.name for row in rows)} ...", flush=True)
         result = dict(measure_timing(rows, rounds, steps, channels), command=command)
-    results.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
     return result
 
@@ -443,7 +455,7 @@ def run_job(job: Job, args, times: Dict, data: Dict) -> Dict:
     trainer = Trainer(model, images, labels, steps, job.seed, row.augment)
     trainer.run(checkpoint, args.checkpoint_every)
     start = time.perf_counter()
-    result = {"row": row.name, "model": row.model, "model_kwargs": row.kwargs, "augment": row.augment,
+    result = {"row": row.name, "job": job.name, "model": row.model, "model_kwargs": row.kwargs, "augment": row.augment,
               "time_of": row.time_of, "seed": job.seed, "params": params, "steps": steps, "batch": BATCH, "lr": LR,
               "train_seconds": round(trainer.seconds, 1), "machine": machine()}
     if job.size == 0:
@@ -480,24 +492,25 @@ def run_all(args) -> None:
     if any(row.model == "e2cnn" for row in rows) and importlib.util.find_spec("e2cnn") is None:
         print("e2cnn is not installed (pip install -e '.[research]'): the E(2)-CNN's jobs are skipped", flush=True)
         rows = [row for row in rows if row.model != "e2cnn"]
-    results = Path(args.results)
+    table = records(Path(args.results))
     torch.set_num_threads(args.threads)
     times = timing_of(rows, args)
+    done = {(r["row"], r["job"]) for r in table.records()}
     todo = [job for job in jobs(rows, args.sizes, args.seeds, args.big_seeds, not args.no_local)
-            if not (results / job.row.name / f"{job.name}.json").is_file() and (job.size == 0 or not args.only_local)]
+            if (job.row.name, job.name) not in done and (job.size == 0 or not args.only_local)]
     if not todo:
         print("every job is done")
         return
     data = load_data(args, sorted({job.task for job in todo if job.size == 0}))
     for job in todo:
-        out = results / job.row.name / f"{job.name}.json"
         claim = Claim(Path(args.output) / "claims" / f"{job.row.name}-{job.name}")
-        if out.is_file() or not claim.take():
+        if not claim.take():
             continue
         try:
+            if table.find(row=job.row.name, job=job.name) is not None:  # done by another process meanwhile
+                continue
             result = run_job(job, args, times, data)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(result, indent=1))
+            table.put(result)
             summary = (f"MNIST-rot {result['mnist_rot']['mean']:.2f}, worst {result['mnist_rot']['worst']:.2f}"
                        + (f", MNIST {result['mnist']:.2f}" if "mnist" in result else "") if job.size else
                        f"{job.task}: turns {result['mean']:.2f}, upright {result['upright']:.2f}, "
@@ -519,16 +532,15 @@ def _stats(values: Sequence[float]) -> str:
 
 
 def _step_times(results: Path) -> Dict[str, float]:
-    """``timing.json``'s seconds per training step by row (empty before it is measured)."""
-    path = results / "timing.json"
+    """The stored seconds per training step by row (empty before they are measured)."""
+    path = timing_path(results)
     return json.loads(path.read_text())["seconds_per_step"] if path.is_file() else {}
 
 
 def load_results(results: Path) -> Dict[str, Dict[str, List[Dict]]]:
     """``{row: {"n1000": [seed results], ..., "one": [...]}}``."""
     found: Dict[str, Dict[str, List[Dict]]] = {}
-    for path in sorted(results.glob("*/*.json")):
-        result = json.loads(path.read_text())
+    for result in records(results).records():
         key = result["task"] if result.get("task") in local_rotation.TASKS else f"n{result['train_images']}"
         found.setdefault(result["row"], {}).setdefault(key, []).append(result)
     return found
@@ -645,11 +657,13 @@ def aligned_table(results: Path, size: int = 1000) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("action", choices=("run", "table", "timing"),
-                        help="run: the jobs; table: print the tables; timing: only measure timing.json's missing rows")
+                        help="run: the jobs; table: print the tables; timing: only measure the rows' missing step "
+                             "times")
     parser.add_argument("--data-dir", help="MNIST folder (IDX files)")
     parser.add_argument("--output", default="output/decision",
                         help="checkpoints, claims and the sweep cache (keep it outside the repository)")
-    parser.add_argument("--results", default=str(RESULTS), help="one JSON per job (default: results/decision)")
+    parser.add_argument("--results", default=str(RESULTS),
+                        help="the results table, one row per job (default: results/decision.csv beside this script)")
     parser.add_argument("--rows", nargs="+", choices=ROW_NAMES, help="only these rows (default: all)")
     parser.add_argument("--sizes", type=int, nargs="+", default=[1000, 5000, 50000])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -668,7 +682,7 @@ def main(argv=None) -> None:
     parser.add_argument("--data-seed", type=int, default=42)
     parser.add_argument("--checkpoint-every", type=int, default=100)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--timing-rounds", type=int, default=3, help="interleaved rounds of timing.json")
+    parser.add_argument("--timing-rounds", type=int, default=3, help="interleaved rounds of the step times")
     parser.add_argument("--timing-steps", type=int, default=5, help="training steps per row and round")
     args = parser.parse_args(argv)
     if args.action == "table":

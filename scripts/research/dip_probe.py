@@ -27,7 +27,9 @@ between the pixels.
 by every whole-pixel shift up to ``R`` each way (zero fill, so nothing but the position changes), each shift's
 accuracy and its paired change from the unmoved digits. A convolution moves its output with its input; 2x2 max
 pooling does not for an odd shift, and a network may learn to depend on that. ``--canvas N`` first puts the
-digits in the middle of an N x N background, further from the border the layers pad.
+digits in the middle of an N x N background, further from the border the layers pad. With ``--out`` each shift is
+one row of that table (a CSV, :class:`~timm_sortconv.cli.records.RecordTable`), named by the model, its
+arguments, its weights, the canvas and the shift: every model and canvas probed in one file.
 
 ``--moments`` measures how well :func:`timm_sortconv.canonical.moment_angle` reads a digit's turn, the
 quantity ``canonicalize=`` relies on: for each order and angle, the test digits of the ablation's sweep
@@ -39,7 +41,8 @@ Examples::
     python scripts/research/dip_probe.py --data-dir DATA --model scnn_p_rs_7 --pretrained --samples 500 \\
         --angles 10,20,30,45 --out scripts/research/results/ablation/probe_scnn_p_rs_7.json
     python scripts/research/dip_probe.py --operator --angles 10,22.5,30,45 --sampling polar square --blur 0 0.7
-    python scripts/research/dip_probe.py --shifts 1 --data-dir DATA --model scnn_p_rs_7 --pretrained --samples 2000
+    python scripts/research/dip_probe.py --shifts 1 --data-dir DATA --model scnn_p_rs_7 --pretrained --samples 2000 \\
+        --out scripts/research/results/ablation/shifts.csv
     python scripts/research/dip_probe.py --moments --data-dir DATA --samples 2000 --angles 0:90:10 \\
         --out scripts/research/results/ablation/moment_probe.json
 """
@@ -57,6 +60,7 @@ from ablation import load_split, rotated_sweep
 from scnn_options import create_model
 from timm_sortconv.canonical import moment_angle
 from timm_sortconv.cli import key_value, parse_key_values, run
+from timm_sortconv.cli.records import RecordTable
 from timm_sortconv.rotation import parse_rotations, rotate
 
 
@@ -256,7 +260,8 @@ def main(argv=None):
                         help="create_model arguments, and the options of scnn_options.py")
     parser.add_argument("--samples", type=int, default=500, help="test images (the first of the 2,000-image slice)")
     parser.add_argument("--angles", default="10,20,30,45", help="degrees, START:STOP:STEP or a list")
-    parser.add_argument("--out", default="", help="write the result as JSON here")
+    parser.add_argument("--out", default="", help="write the result as JSON here (with --shifts: add its rows to this "
+                        "table, a CSV)")
     args = parser.parse_args(argv)
     if args.operator:
         rows = operator_probe(parse_rotations(args.angles), args.sampling, args.blob_sigma, args.blur, args.fields)
@@ -300,9 +305,11 @@ def main(argv=None):
             print(f"{r['shift'][0]:+d}, {r['shift'][1]:+d} | {r['accuracy']:6.2f}% | "
                   f"{r['change']:+6.2f} ± {r['change_se']:.2f}")
         if args.out:
-            with open(args.out, "w") as f:
-                json.dump(dict(model=args.model, checkpoint=args.checkpoint or ("bundled" if args.pretrained else ""),
-                               samples=len(labels[:args.samples]), canvas=args.canvas, rows=rows), f, indent=1)
+            table = RecordTable(args.out, key=("model", "model_kwargs", "checkpoint", "canvas", "shift"))
+            for r in rows:
+                table.put(dict(model=args.model, model_kwargs=kwargs,
+                               checkpoint=args.checkpoint or ("bundled" if args.pretrained else ""),
+                               samples=len(labels[:args.samples]), canvas=args.canvas, **r))
         return
     images, labels, _ = load_split(args.data_dir, "test", 2000, seed=42)  # the ablation's sweep slice
     images, labels = images[:args.samples].unsqueeze(1).float() / 255, labels[:args.samples]

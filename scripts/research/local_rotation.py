@@ -5,8 +5,8 @@ Here every digit of a scene is turned by its own angle about its own centre, whi
 they are: no turn of the whole image produces such a scene, so only invariance of the network's local
 responses helps. Tasks (``--task``):
 
-* ``one``: one digit on a ``--canvas`` x ``--canvas`` black canvas (default 56) at a random place; the label
-  is the digit (10 classes).
+* ``one``: one digit on a black canvas, ``--canvas`` pixels a side (default 56) or ``HxW`` (``28x60``: a strip
+  that holds two digits side by side), at a random place; the label is the digit (10 classes).
 * ``pair``: two digits on the canvas; the label is their sum (19 classes). The sum needs both digits and
   does not depend on which one is where, so a network with global pooling needs no positional convention
   (the ordered pair would ask it to tell left from right, which an invariant, globally pooled network can
@@ -43,9 +43,10 @@ which is how a slower peer is trained for the same time as an SC row. ``--seeds`
   the most frequent label, counted over the test scenes' labels.
 
 Standard errors are over scenes (a scene's grid conditions count as one sample), as in ablation.py.
-Outputs: ``<results>/<task>/<name>/seed<S>.json`` (numbers, command, parameters, seconds per epoch); a
-seed whose JSON exists is skipped. ``--table`` prints the Markdown table of every row of every task under
-``--results``, with ``--paired ROW`` each row's paired difference from ``ROW`` over their common seeds.
+Outputs: one row per task, name and seed in the table ``--results`` (a CSV,
+:class:`~timm_sortconv.cli.records.RecordTable`: numbers, command, parameters, seconds per epoch); a seed whose
+row is there is skipped. ``--table`` prints the Markdown table of every row of every task in ``--results``, with
+``--paired ROW`` each row's paired difference from ``ROW`` over their common seeds.
 Models (``--model``) are those of ablation.py: timm names (the SCNN family) and the peers of ``peers.py``
 (``e2cnn``, ``gmr:<timm model>``), whose packages live in a separate environment.
 
@@ -58,7 +59,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import shlex
 import sys
@@ -66,7 +66,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -74,10 +74,16 @@ import torch.nn.functional as F
 
 from ablation import create_model, paired_difference
 from timm_sortconv.cli import CommandError, key_value, parse_key_values, run
+from timm_sortconv.cli.records import RecordTable
 from timm_sortconv.data import MNIST
 from timm_sortconv.rotation import rotate_each
 
-RESULTS = Path(__file__).resolve().parent / "results" / "local_rotation"
+RESULTS = Path(__file__).resolve().parent / "results" / "local_rotation.csv"
+
+
+def records(results) -> RecordTable:
+    """The results table: one row per task, row name and training seed."""
+    return RecordTable(results, key=("task", "name", "seed"))
 PATCH = 28  # an MNIST image
 RADIUS = 14  # digits are masked to this disc about the image centre
 TASKS = {"one": 1, "pair": 2}  # task -> digits per scene
@@ -95,11 +101,16 @@ def disc_mask() -> torch.Tensor:
 class Scenes:
     """``count`` scenes of ``n`` digits: ``digits`` uint8 ``(count, n, PATCH, PATCH)`` (masked), ``classes``
     ``(count, n)`` the digits' labels, ``corners`` ``(count, n, 2)`` each digit's top-left (row, column) on the
-    ``canvas`` x ``canvas`` image."""
+    canvas: ``canvas`` pixels a side, or ``(height, width)``."""
     digits: torch.Tensor
     classes: torch.Tensor
     corners: torch.Tensor
-    canvas: int
+    canvas: Union[int, Tuple[int, int]]
+
+    @property
+    def size(self) -> Tuple[int, int]:
+        """The canvas's ``(height, width)``."""
+        return canvas_size(self.canvas)
 
     @property
     def labels(self) -> torch.Tensor:
@@ -110,10 +121,29 @@ class Scenes:
         return len(self.classes)
 
 
-def place(rng: np.random.Generator, n: int, canvas: int, tries: int = 1000) -> np.ndarray:
+def canvas_size(canvas: Union[int, Tuple[int, int]]) -> Tuple[int, int]:
+    """A canvas's ``(height, width)``: ``canvas`` pixels a side, or ``canvas`` itself."""
+    return (canvas, canvas) if isinstance(canvas, int) else (int(canvas[0]), int(canvas[1]))
+
+
+def parse_canvas(text: str) -> Union[int, Tuple[int, int]]:
+    """``--canvas``: ``"56"`` (a side) or ``"28x60"`` (height x width), each at least ``PATCH``."""
+    try:
+        sides = tuple(int(side) for side in text.lower().split("x"))
+    except ValueError:
+        sides = ()
+    if len(sides) not in (1, 2) or min(sides) < PATCH:
+        raise argparse.ArgumentTypeError(f"expected a side or HEIGHTxWIDTH, each at least {PATCH} pixels (56, "
+                                         f"28x60), got {text!r}")
+    return sides[0] if len(sides) == 1 else sides
+
+
+def place(rng: np.random.Generator, n: int, canvas: Union[int, Tuple[int, int]], tries: int = 1000) -> np.ndarray:
     """``(n, 2)`` top-left corners of ``n`` digits on the canvas, uniform over the placements whose digit
     centres are at least ``2 * RADIUS`` apart (rejection sampling)."""
-    span = canvas - PATCH + 1
+    height, width = canvas_size(canvas)
+    # a square canvas draws both coordinates from one bound, as it always has (the same scenes from a seed)
+    span = height - PATCH + 1 if height == width else np.array([height - PATCH + 1, width - PATCH + 1])
     for _ in range(tries):
         corners = rng.integers(0, span, size=(n, 2))
         gaps = corners[:, None, :] - corners[None, :, :]
@@ -124,11 +154,12 @@ def place(rng: np.random.Generator, n: int, canvas: int, tries: int = 1000) -> n
                        f"use a larger canvas")
 
 
-def make_scenes(images: torch.Tensor, classes: torch.Tensor, n: int, count: int, canvas: int, seed: int) -> Scenes:
+def make_scenes(images: torch.Tensor, classes: torch.Tensor, n: int, count: int,
+                canvas: Union[int, Tuple[int, int]], seed: int) -> Scenes:
     """``count`` scenes of ``n`` digits drawn (with replacement) from ``images`` ``(N, 28, 28)`` uint8 and
-    placed on the canvas, all from ``seed``."""
-    if canvas < PATCH:
-        raise CommandError(f"--canvas must be at least {PATCH}, got {canvas}")
+    placed on the canvas (a side, or ``(height, width)``), all from ``seed``."""
+    if min(canvas_size(canvas)) < PATCH:
+        raise CommandError(f"--canvas must be at least {PATCH} pixels a side, got {canvas}")
     rng = np.random.default_rng(seed)
     index = torch.from_numpy(rng.integers(0, len(images), size=(count, n)))
     corners = torch.from_numpy(np.stack([place(rng, n, canvas) for _ in range(count)]))
@@ -137,7 +168,7 @@ def make_scenes(images: torch.Tensor, classes: torch.Tensor, n: int, count: int,
 
 
 def render(scenes: Scenes, angles: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``(count, canvas, canvas)`` uint8: the scenes with digit ``j`` of scene ``i`` turned counter-clockwise by
+    """``(count, height, width)`` uint8: the scenes with digit ``j`` of scene ``i`` turned counter-clockwise by
     ``angles[i, j]`` degrees about its own centre (``None``: upright)."""
     count, n = scenes.classes.shape
     digits = scenes.digits
@@ -145,7 +176,7 @@ def render(scenes: Scenes, angles: Optional[torch.Tensor] = None) -> torch.Tenso
         flat = digits.reshape(count * n, 1, PATCH, PATCH).float()
         turned = rotate_each(flat, angles.reshape(-1).double()).round().clamp(0, 255)
         digits = turned.to(torch.uint8).view(count, n, PATCH, PATCH) * disc_mask()
-    out = torch.zeros(count, scenes.canvas, scenes.canvas, dtype=torch.uint8)
+    out = torch.zeros(count, *scenes.size, dtype=torch.uint8)
     offsets = torch.arange(PATCH)
     scene = torch.arange(count)[:, None, None]
     for j in range(n):
@@ -273,14 +304,12 @@ def build(name: str, kwargs: Dict, classes: int) -> torch.nn.Module:
 def run_rows(args) -> None:
     kwargs = parse_key_values(args.model_kwargs)
     classes = 9 * TASKS[args.task] + 1  # the sums 0 .. 9n (one digit: 0 .. 9)
-    rows_dir = Path(args.results) / args.task / args.name
-    rows_dir.mkdir(parents=True, exist_ok=True)
+    table = records(args.results)
     train_scenes, test_scenes = load_scenes(args, args.task)
     train_images = render(train_scenes)
     for seed in args.seeds:
-        out = rows_dir / f"seed{seed}.json"
-        if out.is_file():
-            print(f"{out} exists: skipped")
+        if table.find(task=args.task, name=args.name, seed=seed) is not None:
+            print(f"{args.task}/{args.name} seed {seed} is in {args.results}: skipped")
             continue
         torch.manual_seed(seed)
         model = build(args.model, kwargs, classes)
@@ -295,7 +324,7 @@ def run_rows(args) -> None:
                       time_budget=args.time_budget, **trained, eval_seconds=round(time.time() - start, 1),
                       threads=torch.get_num_threads(),
                       command="python scripts/research/local_rotation.py " + " ".join(map(shlex.quote, sys.argv[1:])))
-        out.write_text(json.dumps(result, indent=1))
+        table.put(result)
         print(f"  upright {result['upright']:.2f}, grid mean {result['mean']:.2f} +- {result['mean_se']:.2f}, worst "
               f"{result['worst']:.2f} at {result['worst_angle']:g}, random {result['random']:.2f}, retained "
               f"{result['retained']:.3f}, ceiling {result['ceiling']:.2f} "
@@ -303,7 +332,7 @@ def run_rows(args) -> None:
 
 
 def table(results: str, paired: Optional[str] = None) -> str:
-    """The Markdown table of every row under ``results`` (``<task>/<row>/seed*.json``), task by task: the mean
+    """The Markdown table of every row of the table ``results``, task by task (rows by name): the mean
     over seeds (with the mean per-seed standard error over scenes, and the spread between seeds), and with
     ``paired`` each row's :func:`~ablation.paired_difference` from that row of the same task in upright, mean
     and random accuracy (``-`` with fewer than two common seeds)."""
@@ -311,14 +340,13 @@ def table(results: str, paired: Optional[str] = None) -> str:
             "worst (angle) | random turns | retained | ceiling |")
     lines = [head + (f" vs {paired}: upright | mean | random |" if paired else ""),
              "|" + "---|" * (12 + (3 if paired else 0))]
-    for task_dir in sorted(p for p in Path(results).iterdir() if p.is_dir()):
-        reference = {}
-        if paired and (task_dir / paired).is_dir():
-            reference = {r["seed"]: r for r in map(lambda f: json.loads(f.read_text()), (task_dir / paired).glob("seed*.json"))}
-        for row in sorted(p for p in task_dir.iterdir() if p.is_dir()):
-            seeds = [json.loads(f.read_text()) for f in sorted(row.glob("seed*.json"))]
-            if not seeds:
-                continue
+    found: Dict[str, Dict[str, List[Dict]]] = {}
+    for record in records(results).records():
+        found.setdefault(record["task"], {}).setdefault(record["name"], []).append(record)
+    for task in sorted(found):
+        reference = {r["seed"]: r for r in found[task].get(paired, [])}
+        for name in sorted(found[task]):
+            seeds = found[task][name]
 
             def cell(key: str) -> str:
                 values = np.array([s[key] for s in seeds])
@@ -331,13 +359,14 @@ def table(results: str, paired: Optional[str] = None) -> str:
             worst = "/".join(sorted({f"{s['worst_angle']:g}" for s in seeds}))
             retained = np.mean([s["retained"] for s in seeds])
             kwargs = " ".join(f"{k}={v}" for k, v in first["model_kwargs"].items() if k != "channels")
-            line = (f"| {task_dir.name} | {row.name} | {(first['model'] + ' ' + kwargs).strip()} | {first['params']:,} | {len(seeds)} | "
-                    f"{first['train_scenes']:,} x {epochs:.2f} ({per_epoch:.0f}) | {cell('upright')} | {cell('mean')} | "
+            line = (f"| {task} | {name} | {(first['model'] + ' ' + kwargs).strip()} | {first['params']:,} | "
+                    f"{len(seeds)} | {first['train_scenes']:,} x {epochs:.2f} ({per_epoch:.0f}) | {cell('upright')} | "
+                    f"{cell('mean')} | "
                     f"{np.mean([s['worst'] for s in seeds]):.2f} ({worst}) | {cell('random')} | {retained:.3f} | "
                     f"{first['ceiling']:.2f} |")
             if paired:
                 mine = {s["seed"]: s for s in seeds}
-                diffs = [paired_difference(mine, reference, key) if row.name != paired else None
+                diffs = [paired_difference(mine, reference, key) if name != paired else None
                          for key in ("upright", "mean", "random")]
                 line += "".join(f" {d or '-'} |" for d in diffs)
             lines.append(line)
@@ -347,11 +376,12 @@ def table(results: str, paired: Optional[str] = None) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--task", choices=sorted(TASKS), default="pair")
-    parser.add_argument("--name", help="row name (folder under --results/<task>)")
+    parser.add_argument("--name", help="row name (the table's name column)")
     parser.add_argument("--model", default="scnn_p_rs_7", help="a timm name, scnn, e2cnn or gmr:<timm name>")
     parser.add_argument("--model-kwargs", nargs="*", default=[], type=key_value, metavar="KEY=VALUE")
     parser.add_argument("--data-dir", help="MNIST folder (IDX files)")
-    parser.add_argument("--canvas", type=int, default=56)
+    parser.add_argument("--canvas", type=parse_canvas, default=56, metavar="SIDE|HxW",
+                        help="the scenes' canvas: pixels a side, or height x width (28x60)")
     parser.add_argument("--train-scenes", type=int, default=10000)
     parser.add_argument("--test-scenes", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=42, help="data seed: the scenes, offsets and random angles")
@@ -362,7 +392,7 @@ def main(argv=None) -> None:
     parser.add_argument("--batch-size", type=int, default=50)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--angle-step", type=float, default=30.0, help="the grid's step, degrees (divides 360)")
-    parser.add_argument("--results", default=str(RESULTS))
+    parser.add_argument("--results", default=str(RESULTS), help="the results table (CSV), one row per seed")
     parser.add_argument("--log-interval", type=int, default=100)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--table", action="store_true", help="print the table of --results and exit")

@@ -43,12 +43,13 @@ def test_summary_counts_an_images_angles_as_one_sample(ablation):
 def test_a_row_trains_sweeps_records_and_is_not_rerun(ablation, tmp_path, capsys):
     data = tmp_path / "mnist"
     make_mnist(data, num_train=10020, num_test=16)  # the train split holds 10,000 images out for validation
-    common = ["--data-dir", str(data), "--results", str(tmp_path / "res"), "--output", str(tmp_path / "out"),
+    results = tmp_path / "res" / "screen.csv"
+    common = ["--data-dir", str(data), "--results", str(results), "--output", str(tmp_path / "out"),
               "--cache-dir", str(tmp_path / "cache"), "--train-samples", "20", "--epochs", "1", "--batch-size", "10",
               "--sweep-samples", "8", "--angles", "0,45,90", "--model", "scnn_p_rs_3", "--model-kwargs",
               "channels=(4,4,4,4,4,4)", "blur_sigma=0.5"]
     ablation.main(["--name", "tiny", "--seeds", "0", "1", *common])
-    rows = [json.loads((tmp_path / "res" / "tiny" / f"seed{s}.json").read_text()) for s in (0, 1)]
+    rows = [ablation.records(results).find(name="tiny", seed=s) for s in (0, 1)]
     for row in rows:
         assert row["model_kwargs"] == {"channels": [4, 4, 4, 4, 4, 4], "blur_sigma": 0.5}
         assert (row["train_samples"], row["epochs"], row["images"], row["angles"]) == (20, 1, 8, [0.0, 45.0, 90.0])
@@ -63,14 +64,14 @@ def test_a_row_trains_sweeps_records_and_is_not_rerun(ablation, tmp_path, capsys
     mtime = weights.stat().st_mtime_ns
     capsys.readouterr()
     ablation.main(["--name", "tiny", "--seeds", "0", *common])
-    assert "exists: skipped" in capsys.readouterr().out and weights.stat().st_mtime_ns == mtime
-    ablation.main(["--table", "--results", str(tmp_path / "res")])
+    assert "tiny seed 0 is in" in capsys.readouterr().out and weights.stat().st_mtime_ns == mtime
+    ablation.main(["--table", "--results", str(results)])
     line = capsys.readouterr().out.splitlines()[2]
     assert line.startswith("| tiny | 2 |") and f"{np.mean([r['mean'] for r in rows]):.2f}" in line
     ablation.main(["--features", "--feature-samples", "8", *common])
-    features = json.loads((tmp_path / "res" / "features.json").read_text())
-    assert [(r["name"], r["seed"]) for r in features["rows"]] == [("tiny", 0), ("tiny", 1)]
-    assert all(math.isfinite(r["trained"]["relative"]) for r in features["rows"])
+    features = ablation.RecordTable(tmp_path / "res" / "screen_features.csv", key=("name", "seed")).records()
+    assert [(r["name"], r["seed"]) for r in features] == [("tiny", 0), ("tiny", 1)]
+    assert all(math.isfinite(r["trained"]["relative"]) and r["angle"] == 45 for r in features)
 
 
 def test_bad_canvas_is_refused(ablation, capsys):
@@ -119,14 +120,15 @@ def test_a_table_piped_into_head_stops_without_a_traceback(tmp_path):
     import subprocess
     import sys
 
-    for row in range(400):  # enough lines to outlast the pipe's buffer
-        (tmp_path / f"r{row}").mkdir()
-        (tmp_path / f"r{row}" / "seed0.json").write_text(json.dumps(dict(
-            seed=0, params=1, train_samples=1, epochs=1, worst_angle=0.0,
-            **{k: 1.0 for k in ("mean", "upright", "worst", "dip")}, **{f"{k}_se": 0.0 for k in
-                                                                        ("mean", "upright", "worst", "dip")})))
+    from timm_sortconv.cli.records import write_records
+
+    results = tmp_path / "screen.csv"
+    write_records(results, [dict(name=f"r{row}", seed=0, params=1, train_samples=1, epochs=1, worst_angle=0.0,
+                                 **{k: 1.0 for k in ("mean", "upright", "worst", "dip")},
+                                 **{f"{k}_se": 0.0 for k in ("mean", "upright", "worst", "dip")})
+                            for row in range(400)])  # enough lines to outlast the pipe's buffer
     script = REPO / "scripts" / "research" / "ablation.py"
-    done = subprocess.run(f"'{sys.executable}' '{script}' --table --results '{tmp_path}' | head -2", shell=True,
+    done = subprocess.run(f"'{sys.executable}' '{script}' --table --results '{results}' | head -2", shell=True,
                           capture_output=True, text=True, check=True)
     assert done.stdout.count("\n") == 2 and "Traceback" not in done.stderr
 
@@ -200,20 +202,20 @@ def test_shift_probe_command_writes_each_shift(tmp_path, capsys):
     import dip_probe
     data = tmp_path / "mnist"
     make_mnist(data, num_train=20, num_test=16)
-    out = tmp_path / "shifts.json"
+    out = tmp_path / "shifts.csv"
     dip_probe.main(["--data-dir", str(data), "--model", "scnn_p_rs_3", "--model-kwargs", "channels=(4,4,4,4,4,4)",
                     "--samples", "8", "--shifts", "1", "--out", str(out)])
-    result = json.loads(out.read_text())
-    assert result["samples"] == 8 and [r["shift"] for r in result["rows"]] == [
+    rows = dip_probe.RecordTable(out, key=()).records()
+    assert all(r["samples"] == 8 and r["canvas"] == 28 for r in rows) and [r["shift"] for r in rows] == [
         [dy, dx] for dy in (-1, 0, 1) for dx in (-1, 0, 1)]
-    assert result["rows"][4]["change"] == 0.0  # the unmoved digits
+    assert rows[4]["change"] == 0.0 and rows[0]["model_kwargs"] == {"channels": [4] * 6}  # the unmoved digits
     assert "-1, -1 |" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         dip_probe.main(["--data-dir", str(data), "--shifts", "-1"])
     assert "--shifts -1: a number of pixels, 0 or more" in capsys.readouterr().err
     dip_probe.main(["--data-dir", str(data), "--model", "scnn_p_rs_3", "--model-kwargs", "channels=(4,4,4,4,4,4)",
                     "--samples", "8", "--shifts", "0", "--canvas", "32", "--out", str(out)])
-    assert json.loads(out.read_text())["canvas"] == 32
+    assert [r["canvas"] for r in dip_probe.RecordTable(out, key=()).records()] == [28] * 9 + [32]  # one table
     with pytest.raises(SystemExit):
         dip_probe.main(["--data-dir", str(data), "--shifts", "1", "--canvas", "31"])
     assert "--canvas 31: an even number of pixels, 28 or more" in capsys.readouterr().err
@@ -222,12 +224,12 @@ def test_shift_probe_command_writes_each_shift(tmp_path, capsys):
 def test_paired_table_columns_are_the_mean_difference_over_common_seeds(ablation, tmp_path, capsys):
     """``--table --paired ROW``: per row, mean over the seeds both ran of (row - ROW) and its standard error;
     "-" where the network differs (other parameter count) or fewer than two seeds are shared."""
+    results = ablation.records(tmp_path / "screen.csv")
+
     def write(row, seed, params, mean, worst, dip):
-        folder = tmp_path / row
-        folder.mkdir(exist_ok=True)
-        (folder / f"seed{seed}.json").write_text(json.dumps(dict(
+        results.put(dict(
             name=row, seed=seed, params=params, train_samples=10, epochs=1, mean=mean, upright=mean + dip,
-            worst=worst, worst_angle=40.0, dip=dip, **{f"{k}_se": 0.1 for k in ("mean", "upright", "worst", "dip")})))
+            worst=worst, worst_angle=40.0, dip=dip, **{f"{k}_se": 0.1 for k in ("mean", "upright", "worst", "dip")}))
 
     for seed, (m, w, d) in enumerate([(80.0, 70.0, 9.0), (82.0, 71.0, 8.0), (81.0, 72.0, 7.0)]):
         write("ref", seed, 100, m, w, d)
@@ -235,40 +237,40 @@ def test_paired_table_columns_are_the_mean_difference_over_common_seeds(ablation
     write("better", 7, 100, 50.0, 50.0, 50.0)  # a seed the reference lacks: not paired
     write("peer", 0, 30, 90.0, 90.0, 1.0)
     write("peer", 1, 30, 90.0, 90.0, 1.0)
-    ablation.main(["--table", "--results", str(tmp_path), "--paired", "ref"])
+    ablation.main(["--table", "--results", str(results.path), "--paired", "ref"])
     lines = {line.split(" | ")[0]: line for line in capsys.readouterr().out.splitlines()}
     assert lines["| better"].endswith("| +2.00 ± 0.58 | +2.00 ± 0.00 | -1.00 ± 0.00 |")
     assert lines["| peer"].endswith("| - | - | - |") and lines["| ref"].endswith("| - | - | - |")
     from timm_sortconv.cli import CommandError  # the runner prints it as one "error:" line, exit 2
 
-    with pytest.raises(CommandError, match=r"--paired missing: no seed\*.json"):
-        ablation.main(["--table", "--results", str(tmp_path), "--paired", "missing"])
+    with pytest.raises(CommandError, match=r"--paired missing: no row of that name"):
+        ablation.main(["--table", "--results", str(results.path), "--paired", "missing"])
 
 
 def test_csv_holds_every_row_with_its_pairing_and_a_command_that_runs_here(ablation, tmp_path):
-    """``--csv OUT``: one line per row, in the order of ``rows.csv`` (unlisted rows after, by name), the means over
-    seeds unrounded, the paired change from the row ``rows.csv`` names, and the first seed's command with today's
-    paths and no machine folders."""
+    """``--csv OUT``: one line per row, in the order of the table's ``_rows.csv`` (unlisted rows after, by name),
+    the means over seeds unrounded, the paired change from the row ``_rows.csv`` names, and the first seed's command
+    without the machine's folders."""
     import csv
 
+    results = ablation.records(tmp_path / "screen.csv")
+
     def write(row, seed, params, mean, dip, command="python scripts/research/ablation.py --name r"):
-        folder = tmp_path / row
-        folder.mkdir(exist_ok=True)
-        (folder / f"seed{seed}.json").write_text(json.dumps(dict(
+        results.put(dict(
             name=row, seed=seed, model="scnn_p_rs_3", model_kwargs={"blur_sigma": 0.5}, params=params,
             train_samples=10, epochs=1, batch_size=5, lr=0.002, images=8, angles=[0.0, 45.0], mean=mean,
             upright=mean + dip, worst=mean - 1, worst_angle=45.0, dip=dip, train_seconds=60.0 * (seed + 1),
-            command=command, **{f"{k}_se": 0.1 for k in ("mean", "upright", "worst", "dip")})))
+            command=command, **{f"{k}_se": 0.1 for k in ("mean", "upright", "worst", "dip")}))
 
     for seed in (0, 1, 2):
         write("ref", seed, 100, 80.0 + seed, 9.0)
-        write("better", seed, 100, 81.0 + 2 * seed, 8.0, "python scripts/ablation.py --data-dir /my/mnist --output "
-                                                          "/tmp/w --results results/mnist/ablation/screen --name better")
+        write("better", seed, 100, 81.0 + 2 * seed, 8.0, "python scripts/research/ablation.py --data-dir /my/mnist "
+                                                          "--output /tmp/w --results screen.csv --name better")
     write("zzz", 0, 30, 50.0, 1.0)
-    (tmp_path / "rows.csv").write_text("group,row,vs,change\nref group,ref,,the reference\n"
+    (tmp_path / "screen_rows.csv").write_text("group,row,vs,change\nref group,ref,,the reference\n"
                                        "layers,better,ref,\"a change, with a comma\"\n")
     out = tmp_path / "ablation.csv"
-    ablation.main(["--csv", str(out), "--results", str(tmp_path)])
+    ablation.main(["--csv", str(out), "--results", str(results.path)])
     rows = list(csv.DictReader(out.open()))
     assert [r["row"] for r in rows] == ["ref", "better", "zzz"] and tuple(rows[0]) == ablation.CSV_COLUMNS
     better = rows[1]
@@ -278,15 +280,14 @@ def test_csv_holds_every_row_with_its_pairing_and_a_command_that_runs_here(ablat
     assert float(better["paired_mean"]) == pytest.approx(2.0) and float(better["paired_mean_se"]) == pytest.approx(
         np.std([1.0, 2.0, 3.0], ddof=1) / np.sqrt(3))
     assert float(better["paired_dip"]) == pytest.approx(-1.0) and better["train_minutes"] == "1.0-3.0"
-    assert better["command"] == ("python scripts/research/ablation.py --data-dir DATA --results "
-                                 "scripts/research/results/ablation/screen --name better")
+    assert better["command"] == "python scripts/research/ablation.py --data-dir DATA --results screen.csv --name better"
     assert json.loads(better["model_kwargs"]) == {"blur_sigma": 0.5}
     assert rows[0]["paired_mean"] == "" and rows[2]["vs"] == "" and rows[2]["mean_sd"] == ""
-    (tmp_path / "rows.csv").write_text("group,row,vs,change\nx,gone,,a row never run\n")
+    (tmp_path / "screen_rows.csv").write_text("group,row,vs,change\nx,gone,,a row never run\n")
     from timm_sortconv.cli import CommandError
 
-    with pytest.raises(CommandError, match="lists rows with no seed.*: gone"):
-        ablation.main(["--csv", str(out), "--results", str(tmp_path)])
+    with pytest.raises(CommandError, match="lists rows that .* does not hold: gone"):
+        ablation.main(["--csv", str(out), "--results", str(results.path)])
 
 
 @pytest.mark.slow
@@ -373,15 +374,13 @@ def test_turn_cost_compares_two_rows_upright_image_by_image(ablation, tmp_path, 
     of the sweep's upright images and by class; the per-image results come from the seeds' packed bits."""
     data = tmp_path / "mnist"
     make_mnist(data, num_test=40)  # labels 0..9 repeating
-    res = tmp_path / "res"
+    res = tmp_path / "screen.csv"
     # 8 images x 2 angles; row "a" gets every upright image right, row "b" the even-numbered ones only.
     for name, upright in (("a", [True] * 8), ("b", [i % 2 == 0 for i in range(8)])):
-        for seed in (0, 1):
+        for seed in (0, 1) + ((5,) if name == "b" else ()):
             correct = torch.tensor([[u, False] for u in upright])
-            (res / name).mkdir(parents=True, exist_ok=True)
-            (res / name / f"seed{seed}.json").write_text(json.dumps(dict(
-                seed=seed, images=8, angles=[0.0, 90.0], correct=ablation.pack(correct))))
-    (res / "b" / "seed5.json").write_text((res / "b" / "seed0.json").read_text().replace('"seed": 0', '"seed": 5'))
+            ablation.records(res).put(dict(name=name, seed=seed, images=8, angles=[0.0, 90.0],
+                                           correct=ablation.pack(correct)))
     ablation.main(["--turn-cost", "a", "b", "--results", str(res), "--data-dir", str(data)])
     out = capsys.readouterr().out
     assert out.startswith("Seeds 0, 1;")  # seed 5 of "b" has no partner

@@ -10,6 +10,8 @@ import pytest
 import torch
 from test_data import make_mnist
 
+from timm_sortconv.cli.records import write_records
+
 
 @pytest.fixture(scope="module")
 def table():
@@ -102,12 +104,13 @@ def test_the_aligned_rounds_run_each_variant_on_mnist_rot_and_both_local_tasks_w
 
 def test_an_aligned_row_beats_its_rival_only_by_more_than_two_standard_errors(table, tmp_path):
     row = next(row.name for row in table.ROWS if row.aligned)
+    results = tmp_path / "decision.csv"
+
     def write(name, key, seed, mean):
-        result = ({"row": name, "task": "mnist", "train_images": 1000, "seed": seed, "mnist_rot": {"mean": mean}}
-                  if key == "mnist" else {"row": name, "task": key, "seed": seed, "mean": mean, "retained": 0.99})
-        path = tmp_path / name / f"{'n1000' if key == 'mnist' else key}_seed{seed}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result))
+        job = f"{'n1000' if key == 'mnist' else key}_seed{seed}"
+        table.records(results).put(
+            {"row": name, "job": job, "task": "mnist", "train_images": 1000, "seed": seed, "mnist_rot": {"mean": mean}}
+            if key == "mnist" else {"row": name, "job": job, "task": key, "seed": seed, "mean": mean, "retained": 0.99})
     for seed, (mine, e2, canon) in enumerate([(92.0, 89.5, 96.5), (92.4, 90.0, 96.7), (92.8, 90.5, 96.9)]):
         write(row, "one", seed, mine)        # +2.40 ± 0.37 (SEs 0.23 and 0.29): beats the E(2)-CNN
         write("e2cnn_c8", "one", seed, e2)
@@ -115,7 +118,7 @@ def test_an_aligned_row_beats_its_rival_only_by_more_than_two_standard_errors(ta
         write("e2cnn_c8", "pair", seed, e2 - 0.6)
         write(row, "mnist", seed, mine)
         write("sc2+canon", "mnist", seed, canon)
-    lines = table.aligned_table(tmp_path).splitlines()
+    lines = table.aligned_table(results).splitlines()
     cells = [cell.strip() for cell in next(l for l in lines if l.startswith("| 1 |")).strip("|").split("|")]
     assert cells[2:5] == ["92.40 ± 0.23 (3)", "-4.30 ± 0.26", "no"]
     assert cells[5:8] == ["92.40 ± 0.23 (3)", "+2.40 ± 0.37", "yes"]
@@ -164,16 +167,16 @@ def test_a_claim_whose_process_id_now_names_another_process_is_taken(table, tmp_
 def test_a_tiny_table_runs_records_and_is_not_rerun(table, tmp_path, capsys):
     folder = tmp_path / "mnist"
     make_mnist(folder, num_train=10_000 + 120, num_test=24)  # the train split holds 10,000 images out
-    args = ["run", "--data-dir", str(folder), "--output", str(tmp_path / "out"), "--results", str(tmp_path / "res"),
+    res = tmp_path / "res" / "decision.csv"
+    args = ["run", "--data-dir", str(folder), "--output", str(tmp_path / "out"), "--results", str(res),
             "--rows", "plain", "plain+aug", "p_rs_7", "--sizes", "50", "100", "--seeds", "0", "1", "--big-seeds", "0",
             "--steps", "2", "--local-steps", "2", "--local-scenes", "60", "--local-test-scenes", "10", "--sweep-samples", "6", "--test-samples",
             "12", "--timing-rounds", "1", "--timing-steps", "1", "--channels", *["8"] * 6]
     table.main(args + ["--only-local"])  # the local task's jobs first (a second process takes the rest)
-    assert sorted(path.relative_to(tmp_path / "res").as_posix() for path in (tmp_path / "res").glob("*/*.json")) \
-        == sorted(f"{row}/one_seed0.json" for row in ("plain", "plain+aug", "p_rs_7"))
+    assert sorted(f"{r['row']}/{r['job']}" for r in table.records(res).records()) \
+        == sorted(f"{row}/one_seed0" for row in ("plain", "plain+aug", "p_rs_7"))
     table.main(args)
-    results = {path.relative_to(tmp_path / "res").with_suffix("").as_posix(): json.loads(path.read_text())
-               for path in (tmp_path / "res").glob("*/*.json")}
+    results = {f"{r['row']}/{r['job']}": r for r in table.records(res).records()}
     assert sorted(results) == sorted(f"{row}/{job}" for row in ("plain", "plain+aug", "p_rs_7")
                                      for job in ("n50_seed0", "n50_seed1", "n100_seed0", "n100_seed1", "one_seed0"))
     sweep = results["p_rs_7/n50_seed0"]
@@ -183,24 +186,24 @@ def test_a_tiny_table_runs_records_and_is_not_rerun(table, tmp_path, capsys):
     assert sweep["steps"] == 2 and results["plain+aug/n50_seed0"]["augment"]
     assert "mnist" not in sweep and results["p_rs_7/n100_seed0"]["test_images"] == 12  # upright at the largest size
     assert results["p_rs_7/one_seed0"]["task"] == "one" and 0 <= results["p_rs_7/one_seed0"]["retained"]
-    timing = json.loads((tmp_path / "res" / "timing.json").read_text())
+    timing = json.loads((tmp_path / "res" / "decision_timing.json").read_text())
     assert set(timing["seconds_per_step"]) == {"plain", "plain+aug", "p_rs_7"}
     assert timing["machine_before"]["isa"] in ("avx512", "avx2", "other")
     assert not list((tmp_path / "out" / "claims").iterdir())  # every claim released
-    stamps = {path: path.stat().st_mtime_ns for path in (tmp_path / "res").glob("*/*.json")}
+    stamp = res.stat().st_mtime_ns
     capsys.readouterr()
     table.main(args)
     assert "every job is done" in capsys.readouterr().out
-    assert stamps == {path: path.stat().st_mtime_ns for path in (tmp_path / "res").glob("*/*.json")}
-    markdown = table.table(tmp_path / "res", (50, 100))
+    assert res.stat().st_mtime_ns == stamp
+    markdown = table.table(res, (50, 100))
     line = next(line for line in markdown.splitlines() if "`scnn_p_rs_7`" in line)
     mean = sum(results[f"p_rs_7/n50_seed{s}"]["mnist_rot"]["mean"] for s in (0, 1)) / 2
     assert f"{mean:.2f} ± " in line and "(2)" in line and line.count("|") == len((50, 100)) + 6
 
 
 def fake_result(row, size, seed, mean):
-    return {"row": row, "task": "mnist", "train_images": size, "seed": seed, "params": 10,
-            "mnist_rot": {"mean": mean, "worst": mean - 5}}
+    return {"row": row, "job": f"n{size}_seed{seed}", "task": "mnist", "train_images": size, "seed": seed,
+            "params": 10, "mnist_rot": {"mean": mean, "worst": mean - 5}}
 
 
 def test_an_attempt_beats_its_rivals_only_by_more_than_two_standard_errors_of_the_difference(table, tmp_path):
@@ -210,40 +213,40 @@ def test_an_attempt_beats_its_rivals_only_by_more_than_two_standard_errors_of_th
              "plain+canon": [95.2, 95.2, 95.2],  # compared, not required: +0.00 ± 0.12 for the first attempt
              attempt: [95.0, 95.2, 95.4],  # +1.0 ± 0.16 and +2.7 ± 0.31: beats both
              other: [94.5, 94.7, 94.9]}  # +0.5 ± 0.16 (> 2 SE) and +2.2 ± 0.31: beats both too
+    results = table.records(tmp_path / "decision.csv")
     for row, values in means.items():
         for seed, mean in enumerate(values):
-            path = tmp_path / row / f"n1000_seed{seed}.json"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(fake_result(row, 1000, seed, mean)))
-    markdown = table.attempts_table(tmp_path).splitlines()
+            results.put(fake_result(row, 1000, seed, mean))
+    markdown = table.attempts_table(results.path).splitlines()
     header = [cell.strip() for cell in markdown[0].strip("|").split("|")]
     verdict, canon = header.index("beats both by > 2 SE"), header.index("minus `plain+canon`")
     rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in markdown[2:]]
     first = next(row for row in rows if row[1].startswith("SC in the first 2") and "canon" in row[1])
     assert first[2] == "95.20 ± 0.12 / 90.20 ± 0.12 (3)" and first[3:5] == ["+1.00 ± 0.16", "+2.70 ± 0.31"]
     assert first[verdict] == "yes" and first[canon] == "+0.00 ± 0.12"
-    (tmp_path / other / "n1000_seed2.json").write_text(json.dumps(fake_result(other, 1000, 2, 93.0)))
-    second = [cell.strip() for cell in table.attempts_table(tmp_path).splitlines()[3].strip("|").split("|")]
+    results.put(fake_result(other, 1000, 2, 93.0))  # replaces that seed's row
+    second = [cell.strip() for cell in table.attempts_table(results.path).splitlines()[3].strip("|").split("|")]
     assert second[verdict] == "no" and second[3].startswith("-0.13 ± ")  # now 94.07 ± 0.52
-    (tmp_path / "e2cnn_c8" / "n1000_seed1.json").unlink()
-    (tmp_path / "e2cnn_c8" / "n1000_seed2.json").unlink()  # one seed: no standard error, no verdict
-    for line in table.attempts_table(tmp_path).splitlines()[2:]:
+    kept = [r for r in results.records() if not (r["row"] == "e2cnn_c8" and r["seed"] > 0)]
+    write_records(results.path, kept, results.spread)  # one seed: no standard error, no verdict
+    for line in table.attempts_table(results.path).splitlines()[2:]:
         assert [cell.strip() for cell in line.strip("|").split("|")][verdict] == "-"
 
 
 def test_rows_missing_from_the_timing_are_added_scaled_by_the_reference_and_the_stored_times_kept(
         table, tmp_path, monkeypatch):
     stored = {"seconds_per_step": {"p_rs_7": 0.5, "e2cnn_c8": 0.25}, "batch": 50}
-    (tmp_path / "timing.json").write_text(json.dumps(stored))
+    results = tmp_path / "decision.csv"
+    table.timing_path(results).write_text(json.dumps(stored))
     measured = {"p_rs_7": 1.0, "sc2+canon": 0.8}  # a minute twice as slow as the stored one
     monkeypatch.setattr(table, "measure_timing", lambda rows, *a: {"seconds_per_step": {
         row.name: measured[row.name] for row in rows}, "machine_before": {}, "date": "now"})
     rows = [row for row in table.ROWS if row.name in ("p_rs_7", "e2cnn_c8", "sc2+canon")]
-    result = table.timing(tmp_path, rows)
+    result = table.timing(results, rows)
     assert result["seconds_per_step"] == {"p_rs_7": 0.5, "e2cnn_c8": 0.25, "sc2+canon": 0.4}
     assert result["added"][0]["rows"] == ["sc2+canon"] and result["added"][0]["scale"] == 0.5
-    assert json.loads((tmp_path / "timing.json").read_text()) == result
-    assert table.timing(tmp_path, rows) == result  # nothing missing: nothing measured again
+    assert json.loads(table.timing_path(results).read_text()) == result
+    assert table.timing(results, rows) == result  # nothing missing: nothing measured again
 
 
 def test_bad_sizes_are_refused_naming_what_is_accepted(table, capsys):

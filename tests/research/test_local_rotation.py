@@ -1,7 +1,6 @@
 """The local-rotation benchmark ``scripts/research/local_rotation.py``: its scenes (digits apart, each turned about
 its own centre), labels, ceiling and angle grid as properties, and one tiny row end to end on MNIST-layout
 data written by the test (random pixels: the numbers mean nothing, the bookkeeping is what is checked)."""
-import json
 
 import pytest
 import torch
@@ -103,20 +102,22 @@ def test_a_row_trains_evaluates_records_and_tabulates(lr, tmp_path, capsys, monk
     data = tmp_path / "mnist"
     make_mnist(data, num_train=60, num_test=20)
     monkeypatch.setattr(lr, "PROBE_STEPS", 2)
-    common = ["--task", "pair", "--data-dir", str(data), "--results", str(tmp_path / "res"), "--train-scenes", "20",
+    results = tmp_path / "res" / "local_rotation.csv"
+    common = ["--task", "pair", "--data-dir", str(data), "--results", str(results), "--train-scenes", "20",
               "--test-scenes", "8", "--batch-size", "10", "--angle-step", "90", "--model-kwargs",
               "channels=(4,4,4,4,4,4)"]
     lr.main(["--name", "sc", "--model", "scnn_p_rs_3", "--epochs", "1", "--seeds", "0", "1", *common])
     lr.main(["--name", "plain", "--model", "scnn_baseline_3", "--time-budget", "0.5", "--seeds", "0", *common])
     for name, seed in (("sc", 0), ("sc", 1), ("plain", 0)):
-        row = json.loads((tmp_path / "res" / "pair" / name / f"seed{seed}.json").read_text())
+        row = lr.records(results).find(task="pair", name=name, seed=seed)
         assert (row["classes"], row["train_scenes"], row["scenes"], row["grid_angles"]) == (19, 20, 8, [0, 90, 180, 270])
         assert row["mean"] == pytest.approx(sum(row["per_angle"]) / 4)
         assert row["worst"] == min(row["per_angle"])
         assert 0 <= row["ceiling"] <= 100 and row["command"].startswith("python scripts/research/local_rotation.py")
     assert row["updates"] >= 2 and row["time_budget"] == 0.5
     lr.main(["--name", "sc", "--model", "scnn_p_rs_3", "--epochs", "1", "--seeds", "0", *common])
-    assert "exists: skipped" in capsys.readouterr().out
-    lr.main(["--table", "--results", str(tmp_path / "res"), "--paired", "plain"])
+    assert f"pair/sc seed 0 is in {results}: skipped" in capsys.readouterr().out
+    assert len(lr.records(results).records()) == 3
+    lr.main(["--table", "--results", str(results), "--paired", "plain"])
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 4 and all(line.startswith("| pair |") for line in lines[2:])

@@ -3,7 +3,8 @@
 * :mod:`.train`: train any timm model (the SC zoo included) on timm's parts, resumable;
 * :mod:`.validate`: accuracy of a model (and a baseline) over a rotation sweep, with table, CSV and plot;
 * :mod:`.demo`: the main job: an SCNN and its plain twin trained on MNIST and swept over rotations;
-* :mod:`.mnist_results`: one row of RESULTS.md (train, MNIST test, MNIST-rot) as JSON, CSV and plot;
+* :mod:`.mnist_results`: one row of RESULTS.md (train, MNIST test, MNIST-rot), added to a results table;
+* :mod:`.records`: those tables: one CSV per study, one row per finished job, shared safely between processes;
 * :mod:`.model_cards`: the model cards of published weights, from those rows;
 * :mod:`.invariance`: the feature-change sweep of models at random initialisation;
 * :mod:`.push_to_hub`: publish trained weights (and their card) to the Hugging Face Hub, or bundle them.

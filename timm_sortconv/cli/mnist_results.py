@@ -7,15 +7,18 @@ finished run is not retrained, an interrupted one resumes)::
     scripts/validate.py --dataset sortconv/mnist --split test ...                      -> MNIST test accuracy
     scripts/validate.py --dataset sortconv/mnist_rot --split test ... --plot           -> MNIST-rot, per angle
 
-and writes ``<results>/<name>.json`` (the numbers and the commands), ``<name>.csv`` (accuracy per
-angle) and ``<name>.png`` (the per-angle plot, with ``--compare`` rows drawn beside). MNIST-rot is every
+and adds the row to the table ``--results`` (a CSV, one row per name: the numbers, the per-angle accuracies and
+the commands; :class:`~timm_sortconv.cli.records.RecordTable`), replacing a row of the same name. The sweep's own
+files go beside the run: ``<runs>/<name>/mnist_rot.csv`` (accuracy per angle, validate.py's CSV) and
+``mnist_rot.png`` (the per-angle plot, with the ``--compare`` rows of the table drawn beside, whose per-angle
+accuracies are written there as ``compare-<row>.csv``). MNIST-rot is every
 test image of the data folder (MNIST's 10,000; the package's sample has 500) at 0, 10, ..., 350 degrees;
 ``--rot-samples N`` sweeps a fixed random N of them instead (the same N images for every model with the same
 ``--seed``). The JSON records how many images each evaluation read (``mnist_test_images``,
 ``mnist_rot_images``), counted on the data set validate.py builds, not on the options asked for.
-``--table`` prints the Markdown table of every row in ``<results>``. Options this tool does not know
+``--table`` prints the Markdown table of every row of ``--results``. Options this tool does not know
 go to ``scripts/train.py`` as they are (for instance ``--lr 1e-3``), checked by its parser first, and are
-recorded in the JSON. A finished run is reused only if it was trained with the same settings. The JSON's
+recorded in the row. A finished run is reused only if it was trained with the same settings. The row's
 ``train_minutes`` is the time its epochs ran (``summary.csv``'s ``train_seconds``, training and validation, pauses
 and stops between resumes not counted); for a run whose summary lacks that column, the wall time of its last
 training session (from ``args.yaml``, written at each start, to the summary's last line).
@@ -29,7 +32,6 @@ Examples::
 """
 import argparse
 import csv
-import glob
 import json
 import os
 import re
@@ -40,13 +42,13 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ..invariance import read_sweep_csv
+from ..invariance import read_sweep_csv, write_sweep_csv
 from . import key_value, run
+from .records import RecordTable
 from . import train as train_tool
 from . import validate as validate_tool
 
-# This tool makes the rows of the repository's RESULTS.md: its defaults are the clone's scripts/configs/ and
-# results/ folders.
+# This tool makes the rows of the repository's RESULTS.md: its presets are the clone's scripts/configs/.
 REPO = str(Path(__file__).resolve().parents[2])
 CONFIGS = os.path.join(REPO, "scripts", "configs")
 
@@ -68,15 +70,15 @@ parser.add_argument("--config", default=os.path.join(CONFIGS, "mnist_scnn_short.
 parser.add_argument("--epochs", type=int, default=None, metavar="N", help="epochs (default: the preset's)")
 parser.add_argument("--seed", type=int, default=42, metavar="S", help="training seed and --rot-samples slice seed")
 parser.add_argument("--runs", default=os.path.join("output", "mnist"), metavar="DIR", help="training runs go here")
-parser.add_argument("--results", default=os.path.join("output", "mnist", "results"), metavar="DIR",
-                    help="JSON, CSV and PNG go here (default: output/mnist/results)")
+parser.add_argument("--results", default=os.path.join("output", "mnist", "results.csv"), metavar="CSV",
+                    help="the table the row is added to (default: output/mnist/results.csv)")
 parser.add_argument("--rot-samples", type=int, default=None, metavar="N",
                     help="sweep N random test images instead of all (MNIST: 10,000)")
 parser.add_argument("--compare", nargs="+", default=[], metavar="NAME",
-                    help="rows already in --results to draw beside this one (same --rot-samples and --seed)")
+                    help="rows of --results to draw beside this one (same --rot-samples and --seed)")
 parser.add_argument("--curve", type=int, nargs="+", default=[], metavar="EPOCH",
                     help="also measure the weights after these epochs (kept by train.py --keep-epochs), as a learning "
-                         "curve in <runs>/<name>/curve.json and the row's JSON; the last epoch on all of MNIST-rot")
+                         "curve in <runs>/<name>/curve.json and the row; the last epoch on all of MNIST-rot")
 parser.add_argument("--curve-samples", type=int, default=2000, metavar="N",
                     help="MNIST-rot images of the curve's points before the last epoch (default: 2000)")
 parser.add_argument("-j", "--workers", type=int, default=1, metavar="N", help="data loading processes")
@@ -176,9 +178,15 @@ def preset_epochs(args):
         return int(yaml.safe_load(f)["epochs"])
 
 
-def validate_commands(args, name, checkpoint, out_dir, rot_samples, compare=()):
+def records(results) -> RecordTable:
+    """The table of rows ``--results``: one row per name."""
+    return RecordTable(results, key=("name",))
+
+
+def validate_commands(args, name, checkpoint, sweep, rot_samples, compare=()):
     """The validate.py command lines of a row: MNIST test (its CSV path still to add) and the MNIST-rot sweep of
-    ``rot_samples`` images (None: all), with its per-angle CSV and plot as ``<out_dir>/<name>.csv|png``."""
+    ``rot_samples`` images (None: all), with its per-angle CSV and plot as ``<sweep>.csv|png`` and the per-angle
+    CSVs ``compare`` drawn beside."""
     common = ["--model", args.model, "--checkpoint", checkpoint, "--data-dir", args.data_dir, "--split", "test",
               "-b", "500", "-j", str(args.workers), "--label", name]
     if args.model_kwargs:
@@ -186,12 +194,11 @@ def validate_commands(args, name, checkpoint, out_dir, rot_samples, compare=()):
     validate_script = os.path.join(REPO, "scripts", "validate.py")
     mnist = [sys.executable, validate_script, "--dataset", "sortconv/mnist", *common]
     rot = [sys.executable, validate_script, "--dataset", "sortconv/mnist_rot", *common,
-           "--results-csv", os.path.join(out_dir, f"{name}.csv"),
-           "--plot", os.path.join(out_dir, f"{name}.png")]
+           "--results-csv", f"{sweep}.csv", "--plot", f"{sweep}.png"]
     if rot_samples:
         rot += ["--samples", str(rot_samples), "--seed", str(args.seed)]
     if compare:
-        rot += ["--compare-csv", *(os.path.join(args.results, f"{other}.csv") for other in compare)]
+        rot += ["--compare-csv", *compare]
     return mnist, rot
 
 
@@ -201,12 +208,12 @@ def images_swept(command) -> int:
     return validate_tool.build_sweep(validate_tool.parser.parse_args(command[2:]), channels=1).num_images
 
 
-def evaluate(args, name, checkpoint, out_dir, rot_samples, compare=()):
+def evaluate(args, name, checkpoint, sweep, rot_samples, compare=()):
     """MNIST test accuracy and the MNIST-rot sweep of ``rot_samples`` images (None: all), per-angle CSV and plot
-    as ``<out_dir>/<name>.csv|png``; returns (mnist %, per-angle %, commands, the images each evaluated as
-    ``mnist_test_images`` and ``mnist_rot_images``)."""
-    mnist, rot = validate_commands(args, name, checkpoint, out_dir, rot_samples, compare)
-    mnist_csv = os.path.join(tempfile.mkdtemp(prefix="mnist_results_"), f"{name}.csv")  # one number: in the JSON
+    as ``<sweep>.csv|png`` (the per-angle CSVs ``compare`` drawn beside); returns (mnist %, per-angle %, commands,
+    the images each evaluated as ``mnist_test_images`` and ``mnist_rot_images``)."""
+    mnist, rot = validate_commands(args, name, checkpoint, sweep, rot_samples, compare)
+    mnist_csv = os.path.join(tempfile.mkdtemp(prefix="mnist_results_"), f"{name}.csv")  # one number: in the row
     try:
         run_tool(validate_tool, mnist + ["--results-csv", mnist_csv])
         mnist_accuracy = read_csv(mnist_csv)[0.0]
@@ -215,7 +222,7 @@ def evaluate(args, name, checkpoint, out_dir, rot_samples, compare=()):
     run_tool(validate_tool, rot)
     images = dict(mnist_test_images=images_swept(mnist), mnist_rot_images=images_swept(rot))
     # the MNIST command as recorded prints its table instead of writing the temporary CSV
-    return mnist_accuracy, read_csv(os.path.join(out_dir, f"{name}.csv")), [mnist, rot], images
+    return mnist_accuracy, read_csv(f"{sweep}.csv"), [mnist, rot], images
 
 
 def update_curve(args, name, run_dir, epochs):
@@ -233,7 +240,8 @@ def update_curve(args, name, run_dir, epochs):
         rot_samples = args.rot_samples if epoch == epochs else args.curve_samples
         curve_dir = os.path.join(run_dir, "curve")
         os.makedirs(curve_dir, exist_ok=True)
-        mnist, per_angle, _, images = evaluate(args, f"{name}-epoch{epoch}", checkpoint, curve_dir, rot_samples)
+        label = f"{name}-epoch{epoch}"
+        mnist, per_angle, _, images = evaluate(args, label, checkpoint, os.path.join(curve_dir, label), rot_samples)
         points[epoch] = dict(epoch=epoch, mnist_test_top1=mnist, mnist_rot_top1=sum(per_angle.values()) / len(per_angle),
                              mnist_rot_worst_top1=min(per_angle.values()), mnist_rot_upright_top1=per_angle[0.0],
                              **images)
@@ -246,23 +254,24 @@ def update_curve(args, name, run_dir, epochs):
     return points
 
 
-def check_compared(args):
-    """Refuses ``--compare`` rows swept on other images than this row will be: another number of them, or another
-    seed's slice (the whole test set does not depend on the seed)."""
+def check_compared(args) -> list:
+    """The ``--compare`` rows of the table; refuses one it lacks, and one swept on other images than this row will
+    be: another number of them, or another seed's slice (the whole test set does not depend on the seed)."""
     if not args.compare:
-        return
-    ours = images_swept(validate_commands(args, "row", "", args.results, args.rot_samples)[1])
-    whole = images_swept(validate_commands(args, "row", "", args.results, None)[1])
+        return []
+    ours = images_swept(validate_commands(args, "row", "", "sweep", args.rot_samples)[1])
+    whole = images_swept(validate_commands(args, "row", "", "sweep", None)[1])
+    table, found = records(args.results), []
     for other in args.compare:
-        path = os.path.join(args.results, f"{other}.json")
-        if not (os.path.isfile(path) and os.path.isfile(os.path.join(args.results, f"{other}.csv"))):
-            parser.error(f"--compare {other}: no {path} and its .csv; run that row first")
-        with open(path) as f:
-            theirs = json.load(f)
+        theirs = table.find(name=other)
+        if theirs is None:
+            parser.error(f"--compare {other}: {args.results} has no row {other}; run that row first")
+        found.append(theirs)
         same = theirs["mnist_rot_images"] == ours and (ours == whole or theirs["seed"] == args.seed)
         if not same:
             parser.error(f"--compare {other} swept {theirs['mnist_rot_images']} images (seed {theirs['seed']}), "
                          f"not {ours} (seed {args.seed}): the curves would not be comparable")
+    return found
 
 
 def relative(command):
@@ -272,11 +281,9 @@ def relative(command):
     return " ".join(out)
 
 
-def table(results_dir):
-    rows = []
-    for path in glob.glob(os.path.join(results_dir, "*.json")):
-        with open(path) as f:
-            rows.append(json.load(f))
+def table(results):
+    """The Markdown table of every row of the table ``results``."""
+    rows = records(results).records()
 
     def order(row):  # the paper's rows first (baseline, polar before square, ring before global, K down)
         parts = row["model"].split("_")
@@ -317,8 +324,7 @@ def main(argv: Optional[Sequence[str]] = None):
     name = row_name(args)
     if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", name):
         parser.error(f"--name {name!r}: use letters, digits, '-', '_' and '.', not first (it names files)")
-    check_compared(args)
-    os.makedirs(args.results, exist_ok=True)
+    compared = check_compared(args)
     run_dir = os.path.join(args.runs, name)
     epochs = preset_epochs(args)
     if args.curve and not all(0 < epoch <= epochs for epoch in args.curve):
@@ -329,8 +335,12 @@ def main(argv: Optional[Sequence[str]] = None):
     best = max(summary, key=lambda row: float(row["eval_top1"]))
     train_seconds = training_seconds(run_dir, summary)
     start = time.time()
+    compare = []
+    for other in compared:  # their sweeps, from the table, as validate.py's CSVs beside this row's
+        compare.append(os.path.join(run_dir, f"compare-{other['name']}.csv"))
+        write_sweep_csv(compare[-1], {other["name"]: dict(zip(other["angles"], other["per_angle_top1"]))})
     mnist, per_angle, eval_commands, images = evaluate(args, name, os.path.join(run_dir, "model_best.pth.tar"),
-                                                       args.results, args.rot_samples, args.compare)
+                                                       os.path.join(run_dir, "mnist_rot"), args.rot_samples, compare)
     record = dict(
         name=name, model=args.model, model_kwargs=args.model_kwargs, train_args=train_extra,
         config=os.path.relpath(args.config, REPO),
@@ -342,10 +352,9 @@ def main(argv: Optional[Sequence[str]] = None):
         commands=[relative(train_command)] + [relative(c) for c in eval_commands],
         reproduce=relative([sys.executable, os.path.join(REPO, "scripts", "mnist_results.py"), *argv]),
     )
-    with open(os.path.join(args.results, f"{name}.json"), "w") as f:
-        json.dump(record, f, indent=1)
+    records(args.results).put(record)
     print(f"\n{name}: MNIST {mnist:.2f}%  MNIST-rot {record['mnist_rot_top1']:.2f}% "
-          f"({record['mnist_rot_images']} images x {len(per_angle)} angles)  -> {args.results}/{name}.json")
+          f"({record['mnist_rot_images']} images x {len(per_angle)} angles)  -> {args.results}")
     return record
 
 

@@ -1,25 +1,25 @@
 """Write ``model_cards/<model>.md`` for published MNIST SCNN weights from the rows scripts/mnist_results.py wrote.
 
-Every number on a card comes from the row's JSON (measured by ``scripts/mnist_results.py``) or from the
-paper (its figures, labelled as such); the card names the commands that reproduce the row.
+Every number on a card comes from the model's row in a table of ``scripts/mnist_results.py`` (``--results``) or
+from the paper (its figures, labelled as such); the card names the commands that reproduce the row. Rows are given
+as ``TABLE`` (every row of it) or ``TABLE:NAME`` (the row named NAME).
 ``scripts/push_to_hub.py --model <model>`` uploads the card as the Hub repository's README.md.
 
 Run it from the clone, as the cards' commands run: the data folder is shown as ``DATA/mnist`` (the README's name
 for a folder of the MNIST IDX files), the training runs as the default ``output/mnist``, and the results as the
-folder the row is kept in now, relative to the current folder.
+table the row is kept in now, relative to the current folder.
 
 Example::
 
-    python scripts/model_cards.py model_cards/results/sweep2000/scnn_*.json \
-        --hub-row model_cards/results/full/scnn_p_rs_7-paper.json
+    python scripts/model_cards.py model_cards/results/sweep2000.csv \\
+        --hub-row model_cards/results/full.csv:scnn_p_rs_7-paper
 """
 import argparse
-import json
 import os
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 from . import CommandError, run
-from .mnist_results import PAPER
+from .mnist_results import PAPER, records
 
 SAMPLING = {"s": "square sampling (the window's own pixels, ring r being the 8r pixels of the square at distance r)",
             "p": "polar sampling (ring r: 8r points evenly spaced on the circle of radius r, bilinearly "
@@ -42,9 +42,10 @@ CITATION = """@article{mo2024sorting,
 }"""
 
 parser = argparse.ArgumentParser(description="Write model cards from mnist_results.py rows")
-parser.add_argument("rows", nargs="+", metavar="JSON",
-                    help="rows (model_cards/results/.../*.json) of models without kwargs")
-parser.add_argument("--hub-row", nargs="*", default=[], metavar="JSON",
+parser.add_argument("rows", nargs="+", metavar="ROWS",
+                    help="TABLE (every row of a table of scripts/mnist_results.py, e.g. model_cards/results/full.csv) "
+                         "or TABLE:NAME (one row); rows with model kwargs are left out")
+parser.add_argument("--hub-row", nargs="*", default=[], metavar="TABLE:NAME",
                     help="rows whose weights are the published ones for their model (override a row in ROWS)")
 parser.add_argument("--out", default="model_cards", metavar="DIR", help="where cards go (default: model_cards)")
 
@@ -139,15 +140,15 @@ DATA_DIR = "DATA/mnist"  # the README's name for a folder of the MNIST IDX files
 RUNS_DIR = os.path.join("output", "mnist")  # scripts/mnist_results.py's default --runs
 
 
-def portable(row, folder: str) -> dict:
+def portable(row, table: str) -> dict:
     """The row's commands as a clone runs them: the machine's ``--runs`` folder as the default (``output/mnist``),
-    its ``--data-dir`` as :data:`DATA_DIR`, and its ``--results`` folder as ``folder``, where the row is now."""
+    its ``--data-dir`` as :data:`DATA_DIR`, and its ``--results`` table as ``table``, where the row is now."""
     words = row["reproduce"].split()
 
     def value(option):
         return words[words.index(option) + 1].rstrip("/") if option in words else None
 
-    moved = {value("--runs"): RUNS_DIR, value("--data-dir"): DATA_DIR, value("--results"): folder}
+    moved = {value("--runs"): RUNS_DIR, value("--data-dir"): DATA_DIR, value("--results"): table}
     moved.pop(None, None)
 
     def move(word):
@@ -295,6 +296,19 @@ CC BY-SA 3.0.
 """
 
 
+def read_rows(spec: str, what: str = "") -> List[tuple]:
+    """``(row, table)`` for ``TABLE`` (each of its rows) or ``TABLE:NAME`` (that row); ``table`` is the table's
+    path relative to the current folder. ``what`` says which row a missing one is, for the error."""
+    path, name = (spec, None) if spec.endswith(".csv") else spec.rsplit(":", 1) if ":" in spec else (spec, None)
+    if not os.path.isfile(path):
+        raise CommandError(f"table {path} does not exist (tables are the CSVs scripts/mnist_results.py writes)")
+    found = records(path).records(**({"name": name} if name else {}))
+    if not found:
+        raise CommandError(f"{path} has no row {name}" + (f" ({what})" if what else ""))
+    table = os.path.relpath(os.path.abspath(path))
+    return [(row, table) for row in found]
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Writes one card per model of the rows given (see ``--help``)."""
     args = parser.parse_args(argv)
@@ -303,24 +317,16 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from .. import models  # noqa: F401  (registers the SC models with timm)
 
     rows = {}
-    for path in list(args.rows) + list(args.hub_row):  # --hub-row last: it wins
-        if not os.path.isfile(path):
-            raise CommandError(f"row {path} does not exist (rows are the JSON files scripts/mnist_results.py writes)")
-        with open(path) as f:
-            row = json.load(f)
-        if row["model_kwargs"]:
-            continue  # experiments with other settings are RESULTS.md rows, not published models
-        folder = os.path.relpath(os.path.dirname(os.path.abspath(path)))
-        row = portable(row, folder)
-        if "--pretrained" in (row.get("train_args") or []):
-            # trained on from the model's bundled weights: those came from the row named after the model
-            first = os.path.join(os.path.dirname(path), f"{row['model']}.json")
-            if not os.path.isfile(first):
-                raise CommandError(f"row {path} was trained from the bundled weights of {row['model']}; the row "
-                                   f"that trained those, {first}, does not exist")
-            with open(first) as f:
-                row["start"] = portable(json.load(f), folder)
-        rows[row["model"]] = row
+    for spec in list(args.rows) + list(args.hub_row):  # --hub-row last: it wins
+        for row, table in read_rows(spec):
+            if row["model_kwargs"]:
+                continue  # experiments with other settings are RESULTS.md rows, not published models
+            if "--pretrained" in (row.get("train_args") or []):
+                # trained on from the model's bundled weights: those came from the row named after the model
+                (first, _), = read_rows(f"{table}:{row['model']}", f"the row that trained the bundled weights "
+                                                                   f"{row['name']} was trained on from")
+                row["start"] = portable(first, table)
+            rows[row["model"]] = portable(row, table)
     os.makedirs(args.out, exist_ok=True)
     for model, row in sorted(rows.items()):
         params = sum(p.numel() for p in timm.create_model(model).parameters())
