@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from timm_sortconv import SortConv2d
-from timm_sortconv.canonical import MomentCanonicalize2d, create_canonicalizer, moment_angle
+from timm_sortconv.canonical import MomentCanonicalize2d, canonical_frame, create_canonicalizer, moment_angle
 from timm_sortconv.cli import CommandError
 from timm_sortconv.ops.geometry import ORBIT_SORTINGS, get_geometry, orbit_order
 from timm_sortconv.rotation import rotate_each
@@ -182,6 +182,7 @@ class FrameAverage(torch.nn.Module):
         self.pretrained_cfg = getattr(model, "pretrained_cfg", MNIST_CFG)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = canonical_frame(x, self.padding_mode)  # a non-square image: the frame its canonical turn is made in
         angle = moment_angle(x, self.order)
         frames = torch.cat([rotate_each(x, -(angle + o), self.padding_mode) for o in self.offsets])
         feats = self.model.forward_head(self.model.forward_features(frames), pre_logits=True)

@@ -438,6 +438,7 @@ def test_frames_screening_wrapper_pools_the_canonical_frames_and_keeps_the_invar
     assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in plain.parameters())
     with torch.no_grad():
         torch.testing.assert_close(single(x), plain(x))
+        torch.testing.assert_close(single(x[..., 2:]), plain(x[..., 2:]))  # non-square: turned in the same frame
         inner = model.model  # its canonicalize is now the identity: the wrapper turns the frames
         angle = moment_angle(x)
         frames = [rotate_each(x, -(angle + o), "border") for o in (-20.0, 0.0, 20.0)]
