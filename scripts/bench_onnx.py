@@ -12,7 +12,7 @@ ratio, the agreement with PyTorch (the largest difference of an output over the 
 seconds, the file's megabytes and nodes, and the nodes per SC layer (the graph's nodes beyond the twin's, per SC
 layer, plus the one convolution it replaces).
 
-SC layers export in standard operators (``timm_sortconv.ops.portable``), as ``--decomposition`` writes them
+SC layers export in standard operators (``timm_sortconv.onnx.portable``), as ``--decomposition`` writes them
 (``network``, the default, ``chunked``, ``layered`` or ``reference``), or with ``--fused`` as one custom node each,
 run by the package's onnxruntime library (``timm_sortconv.onnx``: ``session`` registers it and tells it the threads).
 The files go to a temporary folder, removed at the end. ``--csv PATH`` appends the rows, with the machine and the command, to a CSV
@@ -44,7 +44,7 @@ from timm_sortconv import SortConv2d
 from timm_sortconv import onnx as sc_onnx
 from timm_sortconv.check import cpu_model
 from timm_sortconv.ops.cpu_backend import cpu_isa
-from timm_sortconv.ops.portable import DECOMPOSITIONS, decomposition
+from timm_sortconv.onnx import DECOMPOSITIONS, decomposition
 
 MODELS = ("scnn_p_rs_7", "ri_vgg16", "ri_resnet18", "ri_densenet40", "sortify:resnet18@224")
 TWINS = {"scnn_p_rs_7": "scnn_baseline_7"}

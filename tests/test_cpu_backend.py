@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from conftest import kernel_levels, load_script, quick_first, unavailable
 from timm_sortconv import SortConv2d, sort_conv2d
-from timm_sortconv.ops import cpu_backend
+from timm_sortconv.ops import cpu_backend, native
 from timm_sortconv.ops.backends import DISABLE_ENV, fast_disabled, resolve_backend
 from timm_sortconv.ops.functional import resolve_padding
 from timm_sortconv.ops.geometry import get_geometry
@@ -360,19 +360,19 @@ def test_cache_name_hashes_sources_flags_and_level_but_not_the_folder(monkeypatc
 @pytest.fixture
 def fresh_isa_choice():
     """Forgets the cached level choice before and after a test that changes what it depends on."""
-    cpu_backend._resolve_isa.cache_clear()
+    native._resolve_isa.cache_clear()
     yield
-    cpu_backend._resolve_isa.cache_clear()
+    native._resolve_isa.cache_clear()
 
 
 def test_isa_follows_torch_and_the_environment_within_what_the_cpu_runs(monkeypatch, fresh_isa_choice):
     monkeypatch.delenv(cpu_backend.ISA_ENV, raising=False)
-    monkeypatch.setattr(cpu_backend.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(native.platform, "machine", lambda: "x86_64")
     v3 = [feature for feature in cpu_backend.ISA_LEVELS["avx2"].features]
-    monkeypatch.setattr(cpu_backend, "_cpu_features", lambda: frozenset(v3 + ["sse2"]))
+    monkeypatch.setattr(native, "_cpu_features", lambda: frozenset(v3 + ["sse2"]))
     assert cpu_backend.runnable_isa_levels() == ("avx2", "generic")
     for capability, expected in (("AVX512", "avx2"), ("AVX2", "avx2"), ("DEFAULT", "generic")):
-        cpu_backend._resolve_isa.cache_clear()
+        native._resolve_isa.cache_clear()
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
         assert cpu_backend.cpu_isa() == expected, capability
     monkeypatch.setenv(cpu_backend.ISA_ENV, "Generic")
@@ -385,7 +385,7 @@ def test_isa_follows_torch_and_the_environment_within_what_the_cpu_runs(monkeypa
     monkeypatch.setenv(cpu_backend.ISA_ENV, "neon")
     with pytest.raises(ValueError, match="'neon' is not an instruction-set level; accepted: avx512, avx2, generic"):
         cpu_backend.cpu_isa()
-    monkeypatch.setattr(cpu_backend.platform, "machine", lambda: "aarch64")
+    monkeypatch.setattr(native.platform, "machine", lambda: "aarch64")
     assert cpu_backend.runnable_isa_levels() == ("generic",)
 
 
@@ -393,11 +393,11 @@ def test_the_tests_run_the_levels_from_the_packages_own_down(monkeypatch, fresh_
     """On an AVX-512 CPU the ``isa`` fixture runs every level; with PyTorch at AVX2 (``ATEN_CPU_CAPABILITY=avx2``) or
     TIMM_SORTCONV_CPU_ISA=avx2 it runs the levels an AVX2-only CPU runs, so the suite counts as many tests there."""
     monkeypatch.delenv(cpu_backend.ISA_ENV, raising=False)
-    monkeypatch.setattr(cpu_backend.platform, "machine", lambda: "x86_64")
-    monkeypatch.setattr(cpu_backend, "_cpu_features", lambda: frozenset(cpu_backend.ISA_LEVELS["avx512"].features))
+    monkeypatch.setattr(native.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(native, "_cpu_features", lambda: frozenset(cpu_backend.ISA_LEVELS["avx512"].features))
     for capability, expected in (("AVX512", ("avx512", "avx2", "generic")), ("AVX2", ("avx2", "generic")),
                                  ("DEFAULT", ("generic",))):
-        cpu_backend._resolve_isa.cache_clear()
+        native._resolve_isa.cache_clear()
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
         assert kernel_levels() == expected, capability
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
@@ -452,7 +452,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("answer", [] { return 42; }); }
 
 LOAD_IN_A_NEW_PROCESS = """
 import sys
-from timm_sortconv.ops import cpu_backend
+from timm_sortconv.ops import cpu_backend, native
 kernel = cpu_backend.load_kernel(sys.argv[1], "generic")
 print(kernel.module.answer(), kernel.module.__file__)
 """

@@ -1,7 +1,7 @@
 """A small model containing ``SortConv2d`` survives ``torch.jit.trace``, ``torch.compile`` and ONNX export
 (run by onnxruntime) with the same output as in eager mode. Tracing and compiling record the registered
 operator (``tests/test_operator.py`` checks that its fast kernel runs there); ONNX export writes the layer in
-standard operators (``timm_sortconv.ops.portable``), whose decompositions compute the reference path, and an
+standard operators (``timm_sortconv.onnx.portable``), whose decompositions compute the reference path, and an
 exported graph with a dynamic height and width centres its strided layers for the size it is given."""
 import io
 import warnings
@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from timm_sortconv import SortConv2d, sort_conv2d
 from timm_sortconv import onnx as sc_onnx
 from timm_sortconv.canonical import MomentCanonicalize2d
-from timm_sortconv.ops import geometry, portable
+from timm_sortconv.ops import geometry
+from timm_sortconv.onnx import portable
 from timm_sortconv.ops.geometry import get_geometry
 from timm_sortconv.ops.reference import sort_conv2d_reference
 
@@ -139,7 +140,7 @@ def test_onnx_export_of_a_canonicalizing_model_runs_in_onnxruntime():
             torch.testing.assert_close(torch.from_numpy(out), model(x), atol=1e-4, rtol=1e-4)
 
 
-# The portable graph (timm_sortconv.ops.portable): every decomposition is the reference path's function, in
+# The portable graph (timm_sortconv.onnx.portable): every decomposition is the reference path's function, in
 # standard operators that both exporters write and onnxruntime runs.
 @pytest.mark.parametrize("name", portable.DECOMPOSITIONS)
 @pytest.mark.parametrize("k", [3, 4, 7])
@@ -151,15 +152,14 @@ def test_every_decomposition_computes_the_reference_path(name, k, sampling, sort
     weight = torch.randn(4, 3, k, k, generator=generator, dtype=torch.float64)
     bias = torch.randn(4, generator=generator, dtype=torch.float64)
     geometry = get_geometry(k, sampling, sorting)
-    with portable.decomposition(name):
-        out = portable.sort_conv2d_portable(x, weight, bias, geometry, (2, 1), (1, 2, 0, 1), (1, 2), 2)
+    out = portable.sort_conv2d_portable(x, weight, bias, geometry, (2, 1), (1, 2, 0, 1), (1, 2), 2, name)
     expected = sort_conv2d_reference(F.pad(x, (1, 2, 0, 1)), weight, bias, geometry, (2, 1), (1, 2), 2)
     torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-10)
 
 
 def test_an_unknown_decomposition_is_refused_with_the_accepted_ones():
     with pytest.raises(ValueError, match="unknown decomposition='topk'; accepted: 'network', 'chunked'"):
-        with portable.decomposition("topk"):
+        with sc_onnx.decomposition("topk"):
             pass
 
 

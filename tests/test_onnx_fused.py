@@ -1,6 +1,5 @@
 """The fused ONNX path: each sorting layer exported as one ``timm_sortconv::SortConv2d`` node and run by onnxruntime
-with the library built from the package's CPU kernel (``timm_sortconv.onnx``, ``ops/fused_export.py``,
-``ops/ort_library.py``).
+with the library built from the package's CPU kernel (``timm_sortconv.onnx``: ``fused.py``, ``runtime.py``).
 
 The file's outputs are compared with the reference path in PyTorch (the readable specification, which shares no
 kernel code with the library), for both exporters, across the variants the node takes; the graph must hold one node
@@ -16,9 +15,10 @@ import torch.nn as nn
 from conftest import quick_first, randomise_batchnorm, unavailable
 from timm_sortconv import SortConv2d, sort_conv2d
 from timm_sortconv import onnx as sc_onnx
+from timm_sortconv.ops import native
 from timm_sortconv.cli import run
-from timm_sortconv.ops import ort_library
-from timm_sortconv.ops.fused_export import drop_unread_constants
+from timm_sortconv.cli.onnx import library_main
+from timm_sortconv.onnx.fused import drop_unread_constants
 
 onnx = pytest.importorskip("onnx")
 onnxruntime = pytest.importorskip("onnxruntime")
@@ -224,21 +224,27 @@ def test_a_functional_call_is_refused_while_tracing():
 
 
 def test_a_library_that_cannot_be_built_says_why_in_one_line(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv(ort_library.CACHE_ENV, str(tmp_path))
-    monkeypatch.setenv(ort_library.INCLUDE_ENV, str(tmp_path))
-    with pytest.raises(ort_library.LibraryBuildError, match="holds no onnxruntime_c_api.h"):
-        ort_library.build_library()
-    monkeypatch.delenv(ort_library.INCLUDE_ENV)
-    monkeypatch.setattr(ort_library, "_download", lambda url: b"!<arch>\nnot the package")
-    with pytest.raises(ort_library.LibraryBuildError, match="SHA-256 .* expected"):
-        ort_library.headers_dir()
-    (tmp_path / "include").mkdir()
-    (tmp_path / "include" / "onnxruntime_c_api.h").write_text("")
-    monkeypatch.setenv(ort_library.INCLUDE_ENV, str(tmp_path / "include"))
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    with pytest.raises(SystemExit) as status:  # python -m timm_sortconv.onnx build
-        run(sc_onnx.main, ["build"])
+    with pytest.raises(SystemExit) as status:  # python scripts/onnx_library.py
+        run(library_main, [])
     assert status.value.code == 2
     assert capsys.readouterr().err.splitlines() == [
         f"error: no C++ compiler: '{tmp_path / 'no-such-compiler'}' is not on PATH (install g++ or clang++, or set "
         "CXX)"]
+    with pytest.raises(sc_onnx.LibraryBuildError, match="'neon' is not an instruction-set level"):
+        sc_onnx.build_library("neon")
+
+
+def test_the_library_builds_offline_from_the_vendored_header(tmp_path, monkeypatch):
+    """No download: the build reads onnxruntime's C API header from the package (and nothing amd64-only)."""
+    import urllib.request
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("the build reached for the network")
+
+    monkeypatch.setattr(urllib.request, "urlopen", no_network)
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
+    path = sc_onnx.build_library("generic")
+    assert path.is_file() and tmp_path in path.parents
+    assert sc_onnx.build_library("generic") == path  # cached

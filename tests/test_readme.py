@@ -104,11 +104,6 @@ def check(command):
             if TIMM_SCRIPTS_DIR:  # else test_timm_script_commands_parse says it was skipped
                 parse_timm_script(Path(script).name, rest[3:])
             return
-        if rest[:2] == ["-m", "timm_sortconv.onnx"]:
-            from timm_sortconv import onnx as sc_onnx
-
-            sc_onnx.parse_args(rest[2:])
-            return
         if rest[:2] == ["-m", "timm_sortconv.check"]:
             from timm_sortconv import check as check_tool
 
@@ -125,6 +120,12 @@ def check(command):
             push_to_hub.parse_args(argv)
         elif script == "scripts/train.py":
             train.parse_args(argv)
+        elif script == "scripts/onnx_export.py":
+            from timm_sortconv.cli import onnx as onnx_tool
+
+            onnx_tool.parse_args(argv)
+        elif script == "scripts/onnx_library.py":
+            assert not argv or argv[0].startswith("--"), command
         elif script.startswith("scripts/bench_"):
             runpy.run_path(str(REPO / script), run_name="readme_check")["parse_args"](argv)
         else:

@@ -7,16 +7,17 @@ Layout, from the operator to the product: :mod:`.ops` (sampling geometry, the re
 functional ``sort_conv2d`` and its fast backends) -> :mod:`.layers` (``SortConv2d``, ``SortConv2dSame``) ->
 :mod:`.sortify` (the conversion pass for any model) -> :mod:`.models` (the paper's networks, timm style)
 -> :mod:`.rotation` (rotating images), :mod:`.data` (data sets, MNIST-rot), :mod:`.invariance` (per-angle
-results) -> :mod:`.hub` (weights) and :mod:`.cli` (train, validate, demo and the other tools).
+results) -> :mod:`.hub` (weights), :mod:`.onnx` (export and deployment) and :mod:`.cli` (train, validate, demo and
+the other tools).
 """
-from . import models
+from . import models, onnx
 from .invariance import QuarterTurnCheck, RotationSweep, quarter_turn_check, rotation_sweep
 from .layers import SortConv2d, SortConv2dSame
 from .ops import available_backends, get_geometry, sort_conv2d
 from .rotation import rotate
 from .sortify import SortifyReport, sortify
+from .version import __version__
 
-__version__ = "0.1.0"
 
 __all__ = [
     "QuarterTurnCheck",

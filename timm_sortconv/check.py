@@ -124,7 +124,7 @@ def cpu_model() -> str:
 
 
 def _environment(device: torch.device) -> List[Tuple[str, str]]:
-    from . import __version__
+    from .version import __version__
     from .ops import cpu_backend
 
     try:

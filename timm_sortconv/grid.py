@@ -19,8 +19,10 @@ What is done depends on each input side (modulo the stride), in Python control f
 ``torch.jit.script`` and ``torch.compile`` follow at every size. Where sizes are recorded instead, the rule goes with
 them, so that a graph with a dynamic height and width is centred at every size, as the model is:
 
-* ``torch.jit.trace`` and the TorchScript-based ONNX exporter record each axis's branches through a function compiled
-  by TorchScript (ONNX ``If`` nodes: only the branch a size takes runs);
+* ``torch.jit.trace`` and the TorchScript-based ONNX exporter record one operator per centring,
+  ``timm_sortconv::centre_grid`` (``centre_grid_same`` for "SAME" padding), which computes the rule at run time;
+  the ONNX exporter writes it as the few standard nodes the traced size needs, or, for a dynamic height or width,
+  as nodes that compute the rule from the input's shape (:mod:`timm_sortconv.onnx.centring`);
 * ``torch.export`` and the dynamo-based ONNX exporter follow the branches at a fixed size; a dynamic height or width
   of a strided layer's input is refused with an error saying what to do instead (the symbolic sizes of a branch-free
   form of the rule grow with every strided layer, and the exporter's reasoning about them with it: a minute for three
@@ -32,7 +34,6 @@ paper's networks).
 """
 from __future__ import annotations
 
-import functools
 import inspect
 from typing import Callable, List, Optional
 
@@ -89,76 +90,54 @@ def centre_grid(x: torch.Tensor, kernel_size: List[int], stride: List[int], padd
                 [10.5000, 11.5000, 12.5000]])
     """
     if not torch.jit.is_scripting():
-        if torch.jit.is_tracing():  # torch.jit.trace, the TorchScript ONNX exporter: the branches as If nodes
-            return _centre_grid_traced(x, kernel_size, stride, padding, dilation, min_size)
+        if torch.jit.is_tracing():  # torch.jit.trace, the TorchScript ONNX exporter: one operator, sized at run time
+            # (int(): a size read off a tensor while tracing is a traced value; the layer's arguments are constants)
+            return torch.ops.timm_sortconv.centre_grid(x, *([int(v) for v in arg] for arg in (
+                kernel_size, stride, padding, dilation)), int(min_size))
         if torch.compiler.is_exporting():
             _refuse_symbolic_sizes(x, stride)
-    half = [False, False]
-    crop = [0, 0]
-    for axis in range(2):
-        if stride[axis] == 1:
-            continue
-        dim = x.dim() - 2 + axis
-        span = x.shape[dim] + 2 * padding[axis] - dilation[axis] * (kernel_size[axis] - 1) - 1
-        if span < 0:
+    return _centre_grid(x, kernel_size, stride, padding, dilation, min_size)
+
+
+def centre_grid_residues(height: int, width: int, kernel_size: List[int], stride: List[int], padding: List[int],
+                         dilation: List[int], min_size: int = 1) -> List[int]:
+    """``[rows, columns]``: the residue ``r`` of each axis of an ``height x width`` input that :func:`centre_grid`
+    takes away (read half a pixel on where it is odd, then ``r // 2`` cropped off each side), 0 where nothing is to
+    be done."""
+    residues = [0, 0]
+    for axis, size in enumerate((height, width)):
+        span = size + 2 * padding[axis] - dilation[axis] * (kernel_size[axis] - 1) - 1
+        if stride[axis] == 1 or span < 0:
             continue
         excess = span % stride[axis]
-        if x.shape[dim] - excess < min_size:
-            continue
-        half[axis] = excess % 2 == 1
-        crop[axis] = excess // 2
-    x = _half_pixel(x, half[0], half[1])
-    for axis in range(2):
-        if crop[axis] > 0:
-            dim = x.dim() - 2 + axis
-            x = x.narrow(dim, crop[axis], x.shape[dim] - 2 * crop[axis])
-    return x
+        residues[axis] = 0 if size - excess < min_size else excess
+    return residues
 
 
-def _centre_axis(x: torch.Tensor, dim: int, excess: int) -> torch.Tensor:
-    """One axis of :func:`centre_grid` with its residue ``excess``: read half a pixel on where it is odd, then
-    cropped by half of it on each side."""
-    size = x.size(dim)
-    if excess % 2 == 1:
-        size = size - 1
-        x = (x.narrow(dim, 0, size) + x.narrow(dim, 1, size)) * 0.5
-    crop = excess // 2
-    if crop > 0:
-        x = x.narrow(dim, crop, size - 2 * crop)
-    return x
-
-
-def _residue(size: int, kernel_size: int, stride: int, padding: int, dilation: int, min_size: int) -> int:
-    """The residue of :func:`centre_grid` for one axis, 0 where nothing is to be done."""
-    span = size + 2 * padding - dilation * (kernel_size - 1) - 1
-    if stride == 1 or span < 0:
-        return 0
-    excess = span % stride
-    return 0 if size - excess < min_size else excess
-
-
-def _centre_both(x: torch.Tensor, kernel_size: List[int], stride: List[int], padding: List[int],
+def _centre_grid(x: torch.Tensor, kernel_size: List[int], stride: List[int], padding: List[int],
                  dilation: List[int], min_size: int) -> torch.Tensor:
-    """:func:`centre_grid` compiled by TorchScript (:func:`_scripted_centre_both`), so that a trace records its
-    branches on the size, which an ONNX graph keeps as ``If`` nodes: a graph with a dynamic height and width centres at
-    every size. One branch first for the whole layer, so that a size with nothing to do costs one ``If`` (which
-    onnxruntime answers with a copy of the input), not one per step."""
-    rows = _residue(x.size(-2), kernel_size[0], stride[0], padding[0], dilation[0], min_size)
-    columns = _residue(x.size(-1), kernel_size[1], stride[1], padding[1], dilation[1], min_size)
-    if rows == 0 and columns == 0:
-        return x
-    return _centre_axis(_centre_axis(x, x.dim() - 2, rows), x.dim() - 1, columns)
+    residues = centre_grid_residues(x.shape[-2], x.shape[-1], kernel_size, stride, padding, dilation, min_size)
+    x = _half_pixel(x, residues[0] % 2 == 1, residues[1] % 2 == 1)
+    for axis in range(2):
+        crop = residues[axis] // 2
+        if crop > 0:
+            dim = x.dim() - 2 + axis
+            x = x.narrow(dim, crop, x.shape[dim] - 2 * crop)
+    return x
 
 
-@functools.lru_cache(maxsize=None)
-def _scripted_centre_both():
-    return torch.jit.script(_centre_both)
+@torch.library.custom_op("timm_sortconv::centre_grid", mutates_args=())
+def _centre_grid_op(x: torch.Tensor, kernel_size: List[int], stride: List[int], padding: List[int],
+                    dilation: List[int], min_size: int) -> torch.Tensor:
+    """:func:`centre_grid` as one operator, which a trace records with its arguments (a copy: an operator's output
+    is never its input)."""
+    return _centre_grid(x, kernel_size, stride, padding, dilation, min_size).clone()
 
 
-def _centre_grid_traced(x: torch.Tensor, kernel_size: List[int], stride: List[int], padding: List[int],
-                        dilation: List[int], min_size: int) -> torch.Tensor:
-    """:func:`centre_grid` as a trace records it (:func:`_centre_both`, compiled)."""
-    return _scripted_centre_both()(x, kernel_size, stride, padding, dilation, min_size)
+@_centre_grid_op.register_fake
+def _(x, kernel_size, stride, padding, dilation, min_size):
+    residues = centre_grid_residues(x.shape[-2], x.shape[-1], kernel_size, stride, padding, dilation, min_size)
+    return x.new_empty(x.shape[:-2] + (x.shape[-2] - residues[0], x.shape[-1] - residues[1]))
 
 
 def _refuse_symbolic_sizes(x: torch.Tensor, stride: List[int]) -> None:
@@ -187,18 +166,29 @@ def centre_grid_same(x: torch.Tensor, kernel_size: List[int], stride: List[int],
     centred grid: the counterpart of ``timm.layers.pad_same``, which puts an odd pixel of padding on the
     bottom/right. Where the padding is odd, the input is read half a pixel on first."""
     if not torch.jit.is_scripting():
-        if torch.jit.is_tracing():
-            centre_axis = _scripted_centre_axis_same()
-            for axis in range(2):
-                x = centre_axis(x, x.dim() - 2 + axis, kernel_size[axis], stride[axis], dilation[axis])
-            return x
+        if torch.jit.is_tracing():  # as in centre_grid: one operator
+            return torch.ops.timm_sortconv.centre_grid_same(x, *([int(v) for v in arg] for arg in (
+                kernel_size, stride, dilation)))
         if torch.compiler.is_exporting():
             _refuse_symbolic_sizes(x, stride)
+    return _centre_grid_same(x, kernel_size, stride, dilation)
+
+
+def same_padding_totals(height: int, width: int, kernel_size: List[int], stride: List[int],
+                        dilation: List[int]) -> List[int]:
+    """``[rows, columns]``: the padding "SAME" adds along each axis of an ``height x width`` input for the output
+    size ``ceil(N / s)`` (negative: cropped). :func:`centre_grid_same` reads the input half a pixel on where it is
+    odd and then pads (or crops) half of the even total on each side."""
     totals = [0, 0]
-    for axis in range(2):
-        size = x.shape[x.dim() - 2 + axis]
+    for axis, size in enumerate((height, width)):
         out = (size + stride[axis] - 1) // stride[axis]
         totals[axis] = (out - 1) * stride[axis] + dilation[axis] * (kernel_size[axis] - 1) + 1 - size
+    return totals
+
+
+def _centre_grid_same(x: torch.Tensor, kernel_size: List[int], stride: List[int],
+                      dilation: List[int]) -> torch.Tensor:
+    totals = same_padding_totals(x.shape[-2], x.shape[-1], kernel_size, stride, dilation)
     x = _half_pixel(x, totals[0] % 2 == 1, totals[1] % 2 == 1)
     for axis in range(2):
         dim = x.dim() - 2 + axis
@@ -214,28 +204,18 @@ def centre_grid_same(x: torch.Tensor, kernel_size: List[int], stride: List[int],
     return x
 
 
-def _centre_axis_same(x: torch.Tensor, dim: int, kernel_size: int, stride: int, dilation: int) -> torch.Tensor:
-    """One axis of :func:`centre_grid_same`, compiled by TorchScript for traces (as :func:`_centre_axis`)."""
-    size = x.size(dim)
-    total = ((size + stride - 1) // stride - 1) * stride + dilation * (kernel_size - 1) + 1 - size
-    half = total % 2
-    if half == 1:
-        x = (x.narrow(dim, 0, size - 1) + x.narrow(dim, 1, size - 1)) * 0.5
-        size = size - 1
-    side = (total + half) // 2
-    if side < 0:
-        x = x.narrow(dim, -side, size + 2 * side)
-    elif side > 0:
-        pad = [0, 0, 0, 0]
-        pad[2 * (x.dim() - 1 - dim)] = side
-        pad[2 * (x.dim() - 1 - dim) + 1] = side
-        x = F.pad(x, pad)
-    return x
+@torch.library.custom_op("timm_sortconv::centre_grid_same", mutates_args=())
+def _centre_grid_same_op(x: torch.Tensor, kernel_size: List[int], stride: List[int],
+                         dilation: List[int]) -> torch.Tensor:
+    """:func:`centre_grid_same` as one operator (as :func:`_centre_grid_op`)."""
+    return _centre_grid_same(x, kernel_size, stride, dilation).clone()
 
 
-@functools.lru_cache(maxsize=None)
-def _scripted_centre_axis_same():
-    return torch.jit.script(_centre_axis_same)
+@_centre_grid_same_op.register_fake
+def _(x, kernel_size, stride, dilation):
+    totals = same_padding_totals(x.shape[-2], x.shape[-1], kernel_size, stride, dilation)
+    sizes = [x.shape[-2 + axis] - totals[axis] % 2 + 2 * ((totals[axis] + totals[axis] % 2) // 2) for axis in (0, 1)]
+    return x.new_empty(x.shape[:-2] + tuple(sizes))
 
 
 # timm's FX feature extraction (features_only=True, feature_cls="fx") keeps these as leaves: their centring

@@ -33,7 +33,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if not os.path.isfile(script):
         print(f"error: {script} is not a file\n{USAGE}", file=sys.stderr)
         raise SystemExit(2)
-    import timm_sortconv  # noqa: F401  (registers the models with timm)
+    from . import models, onnx  # noqa: F401  (register the models with timm and the ONNX translations)
 
     sys.argv = [script, *argv[1:]]
     # The script's folder first on the path, as when it runs as `python SCRIPT`.

@@ -27,13 +27,10 @@ weight gradient back through its transpose); its backward recomputes them and ru
 turn and the orientation.
 
 The extension is compiled with ``torch.utils.cpp_extension.load`` the first time ``backend="auto"``
-(or ``"cpu"``) needs it (``-O3``, OpenMP through ``at::parallel_for``), once per instruction-set level
-(:data:`ISA_LEVELS`): ``avx512`` (``-march=x86-64-v4``), ``avx2`` (``-march=x86-64-v3``: AVX2 and FMA) and
-``generic`` (the compiler's default for the machine: SSE2 on x86-64, NEON on aarch64). As PyTorch's own CPU
-kernels do, the level follows ``torch.backends.cpu.get_cpu_capability()`` (so ``ATEN_CPU_CAPABILITY=avx2``
-limits it too), never above what the CPU can run; ``TIMM_SORTCONV_CPU_ISA`` names another level, and a level
-the CPU cannot run is refused with an error, never executed. No build is specific to one CPU model
-(``-march=native`` is not used), so a cache entry serves every CPU of its level.
+(or ``"cpu"``) needs it (the package's flags and OpenMP through ``at::parallel_for``), once per instruction-set
+level: :mod:`timm_sortconv.ops.native` says which levels there are, how one is chosen for this CPU (as PyTorch chooses
+its own kernels, ``TIMM_SORTCONV_CPU_ISA`` to name another) and with which flags; the runtime libraries of
+:mod:`timm_sortconv.onnx` are built from the same sources at the same level.
 
 Builds are cached in PyTorch's extension cache (``TORCH_EXTENSIONS_DIR``, by default
 ``~/.cache/torch_extensions``) under a name that hashes the sources, the flags, the level, the torch and
@@ -60,15 +57,11 @@ reference path.
 """
 from __future__ import annotations
 
-import functools
-import hashlib
 import logging
 import os
-import platform
 import shutil
 import sys
 import sysconfig
-import tempfile
 import threading
 import time
 import warnings
@@ -80,6 +73,8 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from .native import (CFLAGS, ISA_ENV, ISA_LEVELS, SOURCE_DIR, IsaLevel, cpu_isa, digest, missing_features,
+                      runnable_isa_levels, say, stage_sources)
 from .alignment import RELATIVE, TINY, harmonic_tables, is_aligned
 from .backends import (DISABLE_ENV, NO_PADDING, Backend, availability_changed, environment_reader, fast_disabled,
                        register_backend)
@@ -90,114 +85,19 @@ __all__ = ["ISA_ENV", "ISA_LEVELS", "MAX_KERNEL_SIZE", "POLAR_TAP_SIZES", "SOURC
            "IsaLevel", "build_environment", "cpu_isa", "extension_name", "load_extension", "load_kernel",
            "polar_tap_header", "runnable_isa_levels", "sort_conv2d_cpu", "supports_cpu", "bf16_products"]
 
-ISA_ENV = "TIMM_SORTCONV_CPU_ISA"
 MAX_KERNEL_SIZE = 15
 SUPPORTED_DTYPES = (torch.float32, torch.float64)
 
-SOURCE_DIR = Path(__file__).resolve().parent.parent / "csrc"
 _SOURCE_NAME = "sort_conv_cpu.cpp"
 # Kernel sizes whose polar tap positions are compiled into the extension (polar_taps.h).
 POLAR_TAP_SIZES = (5, 7)
-_CFLAGS = ("-O3", "-ffp-contract=fast", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-DNDEBUG")
+# The package's flags with OpenMP, whose threads at::parallel_for uses.
+_CFLAGS = CFLAGS + ("-fopenmp",)
 _LDFLAGS = ("-fopenmp",)  # cpp_extension.load appends to the lists it is given: it gets copies
-
-
-@dataclass(frozen=True)
-class IsaLevel:
-    """An instruction-set level the kernel is compiled for: its compiler flags, the machines it is for, and
-    the CPU features (``torch.cpu.get_capabilities()`` names) it needs to run."""
-
-    name: str
-    flags: Tuple[str, ...]
-    machines: Tuple[str, ...]  # platform.machine() values; empty: every machine
-    features: Tuple[str, ...]
-
-
-_X86 = ("x86_64", "AMD64", "amd64")
-# -march=x86-64-v3: AVX, AVX2, FMA, BMI1/2, F16C, LZCNT, MOVBE (and XSAVE, which every AVX CPU has);
-# -march=x86-64-v4 adds AVX-512 F, BW, CD, DQ and VL. Both leave the tuning generic.
-_V3_FEATURES = ("avx", "avx2", "fma3", "bmi", "bmi2", "f16c", "lzcnt", "movbe")
-_V4_FEATURES = _V3_FEATURES + ("avx512_f", "avx512_bw", "avx512_cd", "avx512_dq", "avx512_vl")
-# Highest first: the order in which load_extension falls back when a build fails.
-ISA_LEVELS: Dict[str, IsaLevel] = {
-    "avx512": IsaLevel("avx512", ("-march=x86-64-v4",), _X86, _V4_FEATURES),
-    "avx2": IsaLevel("avx2", ("-march=x86-64-v3",), _X86, _V3_FEATURES),
-    "generic": IsaLevel("generic", (), (), ()),
-}
-# torch.backends.cpu.get_cpu_capability() -> the level that matches it (others: generic).
-_TORCH_CAPABILITY = {"AVX512": "avx512", "AVX2": "avx2"}
 
 _lock = threading.RLock()
 _kernels: Dict[str, "CpuKernel"] = {}  # by extension name
 _package_kernel: Dict[str, Optional["CpuKernel"]] = {}  # by requested level; None: nothing could be built
-
-
-@functools.lru_cache(maxsize=None)
-def _cpu_features() -> frozenset:
-    """The CPU's features under ``torch.cpu.get_capabilities()``'s names (cpuinfo, which also checks that
-    the OS saves the registers), or ``/proc/cpuinfo``'s flags with older torch. MOVBE, which cpuinfo does not
-    report, is read from ``/proc/cpuinfo``; without that file it is taken to come with AVX2, as it does on
-    Intel's AVX2 CPUs (since Haswell) and AMD's (since Excavator)."""
-    features = set()
-    capabilities = getattr(torch.cpu, "get_capabilities", None)
-    if capabilities is not None:
-        features |= {name for name, value in capabilities().items() if value is True}
-    flags = set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "flags":
-                    flags = set(value.split())
-                    break
-    except OSError:
-        pass
-    # /proc/cpuinfo's names for the features cpuinfo calls otherwise.
-    renamed = {"fma": "fma3", "bmi1": "bmi", "abm": "lzcnt", "avx512f": "avx512_f", "avx512bw": "avx512_bw",
-               "avx512cd": "avx512_cd", "avx512dq": "avx512_dq", "avx512vl": "avx512_vl"}
-    if capabilities is None:
-        features |= {renamed.get(flag, flag) for flag in flags}
-    elif "movbe" in flags or (not flags and "avx2" in features):
-        features.add("movbe")
-    return frozenset(features)
-
-
-def _missing_features(level: IsaLevel) -> Tuple[str, ...]:
-    if level.machines and platform.machine() not in level.machines:
-        return (f"an {level.machines[0]} CPU (this one is {platform.machine() or 'unknown'})",)
-    return tuple(feature for feature in level.features if feature not in _cpu_features())
-
-
-def runnable_isa_levels() -> Tuple[str, ...]:
-    """The levels of :data:`ISA_LEVELS` this CPU can run, highest first (``generic`` always)."""
-    return tuple(name for name, level in ISA_LEVELS.items() if not _missing_features(level))
-
-
-@functools.lru_cache(maxsize=None)
-def _resolve_isa(requested: Optional[str]) -> str:
-    runnable = runnable_isa_levels()
-    if requested is None:
-        # As PyTorch chooses its own kernels (ATEN_CPU_CAPABILITY included), but never above this CPU.
-        preferred = _TORCH_CAPABILITY.get(torch.backends.cpu.get_cpu_capability(), "generic")
-        names = list(ISA_LEVELS)
-        return next(name for name in names[names.index(preferred):] if name in runnable)
-    if requested not in ISA_LEVELS:
-        raise ValueError(f"{ISA_ENV}={requested!r} is not an instruction-set level; accepted: "
-                         f"{', '.join(ISA_LEVELS)}")
-    missing = _missing_features(ISA_LEVELS[requested])
-    if missing:
-        raise RuntimeError(f"{ISA_ENV}={requested}: this CPU cannot run that level (it lacks "
-                           f"{', '.join(missing)}); levels it can run: {', '.join(runnable)}")
-    return requested
-
-
-def cpu_isa() -> str:
-    """The instruction-set level the package's kernel is built for in this process: ``TIMM_SORTCONV_CPU_ISA``
-    if set (read at every call; a level this CPU cannot run raises ``RuntimeError``, an unknown name
-    ``ValueError``), else the level of ``torch.backends.cpu.get_cpu_capability()``, capped at what the CPU
-    runs."""
-    requested = os.environ.get(ISA_ENV, "").strip().lower()
-    return _resolve_isa(requested or None)
 
 
 def _ninja_on_path() -> Optional[str]:
@@ -252,31 +152,9 @@ def build_environment() -> Tuple[str, ...]:
 def extension_name(sources: Dict[str, bytes], isa: str) -> str:
     """The cache entry's name: a hash of the sources, the flags, the level, the torch and Python versions and
     :func:`build_environment` (not of where the sources are, nor of the CPU model)."""
-    digest = hashlib.sha256()
-    for name, text in sources.items():
-        digest.update(name.encode() + b"\0" + text + b"\0")
-    for part in (" ".join(_CFLAGS + ISA_LEVELS[isa].flags + _LDFLAGS), isa, torch.__version__, sys.version,
-                 *build_environment()):
-        digest.update(part.encode() + b"\0")
-    return f"timm_sortconv_cpu_{isa}_{digest.hexdigest()[:16]}"
-
-
-def _stage_sources(sources: Dict[str, bytes], folder: Path) -> None:
-    """Writes the sources into the cache entry's own folder where they are missing or differ, and leaves
-    identical files untouched (ninja rebuilds what is newer than its output)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    for name, text in sources.items():
-        path = folder / name
-        if path.is_file() and path.read_bytes() == text:
-            continue
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=f".{name}.", delete=False) as f:
-            f.write(text)
-        os.replace(f.name, path)
-
-
-def _say(line: str) -> None:
-    sys.stderr.write(f"timm_sortconv: {line}\n")
-    sys.stderr.flush()
+    tag = digest(sources, " ".join(_CFLAGS + ISA_LEVELS[isa].flags + _LDFLAGS), isa, torch.__version__, sys.version,
+                 *build_environment())
+    return f"timm_sortconv_cpu_{isa}_{tag}"
 
 
 def _build(sources: Dict[str, bytes], isa: str, verbose: bool) -> ModuleType:
@@ -290,13 +168,13 @@ def _build(sources: Dict[str, bytes], isa: str, verbose: bool) -> ModuleType:
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
     build_directory = root / name
     source_folder = build_directory / "src"
-    _stage_sources(sources, source_folder)
+    stage_sources(sources, source_folder)
     # Every .cpp is a translation unit of its own (ninja compiles them in parallel).
     units = [str(source_folder / file_name) for file_name in sources if file_name.endswith(".cpp")]
     library = build_directory / (name + (".pyd" if sys.platform == "win32" else ".so"))
     compiles = not library.is_file()
     if compiles:
-        _say(f"compiling the fused CPU kernel ({isa} level, {len(units)} C++ files) into {build_directory}, "
+        say(f"compiling the fused CPU kernel ({isa} level, {len(units)} C++ files) into {build_directory}, "
              f"because this Python environment (torch {torch.__version__} in {build_environment()[0]}) has no "
              f"build of these sources yet; this takes about a minute on 2 idle cores, once per environment")
     start = time.perf_counter()
@@ -307,7 +185,7 @@ def _build(sources: Dict[str, bytes], isa: str, verbose: bool) -> ModuleType:
                                     extra_cflags=list(_CFLAGS + ISA_LEVELS[isa].flags), extra_ldflags=list(_LDFLAGS),
                                     build_directory=str(build_directory), verbose=verbose)
         if compiles:
-            _say(f"the fused CPU kernel ({isa}) is built ({time.perf_counter() - start:.0f} s); later processes "
+            say(f"the fused CPU kernel ({isa}) is built ({time.perf_counter() - start:.0f} s); later processes "
                  "of this environment load it from the cache")
         return module
     finally:
@@ -325,7 +203,7 @@ def load_kernel(folder: Optional[os.PathLike] = None, isa: Optional[str] = None,
     isa = cpu_isa() if isa is None else isa
     if isa not in ISA_LEVELS:
         raise ValueError(f"isa={isa!r} is not an instruction-set level; accepted: {', '.join(ISA_LEVELS)}")
-    missing = _missing_features(ISA_LEVELS[isa])
+    missing = missing_features(ISA_LEVELS[isa])
     if missing:
         raise RuntimeError(f"this CPU cannot run the {isa} level (it lacks {', '.join(missing)})")
     sources = _sources(Path(SOURCE_DIR if folder is None else folder))

@@ -4,12 +4,13 @@ modes.
 :func:`sort_conv2d` checks its arguments (:mod:`.checks`) and calls :func:`sort_conv2d_padded`, the forward
 that the layers call too: unbatched inputs, non-zero padding modes through ``F.pad``, then
 :func:`sort_conv2d_zero_padded`: the registered operator ``torch.ops.timm_sortconv.sort_conv2d``
-(:mod:`.operator`, which checks the tensors), or, while exporting to ONNX, the same function written in standard
-operators (:mod:`.portable`), so that the ONNX graph needs no custom operator.
+(:mod:`.operator`, which checks the tensors), or, while exporting to ONNX, the lowering that :mod:`timm_sortconv.onnx`
+registers here (:func:`set_onnx_lowering`): the same function in standard operators by default, so that the ONNX
+graph needs no custom operator.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple, Union
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -18,11 +19,20 @@ from .operator import plain_eager, sort_conv2d_eager  # (registers torch.ops.tim
 from .backends import check_backend_name
 from .checks import IntPair, check_input, functional_arguments, int_pair
 from .geometry import check_kernel_size, get_geometry
-from .alignment import align_conv2d_harmonic, is_aligned
-from .portable import sort_conv2d_portable
-from .fused_export import fused_export_enabled, sort_conv2d_fused
 
-__all__ = ["sort_conv2d", "sort_conv2d_padded", "sort_conv2d_zero_padded", "resolve_padding"]
+__all__ = ["set_onnx_lowering", "sort_conv2d", "sort_conv2d_padded", "sort_conv2d_zero_padded", "resolve_padding"]
+
+#: What writes an SC layer while a model is exported to ONNX (:func:`set_onnx_lowering`).
+_onnx_lowering: Optional[Callable[..., torch.Tensor]] = None
+
+
+def set_onnx_lowering(lowering: Callable[..., torch.Tensor]) -> None:
+    """Registers what writes an SC layer during ``torch.onnx.export``: a function of the arguments of
+    :func:`sort_conv2d_zero_padded` but the backend (:func:`timm_sortconv.onnx.lowering.lower_sort_conv2d`, registered
+    when :mod:`timm_sortconv.onnx` is imported: this package's own import does it). ONNX runtimes know no
+    ``timm_sortconv`` operator, so an export without it is refused."""
+    global _onnx_lowering
+    _onnx_lowering = lowering
 
 
 def resolve_padding(padding: Union[str, IntPair], kernel_size: int, dilation: Tuple[int, int]
@@ -128,8 +138,8 @@ def sort_conv2d_zero_padded(input: torch.Tensor, weight: torch.Tensor, bias: Opt
     """SC with ``padding = [left, right, top, bottom]`` zeros, arguments other than the tensors already
     checked (TorchScript-able).
 
-    This is the registered operator, except during ONNX export, where the layer is written in standard operators
-    instead (:mod:`.portable`: ONNX runtimes know no ``timm_sortconv`` operator), and for plain eager
+    This is the registered operator, except during ONNX export, where the registered lowering writes the layer
+    (:func:`set_onnx_lowering`), and for plain eager
     calls (:func:`.operator.plain_eager`), which run the operator's own kernels and autograd formula without the
     dispatcher (:func:`.operator.sort_conv2d_eager`).
     """
@@ -138,15 +148,9 @@ def sort_conv2d_zero_padded(input: torch.Tensor, weight: torch.Tensor, bias: Opt
             return sort_conv2d_eager(input, weight, bias, stride, padding, dilation, groups, sampling, sorting,
                                      backend)
         if torch.onnx.is_in_onnx_export():
-            geometry = get_geometry(int(weight.shape[-1]), sampling, sorting)  # a traced size is a tensor
-            if is_aligned(geometry):  # in convolutions and products (the reference path's FFT has no ONNX form)
-                padded = F.pad(input, padding) if any(padding) else input
-                return align_conv2d_harmonic(padded, weight, bias, geometry, (stride[0], stride[1]),
-                                             (dilation[0], dilation[1]), groups)
-            if fused_export_enabled():  # one timm_sortconv::SortConv2d node (.fused_export)
-                return sort_conv2d_fused(input, weight, bias, stride, padding, dilation, groups, sampling, sorting)
-            return sort_conv2d_portable(input, weight, bias, geometry, (stride[0], stride[1]),
-                                        (padding[0], padding[1], padding[2], padding[3]),
-                                        (dilation[0], dilation[1]), groups)
+            if _onnx_lowering is None:
+                raise RuntimeError("an SC layer is exported to ONNX without timm_sortconv.onnx imported; import it "
+                                   "(import timm_sortconv does) before torch.onnx.export")
+            return _onnx_lowering(input, weight, bias, stride, padding, dilation, groups, sampling, sorting)
     return torch.ops.timm_sortconv.sort_conv2d(input, weight, bias, stride, padding, dilation, groups, sampling,
                                                sorting, backend)

@@ -1,23 +1,23 @@
 """SC layers exported as one node each, ``timm_sortconv::SortConv2d``, for runtimes that take a custom operator.
 
 By default an exported SC layer is a few standard operators (:mod:`.portable`), which every ONNX runtime runs. Inside
-:func:`fused_export` (``timm_sortconv.onnx.export(..., fused=True)`` enters it) each sorting layer is written instead
-as one node of the domain ``timm_sortconv``, which onnxruntime runs with the library of :mod:`.ort_library`: the
-fused CPU kernel of PyTorch's CPU backend, on onnxruntime's intra-op threads. The node:
+:func:`.lowering.fused_export` (``timm_sortconv.onnx.export(..., fused=True)`` enters it) each sorting layer is
+written instead as one node of the domain ``timm_sortconv``, which onnxruntime runs with the library of
+:mod:`.runtime`: the fused CPU kernel of PyTorch's CPU backend, on onnxruntime's intra-op threads. The node:
 
 * inputs ``X`` ``(N, C, H, W)``, ``W`` ``(O, C/group, k, k)`` (the layer's weight as it is, grid order), optional
   ``B`` ``(O,)``; output ``Y``; all float32;
 * attributes: ``kernel_size``, ``strides``, ``dilations``, ``group``, ``pads`` (zeros, ``[top, left, bottom, right]``
-  as ONNX ``Conv`` orders them), and the sampling geometry as :func:`.geometry.get_geometry` computes it, which stays
-  the only place it is computed: ``taps``, ``tap_offsets`` (per sample in slot order and tap, ``(dy, dx)`` from window
-  pixel ``k // 2``), ``tap_weights``, ``segments`` (``[start, end)`` slot ranges sorted together), ``comparators``
-  (the sorting network's ``(lo, hi)`` pairs), ``slot_to_grid``; and ``sampling``, ``sorting`` for the reader.
+  as ONNX ``Conv`` orders them), and the sampling geometry as :func:`~timm_sortconv.ops.geometry.get_geometry`
+  computes it, which stays the only place it is computed: ``taps``, ``tap_offsets`` (per sample in slot order and
+  tap, ``(dy, dx)`` from window pixel ``k // 2``), ``tap_weights``, ``segments`` (``[start, end)`` slot ranges sorted
+  together), ``comparators`` (the sorting network's ``(lo, hi)`` pairs), ``slot_to_grid``; and ``sampling``,
+  ``sorting`` for the reader.
 
 Both exporters write it: the TorchScript-based one (``dynamo=False``) through a symbolic of the registered operator
-``timm_sortconv::sort_conv2d`` (registered only inside :func:`fused_export`), the dynamo one through
-:func:`translation_table`, an onnxscript translation of the same operator. While the switch is on, the ONNX branch of
-:func:`.functional.sort_conv2d_zero_padded` calls :func:`sort_conv2d_fused`, which checks the layer and records that
-operator, so that the exporter meets it.
+``timm_sortconv::sort_conv2d`` (:func:`register_symbolics`, at import), the dynamo one through
+:func:`translation_table`, an onnxscript translation of the same operator. Inside :func:`.lowering.fused_export` the
+lowering records that operator, so that the exporter meets it.
 
 What the node takes is what the kernel takes, in float32: any kernel size up to 15 (odd or even), stride, dilation,
 groups, zero padding on each side (other padding modes are ``Pad`` nodes before it), bias or none, square and polar
@@ -29,53 +29,28 @@ library).
 This module has no ``from __future__ import annotations``: the exporter reads the translation function's annotations
 as objects.
 """
-import contextlib
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from .geometry import ALIGNMENTS, SortGeometry, get_geometry
+from ..ops.geometry import ALIGNMENTS, SortGeometry, get_geometry
 
 __all__ = ["DOMAIN", "FusedExportError", "OP_NAME", "OPSET", "check_fused", "drop_unread_constants", "fold_batch_norms",
-           "fused_export", "fused_export_enabled", "node_attributes", "sort_conv2d_fused", "translation_table"]
+           "node_attributes", "register_symbolics", "translation_table"]
 
 DOMAIN = "timm_sortconv"
 OP_NAME = "SortConv2d"
 OPSET = 1
-#: The largest kernel size of the CPU kernel (:data:`.cpu_backend.MAX_KERNEL_SIZE`).
+#: The largest kernel size of the CPU kernel (:data:`timm_sortconv.ops.cpu_backend.MAX_KERNEL_SIZE`).
 MAX_KERNEL_SIZE = 15
 #: The sortings the node computes; the aligned ones export in standard operators.
 FUSED_SORTINGS = ("ring", "global", "c4", "c2")
 ALIGNED_SORTINGS = tuple(ALIGNMENTS)
 _TORCH_OP = "timm_sortconv::sort_conv2d"
-_ON = [False]
 
 
 class FusedExportError(ValueError):
     """An SC layer that the fused node cannot compute, found at export time."""
-
-
-def fused_export_enabled() -> bool:
-    """Whether exports write sorting layers as ``timm_sortconv::SortConv2d`` nodes (inside :func:`fused_export`)."""
-    return _ON[0]
-
-
-@contextlib.contextmanager
-def fused_export() -> Iterator[None]:
-    """Exports inside the ``with`` block write each sorting layer as one ``timm_sortconv::SortConv2d`` node (module
-    docstring); pass ``custom_opsets={"timm_sortconv": 1}`` to the TorchScript-based exporter and
-    ``custom_translation_table=translation_table()`` to the dynamo one (``timm_sortconv.onnx.export`` does both)."""
-    from torch.onnx import register_custom_op_symbolic, unregister_custom_op_symbolic
-
-    previous = _ON[0]
-    register_custom_op_symbolic(_TORCH_OP, _symbolic, 1)
-    _ON[0] = True
-    try:
-        yield
-    finally:
-        _ON[0] = previous
-        if not previous:
-            unregister_custom_op_symbolic(_TORCH_OP, 1)
 
 
 def check_fused(dtypes: Sequence[torch.dtype], kernel_size: Optional[int] = None,
@@ -119,15 +94,6 @@ def node_attributes(geometry: SortGeometry, stride: Sequence[int], padding: Sequ
         sampling=geometry.sampling, sorting=geometry.sorting)
 
 
-def sort_conv2d_fused(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], stride: List[int],
-                      padding: List[int], dilation: List[int], groups: int, sampling: str,
-                      sorting: str) -> torch.Tensor:
-    """The sorting layer as the registered operator, which the exporters write as the fused node; checked first."""
-    check_fused([t.dtype for t in (input, weight, bias) if t is not None], int(weight.shape[-1]), sorting)
-    return torch.ops.timm_sortconv.sort_conv2d(input, weight, bias, stride, padding, dilation, groups, sampling,
-                                               sorting, "auto")
-
-
 def _suffixed(name: str, value) -> str:
     """``g.op``'s keyword for an attribute: its kind as a suffix (an empty list is ints: a network of no
     comparators)."""
@@ -153,6 +119,14 @@ def _symbolic(g, input, weight, bias, stride, padding, dilation, groups, samplin
     out = g.op(f"{DOMAIN}::{OP_NAME}", *inputs, **named)
     out.setType(input.type().with_sizes([None] * 4))
     return out
+
+
+def register_symbolics() -> None:
+    """Registers :func:`_symbolic` with the TorchScript-based exporter (the registered operator is recorded only
+    inside :func:`.lowering.fused_export`, so this changes no other export)."""
+    from torch.onnx import register_custom_op_symbolic
+
+    register_custom_op_symbolic(_TORCH_OP, _symbolic, 1)
 
 
 def _op_schema():

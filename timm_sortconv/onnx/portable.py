@@ -17,7 +17,7 @@ each SC layer is written as a few standard operators, in three steps that mirror
    ``c*k*k + s``), the groups and the bias of the layer: the same products as the layer's convolution.
 
 The aligned variants (``sorting="align"``, ``"align-channel"``) export through their standard-operator form, the
-``harmonic`` backend (:func:`~timm_sortconv.ops.alignment.align_conv2d_harmonic`).
+``harmonic`` backend (:func:`~timm_sortconv.ops.alignment.align_conv2d_harmonic`): :mod:`.lowering` chooses.
 
 The graph's cost against the layer's plain convolution is the sorting network's passes over memory: each comparator
 reads two maps of ``N*C*Ho*Wo`` values and writes two, where a convolution reads its input once. ``BENCHMARKS.md``
@@ -25,42 +25,27 @@ reads two maps of ``N*C*Ho*Wo`` values and writes two, where a convolution reads
 same network on groups of channels small enough for the cache (sized for one image), ``"layered"``, the network a layer
 of disjoint comparators at a time on the whole stack of samples (six nodes a layer instead of two a comparator), and
 ``"reference"``, the reference path as traced (one ``TopK`` per segment). ``"network"`` is the default;
-:func:`decomposition` selects another while exporting.
+:func:`timm_sortconv.onnx.decomposition` selects another while exporting.
 """
 from __future__ import annotations
 
-import contextlib
 import math
-from typing import Iterator, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from .geometry import SortGeometry
-from .reference import slot_weight, sort_conv2d_reference
+from ..ops.geometry import SortGeometry
+from ..ops.reference import slot_weight, sort_conv2d_reference
 
-__all__ = ["DECOMPOSITIONS", "decomposition", "sort_conv2d_portable"]
+__all__ = ["DECOMPOSITIONS", "sort_conv2d_portable"]
 
 #: The ways an SC layer can be written in standard operators (module docstring).
 DECOMPOSITIONS = ("network", "chunked", "layered", "reference")
-_CHOSEN = ["network"]
 #: The values a chunk's sorting network keeps live, at most, in "chunked" (for one image): about the L2 cache of one
 #: core; and the most chunks a layer is cut into (each repeats the layer's network in the graph).
 CHUNK_VALUES = 1 << 18
 MAX_CHUNKS = 16
-
-
-@contextlib.contextmanager
-def decomposition(name: str) -> Iterator[None]:
-    """Exports inside the ``with`` block write SC layers as ``name`` (one of :data:`DECOMPOSITIONS`)."""
-    if name not in DECOMPOSITIONS:
-        raise ValueError(f"unknown decomposition={name!r}; accepted: {', '.join(map(repr, DECOMPOSITIONS))}")
-    previous = _CHOSEN[0]
-    _CHOSEN[0] = name
-    try:
-        yield
-    finally:
-        _CHOSEN[0] = previous
 
 
 def _sampling_filters(geometry: SortGeometry, like: torch.Tensor) -> torch.Tensor:
@@ -113,14 +98,14 @@ def _layered(samples: torch.Tensor, geometry: SortGeometry) -> Tuple[torch.Tenso
 
 
 def _sample_and_sort(x: torch.Tensor, geometry: SortGeometry, stride: Tuple[int, int], padding: Tuple[int, int],
-                     dilation: Tuple[int, int]) -> Tuple[torch.Tensor, List[int]]:
+                     dilation: Tuple[int, int], layered: bool) -> Tuple[torch.Tensor, List[int]]:
     """``x`` ``(N, C, H, W)`` -> ``(N, C*k*k, Ho, Wo)``: each channel's windows sampled and sorted, channel ``c``'s
     ``i``-th map at ``c*k*k + i``; and the slot each map holds (``held[i]``; in slot order but for ``"layered"``)."""
     channels, height, width = int(x.shape[1]), x.shape[2], x.shape[3]
     samples = F.conv2d(x.reshape(-1, 1, height, width), _sampling_filters(geometry, x), None, stride, padding,
                        dilation)
     ho, wo = samples.shape[2], samples.shape[3]
-    if _CHOSEN[0] == "layered":
+    if layered:
         samples, held = _layered(samples, geometry)
     else:
         samples, held = _sorted_maps(samples, geometry), list(range(samples.shape[1]))
@@ -129,11 +114,13 @@ def _sample_and_sort(x: torch.Tensor, geometry: SortGeometry, stride: Tuple[int,
 
 def sort_conv2d_portable(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], geometry: SortGeometry,
                          stride: Tuple[int, int], padding: Tuple[int, int, int, int], dilation: Tuple[int, int],
-                         groups: int) -> torch.Tensor:
-    """SC of ``x`` with zero ``padding = (left, right, top, bottom)`` in standard operators (the module docstring);
-    the same function as the reference path. The sorting variants only: the aligned ones export through
-    :func:`~timm_sortconv.ops.alignment.align_conv2d_harmonic`."""
-    name = _CHOSEN[0]
+                         groups: int, decomposition: str = "network") -> torch.Tensor:
+    """SC of ``x`` with zero ``padding = (left, right, top, bottom)`` in standard operators, the sorting network
+    written as ``decomposition`` (the module docstring); the same function as the reference path. The sorting
+    variants only: the aligned ones export through :func:`~timm_sortconv.ops.alignment.align_conv2d_harmonic`."""
+    if decomposition not in DECOMPOSITIONS:
+        raise ValueError(f"unknown decomposition={decomposition!r}; accepted: {', '.join(map(repr, DECOMPOSITIONS))}")
+    name = decomposition
     if padding[0] != padding[1] or padding[2] != padding[3] or name == "reference":
         x = F.pad(x, list(padding)) if any(padding) else x
         padding = (0, 0, 0, 0)
@@ -145,11 +132,11 @@ def sort_conv2d_portable(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
         per_channel = geometry.kernel_size ** 2 * int(x.shape[2]) * int(x.shape[3])
         chunks = min(MAX_CHUNKS, max(1, math.ceil(channels * per_channel / CHUNK_VALUES)))
         step = math.ceil(channels / chunks)
-        parts = [_sample_and_sort(x[:, c:c + step], geometry, stride, pad, dilation)[0]
+        parts = [_sample_and_sort(x[:, c:c + step], geometry, stride, pad, dilation, False)[0]
                  for c in range(0, channels, step)]
         columns, held = (parts[0] if len(parts) == 1 else torch.cat(parts, 1)), list(range(geometry.kernel_size ** 2))
     else:
-        columns, held = _sample_and_sort(x, geometry, stride, pad, dilation)
+        columns, held = _sample_and_sort(x, geometry, stride, pad, dilation, name == "layered")
     kernel = slot_weight(weight, geometry)
     if held != sorted(held):  # map i of each channel holds slot held[i]: the weight follows, not the maps
         kernel = kernel[:, :, held]

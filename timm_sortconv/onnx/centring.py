@@ -1,0 +1,165 @@
+"""The centring of strided grids (:mod:`timm_sortconv.grid`) in ONNX: the TorchScript-based exporter's translations of
+``timm_sortconv::centre_grid`` and ``timm_sortconv::centre_grid_same``, which ``torch.jit.trace`` records where a
+layer centres its grid.
+
+Where the exporter knows the input's height and width (a static shape: the sizes of every layer follow from the
+example's), the rule is worked out here and written as the nodes it needs at that size: nothing where the grid is
+centred already, otherwise a ``Slice`` pair, an ``Add`` and a ``Mul`` by one half for a half-pixel read, and a
+``Slice`` for a crop (or a ``Pad`` for "SAME" padding). Where a size is dynamic, the same rule is computed in the
+graph from the input's shape (``Shape``, ``Mod``, ``Div``, ``Where``) and applied without branches: the half-pixel
+read of an axis whose residue is even takes the mean of the input with itself, ``(x + x) * 0.5 = x`` exactly. No
+``If`` node is written, so every runtime's type inference takes the graph at a static shape as at a dynamic one.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+
+from ..grid import centre_grid_residues, same_padding_totals
+
+__all__ = ["register_symbolics"]
+
+
+def _constant(g, values: Sequence[int]):
+    return g.op("Constant", value_t=torch.tensor(list(values), dtype=torch.int64))
+
+
+def _static_sizes(x) -> Optional[List[int]]:
+    """The input's height and width where the exporter knows them, else ``None``."""
+    from torch.onnx import symbolic_helper
+
+    sizes = symbolic_helper._get_tensor_sizes(x)
+    if not sizes or len(sizes) < 2 or sizes[-1] is None or sizes[-2] is None:
+        return None
+    return [int(sizes[-2]), int(sizes[-1])]
+
+
+def _rank(x) -> int:
+    from torch.onnx import symbolic_helper
+
+    rank = symbolic_helper._get_tensor_rank(x)
+    if rank is None:
+        raise ValueError("ONNX export: a centred layer's input has no known rank")
+    return rank
+
+
+def _slice(g, x, start, end, dim: int):
+    """``x[start:end]`` along ``dim``; ``start`` and ``end`` ints or 1-element int64 values of the graph."""
+    bound = (lambda v: _constant(g, [v]) if isinstance(v, int) else v)
+    return g.op("Slice", x, bound(start), bound(end), _constant(g, [dim]))
+
+
+def _half_pixel_static(g, x, dim: int, size: int):
+    return g.op("Mul", g.op("Add", _slice(g, x, 0, size - 1, dim), _slice(g, x, 1, size, dim)),
+                g.op("Constant", value_t=torch.tensor(0.5)))
+
+
+def _centre_static(g, x, rank: int, sizes: List[int], residues: List[int]):
+    for axis in range(2):
+        if residues[axis] % 2 == 1:
+            x = _half_pixel_static(g, x, rank - 2 + axis, sizes[axis])
+            sizes[axis] -= 1
+    for axis in range(2):
+        crop = residues[axis] // 2
+        if crop > 0:
+            x = _slice(g, x, crop, sizes[axis] - crop, rank - 2 + axis)
+    return x
+
+
+def _centre_dynamic(g, x, rank: int, kernel_size, stride, padding, dilation, min_size: int):
+    """:func:`timm_sortconv.grid.centre_grid` computed from the input's shape: per strided axis the residue
+    ``r`` (0 where the span is negative or the crop would leave fewer than ``min_size`` pixels), a half-pixel read of
+    ``r % 2`` pixels and a crop of ``r // 2`` on each side."""
+    shape = g.op("Shape", x)
+    zero, two = _constant(g, [0]), _constant(g, [2])
+    for axis in range(2):
+        if stride[axis] == 1:
+            continue
+        dim = rank - 2 + axis
+        size = g.op("Gather", shape, _constant(g, [dim]), axis_i=0)
+        span = g.op("Add", size, _constant(g, [2 * padding[axis] - dilation[axis] * (kernel_size[axis] - 1) - 1]))
+        excess = g.op("Mod", span, _constant(g, [stride[axis]]))
+        skip = g.op("Or", g.op("Less", span, zero), g.op("Less", g.op("Sub", size, excess), _constant(g, [min_size])))
+        excess = g.op("Where", skip, zero, excess)
+        half, crop = g.op("Mod", excess, two), g.op("Div", excess, two)
+        kept = g.op("Sub", size, half)
+        x = g.op("Mul", g.op("Add", _slice(g, x, zero, kept, dim), _slice(g, x, half, size, dim)),
+                 g.op("Constant", value_t=torch.tensor(0.5)))
+        x = _slice(g, x, crop, g.op("Sub", kept, crop), dim)
+    return x
+
+
+def _centre_grid_symbolic(g, x, kernel_size, stride, padding, dilation, min_size):
+    from torch.onnx import symbolic_helper
+
+    kernel_size, stride, padding, dilation = (symbolic_helper._get_const(v, "is", name) for v, name in (
+        (kernel_size, "kernel_size"), (stride, "stride"), (padding, "padding"), (dilation, "dilation")))
+    min_size = symbolic_helper._get_const(min_size, "i", "min_size")
+    rank = _rank(x)
+    sizes = _static_sizes(x)
+    if sizes is not None:
+        residues = centre_grid_residues(sizes[0], sizes[1], kernel_size, stride, padding, dilation, min_size)
+        return _centre_static(g, x, rank, sizes, residues)
+    return _centre_dynamic(g, x, rank, kernel_size, stride, padding, dilation, min_size)
+
+
+def _centre_same_dynamic(g, x, rank: int, kernel_size, stride, dilation):
+    """:func:`timm_sortconv.grid.centre_grid_same` computed from the input's shape: per axis the total padding of
+    "SAME", a half-pixel read where it is odd, then a crop (a negative total) and a pad (a positive one) of half the
+    rest on each side, one of them of 0 pixels."""
+    shape = g.op("Shape", x)
+    zero, two = _constant(g, [0]), _constant(g, [2])
+    pads = []
+    for axis in range(2):
+        dim = rank - 2 + axis
+        size = g.op("Gather", shape, _constant(g, [dim]), axis_i=0)
+        outputs = g.op("Div", g.op("Add", size, _constant(g, [stride[axis] - 1])), _constant(g, [stride[axis]]))
+        total = g.op("Sub", g.op("Add", g.op("Mul", g.op("Sub", outputs, _constant(g, [1])),
+                                             _constant(g, [stride[axis]])),
+                                 _constant(g, [dilation[axis] * (kernel_size[axis] - 1) + 1])), size)
+        half = g.op("Mod", total, two)
+        kept = g.op("Sub", size, half)
+        x = g.op("Mul", g.op("Add", _slice(g, x, zero, kept, dim), _slice(g, x, half, size, dim)),
+                 g.op("Constant", value_t=torch.tensor(0.5)))
+        side = g.op("Div", g.op("Add", total, half), two)  # even: exact, whatever its sign
+        crop = g.op("Max", g.op("Neg", side), zero)
+        x = _slice(g, x, crop, g.op("Sub", kept, crop), dim)
+        pads.append(g.op("Max", side, zero))
+    before = [zero] * (rank - 2) + pads
+    return g.op("Pad", x, g.op("Concat", *before, *before, axis_i=0))
+
+
+def _centre_grid_same_symbolic(g, x, kernel_size, stride, dilation):
+    from torch.onnx import symbolic_helper
+
+    kernel_size, stride, dilation = (symbolic_helper._get_const(v, "is", name) for v, name in (
+        (kernel_size, "kernel_size"), (stride, "stride"), (dilation, "dilation")))
+    rank = _rank(x)
+    sizes = _static_sizes(x)
+    if sizes is None:
+        return _centre_same_dynamic(g, x, rank, kernel_size, stride, dilation)
+    totals = same_padding_totals(sizes[0], sizes[1], kernel_size, stride, dilation)
+    for axis in range(2):
+        if totals[axis] % 2 == 1:
+            x = _half_pixel_static(g, x, rank - 2 + axis, sizes[axis])
+            sizes[axis] -= 1
+    pads = [0] * (2 * rank)
+    for axis in range(2):
+        side = (totals[axis] + totals[axis] % 2) // 2
+        dim = rank - 2 + axis
+        if side < 0:
+            x = _slice(g, x, -side, sizes[axis] + side, dim)
+        else:
+            pads[dim] = pads[rank + dim] = side
+    if any(pads):
+        x = g.op("Pad", x, _constant(g, pads))
+    return x
+
+
+def register_symbolics() -> None:
+    """Registers the translations with the TorchScript-based exporter (at import of :mod:`timm_sortconv.onnx`)."""
+    from torch.onnx import register_custom_op_symbolic
+
+    register_custom_op_symbolic("timm_sortconv::centre_grid", _centre_grid_symbolic, 1)
+    register_custom_op_symbolic("timm_sortconv::centre_grid_same", _centre_grid_same_symbolic, 1)

@@ -1,0 +1,137 @@
+"""Exporting SC models to ONNX: :func:`export`, the call with the settings this package measures and tests.
+
+``torch.onnx.export`` takes an SC model as it is, with either exporter, at a static shape or with dynamic axes:
+every SC layer is written in standard operators (:mod:`.portable`) and every centring of a strided grid without
+branches (:mod:`.centring`), so the file runs in any ONNX runtime with nothing to install. :func:`export` is that
+call with an input ``x`` and an output ``y`` with a dynamic batch (``dynamic_size=True``: a dynamic height and width
+too), and with ``fused=True`` each sorting layer as one ``timm_sortconv::SortConv2d`` node (:mod:`.fused`), run by
+the package's library in onnxruntime (:mod:`.runtime`).
+
+Example:
+    >>> import timm, io
+    >>> model = timm.create_model("scnn_p_rs_3").eval()
+    >>> export(model, torch.randn(1, 1, 28, 28), io.BytesIO())
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import warnings
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+import torch.nn as nn
+
+from .fused import (DOMAIN, OPSET, FusedExportError, check_fused, drop_unread_constants, fold_batch_norms,
+                    translation_table)
+from .lowering import fused_export
+
+__all__ = ["check_model", "export"]
+
+
+def check_model(model: nn.Module, example: Optional[torch.Tensor] = None) -> None:
+    """Raises :class:`FusedExportError` where a sorting layer of ``model`` (run on ``example``) cannot be written as
+    the fused node: before the export, so that the error is this one and not the exporter's wrapping of it."""
+    from ..layers import SortConv2d
+
+    for name, module in model.named_modules():
+        if isinstance(module, SortConv2d):
+            try:
+                check_fused([p.dtype for p in (module.weight, module.bias) if p is not None], module.kernel_size[0],
+                            module.sorting)
+            except FusedExportError as error:
+                raise FusedExportError(f"{error} [layer {name}]") from None
+    if example is not None:
+        check_fused([example.dtype])
+
+
+def export(model: nn.Module, example: torch.Tensor, f, *, dynamo: bool = False, dynamic_size: bool = False,
+           opset_version: int = 18, fused: bool = False) -> None:
+    """Exports ``model`` (in evaluation mode) at ``example``'s shape to ``f`` (a path or a binary file object).
+
+    Args:
+        model: any model, SC layers included.
+        example: an input ``(N, C, H, W)``.
+        f: where the ``.onnx`` file goes.
+        dynamo: ``torch.onnx.export``'s ``dynamo`` (the TorchScript-based exporter by default, which writes a file
+            onnxruntime loads with every opset since 13).
+        dynamic_size: a dynamic height and width beside the dynamic batch. With ``dynamo=True`` a model that centres
+            a strided grid (the default ``stride_align="centre"`` of its strided layers) is refused with a
+            ``ValueError`` saying what to do instead: ``torch.export`` follows the centring at one size only.
+        opset_version: the ONNX opset (18 by default).
+        fused: each sorting layer as one ``timm_sortconv::SortConv2d`` node (module docstring), which only
+            onnxruntime with the library of :func:`.runtime.library_path` runs (:func:`.runtime.session`); float32
+            only. A ``BatchNormalization`` that alone reads a node's output is folded into its weight and bias
+            (:func:`.fused.fold_batch_norms`), as the exporters fold one into a convolution. A layer the
+            node cannot compute raises :class:`FusedExportError` before anything is exported; the aligned variants
+            stay in standard operators. Default: standard operators only.
+    """
+    if dynamo and dynamic_size:
+        _refuse_dynamic_centring(model)
+    if fused:
+        import onnx  # (the package onnx, not this module)
+
+        check_model(model, example)
+        buffer = io.BytesIO()
+        _export(model, example, buffer, dynamo, dynamic_size, opset_version, fused)
+        exported = onnx.load_from_string(buffer.getvalue())
+        fold_batch_norms(exported)
+        drop_unread_constants(exported)
+        data = exported.SerializeToString()
+        if isinstance(f, (str, os.PathLike)):
+            Path(f).write_bytes(data)
+        else:
+            f.write(data)
+        return
+    _export(model, example, f, dynamo, dynamic_size, opset_version, fused)
+
+
+def _centring_layers(model: nn.Module) -> List[str]:
+    """The modules of ``model`` whose strided grid is centred for the input's size (:mod:`.grid`)."""
+    from ..antialias import BlurPool2d
+    from ..grid import CENTRED_LAYERS
+    from ..layers import SortConv2d, SortConv2dSame
+
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(module, SortConv2dSame):
+            centring = module.stride_align == "centre"
+        elif isinstance(module, SortConv2d):
+            centring = module.stride_align == "centre" and module.stride != (1, 1)
+        else:
+            centring = isinstance(module, CENTRED_LAYERS) or (
+                isinstance(module, BlurPool2d) and module.stride_align == "centre")
+        if centring:
+            found.append(name or "<root>")
+    return found
+
+
+def _refuse_dynamic_centring(model: nn.Module) -> None:
+    """Raises the error of :func:`export` for a dynamic size under the dynamo exporter where ``model`` centres a
+    strided grid: ``torch.export`` follows the centring's branches at one size, and the exporter may specialise the
+    declared dynamic size silently instead of failing, which would write a graph that is wrong at other sizes."""
+    layers = _centring_layers(model)
+    if layers:
+        shown = ", ".join(layers[:3]) + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
+        raise ValueError(f"dynamo=True with dynamic_size=True: {shown} centre a strided grid for the input's actual "
+                         "size (timm_sortconv.grid), which torch.export cannot follow for a dynamic height or width; "
+                         "export with dynamo=False (the TorchScript-based exporter, whose graph centres at every "
+                         "size), at a fixed size, or build the model with stride_align='corner'")
+
+
+def _export(model, example, f, dynamo, dynamic_size, opset_version, fused) -> None:
+    axes = {0: "batch", 2: "height", 3: "width"} if dynamic_size else {0: "batch"}
+    with warnings.catch_warnings(), (fused_export() if fused else contextlib.nullcontext()):
+        warnings.simplefilter("ignore", category=(torch.jit.TracerWarning, DeprecationWarning, FutureWarning))
+        if dynamo:
+            # by position, not by name: a model's forward may call its input otherwise than "x"
+            shapes = ({axis: torch.export.Dim(name, min=2 if axis else 1) for axis, name in axes.items()},)
+            extra = dict(custom_translation_table=translation_table()) if fused else {}
+            torch.onnx.export(model, (example,), f, dynamo=True, opset_version=opset_version, input_names=["x"],
+                              output_names=["y"], dynamic_shapes=shapes, **extra)
+        else:
+            extra = dict(custom_opsets={DOMAIN: OPSET}) if fused else {}
+            torch.onnx.export(model, (example,), f, dynamo=False, opset_version=opset_version, input_names=["x"],
+                              output_names=["y"], dynamic_axes={"x": axes, "y": {0: "batch"}}, **extra)
