@@ -9,8 +9,8 @@ written by hand and holds no figure that another document holds.
 
     python scripts/docs.py            # rewrite the blocks from the stored results
     python scripts/docs.py --check    # exit 1 naming every block that differs (tests/test_docs.py runs it)
-    python scripts/docs.py --record-demo output/demo --minutes 7.6 --load "idle"   # store a demo run, then rewrite
-    python scripts/docs.py --record-demo DIR --minutes M --other-cpu "how it ran"    # ... as another CPU's run
+    python scripts/docs.py --record-demo output/demo              # store a demo run (its time and load), then rewrite
+    python scripts/docs.py --record-demo DIR --other-cpu "how it ran"    # ... as another CPU's run
 
 Stored results read here:
 
@@ -27,7 +27,7 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 REPO = Path(__file__).resolve().parents[1]
 DOCUMENTS = ("README.md", "RESULTS.md", "BENCHMARKS.md")
@@ -75,7 +75,7 @@ def speed() -> str:
         lines.append(f"| {ISA_NAMES[isa]} | {threads_label(rows[0])} | {len(rows)} | {span(fwd)} | {span(fb)} | "
                      f"{training[(isa, threads)]:.2f} |")
     gpu_rows = read_csv(BENCH / "gpu_training.csv")
-    lines += ["", f"Measured on {machine}, 2026-11-25/26 (`BENCHMARKS.md` has the tables and commands).", "",
+    lines += ["", f"Measured on {machine}, 2026-11-25/26 (the tables below give the commands).", "",
               "| GPU training step (`backend=\"auto\"`) | float32 images/s / twin's | bfloat16 autocast |",
               "|---|---|---|"]
     by_model: Dict[str, Dict[str, float]] = {}
@@ -95,49 +95,44 @@ def speed() -> str:
 
 
 def speed_brief() -> str:
-    """The speed headline in three sentences (README.md), from the same rows as :func:`speed`."""
-    fwd, fb = [], []
-    for rows in cpu_groups().values():
-        fwd += [float(r["sc_fwd_ms"]) / float(r["conv_fwd_ms"]) for r in rows]
-        fb += [float(r["sc_fb_ms"]) / float(r["conv_fb_ms"]) for r in rows]
+    """The speed headline in two sentences (README.md), from the same rows as :func:`speed`."""
+    fb = [float(r["sc_fb_ms"]) / float(r["conv_fb_ms"]) for rows in cpu_groups().values() for r in rows]
     training = [float(r["images_s"]) / float(r["baseline_images_s"]) for r in read_csv(BENCH / "cpu_training.csv")
                 if r["precision"] == "float32"]
     layers = read_csv(BENCH / "cpu_layers.csv")
     gpu_rows = read_csv(BENCH / "gpu_training.csv")
-    by_model: Dict[str, List[float]] = {}
-    for r in gpu_rows:
-        by_model.setdefault(r["model"], []).append(float(r["images_s"]) / float(r["twin_images_s"]))
-    gpu_layers = [r for r in read_csv(BENCH / "gpu_layers.csv") if r["k"] == "7"]
-    return (f"On a CPU ({layers[0]['machine'].split(' (')[0]}; AVX-512 and AVX2, 1 and 2 threads) the fused kernel "
-            f"takes {span(fwd)} the time of `F.conv2d` for a layer's forward and {span(fb)} for forward and backward "
-            f"({len(layers) // 4} layer shapes x 4 settings), and `scnn_p_rs_7` trains at {span(training, suffix='')} "
-            f"of its plain twin's images/s. On an {gpu_rows[0]['gpu'].split(',')[0]} "
-            f"({gpu_rows[0]['date'][:10]}) training ran at "
-            + ", ".join(f"{span(ratios, suffix='')} (`{model}`)" for model, ratios in by_model.items())
-            + f" of the twins' speed, the 7x7 layers at {min(float(r['fb_fp32_min']) for r in gpu_layers):.0f}-"
-              f"{max(float(r['fb_fp32_max']) for r in gpu_layers):.0f}x the convolution's forward+backward "
-              "(`BENCHMARKS.md`: tables, commands, machines).")
+    gpu = [float(r["images_s"]) / float(r["twin_images_s"]) for r in gpu_rows]
+    return (f"On a CPU ({layers[0]['machine'].split(' (')[0]}; AVX-512 and AVX2, 1 and 2 threads) a layer's forward and "
+            f"backward take {span(fb)} the time of `F.conv2d`'s ({len(layers) // 4} layer shapes) and `scnn_p_rs_7` "
+            f"trains at {span(training, suffix='')} of its plain twin's images/s; on an "
+            f"{gpu_rows[0]['gpu'].split(',')[0]} ({gpu_rows[0]['date'][:10]}) the SC models train at "
+            f"{span(gpu, suffix='')} of their twins' speed (`BENCHMARKS.md`).")
 
 
-def cpu_layers(isa: str) -> Callable[[], str]:
-    def block() -> str:
-        groups = {key[1]: rows for key, rows in cpu_groups().items() if key[0] == isa}
-        one, two = groups["1"], groups["2"]
-        head = ["shape", "variant"] + [f"{t}T {c}" for t in (1, 2) for c in
-                                       ("conv fwd", "conv f+b", "SC fwd", "SC f+b", "SC/conv fwd", "SC/conv f+b")]
-        lines = [f"`1T`: `{one[0]['command']}` ({one[0]['date']}). `2T`: `{two[0]['command']}` ({two[0]['date']}). "
-                 f"Package at {one[0]['commit']}; milliseconds.", "",
-                 "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        for a, b in zip(one, two):
-            assert (a["shape"], a["variant"]) == (b["shape"], b["variant"])
-            cells = [a["shape"], a["variant"]]
-            for r in (a, b):
-                cells += [r["conv_fwd_ms"], r["conv_fb_ms"], r["sc_fwd_ms"], r["sc_fb_ms"],
-                          f"{float(r['sc_fwd_ms']) / float(r['conv_fwd_ms']):.2f}x",
-                          f"{float(r['sc_fb_ms']) / float(r['conv_fb_ms']):.2f}x"]
-            lines.append("| " + " | ".join(cells) + " |")
-        return "\n".join(lines)
-    return block
+def cpu_layers() -> str:
+    """Per layer shape, the SC/conv time ratios (forward / forward+backward, the range over the four variants) at
+    each instruction set and thread count; every row's milliseconds are in ``cpu_layers.csv``."""
+    groups = cpu_groups()
+    shapes = list(dict.fromkeys(r["shape"] for rows in groups.values() for r in rows))
+    prefix = "ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 "
+    commands = list(dict.fromkeys(rows[0]["command"].removeprefix(prefix) for rows in groups.values()))
+    dates = sorted(r["date"][:10] for rows in groups.values() for r in rows)
+    first = next(iter(groups.values()))[0]
+    when = dates[0] + (f" to {dates[-1]}" if dates[-1] != dates[0] else "")
+    lines = [" and ".join(f"`{c}`" for c in commands) + f" (AVX2 columns: `{prefix.strip()}` before it), {when}, "
+             f"package at {first['commit']}; SC time / `F.conv2d` time, forward / forward+backward, the range over "
+             "polar and square sampling and ring and global sorting:", "",
+             "| shape (batch, channels, map, k) | " + " | ".join(f"{ISA_NAMES[isa]}, {threads_label(rows[0])}"
+                                                              for (isa, _, _), rows in groups.items()) + " |",
+             "|---|" + "---|" * len(groups)]
+    for shape in shapes:
+        cells = []
+        for rows in groups.values():
+            mine = [r for r in rows if r["shape"] == shape]
+            cells.append(f"{span(float(r['sc_fwd_ms']) / float(r['conv_fwd_ms']) for r in mine)} / "
+                         f"{span(float(r['sc_fb_ms']) / float(r['conv_fb_ms']) for r in mine)}")
+        lines.append(f"| {shape} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def cpu_training() -> str:
@@ -268,60 +263,46 @@ DEMO_ANGLES = (0, 30, 60, 90, 130, 180, 270, 310)
 
 
 def demo() -> str:
+    """The demo's table, and one line: how it ran, how far other CPUs move it (every stored run's mean of 36,
+    ``meta["other_cpus"]``) and what the demo checks at its end (:mod:`timm_sortconv.cli.demo`'s constants)."""
+    sys.path.insert(0, str(REPO))
+    from timm_sortconv.cli import demo as demo_tool
+
     meta = json.loads((DEMO / "demo.json").read_text())
     rows = read_csv(DEMO / "rotation_sweep.csv")
     models = [name for name in rows[0] if name != "angle"]
     by_angle = {int(float(r["angle"])): r for r in rows}
+    others = [run for run in meta.get("other_cpus", []) if "minutes" in run]
     lines = ["| angle | " + " | ".join(str(a) for a in DEMO_ANGLES) + " | mean of 36 |",
              "|---|" + "---|" * (len(DEMO_ANGLES) + 1)]
+    means = {}
     for name in models:
         label = meta["labels"].get(name, name)
         values = [float(by_angle[a][name]) for a in DEMO_ANGLES]
-        mean = sum(float(r[name]) for r in rows) / len(rows)
-        lines.append(f"| {label} | " + " | ".join(f"{v:.1f}" for v in values) + f" | **{mean:.2f}** |")
-    lines += ["", f"Top-1 % on the sample's {meta['test_images']} test images after one epoch on "
-              f"{meta['train_images']:,}; `{meta['command']}` took {meta['minutes']:.1f} min on {meta['machine']} "
-              f"({meta['date']}, the kernel's {meta['isa']} build, {meta['load']}). " + other_cpus(meta, models, rows)]
-    return "\n".join(lines)
-
-
-def other_cpus(meta: dict, models: Sequence[str], rows: List[Dict[str, str]]) -> str:
-    """What the demo's figures depend on, with the same command's upright and mean figures on the other CPUs of
-    ``meta["other_cpus"]`` (as their runs reported them) beside this run's, their range over every CPU, and the checks
-    the demo prints (:mod:`timm_sortconv.cli.demo`'s constants)."""
-    sys.path.insert(0, str(REPO))
-    from timm_sortconv.cli import demo as demo_tool
-
-    def figures(upright, mean):
-        return " and ".join(f"{upright[m]:.1f} / {mean[m]:.2f} ({'SC' if 'baseline' not in m else 'plain'})"
-                            for m in models)
-
-    upright_here = {m: float(rows[0][m]) for m in models}
-    mean_here = {m: sum(float(r[m]) for r in rows) / len(rows) for m in models}
-    others = meta.get("other_cpus", [])
-    runs = "; ".join(f"on {run['machine']} ({run['date']}, the kernel's {run['isa']} build"
-                     f"{' too' if run['isa'] == meta['isa'] else ''}, {run['where']}"
-                     + (f", {run['minutes']:.1f} min" if "minutes" in run else "")
-                     + f") {figures(run['upright'], run['mean'])}" for run in others)
-    means = {m: [mean_here[m]] + [run["mean"][m] for run in others] for m in models}
+        means[name] = [sum(float(r[name]) for r in rows) / len(rows)]
+        means[name] += [run["mean"][name] for run in others]
+        lines.append(f"| {label} | " + " | ".join(f"{v:.1f}" for v in values) + f" | **{means[name][0]:.2f}** |")
     sc = next(m for m in models if "baseline" not in m)
     plain = next(m for m in models if "baseline" in m)
     low, high = demo_tool.EXPECTED_SC_MEAN
-    return ("The figures depend on the CPU, not only on its instruction set: PyTorch's CPU libraries (MKL, oneDNN) "
-            "pick their kernels by CPU, so a training step's sums run in another order and one epoch ends at other "
-            "weights; the plain twin, which runs no SC kernel, moves too. Upright / mean of 36: "
-            f"{figures(upright_here, mean_here)} here; {runs}. Mean of 36 over these {1 + len(others)} runs: SC "
-            f"{span(means[sc], suffix='')}, plain {span(means[plain], suffix='')}. A right run, on any CPU (the demo "
-            "checks it at its end and exits with status 1 if not): SC scores the same images at the four quarter "
-            f"turns and its mean of 36 lies at least {demo_tool.MIN_MARGIN:g} points above the plain network's; it "
-            f"is expected within {low:g}-{high:g} (outside, the demo warns).")
+    lines += ["", f"Top-1 % on the sample's {meta['test_images']} test images after one epoch on "
+              f"{meta['train_images']:,}; `{meta['command']}`: {meta['minutes']:.1f} min on {meta['machine']} "
+              f"({meta['date']}, the kernel's {meta['isa']} build, {meta['load']})"
+              + (f"; {span([run['minutes'] for run in others], digits=1, suffix=' min')} on the other CPUs stored"
+                 if others else "") + ". Other CPUs end the epoch at other "
+              f"weights (PyTorch picks its kernels by CPU): mean of 36 over the {len(means[sc])} "
+              f"stored runs (`results/demo/demo.json`) SC {span(means[sc], suffix='')}, plain "
+              f"{span(means[plain], suffix='')}. The demo exits with status 1 unless SC scores the same images at "
+              f"the four quarter turns and its mean lies {demo_tool.MIN_MARGIN:g} points or more above the plain "
+              f"network's; it warns outside {low:g}-{high:g}."]
+    return "\n".join(lines)
 
 
-def record_demo(folder: Path, minutes: float, load: str, where: str = "") -> None:
+def record_demo(folder: Path, minutes: Optional[float] = None, load: Optional[str] = None, where: str = "") -> None:
     """Stores the demo's sweep (``rotation_sweep.csv`` of its ``--output`` folder) with how it ran, for :func:`demo`:
-    its command, the images it trained on and swept and the machine it ran on (the CPU, the kernel's level, the
-    threads: from the folder's ``run.json``, which the demo writes), its minutes (measured by the caller, e.g. with
-    ``time``) and the load. The runs on other CPUs (``other_cpus``) are kept. With ``where`` (how it ran, in words:
+    its command, the images it trained on and swept, the machine it ran on (the CPU, the kernel's level, the threads),
+    its minutes and the load it ran under, all from the folder's ``run.json``, which the demo writes (``minutes`` and
+    ``load``, in words, replace what it measured). The runs on other CPUs (``other_cpus``) are kept. With ``where`` (how it ran, in words:
     the clone, a forced instruction-set level) the run is stored as one of the other CPUs instead (its upright and
     mean figures, minutes, and ``where`` with the load), beside the stored sweep, replacing an earlier one of the same
     machine and level."""
@@ -334,6 +315,14 @@ def record_demo(folder: Path, minutes: float, load: str, where: str = "") -> Non
         raise SystemExit(f"{folder / 'run.json'} does not say what the demo ran on (written by an older demo): run "
                          "the demo again")
     machine = f"{run['machine']['cpu']}, {run['machine']['threads']} threads"
+    if minutes is None:
+        if "seconds" not in run:
+            raise SystemExit(f"{folder / 'run.json'} does not say how long the demo took: give --minutes")
+        minutes = round(run["seconds"] / 60, 1)
+    if load is None:
+        measured = [value for value in run.get("load_average", []) if value is not None]
+        load = (f"load average {span(measured, digits=1, suffix='')} on {run['machine']['logical_cpus']} logical CPUs"
+                if measured else "")
     isa = run["machine"]["kernel_isa"] or "reference path (no kernel)"
     date = time.strftime("%Y-%m-%d", time.gmtime())
     stored = json.loads((DEMO / "demo.json").read_text()) if (DEMO / "demo.json").is_file() else {}
@@ -437,7 +426,7 @@ def decision(table: str) -> Callable[[], str]:
 
 
 BLOCKS: Dict[str, Callable[[], str]] = {
-    "speed": speed, "speed-brief": speed_brief, "mnist-brief": mnist_brief, "cpu-layers-avx512": cpu_layers("avx512"), "cpu-layers-avx2": cpu_layers("avx2"),
+    "speed": speed, "speed-brief": speed_brief, "mnist-brief": mnist_brief, "cpu-layers": cpu_layers,
     "cpu-training": cpu_training, "cpu-twins": cpu_twins, "gpu": gpu, "mnist": mnist, "demo": demo,
     "decision": decision("table"), "decision-attempts": decision("attempts_table"),
     "decision-aligned": decision("aligned_table"), "onnx": onnx, "onnx-brief": onnx_brief,
@@ -473,9 +462,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="only say which blocks differ (exit 1 if any)")
     parser.add_argument("--record-demo", metavar="DIR", help="store the demo run in DIR (its --output) as the demo's "
-                        "result, with --minutes and --load, then rewrite the blocks")
-    parser.add_argument("--minutes", type=float, help="with --record-demo: the demo's wall time")
-    parser.add_argument("--load", default="", help="with --record-demo: the load it ran under, in words")
+                        "result (the time and load its run.json records), then rewrite the blocks")
+    parser.add_argument("--minutes", type=float, help="with --record-demo: the demo's time, in place of run.json's")
+    parser.add_argument("--load", help="with --record-demo: the load it ran under, in words, in place of run.json's")
     parser.add_argument("--other-cpu", metavar="WHERE", default="",
                         help="with --record-demo: store the run as another CPU's, beside the stored sweep; WHERE says "
                              "how it ran, in words (the clone, the load, a forced instruction-set level)")
@@ -483,8 +472,6 @@ def main(argv=None) -> int:
     if args.other_cpu and not args.record_demo:
         parser.error("--other-cpu needs --record-demo DIR (the demo's --output folder)")
     if args.record_demo:
-        if args.minutes is None:
-            parser.error("--record-demo needs --minutes (the demo's measured wall time)")
         record_demo(Path(args.record_demo), args.minutes, args.load, args.other_cpu)
     if args.check:
         found = differences()

@@ -131,4 +131,4 @@ def test_the_demo_prints_the_checks_records_them_and_exits_1_only_on_a_failure(r
     record = json.loads((tmp_path / "run.json").read_text())
     assert record["checks"] == [dict(name=c.name, verdict=c.verdict, detail=c.detail) for c in found]
     assert record["test_images"] == 500 and record["train_images"] == 5000
-    assert set(record["machine"]) == {"cpu", "kernel_isa", "torch_capability", "threads"}
+    assert set(record["machine"]) == {"cpu", "kernel_isa", "torch_capability", "threads", "logical_cpus"}

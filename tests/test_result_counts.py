@@ -90,6 +90,7 @@ def test_the_demo_records_the_images_it_used_and_docs_stores_them(tmp_path, monk
         test_images=8)
     # a short run checks the quarter turns only (tests/test_demo.py checks the checks)
     assert [check["verdict"] for check in record["checks"]] == ["PASS", "SKIP", "SKIP"]
+    assert record["seconds"] > 0 and len(record["load_average"]) == 2  # how long it took, and under what load
     docs = load_script(REPO / "scripts" / "docs.py", "docs_for_counts")
     stored = tmp_path / "stored"
     shutil.copytree(REPO / "results" / "demo", stored)
@@ -112,4 +113,8 @@ def test_the_demo_records_the_images_it_used_and_docs_stores_them(tmp_path, monk
     assert again["other_cpus"][:-1] == others and again["command"] == meta["command"]
     assert {key: again["other_cpus"][-1][key] for key in ("machine", "isa", "where", "minutes")} == dict(
         machine=meta["machine"], isa=meta["isa"], where="a test, again", minutes=3.0)
-    assert "a test, again, 3.0 min)" in docs.demo()
+    assert f"mean of 36 over the {len(again['other_cpus']) + 1} stored runs" in docs.demo()  # every run counted
+    docs.record_demo(output)  # the time and load the run measured, not typed in
+    measured = json.loads((stored / "demo.json").read_text())
+    assert measured["minutes"] == round(record["seconds"] / 60, 1)
+    assert measured["load"].startswith("load average ") or record["load_average"] == [None, None]

@@ -5,8 +5,10 @@ plain-convolution twin (``scnn_baseline_3``, the same parameters) on MNIST, then
 test images rotated by 0, 10, ..., 350 degrees (the paper's MNIST-rot protocol on a slice), prints the
 per-angle accuracy table, and writes it as a CSV and a plot. Everything goes under ``--output``, with
 ``run.json``: the demo's arguments, the images it trained on and swept (counted on the data sets the steps read),
-what it ran on (the CPU, the SC kernel's instruction-set level, PyTorch's level and threads) and its checks
-(``scripts/docs.py --record-demo`` stores the run with them).
+what it ran on (the CPU, the SC kernel's instruction-set level, PyTorch's level and threads, the logical CPUs), how
+long it took (``seconds``, from its start to its checks) under what load (the 1-minute load average before and
+after, where the system reports one) and its checks (``scripts/docs.py --record-demo`` stores the run with them, so
+the time README.md gives is the one a run measured).
 
 With no ``--data-dir`` it uses the MNIST sample that ships in the package (6,000 training and 500 test
 images, :func:`timm_sortconv.data.mnist_sample_dir`), so it needs no data folder and no network; with
@@ -188,13 +190,23 @@ def machine() -> Dict[str, object]:
     from ..ops import cpu_backend
 
     return dict(cpu=cpu_model(), kernel_isa=cpu_backend.cpu_isa() if cpu_backend.load_extension() else None,
-                torch_capability=torch.backends.cpu.get_cpu_capability(), threads=torch.get_num_threads())
+                torch_capability=torch.backends.cpu.get_cpu_capability(), threads=torch.get_num_threads(),
+                logical_cpus=os.cpu_count())
+
+
+def load_average() -> Optional[float]:
+    """The 1-minute load average, or None where the system reports none."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, float]:
     """Runs the demo (see ``--help``); returns the seconds each step took, or exits with status 1 after printing the
     checks if one failed."""
     args = parser.parse_args(argv)
+    start, load_before = time.perf_counter(), load_average()
     if args.data_dir is None:
         if args.dataset_download:
             parser.error("--dataset-download needs --data-dir (the sample shipped in the package needs no download)")
@@ -227,11 +239,13 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, float]:
     train_images = len(cap_samples(create_dataset("sortconv/mnist", root=data_dir, split="train"), args.train_samples))
     test_images = validate_tool.build_sweep(validate_tool.parser.parse_args(sweep), channels=1).num_images
     checks = check_sweep(results, sc, baseline, test_images, calibrated=is_default_run(args))
+    elapsed = time.perf_counter() - start
     with open(os.path.join(args.output, "run.json"), "w") as f:
         json.dump(dict(arguments=list(sys.argv[1:] if argv is None else argv), train_images=train_images,
-                       test_images=test_images, machine=machine(), checks=[asdict(c) for c in checks]), f, indent=1)
+                       test_images=test_images, machine=machine(), seconds=round(elapsed, 1),
+                       load_average=[load_before, load_average()], checks=[asdict(c) for c in checks]), f, indent=1)
     print("\n" + "  ".join(f"{name}: {seconds:.0f} s" for name, seconds in timings.items())
-          + f"  (total {sum(timings.values()):.0f} s)")
+          + f"  (the demo: {elapsed / 60:.1f} min)")
     print(f"{sc} uses Sorting Convolution, {baseline} plain convolutions with the same parameters.")
     print(f"Per-angle accuracies: {csv_path}; plot: {plot_path}")
     print("\nChecks (a right run passes them on any CPU):")
