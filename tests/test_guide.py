@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import timm_sortconv  # noqa: F401  (registers the models)
 from timm_sortconv import SortConv2d, quarter_turn_check, sortify
-from timm_sortconv.guide import GAIN, OrientationGuide, _area_matrix, attach_guide, check_guide_ramp, guided_layers
+from timm_sortconv.guide import GAIN, OrientationGuide, area_matrix, attach_guide, check_guide_ramp, guided_layers
 from timm_sortconv.models import SCNN
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -252,7 +252,7 @@ def test_onnx_export_runs_in_onnxruntime(dynamo):
 @pytest.mark.parametrize("size_in,size_out", [(28, 14), (28, 7), (29, 14), (15, 7), (7, 7), (5, 9), (224, 56)])
 def test_the_guides_pooling_in_standard_operators_is_adaptive_average_pooling(size_in, size_out):
     x = torch.randn(2, 1, size_in, size_in + 3, dtype=torch.float64)
-    rows, columns = _area_matrix(size_in, size_out, x), _area_matrix(size_in + 3, size_out + 1, x)
+    rows, columns = area_matrix(size_in, size_out, x.dtype), area_matrix(size_in + 3, size_out + 1, x.dtype)
     torch.testing.assert_close(rows @ x @ columns.t(), F.adaptive_avg_pool2d(x, (size_out, size_out + 1)))
 
 

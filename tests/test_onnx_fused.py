@@ -183,15 +183,112 @@ def test_a_file_runs_on_session_options_of_ones_own(library, tmp_path):
     _assert_agrees(torch.from_numpy(session.run(None, {"x": x.numpy()})[0]), _reference(model, x))
 
 
-def test_the_aligned_variants_stay_in_standard_operators(library):
+@pytest.mark.parametrize("kwargs", quick_first([
+    dict(kernel_size=5, padding=2, sorting="align"),
+    dict(kernel_size=3, padding=1, sorting="align-channel", sampling="square"),
+    dict(kernel_size=7, padding=3, stride=2, sorting="align", groups=1),
+    dict(kernel_size=3, padding=1, sorting="align", groups=3, bias=False),
+]), ids=lambda kw: "-".join(f"{v}" for v in kw.values()))
+def test_the_aligned_variants_are_one_node_that_agrees_with_the_reference_path(library, kwargs):
     torch.manual_seed(0)
-    model = nn.Sequential(SortConv2d(3, 8, 5, padding=2, sorting="align"), nn.ReLU(),
-                          SortConv2d(8, 8, 3, padding=1, sorting="ring"))
-    x = torch.randn(2, 3, 12, 12)
+    model = nn.Sequential(SortConv2d(3, 6, **kwargs), nn.ReLU(), SortConv2d(6, 8, 3, padding=1, sorting="ring"))
+    x = torch.randn(2, 3, 13, 12)
     data = _fused(model, x)
-    assert len(_fused_nodes(data)) == 1
-    with torch.no_grad():
-        _assert_agrees(_run(data, library, x), model(x))
+    assert [node.op_type for node in _fused_nodes(data)] == ["SortConv2d"] * 2
+    _assert_agrees(_run(data, library, x), _reference(model, x))
+
+
+@pytest.mark.slow
+def test_a_guided_network_is_one_node_per_layer_with_its_guide_channel(library):
+    """scnn_p_align_7_guided_canon: the canonical turn, the guide pooled to each layer's size (two matrix products at
+    a static shape) and joined as one more input channel, which each node reads for the orientation only."""
+    import timm
+
+    model = timm.create_model("scnn_p_align_7_guided_canon", pretrained=True).eval()
+    x = torch.randn(2, 1, 28, 28)
+    data = _fused(model, x)
+    nodes = _fused_nodes(data)
+    assert len(nodes) == 6
+    assert all(onnx.helper.get_attribute_value(next(a for a in node.attribute if a.name == "guides")) == 1
+               for node in nodes)
+    _assert_agrees(_run(data, library, x), _reference(model, x))
+
+
+@pytest.mark.parametrize("dynamic_size", quick_first([False, True]), ids=["static", "dynamic"])
+def test_a_centred_strided_layer_centres_inside_its_node(library, dynamic_size):
+    """The centring of a strided SC layer's grid is the node's (its ``centre`` attribute), not nodes of its own; a
+    centred pooling keeps its few standard nodes; the graph is right at odd and even sizes."""
+    torch.manual_seed(0)
+    from timm_sortconv.grid import CentredMaxPool2d
+
+    # at 20 x 19 each strided layer meets an odd residue on some axis (the second an even window: residue 1 on 5)
+    model = nn.Sequential(SortConv2d(3, 8, 3, stride=2, padding=1), nn.ReLU(), CentredMaxPool2d(3, 2, 1),
+                          SortConv2d(8, 8, 4, stride=2, padding=1, sorting="align"))
+    x = torch.randn(1, 3, 20, 19)
+    data = _fused(model, x, dynamic_size=dynamic_size)
+    graph = onnx.load_from_string(data).graph
+    nodes = _fused_nodes(data)
+    assert [node.op_type for node in nodes] == ["SortConv2d"] * 2
+    assert all(onnx.helper.get_attribute_value(next(a for a in node.attribute if a.name == "centre")) == 1
+               for node in nodes)
+    assert not [node for node in graph.node if node.op_type == "If"]
+    for shape in ((1, 3, 20, 19),) + (((2, 3, 23, 18), (1, 3, 17, 17)) if dynamic_size else ()):
+        x = torch.randn(shape)
+        _assert_agrees(_run(data, library, x), _reference(model, x))
+
+
+def _profiled_op_names(data, x, library=None):
+    """The names of the kernels onnxruntime ran for ``x`` (its profile), with ``library`` registered or none."""
+    import json
+    import os
+
+    options = onnxruntime.SessionOptions()
+    options.enable_profiling = True
+    if library is not None:
+        options.register_custom_ops_library(str(library))
+    session = onnxruntime.InferenceSession(data, options, providers=["CPUExecutionProvider"])
+    out = session.run(None, {"x": x.numpy()})[0]
+    path = session.end_profiling()
+    try:
+        with open(path) as f:
+            events = json.load(f)
+    finally:
+        os.remove(path)
+    return out, {event["args"]["op_name"] for event in events if event.get("cat") == "Node"}
+
+
+def test_one_fused_file_runs_in_every_onnxruntime_and_inlined_in_openvino(library):
+    """Without the library onnxruntime inlines each node's model-local function (standard operators); with it, it
+    runs the package's kernel; the inlined file holds standard operators only, which OpenVINO runs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(SortConv2d(3, 8, 5, padding=2), nn.BatchNorm2d(8), nn.ReLU(),
+                          SortConv2d(8, 8, 3, stride=2, padding=1, sorting="align"), nn.ReLU(),
+                          SortConv2d(8, 8, 5, padding=2)).eval()
+    randomise_batchnorm(model)
+    x = torch.randn(2, 3, 16, 15)
+    buffer, inlined = io.BytesIO(), io.BytesIO()
+    sc_onnx.export(model, x, buffer, fused=True, inlined=inlined)
+    data = buffer.getvalue()
+    exported = onnx.load_from_string(data)
+    assert len(exported.functions) == 3  # the first and last layers differ in their weights only: one each anyway
+    expected = _reference(model, x)
+    stock, stock_ops = _profiled_op_names(data, x)
+    _assert_agrees(torch.from_numpy(stock), expected)
+    assert "SortConv2d" not in stock_ops and "Conv" in stock_ops
+    fast, fast_ops = _profiled_op_names(data, x, library)
+    _assert_agrees(torch.from_numpy(fast), expected)
+    assert "SortConv2d" in fast_ops and "Min" not in fast_ops
+    standard = onnx.load_from_string(inlined.getvalue())
+    assert not standard.functions and all(node.domain in ("", "ai.onnx") for node in standard.graph.node)
+    openvino = pytest.importorskip("openvino")
+    core = openvino.Core()
+    compiled = core.compile_model(core.read_model(inlined.getvalue(), b""), "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+    _assert_agrees(torch.from_numpy(compiled(x.numpy())[0]), expected)
+
+
+def test_an_inlined_file_needs_the_fused_export():
+    with pytest.raises(ValueError, match="inlined= .* needs fused=True"):
+        sc_onnx.export(_model(kernel_size=3).eval(), torch.randn(1, 3, 8, 8), io.BytesIO(), inlined=io.BytesIO())
 
 
 def test_the_default_export_has_no_custom_node():

@@ -137,7 +137,15 @@ def canonical_frame(images: torch.Tensor, padding_mode: str = "border") -> torch
 
 
 def _frame(images: torch.Tensor, padding_mode: str) -> torch.Tensor:
-    """:func:`canonical_frame` without the argument checks (TorchScript compiles this one)."""
+    """:func:`canonical_frame` without the argument checks (TorchScript compiles this one). A trace records one
+    operator, ``timm_sortconv::canonical_frame``, whose size follows the input's at run time (the ONNX exporter writes
+    it for the sizes it knows, or computes the frame from the shape: :mod:`timm_sortconv.onnx.centring`)."""
+    if not torch.jit.is_scripting() and torch.jit.is_tracing():
+        return torch.ops.timm_sortconv.canonical_frame(images, padding_mode)
+    return _framed(images, padding_mode)
+
+
+def _framed(images: torch.Tensor, padding_mode: str) -> torch.Tensor:
     h, w = images.shape[-2], images.shape[-1]
     height, width = canonical_size(h, w)
     if height == h and width == w:
@@ -148,6 +156,17 @@ def _frame(images: torch.Tensor, padding_mode: str) -> torch.Tensor:
     rows = _edge_index(torch.arange(height, device=images.device) - top, h, padding_mode)
     columns = _edge_index(torch.arange(width, device=images.device) - left, w, padding_mode)
     return images.index_select(-2, rows).index_select(-1, columns)
+
+
+@torch.library.custom_op("timm_sortconv::canonical_frame", mutates_args=())
+def _canonical_frame_op(images: torch.Tensor, padding_mode: str) -> torch.Tensor:
+    """:func:`canonical_frame` as one operator for traces (a copy: an operator's output is never its input)."""
+    return _framed(images, padding_mode).clone()
+
+
+@_canonical_frame_op.register_fake
+def _(images, padding_mode):
+    return images.new_empty(images.shape[:-2] + canonical_size(images.shape[-2], images.shape[-1]))
 
 
 def moment_angle(images: torch.Tensor, order: int = 2, padding_mode: str = "border") -> torch.Tensor:

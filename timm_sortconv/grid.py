@@ -105,12 +105,12 @@ def centre_grid_residues(height: int, width: int, kernel_size: List[int], stride
     takes away (read half a pixel on where it is odd, then ``r // 2`` cropped off each side), 0 where nothing is to
     be done."""
     residues = [0, 0]
-    for axis, size in enumerate((height, width)):
-        span = size + 2 * padding[axis] - dilation[axis] * (kernel_size[axis] - 1) - 1
-        if stride[axis] == 1 or span < 0:
-            continue
-        excess = span % stride[axis]
-        residues[axis] = 0 if size - excess < min_size else excess
+    sizes = [height, width]
+    for axis in range(2):  # (a range, not enumerate over a tuple: TorchScript compiles this)
+        span = sizes[axis] + 2 * padding[axis] - dilation[axis] * (kernel_size[axis] - 1) - 1
+        if stride[axis] != 1 and span >= 0:
+            excess = span % stride[axis]
+            residues[axis] = 0 if sizes[axis] - excess < min_size else excess
     return residues
 
 
@@ -180,9 +180,10 @@ def same_padding_totals(height: int, width: int, kernel_size: List[int], stride:
     size ``ceil(N / s)`` (negative: cropped). :func:`centre_grid_same` reads the input half a pixel on where it is
     odd and then pads (or crops) half of the even total on each side."""
     totals = [0, 0]
-    for axis, size in enumerate((height, width)):
-        out = (size + stride[axis] - 1) // stride[axis]
-        totals[axis] = (out - 1) * stride[axis] + dilation[axis] * (kernel_size[axis] - 1) + 1 - size
+    sizes = [height, width]
+    for axis in range(2):
+        out = (sizes[axis] + stride[axis] - 1) // stride[axis]
+        totals[axis] = (out - 1) * stride[axis] + dilation[axis] * (kernel_size[axis] - 1) + 1 - sizes[axis]
     return totals
 
 

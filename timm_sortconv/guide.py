@@ -52,8 +52,8 @@ import torch.nn.functional as F
 
 from .antialias import GaussianBlur2d
 
-__all__ = ["GAIN", "OrientationGuide", "attach_guide", "check_guidable", "check_guide_blur", "check_guide_ramp",
-           "guided_layers"]
+__all__ = ["GAIN", "OrientationGuide", "area_matrix", "attach_guide", "check_guidable", "check_guide_blur",
+           "check_guide_ramp", "guided_layers"]
 
 #: How much the guide is scaled, so that its first harmonic outweighs the features' (activations are of order 1
 #: after BatchNorm, a blurred normalised image's gradient about 0.1 a pixel); float32 keeps 7 digits of the sum.
@@ -97,16 +97,30 @@ def _ramp_slope(guide_ramp) -> float:
     return float(guide_ramp)
 
 
-def _area_matrix(size_in: int, size_out: int, like: torch.Tensor) -> torch.Tensor:
+def area_matrix(size_in: int, size_out: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``(size_out, size_in)``: adaptive average pooling of one axis as a matrix (row ``i`` averages the inputs
-    ``floor(i * n / m) .. ceil((i + 1) * n / m) - 1``, as ``F.adaptive_avg_pool2d``), in standard operators whose
-    sizes may be traced (an ONNX graph with dynamic height and width)."""
-    rows = torch.arange(size_out, device=like.device).unsqueeze(1)
+    ``floor(i * n / m) .. ceil((i + 1) * n / m) - 1``, as ``F.adaptive_avg_pool2d``): the ONNX form of
+    :meth:`OrientationGuide.at_size` is ``A_h @ map @ A_w^T`` (:mod:`timm_sortconv.onnx.guide`)."""
+    rows = torch.arange(size_out).unsqueeze(1)
     start = torch.div(rows * size_in, size_out, rounding_mode="floor")
     end = torch.div((rows + 1) * size_in + size_out - 1, size_out, rounding_mode="floor")
-    columns = torch.arange(size_in, device=like.device).unsqueeze(0)
-    inside = ((columns >= start) & (columns < end)).to(like.dtype)
-    return inside / (end - start).to(like.dtype)
+    columns = torch.arange(size_in).unsqueeze(0)
+    inside = ((columns >= start) & (columns < end)).to(dtype)
+    return inside / (end - start).to(dtype)
+
+
+@torch.library.custom_op("timm_sortconv::pool_to", mutates_args=())
+def _pool_to(guide: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The guide pooled to the height and width of ``like`` (whose values are not read): one operator for traces, its
+    size the shape of a value, which the ONNX exporter may know statically."""
+    if guide.shape[-2:] == like.shape[-2:]:
+        return guide.clone()
+    return F.adaptive_avg_pool2d(guide, (like.shape[-2], like.shape[-1]))
+
+
+@_pool_to.register_fake
+def _(guide, like):
+    return guide.new_empty(guide.shape[:-2] + like.shape[-2:])
 
 
 class OrientationGuide(nn.Module):
@@ -152,17 +166,25 @@ class OrientationGuide(nn.Module):
 
     def at_size(self, height: int, width: int) -> torch.Tensor:
         """The latest map pooled to ``height x width`` (adaptive average pooling)."""
-        guide = self.map
-        if guide is None:
+        guide = self._latest()
+        if guide.shape[-2] == height and guide.shape[-1] == width:
+            return guide
+        return F.adaptive_avg_pool2d(guide, (height, width))
+
+    def like(self, x: torch.Tensor) -> torch.Tensor:
+        """The latest map pooled to the height and width of ``x`` (what a guided layer reads: :meth:`at_size`, and
+        one operator for traces, which the ONNX exporter writes for the sizes it knows of ``x``)."""
+        guide = self._latest()
+        if torch.jit.is_tracing():
+            return torch.ops.timm_sortconv.pool_to(guide, x)
+        return self.at_size(x.shape[-2], x.shape[-1])
+
+    def _latest(self) -> torch.Tensor:
+        if self.map is None:
             raise RuntimeError("this guided SortConv2d has no orientation guide yet: the guide is made when the "
                                "model's first convolution runs; call the model (or forward_features), not a layer "
                                "alone")
-        if guide.shape[-2] == height and guide.shape[-1] == width:
-            return guide
-        if torch.onnx.is_in_onnx_export():  # ONNX has no adaptive pooling to a size known only at run time
-            return _area_matrix(guide.shape[-2], height, guide) @ guide @ _area_matrix(guide.shape[-1], width,
-                                                                                          guide).t()
-        return F.adaptive_avg_pool2d(guide, (height, width))
+        return self.map
 
     def extra_repr(self) -> str:
         return f"blur={self.blur.sigma}, gain={self.gain:g}" + (f", ramp={self.ramp:g}" if self.ramp else "")

@@ -138,7 +138,7 @@ class SortConv2d(nn.Conv2d):
         check_input(input, weight, self.groups)
         unbatched = input.dim() == 3
         batch = input.unsqueeze(0) if unbatched else input
-        guide = self.guide_source[0].at_size(batch.shape[-2], batch.shape[-1]).to(batch.dtype)
+        guide = self.guide_source[0].like(batch).to(batch.dtype)
         if guide.shape[0] != batch.shape[0]:
             raise RuntimeError(f"the orientation guide was made from {guide.shape[0]} image(s), this layer has "
                                f"{batch.shape[0]}: a guided layer runs in the forward of the model it belongs to")

@@ -104,8 +104,7 @@ struct AlignTables {
 
 // The sparse map of a (rows, rows) float64 matrix (zeros left out), and of its transpose.
 template <typename scalar_t>
-std::pair<TapTable<scalar_t>, TapTable<scalar_t>> tap_tables_of(const at::Tensor& matrix, int64_t rows) {
-  const double* a = matrix.data_ptr<double>();
+std::pair<TapTable<scalar_t>, TapTable<scalar_t>> tap_tables_of(const double* a, int64_t rows) {
   std::vector<std::array<int64_t, 2>> forward_pairs, backward_pairs;
   std::vector<scalar_t> weights;
   for (int64_t r = 0; r < rows; ++r) {
@@ -126,7 +125,7 @@ bool known_polar_segment(int64_t k, int64_t start, int64_t size);
 
 // Fills t.cosine_block, t.sine_block and t.rings, t.direct from the plan's segments and the fold (float64, k*k x k*k).
 template <typename scalar_t>
-void find_rings(const Plan<scalar_t>& plan, const at::Tensor& fold, AlignTables<scalar_t>& t) {
+void find_rings(const Plan<scalar_t>& plan, const double* f, AlignTables<scalar_t>& t) {
   const int64_t slots = plan.slots;
   std::vector<double> expected(slots * slots, 0.0);
   std::vector<int64_t> block_at(slots + 1, -1);
@@ -159,7 +158,6 @@ void find_rings(const Plan<scalar_t>& plan, const at::Tensor& fold, AlignTables<
       rings = false;
     }
   }
-  const double* f = fold.data_ptr<double>();
   t.rings = rings && std::equal(expected.begin(), expected.end(), f);
 #if defined(TIMM_SORTCONV_SORT_DIRECT)
   t.direct = t.rings && kUnrolledNetworks<scalar_t>
@@ -170,41 +168,52 @@ void find_rings(const Plan<scalar_t>& plan, const at::Tensor& fold, AlignTables<
 #endif
 }
 
+// The aligned tables as plain values (cpu_backend._AlignTables computes them; the PyTorch extension takes them as
+// tensors, the onnxruntime operator as a node's attributes), row-major.
+struct AlignTableValues {
+  std::vector<double> fold, dft;        // (k*k, k*k): folded samples <- samples; harmonic rows <- folded samples
+  std::vector<int64_t> blocks;          // (n, 2): (start, size) of dft's diagonal blocks
+  std::vector<int64_t> pairs;           // (pairs, 3): the rows of Re S_m and Im S_m, and m
+  std::vector<double> first;            // (pairs,): 1 / N for the pairs with m = 1, else 0
+  std::vector<double> energy_pairs;     // (pairs,): 2 / N^2
+  std::vector<int64_t> fixed;           // (fixed, 2): the other rows, and m of a ring's Nyquist term (else 0)
+  std::vector<double> energy_fixed;     // (fixed,): 1 / N^2 for a Nyquist row, else 0
+  std::vector<double> weight_scale;     // (k*k,): 1 / |row|^2 of dft @ fold
+  std::vector<double> guide_first;      // (3, k*k) or empty (cpu_backend._guide_first)
+  bool shared = true;                   // one orientation per group ("align"), else per channel
+  double relative = 0, tiny = 0;        // alignment.RELATIVE, alignment.TINY
+  int64_t guides = 0;                   // guide channels after each group's weighted ones (0 or 1)
+};
+
 template <typename scalar_t>
-AlignTables<scalar_t> make_align_tables(const timm_sortconv_cpu::AlignCall& align, const Plan<scalar_t>& plan) {
+AlignTables<scalar_t> make_align_tables(const AlignTableValues& v, const Plan<scalar_t>& plan) {
   const int64_t slots = plan.slots;
   AlignTables<scalar_t> t;
-  const auto fold = align.fold.to(at::kDouble).contiguous();
-  const auto dft = align.dft.to(at::kDouble).contiguous();
-  const auto blocks = align.blocks.to(at::kLong).contiguous();
-  const auto pairs = align.pairs.to(at::kLong).contiguous();
-  const auto fixed = align.fixed.to(at::kLong).contiguous();
-  const auto first = align.first.to(at::kDouble).contiguous();
-  const auto energy_pairs = align.energy_pairs.to(at::kDouble).contiguous();
-  const auto energy_fixed = align.energy_fixed.to(at::kDouble).contiguous();
   t.harmonics = slots;
-  t.pairs = pairs.size(0);
-  const int64_t fixed_count = fixed.size(0);
-  TORCH_CHECK(fold.dim() == 2 && fold.size(0) == slots && fold.size(1) == slots && dft.sizes() == fold.sizes(),
-              "sort_conv_cpu: fold and dft must be (k*k, k*k)");
-  TORCH_CHECK(pairs.dim() == 2 && pairs.size(1) == 3 && fixed.dim() == 2 && fixed.size(1) == 2
-                  && fixed_count + 2 * t.pairs == slots && first.numel() == t.pairs
-                  && energy_pairs.numel() == t.pairs && energy_fixed.numel() == fixed_count,
-              "sort_conv_cpu: the harmonic tables must describe fixed + 2 * pairs = k*k rows");
-  TORCH_CHECK(blocks.dim() == 2 && blocks.size(1) == 2, "sort_conv_cpu: blocks must be (n, 2)");
-  t.shared = align.shared;
-  t.guides = align.guides;
-  TORCH_CHECK(t.guides == 0 || (t.guides == 1 && t.shared),
-              "sort_conv_cpu: a group carries at most one guide channel, and only with one orientation a group");
-  t.relative = static_cast<scalar_t>(align.relative);
-  t.tiny = static_cast<scalar_t>(align.tiny);
-  const double* d = dft.data_ptr<double>();
+  t.pairs = static_cast<int64_t>(v.pairs.size() / 3);
+  const int64_t fixed_count = static_cast<int64_t>(v.fixed.size() / 2);
+  TIMM_SORTCONV_CHECK(static_cast<int64_t>(v.fold.size()) == slots * slots && v.dft.size() == v.fold.size(),
+                      "sort_conv_cpu: fold and dft must be (k*k, k*k)");
+  TIMM_SORTCONV_CHECK(v.pairs.size() % 3 == 0 && v.fixed.size() % 2 == 0 && fixed_count + 2 * t.pairs == slots
+                          && static_cast<int64_t>(v.first.size()) == t.pairs
+                          && static_cast<int64_t>(v.energy_pairs.size()) == t.pairs
+                          && static_cast<int64_t>(v.energy_fixed.size()) == fixed_count,
+                      "sort_conv_cpu: the harmonic tables must describe fixed + 2 * pairs = k*k rows");
+  TIMM_SORTCONV_CHECK(v.blocks.size() % 2 == 0, "sort_conv_cpu: blocks must be (n, 2)");
+  t.shared = v.shared;
+  t.guides = v.guides;
+  TIMM_SORTCONV_CHECK(t.guides == 0 || (t.guides == 1 && t.shared),
+                      "sort_conv_cpu: a group carries at most one guide channel, and only with one orientation a group");
+  t.relative = static_cast<scalar_t>(v.relative);
+  t.tiny = static_cast<scalar_t>(v.tiny);
+  const double* d = v.dft.data();
   int64_t covered = 0;
-  for (int64_t b = 0; b < blocks.size(0); ++b) {
+  for (size_t b = 0; b < v.blocks.size() / 2; ++b) {
     DftBlock<scalar_t> block;
-    block.start = blocks.data_ptr<int64_t>()[2 * b];
-    block.size = blocks.data_ptr<int64_t>()[2 * b + 1];
-    TORCH_CHECK(block.start == covered && block.size >= 1, "sort_conv_cpu: the DFT's blocks must tile its rows");
+    block.start = v.blocks[2 * b];
+    block.size = v.blocks[2 * b + 1];
+    TIMM_SORTCONV_CHECK(block.start == covered && block.size >= 1 && block.start + block.size <= slots,
+                        "sort_conv_cpu: the DFT's blocks must tile its rows");
     block.forward.reserve(block.size * block.size);
     block.backward.reserve(block.size * block.size);
     covered += block.size;
@@ -216,40 +225,36 @@ AlignTables<scalar_t> make_align_tables(const timm_sortconv_cpu::AlignCall& alig
     }
     t.blocks.push_back(std::move(block));
   }
-  TORCH_CHECK(covered == slots, "sort_conv_cpu: the DFT's blocks must cover its k*k rows");
-  const auto weight_scale = align.weight_scale.to(at::kDouble).contiguous();
-  TORCH_CHECK(weight_scale.dim() == 1 && weight_scale.numel() == slots,
-              "sort_conv_cpu: weight_scale must have k*k rows");
-  for (int64_t r = 0; r < slots; ++r) {
-    t.weight_scale.push_back(static_cast<scalar_t>(weight_scale.data_ptr<double>()[r]));
+  TIMM_SORTCONV_CHECK(covered == slots, "sort_conv_cpu: the DFT's blocks must cover its k*k rows");
+  TIMM_SORTCONV_CHECK(static_cast<int64_t>(v.weight_scale.size()) == slots,
+                      "sort_conv_cpu: weight_scale must have k*k rows");
+  for (const double scale : v.weight_scale) t.weight_scale.push_back(static_cast<scalar_t>(scale));
+  TIMM_SORTCONV_CHECK(v.guide_first.empty() || static_cast<int64_t>(v.guide_first.size()) == 3 * slots,
+                      "sort_conv_cpu: guide_first must be (3, k*k) or empty");
+  for (size_t i = 0; i < v.guide_first.size(); ++i) {
+    auto& row = static_cast<int64_t>(i) < slots ? t.guide_re
+                                                : (static_cast<int64_t>(i) < 2 * slots ? t.guide_im : t.guide_level);
+    row.push_back(static_cast<scalar_t>(v.guide_first[i]));
   }
-  const auto guide_first = align.guide_first.to(at::kDouble).contiguous();
-  TORCH_CHECK(guide_first.numel() == 0 || (guide_first.dim() == 2 && guide_first.size(0) == 3
-                                            && guide_first.size(1) == slots),
-              "sort_conv_cpu: guide_first must be (3, k*k) or empty");
-  for (int64_t i = 0; i < guide_first.numel(); ++i) {
-    auto& row = i < slots ? t.guide_re : (i < 2 * slots ? t.guide_im : t.guide_level);
-    row.push_back(static_cast<scalar_t>(guide_first.data_ptr<double>()[i]));
-  }
-  find_rings(plan, fold, t);
-  if (!t.rings) std::tie(t.fold, t.unfold) = tap_tables_of<scalar_t>(fold, slots);  // what the ring DFTs do inline
-  const int64_t* pair = pairs.data_ptr<int64_t>();
+  find_rings(plan, v.fold.data(), t);
+  if (!t.rings) std::tie(t.fold, t.unfold) = tap_tables_of<scalar_t>(v.fold.data(), slots);  // the ring DFTs inline
   for (int64_t p = 0; p < t.pairs; ++p) {
-    const int64_t re = pair[3 * p], im = pair[3 * p + 1], m = pair[3 * p + 2];
-    TORCH_CHECK(re >= 0 && re < slots && im >= 0 && im < slots && m >= 1, "sort_conv_cpu: a pair is out of range");
+    const int64_t re = v.pairs[3 * p], im = v.pairs[3 * p + 1], m = v.pairs[3 * p + 2];
+    TIMM_SORTCONV_CHECK(re >= 0 && re < slots && im >= 0 && im < slots && m >= 1,
+                        "sort_conv_cpu: a pair is out of range");
     t.pair_re_row.push_back(re);
     t.pair_im_row.push_back(im);
     t.pair_m.push_back(m);
     t.largest = std::max(t.largest, m);
-    t.pair_energy.push_back(static_cast<scalar_t>(energy_pairs.data_ptr<double>()[p]));
-    if (first.data_ptr<double>()[p] != 0.0) {
+    t.pair_energy.push_back(static_cast<scalar_t>(v.energy_pairs[p]));
+    if (v.first[p] != 0.0) {
       t.first_pair.push_back(p);
-      t.first_weight.push_back(static_cast<scalar_t>(first.data_ptr<double>()[p]));
+      t.first_weight.push_back(static_cast<scalar_t>(v.first[p]));
     }
   }
   for (int64_t f = 0; f < fixed_count; ++f) {
-    const int64_t row = fixed.data_ptr<int64_t>()[2 * f], m = fixed.data_ptr<int64_t>()[2 * f + 1];
-    TORCH_CHECK(row >= 0 && row < slots && m >= 0, "sort_conv_cpu: a fixed row is out of range");
+    const int64_t row = v.fixed[2 * f], m = v.fixed[2 * f + 1];
+    TIMM_SORTCONV_CHECK(row >= 0 && row < slots && m >= 0, "sort_conv_cpu: a fixed row is out of range");
     if (m > 0) {
       t.nyquist_row.push_back(row);
       t.nyquist_m.push_back(m);
@@ -257,13 +262,52 @@ AlignTables<scalar_t> make_align_tables(const timm_sortconv_cpu::AlignCall& alig
     } else {
       t.still_row.push_back(row);
     }
-    if (energy_fixed.data_ptr<double>()[f] != 0.0) {
+    if (v.energy_fixed[f] != 0.0) {
       t.energy_row.push_back(row);
-      t.energy_weight.push_back(static_cast<scalar_t>(energy_fixed.data_ptr<double>()[f]));
+      t.energy_weight.push_back(static_cast<scalar_t>(v.energy_fixed[f]));
     }
   }
   return t;
 }
+
+#if !defined(TIMM_SORTCONV_STANDALONE)
+template <typename T>
+std::vector<T> values_of(const at::Tensor& tensor) {
+  const auto c = tensor.to(std::is_same<T, double>::value ? at::kDouble : at::kLong).contiguous();
+  return std::vector<T>(c.template data_ptr<T>(), c.template data_ptr<T>() + c.numel());
+}
+
+// The PyTorch extension's tables (tensors) as values.
+inline AlignTableValues table_values(const timm_sortconv_cpu::AlignCall& align) {
+  AlignTableValues v;
+  TORCH_CHECK(align.fold.dim() == 2 && align.dft.sizes() == align.fold.sizes() && align.blocks.dim() == 2
+                  && align.blocks.size(1) == 2 && align.pairs.dim() == 2 && align.pairs.size(1) == 3
+                  && align.fixed.dim() == 2 && align.fixed.size(1) == 2,
+              "sort_conv_cpu: fold and dft must be (k*k, k*k), blocks (n, 2), pairs (p, 3), fixed (f, 2)");
+  TORCH_CHECK(align.guide_first.numel() == 0 || align.guide_first.dim() == 2,
+              "sort_conv_cpu: guide_first must be (3, k*k) or empty");
+  v.fold = values_of<double>(align.fold);
+  v.dft = values_of<double>(align.dft);
+  v.blocks = values_of<int64_t>(align.blocks);
+  v.pairs = values_of<int64_t>(align.pairs);
+  v.first = values_of<double>(align.first);
+  v.energy_pairs = values_of<double>(align.energy_pairs);
+  v.fixed = values_of<int64_t>(align.fixed);
+  v.energy_fixed = values_of<double>(align.energy_fixed);
+  v.weight_scale = values_of<double>(align.weight_scale);
+  v.guide_first = values_of<double>(align.guide_first);
+  v.shared = align.shared;
+  v.relative = align.relative;
+  v.tiny = align.tiny;
+  v.guides = align.guides;
+  return v;
+}
+
+template <typename scalar_t>
+AlignTables<scalar_t> make_align_tables(const timm_sortconv_cpu::AlignCall& align, const Plan<scalar_t>& plan) {
+  return make_align_tables<scalar_t>(table_values(align), plan);
+}
+#endif
 
 // One vector of lanes of a ring's N samples (sample(j), j < N) to its N spectra rows (out(row, value)), in registers:
 // folded (u_0 = s_0, u_j = s_j + s_{N-j}, u_{N/2} = s_{N/2}; v_j = s_j - s_{N-j}, 0 < j < N/2), then the cosine
@@ -346,7 +390,7 @@ inline __attribute__((always_inline)) void with_ring_size(int64_t size, const F&
     case 8: fn(std::integral_constant<int, 8>{}); break;
     case 16: fn(std::integral_constant<int, 16>{}); break;
     case 24: fn(std::integral_constant<int, 24>{}); break;
-    default: TORCH_CHECK(false, "sort_conv_cpu: no unrolled ring DFT for ", size, " samples");
+    default: TIMM_SORTCONV_CHECK(false, "sort_conv_cpu: no unrolled ring DFT for ", size, " samples");
   }
 }
 
@@ -491,7 +535,7 @@ void direct_ring_spectra(const Plan<float>& plan, const Segment& segment, const 
     TIMM_SORTCONV_CASE(7, 9, 16)
     TIMM_SORTCONV_CASE(7, 25, 24)
     default:
-      TORCH_CHECK(false, "sort_conv_cpu: no polar ring [", segment.start, ", ", segment.start + segment.size,
+      TIMM_SORTCONV_CHECK(false, "sort_conv_cpu: no polar ring [", segment.start, ", ", segment.start + segment.size,
                   ") for k = ", plan.polar_k);
   }
 #undef TIMM_SORTCONV_CASE
@@ -1208,14 +1252,10 @@ void for_each_weight_run(const Shape& shape, int64_t slots, const F& fn) {
 // samples (alignment.harmonic_tables' synthesis). Written as (groups, C/g * k*k, O/g), the forward's products'
 // layout, where `packed`, else as (O, C/g * k*k).
 template <typename scalar_t>
-at::Tensor harmonic_weight(const Plan<scalar_t>& plan, const AlignTables<scalar_t>& t, const Shape& shape,
-                           const at::Tensor& weight, const std::vector<int64_t>& slot_to_grid, bool packed) {
+void harmonic_weight_into(const Plan<scalar_t>& plan, const AlignTables<scalar_t>& t, const Shape& shape,
+                          const scalar_t* src, const std::vector<int64_t>& slot_to_grid, bool packed, scalar_t* dst) {
   constexpr int64_t lanes = kLanes<scalar_t>;
   const int64_t slots = plan.slots, cg = shape.in_per_group(), og = shape.out_per_group(), row = cg * slots;
-  at::Tensor out = packed ? at::empty({shape.groups, row, og}, weight.options())
-                          : at::empty({shape.out_channels, row}, weight.options());
-  const scalar_t* src = weight.data_ptr<scalar_t>();
-  scalar_t* dst = out.data_ptr<scalar_t>();
   for_each_weight_run<scalar_t>(shape, slots, [&](int64_t channel, int64_t o0, int64_t count, scalar_t* buffers) {
     scalar_t *samples = buffers, *folded = buffers + slots * lanes, *spectra = buffers + 2 * slots * lanes;
     const int64_t g = channel / cg, ci = channel % cg;
@@ -1256,6 +1296,16 @@ at::Tensor harmonic_weight(const Plan<scalar_t>& plan, const AlignTables<scalar_
       }
     }
   });
+}
+
+#if !defined(TIMM_SORTCONV_STANDALONE)
+template <typename scalar_t>
+at::Tensor harmonic_weight(const Plan<scalar_t>& plan, const AlignTables<scalar_t>& t, const Shape& shape,
+                           const at::Tensor& weight, const std::vector<int64_t>& slot_to_grid, bool packed) {
+  const int64_t row = shape.in_per_group() * plan.slots;
+  at::Tensor out = packed ? at::empty({shape.groups, row, shape.out_per_group()}, weight.options())
+                          : at::empty({shape.out_channels, row}, weight.options());
+  harmonic_weight_into(plan, t, shape, weight.data_ptr<scalar_t>(), slot_to_grid, packed, out.data_ptr<scalar_t>());
   return out;
 }
 
@@ -1306,7 +1356,7 @@ at::Tensor align_forward_impl(const timm_sortconv_cpu::AlignCall& align) {
   const auto& call = align.call;
   const Shape shape = check_tensors(call.input, call.weight_slots, call.groups, call.kernel_size, align.guides);
   if (call.bias.has_value() && call.bias->defined()) {
-    TORCH_CHECK(call.bias->scalar_type() == call.input.scalar_type() && call.bias->numel() == shape.out_channels,
+    TIMM_SORTCONV_CHECK(call.bias->scalar_type() == call.input.scalar_type() && call.bias->numel() == shape.out_channels,
                 "sort_conv_cpu: bias must have O entries of the input's dtype");
   }
   const auto plan = make_plan<scalar_t>(call.input, call.tap_offsets, call.tap_weights, call.segments,
@@ -1336,12 +1386,12 @@ std::vector<at::Tensor> align_backward_impl(const timm_sortconv_cpu::AlignCall& 
   const auto& call = align.call;
   const Shape shape = check_tensors(call.input, call.weight_slots, call.groups, call.kernel_size, align.guides);
   const at::Tensor& grad_output = call.grad_output;
-  TORCH_CHECK(grad_output.is_contiguous() && grad_output.scalar_type() == call.input.scalar_type(),
+  TIMM_SORTCONV_CHECK(grad_output.is_contiguous() && grad_output.scalar_type() == call.input.scalar_type(),
               "sort_conv_cpu: grad_output must be contiguous with the input's dtype");
   const auto plan = make_plan<scalar_t>(call.input, call.tap_offsets, call.tap_weights, call.segments,
                                         call.comparators, call.kernel_size, call.stride_h, call.stride_w,
                                         call.dilation_h, call.dilation_w, call.pad);
-  TORCH_CHECK(grad_output.dim() == 4 && grad_output.size(0) == shape.batch && grad_output.size(1) == shape.out_channels
+  TIMM_SORTCONV_CHECK(grad_output.dim() == 4 && grad_output.size(0) == shape.batch && grad_output.size(1) == shape.out_channels
                   && grad_output.size(2) == plan.out_h && grad_output.size(3) == plan.out_w,
               "sort_conv_cpu: grad_output has the wrong shape");
   const auto tables = make_align_tables<scalar_t>(align, plan);
@@ -1383,8 +1433,11 @@ std::vector<at::Tensor> align_backward_impl(const timm_sortconv_cpu::AlignCall& 
   return {grad_input, grad_weight};
 }
 
+#endif  // !TIMM_SORTCONV_STANDALONE
+
 }  // namespace
 
+#if !defined(TIMM_SORTCONV_STANDALONE)
 namespace timm_sortconv_cpu {
 
 template <typename scalar_t>
@@ -1398,3 +1451,4 @@ std::vector<at::Tensor> align_backward(const AlignCall& align) {
 }
 
 }  // namespace timm_sortconv_cpu
+#endif  // !TIMM_SORTCONV_STANDALONE

@@ -13,7 +13,7 @@ library is registered (:func:`session`, or ``register_custom_ops_library(library
 * :mod:`.portable`: the standard-operator form of the sorting layers (sampling convolution, min/max network, 1x1
   product);
 * :mod:`.centring`: the centring of strided grids (:mod:`timm_sortconv.grid`) as standard operators, at a static
-  shape and at a dynamic one;
+  shape and at a dynamic one; :mod:`.guide`: the orientation guide's pooling, likewise;
 * :mod:`.fused`: the node, its attributes, both exporters' translations of it, and the passes over the written file
   (batch normalisations folded into the nodes);
 * :mod:`.exporting`: :func:`export`;
@@ -26,7 +26,7 @@ Importing this package registers the lowering with the operator (:func:`timm_sor
 and the TorchScript-based exporter's translations of the package's operators, once; ``import timm_sortconv`` does it.
 """
 from ..ops.functional import set_onnx_lowering
-from . import centring, fused
+from . import centring, fused, guide
 from .exporting import check_model, export
 from .fused import FusedExportError
 from .lowering import Lowering, decomposition, fused_export, fused_export_enabled, lower_sort_conv2d
@@ -35,6 +35,7 @@ from .runtime import THREADS_KEY, LibraryBuildError, build_library, library_path
 
 set_onnx_lowering(lower_sort_conv2d)
 centring.register_symbolics()
+guide.register_symbolics()
 fused.register_symbolics()
 
 __all__ = ["DECOMPOSITIONS", "THREADS_KEY", "FusedExportError", "LibraryBuildError", "Lowering", "build_library",

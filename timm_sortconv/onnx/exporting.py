@@ -24,8 +24,9 @@ from typing import List, Optional
 import torch
 import torch.nn as nn
 
+from .functions import attach_functions, expand_centring, inline_functions
 from .fused import (DOMAIN, OPSET, FusedExportError, check_fused, drop_unread_constants, fold_batch_norms,
-                    translation_table)
+                    merge_centring, translation_table)
 from .lowering import fused_export
 
 __all__ = ["check_model", "export"]
@@ -48,7 +49,7 @@ def check_model(model: nn.Module, example: Optional[torch.Tensor] = None) -> Non
 
 
 def export(model: nn.Module, example: torch.Tensor, f, *, dynamo: bool = False, dynamic_size: bool = False,
-           opset_version: int = 18, fused: bool = False) -> None:
+           opset_version: int = 18, fused: bool = False, inlined=None) -> None:
     """Exports ``model`` (in evaluation mode) at ``example``'s shape to ``f`` (a path or a binary file object).
 
     Args:
@@ -60,32 +61,47 @@ def export(model: nn.Module, example: torch.Tensor, f, *, dynamo: bool = False, 
         dynamic_size: a dynamic height and width beside the dynamic batch. With ``dynamo=True`` a model that centres
             a strided grid (the default ``stride_align="centre"`` of its strided layers) is refused with a
             ``ValueError`` saying what to do instead: ``torch.export`` follows the centring at one size only.
-        opset_version: the ONNX opset (18 by default).
-        fused: each sorting layer as one ``timm_sortconv::SortConv2d`` node (module docstring), which only
-            onnxruntime with the library of :func:`.runtime.library_path` runs (:func:`.runtime.session`); float32
-            only. A ``BatchNormalization`` that alone reads a node's output is folded into its weight and bias
-            (:func:`.fused.fold_batch_norms`), as the exporters fold one into a convolution. A layer the
-            node cannot compute raises :class:`FusedExportError` before anything is exported; the aligned variants
-            stay in standard operators. Default: standard operators only.
+        opset_version: the ONNX opset (18 by default, the least the fused file's functions take).
+        fused: each sorting layer as one ``timm_sortconv::SortConv2d`` node (module docstring), float32 only. The
+            file runs in every onnxruntime: with the library of :func:`.runtime.library_path` registered
+            (:func:`.runtime.session`) the nodes run the package's kernel, without it each node's standard-operator
+            form, which the file carries as a model-local function (:mod:`.functions`). A ``BatchNormalization``
+            that alone reads a node's output is folded into its weight and bias (:func:`.fused.fold_batch_norms`),
+            as the exporters fold one into a convolution. A layer the node cannot compute raises
+            :class:`FusedExportError` before anything is exported. Default: standard operators only.
+        inlined: with ``fused=True``, where to write the same model with every function expanded in place (a path or
+            a binary file object): standard operators only, for runtimes that do not inline ONNX functions
+            (OpenVINO).
     """
     if dynamo and dynamic_size:
         _refuse_dynamic_centring(model)
-    if fused:
-        import onnx  # (the package onnx, not this module)
-
-        check_model(model, example)
-        buffer = io.BytesIO()
-        _export(model, example, buffer, dynamo, dynamic_size, opset_version, fused)
-        exported = onnx.load_from_string(buffer.getvalue())
-        fold_batch_norms(exported)
-        drop_unread_constants(exported)
-        data = exported.SerializeToString()
-        if isinstance(f, (str, os.PathLike)):
-            Path(f).write_bytes(data)
-        else:
-            f.write(data)
+    if inlined is not None and not fused:
+        raise ValueError("inlined= is the fused file with its functions expanded; it needs fused=True (without it "
+                         "the file written to f is standard operators already)")
+    if not fused:
+        _export(model, example, f, dynamo, dynamic_size, opset_version, fused)
         return
-    _export(model, example, f, dynamo, dynamic_size, opset_version, fused)
+    import onnx  # (the package onnx, not this module)
+
+    check_model(model, example)
+    buffer = io.BytesIO()
+    _export(model, example, buffer, dynamo, dynamic_size, opset_version, fused)
+    exported = onnx.load_from_string(buffer.getvalue())
+    fold_batch_norms(exported)
+    merge_centring(exported)
+    expand_centring(exported)
+    drop_unread_constants(exported)
+    attach_functions(exported)
+    _write(exported.SerializeToString(), f)
+    if inlined is not None:
+        _write(inline_functions(exported).SerializeToString(), inlined)
+
+
+def _write(data: bytes, f) -> None:
+    if isinstance(f, (str, os.PathLike)):
+        Path(f).write_bytes(data)
+    else:
+        f.write(data)
 
 
 def _centring_layers(model: nn.Module) -> List[str]:

@@ -33,20 +33,25 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from ..ops.cpu_backend import align_kernel_tables
 from ..ops.geometry import ALIGNMENTS, SortGeometry, get_geometry
 
-__all__ = ["DOMAIN", "FusedExportError", "OP_NAME", "OPSET", "check_fused", "drop_unread_constants", "fold_batch_norms",
-           "node_attributes", "register_symbolics", "translation_table"]
+__all__ = ["CENTRE_OP", "DOMAIN", "FusedExportError", "OP_NAME", "OPSET", "check_fused", "drop_unread_constants",
+           "fold_batch_norms", "merge_centring", "node_attributes", "output_size", "register_symbolics",
+           "translation_table"]
 
 DOMAIN = "timm_sortconv"
 OP_NAME = "SortConv2d"
 OPSET = 1
 #: The largest kernel size of the CPU kernel (:data:`timm_sortconv.ops.cpu_backend.MAX_KERNEL_SIZE`).
 MAX_KERNEL_SIZE = 15
-#: The sortings the node computes; the aligned ones export in standard operators.
-FUSED_SORTINGS = ("ring", "global", "c4", "c2")
-ALIGNED_SORTINGS = tuple(ALIGNMENTS)
+#: The sortings the node computes (the aligned ones with the aligned kernel).
+FUSED_SORTINGS = ("ring", "global", "c4", "c2") + tuple(ALIGNMENTS)
 _TORCH_OP = "timm_sortconv::sort_conv2d"
+#: The node that :mod:`.centring` writes inside :func:`.lowering.fused_export` for a centred grid: merged into the
+#: SortConv2d node that alone reads it (:func:`merge_centring`), otherwise expanded into standard operators
+#: (:func:`.functions.expand_centring`).
+CENTRE_OP = "CentreGrid"
 
 
 class FusedExportError(ValueError):
@@ -64,10 +69,9 @@ def check_fused(dtypes: Sequence[torch.dtype], kernel_size: Optional[int] = None
     if kernel_size is not None and kernel_size > MAX_KERNEL_SIZE:
         raise FusedExportError(f"fused ONNX export: kernel_size={kernel_size}; the timm_sortconv::SortConv2d node "
                                f"takes 1 to {MAX_KERNEL_SIZE} (export without fused=True)")
-    if sorting is not None and sorting not in FUSED_SORTINGS + ALIGNED_SORTINGS:
+    if sorting is not None and sorting not in FUSED_SORTINGS:
         raise FusedExportError(f"fused ONNX export: sorting={sorting!r}; the timm_sortconv::SortConv2d node takes "
-                               f"{', '.join(map(repr, FUSED_SORTINGS))} (and {', '.join(map(repr, ALIGNED_SORTINGS))} "
-                               "export in standard operators)")
+                               f"{', '.join(map(repr, FUSED_SORTINGS))}")
 
 
 def _float32(values: torch.Tensor) -> List[float]:
@@ -80,11 +84,11 @@ def _float32(values: torch.Tensor) -> List[float]:
 
 
 def node_attributes(geometry: SortGeometry, stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int],
-                    groups: int) -> Dict[str, object]:
+                    groups: int, guides: int = 0) -> Dict[str, object]:
     """The node's attributes (module docstring) for a layer of ``geometry`` with ``padding = [left, right, top,
-    bottom]`` zeros."""
-    comparators = geometry.comparators() or []
-    return dict(
+    bottom]`` zeros and ``guides`` guide channels a group (aligned layers only)."""
+    comparators = [] if geometry.sorting in ALIGNMENTS else geometry.comparators() or []
+    attributes = dict(
         kernel_size=geometry.kernel_size, strides=[int(stride[0]), int(stride[1])],
         dilations=[int(dilation[0]), int(dilation[1])], group=int(groups),
         pads=[int(padding[2]), int(padding[0]), int(padding[3]), int(padding[1])],
@@ -92,6 +96,24 @@ def node_attributes(geometry: SortGeometry, stride: Sequence[int], padding: Sequ
         tap_weights=_float32(geometry.tap_weights), segments=[int(v) for segment in geometry.segments for v in segment],
         comparators=[int(v) for pair in comparators for v in pair], slot_to_grid=geometry.slot_to_grid.tolist(),
         sampling=geometry.sampling, sorting=geometry.sorting)
+    if geometry.sorting in ALIGNMENTS:
+        tables = align_kernel_tables(geometry)
+        attributes.update(guides=int(guides), shared=int(bool(tables["shared"])), relative=float(tables["relative"]),
+                          tiny=float(tables["tiny"]))
+        for name in ("fold", "dft", "first", "energy_pairs", "energy_fixed", "weight_scale", "guide_first"):
+            attributes[name] = tables[name].to(torch.float64).reshape(-1).tolist()
+        for name in ("blocks", "pairs", "fixed"):
+            attributes[name] = [int(v) for v in tables[name].reshape(-1).tolist()]
+    elif guides:
+        raise FusedExportError("fused ONNX export: guide channels need sorting='align'")
+    return attributes
+
+
+def output_size(size: Optional[int], kernel_size: int, stride: int, pad: int, dilation: int) -> Optional[int]:
+    """The node's output size along an axis of ``size`` (``None``: not known) with ``pad`` zeros in all."""
+    if size is None:
+        return None
+    return (size + pad - dilation * (kernel_size - 1) - 1) // stride + 1
 
 
 def _suffixed(name: str, value) -> str:
@@ -113,11 +135,20 @@ def _symbolic(g, input, weight, bias, stride, padding, dilation, groups, samplin
     groups = symbolic_helper._get_const(groups, "i", "groups")
     sampling, sorting = (symbolic_helper._get_const(value, "s", name) for value, name in
                          ((sampling, "sampling"), (sorting, "sorting")))
-    attributes = node_attributes(get_geometry(int(sizes[-1]), sampling, sorting), stride, padding, dilation, groups)
+    shape = symbolic_helper._get_tensor_sizes(input) or [None] * 4
+    if sorting == "align" and shape[1] is None:
+        raise FusedExportError("fused ONNX export: an aligned layer's input channels are not known at export time, "
+                               "so whether it carries a guide channel is not either; export without fused=True")
+    guides = 1 if sorting == "align" and shape[1] == (int(sizes[1]) + 1) * groups else 0
+    attributes = node_attributes(get_geometry(int(sizes[-1]), sampling, sorting), stride, padding, dilation, groups,
+                                 guides)
     named = {_suffixed(name, value): value for name, value in attributes.items()}
     inputs = [input, weight] if symbolic_helper._is_none(bias) else [input, weight, bias]
     out = g.op(f"{DOMAIN}::{OP_NAME}", *inputs, **named)
-    out.setType(input.type().with_sizes([None] * 4))
+    k = int(sizes[-1])  # the output's sizes where the input's are known: the exporter's inference goes on after it
+    out.setType(input.type().with_sizes([shape[0], int(sizes[0])] + [
+        output_size(shape[2 + axis], k, stride[axis], padding[2 - 2 * axis] + padding[3 - 2 * axis], dilation[axis])
+        for axis in range(2)]))
     return out
 
 
@@ -136,7 +167,11 @@ def _op_schema():
     kind = defs.OpSchema.AttrType
     kinds = dict(kernel_size=kind.INT, strides=kind.INTS, dilations=kind.INTS, group=kind.INT, pads=kind.INTS,
                  taps=kind.INT, tap_offsets=kind.INTS, tap_weights=kind.FLOATS, segments=kind.INTS,
-                 comparators=kind.INTS, slot_to_grid=kind.INTS, sampling=kind.STRING, sorting=kind.STRING)
+                 comparators=kind.INTS, slot_to_grid=kind.INTS, sampling=kind.STRING, sorting=kind.STRING,
+                 guides=kind.INT, shared=kind.INT, relative=kind.FLOAT, tiny=kind.FLOAT, fold=kind.FLOATS,
+                 dft=kind.FLOATS, blocks=kind.INTS, pairs=kind.INTS, fixed=kind.INTS, first=kind.FLOATS,
+                 energy_pairs=kind.FLOATS, energy_fixed=kind.FLOATS, weight_scale=kind.FLOATS,
+                 guide_first=kind.FLOATS, centre=kind.INT, centre_min_size=kind.INT)
     parameter = defs.OpSchema.FormalParameter
     return defs.OpSchema(
         OP_NAME, DOMAIN, OPSET, "Sorting Convolution (timm_sortconv): one SC layer's forward",
@@ -160,7 +195,10 @@ def translation_table() -> Dict[object, object]:
         kernel_size = weight.shape[-1] if weight.shape is not None else None
         if not isinstance(kernel_size, int):
             raise FusedExportError("fused ONNX export: the weight's kernel size is not known at export time")
-        attributes = node_attributes(get_geometry(kernel_size, sampling, sorting), stride, padding, dilation, groups)
+        channels = input.shape[1] if input.shape is not None else None
+        guides = 1 if sorting == "align" and channels == (weight.shape[1] + 1) * groups else 0
+        attributes = node_attributes(get_geometry(kernel_size, sampling, sorting), stride, padding, dilation, groups,
+                                     guides)
         return node(input, weight, bias, **attributes) if bias is not None else node(input, weight, **attributes)
 
     return {torch.ops.timm_sortconv.sort_conv2d.default: sort_conv2d}
@@ -198,6 +236,8 @@ def fold_batch_norms(model) -> int:
     for node in graph.node:
         for name in node.input:
             readers.setdefault(name, []).append(node)
+    aliases = {node.output[0]: node.input[0] for node in graph.node
+               if node.op_type == "Identity" and node.input[0] in initializers}
     folded, removed = 0, []
     for node in graph.node:
         if node.domain != DOMAIN or node.op_type != OP_NAME:
@@ -209,7 +249,8 @@ def fold_batch_norms(model) -> int:
         attributes = {a.name: a for a in norm.attribute}
         if len(norm.output) != 1 or ("training_mode" in attributes and attributes["training_mode"].i != 0):
             continue
-        parameters = list(norm.input[1:5])
+        # (the exporter writes a parameter equal to another as an Identity of it)
+        parameters = [aliases.get(name, name) for name in norm.input[1:5]]
         weight_name = node.input[1]
         bias_name = node.input[2] if len(node.input) > 2 and node.input[2] else None
         owned = [weight_name] + ([bias_name] if bias_name else [])
@@ -244,16 +285,61 @@ def fold_batch_norms(model) -> int:
     return folded
 
 
+def merge_centring(model) -> int:
+    """Moves each ``CentreGrid`` node whose output only a ``SortConv2d`` node reads, with the same kernel, stride,
+    padding and dilation, into that node (its ``centre`` and ``centre_min_size`` attributes: the library centres
+    the input itself, and the layer's standard-operator form does too, :mod:`.functions`), in place; returns the
+    number merged. What is left (a centred pooling or plain convolution) :func:`.functions.expand_centring` writes
+    in standard operators."""
+    from onnx import helper
+
+    graph = model.graph
+    readers: Dict[str, list] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    reads = _names_read(graph)
+    merged = []
+    for node in graph.node:
+        if node.domain != DOMAIN or node.op_type != CENTRE_OP:
+            continue
+        users = readers.get(node.output[0], [])
+        if len(users) != 1 or reads.get(node.output[0]) != 1:
+            continue
+        user = users[0]
+        if user.domain != DOMAIN or user.op_type != OP_NAME or user.input[0] != node.output[0]:
+            continue
+        centre = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        layer = {a.name: helper.get_attribute_value(a) for a in user.attribute}
+        same = (list(centre["kernel_size"]) == [layer["kernel_size"]] * 2
+                and list(centre["strides"]) == list(layer["strides"])
+                and list(centre["dilations"]) == list(layer["dilations"])
+                and list(centre["pads"]) == list(layer["pads"][:2]))
+        if not same:
+            continue
+        user.input[0] = node.input[0]
+        user.attribute.extend([helper.make_attribute("centre", 1),
+                               helper.make_attribute("centre_min_size", int(centre["min_size"]))])
+        merged.append(node)
+    for node in merged:
+        graph.node.remove(node)
+    return len(merged)
+
+
 def drop_unread_constants(model) -> int:
-    """Removes the ``Constant`` nodes of ``model``'s graph whose values nothing reads (the TorchScript-based exporter
-    leaves the fused node's list arguments behind as such, which the node takes as attributes); returns how many."""
+    """Removes the ``Constant`` and ``Identity`` nodes and the initializers of ``model``'s graph whose values nothing
+    reads (the TorchScript-based exporter leaves the fused node's list arguments behind as constants, which the node
+    takes as attributes, and a folded normalisation's parameters, one an ``Identity`` of another where they were
+    equal); returns how many nodes."""
     graph = model.graph
     dropped = 0
     while True:
         reads = _names_read(graph)
-        unread = [node for node in graph.node if node.op_type == "Constant" and node.domain in ("", "ai.onnx")
-                  and not any(reads.get(name, 0) for name in node.output)]
+        unread = [node for node in graph.node if node.op_type in ("Constant", "Identity")
+                  and node.domain in ("", "ai.onnx") and not any(reads.get(name, 0) for name in node.output)]
         if not unread:
+            for tensor in [t for t in graph.initializer if reads.get(t.name, 0) == 0]:
+                graph.initializer.remove(tensor)
             return dropped
         for node in unread:
             graph.node.remove(node)

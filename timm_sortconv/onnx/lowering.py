@@ -33,7 +33,8 @@ from ..ops.geometry import get_geometry
 from .fused import check_fused
 from .portable import DECOMPOSITIONS, sort_conv2d_portable
 
-__all__ = ["Lowering", "current", "decomposition", "fused_export", "fused_export_enabled", "lower_sort_conv2d"]
+__all__ = ["Lowering", "current", "decomposition", "fused_export", "fused_export_enabled", "lower_sort_conv2d",
+           "standard_operators"]
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,14 @@ def fused_export() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def standard_operators() -> Iterator[None]:
+    """Exports inside the ``with`` block write SC layers in standard operators with the default network, whatever
+    the context around it (the bodies of :mod:`.functions`)."""
+    with _lowered(fused=False, decomposition="network"):
+        yield
+
+
 def fused_export_enabled() -> bool:
     """Whether exports in this context write SC layers as ``timm_sortconv::SortConv2d`` nodes."""
     return _LOWERING.get().fused
@@ -93,15 +102,15 @@ def lower_sort_conv2d(input: torch.Tensor, weight: torch.Tensor, bias: Optional[
                       sorting: str) -> torch.Tensor:
     """An SC layer (``padding = [left, right, top, bottom]`` zeros) as the current lowering writes it."""
     lowering = _LOWERING.get()
+    if lowering.fused:  # the registered operator, which the exporters write as the node (.fused)
+        check_fused([t.dtype for t in (input, weight, bias) if t is not None], int(weight.shape[-1]), sorting)
+        return torch.ops.timm_sortconv.sort_conv2d(input, weight, bias, stride, padding, dilation, groups, sampling,
+                                                   sorting, "auto")
     geometry = get_geometry(int(weight.shape[-1]), sampling, sorting)  # a traced size is a tensor
     if is_aligned(geometry):  # in convolutions and products (the reference path's FFT has no ONNX form)
         padded = F.pad(input, padding) if any(padding) else input
         return align_conv2d_harmonic(padded, weight, bias, geometry, (stride[0], stride[1]),
                                      (dilation[0], dilation[1]), groups)
-    if lowering.fused:  # the registered operator, which the exporters write as the node (.fused)
-        check_fused([t.dtype for t in (input, weight, bias) if t is not None], int(weight.shape[-1]), sorting)
-        return torch.ops.timm_sortconv.sort_conv2d(input, weight, bias, stride, padding, dilation, groups, sampling,
-                                                   sorting, "auto")
     return sort_conv2d_portable(input, weight, bias, geometry, (stride[0], stride[1]),
                                 (padding[0], padding[1], padding[2], padding[3]), (dilation[0], dilation[1]), groups,
                                 lowering.decomposition)

@@ -82,7 +82,8 @@ from .checks import guide_channels
 from .geometry import ALIGNMENTS, SortGeometry
 
 __all__ = ["ISA_ENV", "ISA_LEVELS", "MAX_KERNEL_SIZE", "POLAR_TAP_SIZES", "SOURCE_DIR", "CpuKernel",
-           "IsaLevel", "build_environment", "cpu_isa", "extension_name", "load_extension", "load_kernel",
+           "IsaLevel", "align_kernel_tables", "build_environment", "cpu_isa", "extension_name", "load_extension",
+           "load_kernel",
            "polar_tap_header", "runnable_isa_levels", "sort_conv2d_cpu", "supports_cpu", "bf16_products"]
 
 MAX_KERNEL_SIZE = 15
@@ -415,6 +416,16 @@ def _align_tables_for(geometry: SortGeometry, dtype: torch.dtype) -> _AlignTable
     if key not in _align_tables:
         _align_tables[key] = _AlignTables(geometry, dtype)
     return _align_tables[key]
+
+
+def align_kernel_tables(geometry: SortGeometry) -> Dict[str, object]:
+    """The tables the aligned kernel takes for ``geometry`` besides the tensors and the sampling tables, by the
+    extension's argument names (float32 calls): ``fold``, ``dft``, ``blocks``, ``pairs``, ``first``,
+    ``energy_pairs``, ``fixed``, ``energy_fixed``, ``shared``, ``relative``, ``tiny``, ``weight_scale`` and
+    ``guide_first``. The onnxruntime node carries them as attributes (:mod:`timm_sortconv.onnx.fused`), so that this
+    stays the one place they are computed."""
+    align = _align_tables_for(geometry, torch.float32)
+    return dict(align.kwargs, weight_scale=align.weight_scale, guide_first=align.guide_first)
 
 
 def _align_weight_args(module: ModuleType, weight: torch.Tensor, geometry: SortGeometry,

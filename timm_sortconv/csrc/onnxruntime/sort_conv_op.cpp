@@ -1,11 +1,11 @@
 // An onnxruntime custom-operator library: the node timm_sortconv::SortConv2d, the forward of one SC layer, computed
-// by the kernel that PyTorch's CPU backend runs (../sort_conv_kernel.h, built here without libtorch:
-// TIMM_SORTCONV_STANDALONE, see ../kernel_support.h). timm_sortconv/ops/ort_library.py builds it; onnxruntime loads
-// it with SessionOptions.register_custom_ops_library(path), which calls RegisterCustomOps below. Only onnxruntime's
-// C API is used (its headers, no library to link: the functions come through the OrtApi table), at ORT_API_VERSION
-// of the headers, which every later onnxruntime serves.
+// by the kernels that PyTorch's CPU backend runs (../sort_conv_kernel.h, ../align_conv_kernel.h, built here without
+// libtorch: TIMM_SORTCONV_STANDALONE, see ../kernel_support.h). timm_sortconv/onnx/runtime.py builds it; onnxruntime
+// loads it with SessionOptions.register_custom_ops_library(path), which calls RegisterCustomOps below. Only
+// onnxruntime's C API is used (its header, ../third_party/onnxruntime, no library to link: the functions come through
+// the OrtApi table), at ORT_API_VERSION of the header, which every later onnxruntime serves.
 //
-// The node (timm_sortconv/ops/fused_export.py writes it):
+// The node (timm_sortconv/onnx/fused.py writes it):
 //   inputs   X (N, C, H, W) float32; W (O, C/group, k, k) float32, the layer's weight in grid order; B (O,) optional
 //   output   Y (N, O, Ho, Wo) float32
 //   attributes (the geometry as timm_sortconv/ops/geometry.py computes it, which is the only place it is computed)
@@ -13,7 +13,13 @@
 //     taps T; tap_offsets (k*k * T * 2) ints: per sample (slot order) and tap, (dy, dx) from window pixel k / 2;
 //     tap_weights (k*k * T) floats (0: no tap); segments (2 * n) ints: [start, end) slots sorted together;
 //     comparators (2 * m) ints: (lo, hi) pairs, segment after segment; slot_to_grid (k*k) ints: the weight's grid
-//     position of each slot; sampling, sorting: strings, for the reader only.
+//     position of each slot; sampling, sorting: strings ("align" and "align-channel" choose the aligned kernel);
+//     centre, centre_min_size (optional, 0): the input's grid centred first, as timm_sortconv.grid.centre_grid does
+//     (read half a pixel on where a strided axis's residue is odd, then cropped by half of it on each side; the
+//     output's size is unchanged), so that a centred strided layer is one node;
+//   the aligned variants' attributes besides (cpu_backend.align_kernel_tables computes them): guides (0 or 1 guide
+//     channel after each group's weighted ones, in X only), shared, relative, tiny, fold, dft (k*k * k*k floats),
+//     blocks, pairs, fixed (ints), first, energy_pairs, energy_fixed, weight_scale, guide_first (floats).
 //
 // Per node the kernel state holds the attributes, the weight packed once where it is a constant initializer (in slot
 // order, each panel chunk's register tiles contiguous: tile_forward_weights, which measured 20% faster for
@@ -44,6 +50,7 @@
 #include <vector>
 
 #include "../sort_conv_kernel.h"
+#include "../align_conv_kernel.h"
 
 namespace {
 
@@ -63,14 +70,33 @@ void check_status(OrtStatus* status) {
   throw std::runtime_error(message);
 }
 
-int64_t int_attribute(const OrtKernelInfo* info, const char* name) {
-  int64_t value = 0;
-  OrtStatus* status = g_api->KernelInfoGetAttribute_int64(info, name, &value);
-  if (status != nullptr) {
-    g_api->ReleaseStatus(status);
-    timm_sortconv_host::fail("timm_sortconv::SortConv2d: the node has no int attribute '", name, "'");
+// Whether a call of the C API succeeded; a failure's status is released (an attribute the node lacks).
+bool succeeded(OrtStatus* status) {
+  if (status == nullptr) return true;
+  g_api->ReleaseStatus(status);
+  return false;
+}
+
+bool read_attribute(const OrtKernelInfo* info, const char* name, int64_t* value) {
+  return succeeded(g_api->KernelInfoGetAttribute_int64(info, name, value));
+}
+
+bool read_attribute(const OrtKernelInfo* info, const char* name, float* value) {
+  return succeeded(g_api->KernelInfoGetAttribute_float(info, name, value));
+}
+
+// A scalar attribute the node must have (`kind` names its type in the error).
+template <typename T>
+T required_attribute(const OrtKernelInfo* info, const char* name, const char* kind) {
+  T value{};
+  if (!read_attribute(info, name, &value)) {
+    timm_sortconv_host::fail("timm_sortconv::SortConv2d: the node has no ", kind, " attribute '", name, "'");
   }
   return value;
+}
+
+int64_t int_attribute(const OrtKernelInfo* info, const char* name) {
+  return required_attribute<int64_t>(info, name, "int");
 }
 
 std::vector<int64_t> ints_attribute(const OrtKernelInfo* info, const char* name, size_t expected_size = 0) {
@@ -97,6 +123,29 @@ std::vector<float> floats_attribute(const OrtKernelInfo* info, const char* name)
   std::vector<float> values(size);
   if (size > 0) check_status(g_api->KernelInfoGetAttributeArray_float(info, name, values.data(), &size));
   return values;
+}
+
+int64_t int_attribute_or(const OrtKernelInfo* info, const char* name, int64_t fallback) {
+  int64_t value = fallback;
+  return read_attribute(info, name, &value) ? value : fallback;
+}
+
+float float_attribute(const OrtKernelInfo* info, const char* name) {
+  return required_attribute<float>(info, name, "float");
+}
+
+std::string string_attribute(const OrtKernelInfo* info, const char* name) {
+  size_t size = 0;
+  succeeded(g_api->KernelInfoGetAttribute_string(info, name, nullptr, &size));  // the size, where it has one
+  std::string value(size, '\0');
+  if (size > 0) check_status(g_api->KernelInfoGetAttribute_string(info, name, &value[0], &size));
+  if (!value.empty() && value.back() == '\0') value.pop_back();
+  return value;
+}
+
+std::vector<double> doubles_attribute(const OrtKernelInfo* info, const char* name) {
+  const auto values = floats_attribute(info, name);
+  return std::vector<double>(values.begin(), values.end());
 }
 
 // A tensor's element type and dimensions.
@@ -152,6 +201,15 @@ struct OrtPool {
   }
 };
 
+// timm_sortconv::grid.centre_grid_residues: the residue of one axis that the centring takes away (0: none).
+int64_t centre_residue(int64_t size, int64_t kernel_size, int64_t stride, int64_t pad, int64_t dilation,
+                       int64_t min_size) {
+  const int64_t span = size + 2 * pad - dilation * (kernel_size - 1) - 1;
+  if (stride == 1 || span < 0) return 0;
+  const int64_t excess = span % stride;
+  return size - excess < min_size ? 0 : excess;
+}
+
 class SortConvKernel {
  public:
   SortConvKernel(const OrtKernelInfo* info, int64_t threads) : threads_(threads) {
@@ -166,6 +224,8 @@ class SortConvKernel {
     strides_ = {strides[0], strides[1]};
     dilations_ = {dilations[0], dilations[1]};
     pad_ = {pads[1], pads[3], pads[0], pads[2]};  // the kernel's left, right, top, bottom
+    centre_ = int_attribute_or(info, "centre", 0) != 0;
+    centre_min_size_ = int_attribute_or(info, "centre_min_size", 1);
     taps_ = int_attribute(info, "taps");
     TIMM_SORTCONV_CHECK(taps_ >= 1, "timm_sortconv::SortConv2d: taps must be >= 1");
     tap_offsets_ = ints_attribute(info, "tap_offsets", static_cast<size_t>(slots * taps_ * 2));
@@ -190,10 +250,30 @@ class SortConvKernel {
                           "timm_sortconv::SortConv2d: slot_to_grid must be a permutation of 0..", slots - 1);
       seen[position] = true;
     }
+    const std::string sorting = string_attribute(info, "sorting");
+    aligned_ = sorting == "align" || sorting == "align-channel";
+    if (aligned_) {
+      align_.guides = int_attribute_or(info, "guides", 0);
+      align_.shared = int_attribute(info, "shared") != 0;
+      align_.relative = float_attribute(info, "relative");
+      align_.tiny = float_attribute(info, "tiny");
+      align_.fold = doubles_attribute(info, "fold");
+      align_.dft = doubles_attribute(info, "dft");
+      align_.blocks = ints_attribute(info, "blocks");
+      align_.pairs = ints_attribute(info, "pairs");
+      align_.fixed = ints_attribute(info, "fixed");
+      align_.first = doubles_attribute(info, "first");
+      align_.energy_pairs = doubles_attribute(info, "energy_pairs");
+      align_.energy_fixed = doubles_attribute(info, "energy_fixed");
+      align_.weight_scale = doubles_attribute(info, "weight_scale");
+      align_.guide_first = doubles_attribute(info, "guide_first");
+      TIMM_SORTCONV_CHECK(comparators_.empty(), "timm_sortconv::SortConv2d: an aligned node sorts nothing");
+    }
     // The plan of a small input checks the tables once, here, where a bad node fails at session creation.
     plan_for(kernel_size_ * dilations_[0], kernel_size_ * dilations_[1], false);
 
-    // A constant weight (an initializer) is packed once for all calls.
+    // A constant weight (an initializer) is packed once for all calls (the aligned kernel's per plan: its tables
+    // depend on the plan).
     int is_constant = 0;
     const OrtValue* weight = nullptr;
     check_status(g_api->KernelInfoGetConstantInput_tensor(info, 1, &is_constant, &weight));
@@ -201,8 +281,11 @@ class SortConvKernel {
       const TensorInfo w = tensor_info(weight);
       check_weight(w);
       weight_shape_ = w.dims;
-      packed_weight_.resize(w.numel());
-      pack(float_data(weight), w.dims, packed_weight_.data());
+      constant_weight_.assign(float_data(weight), float_data(weight) + w.numel());
+      if (!aligned_) {
+        packed_weight_.resize(w.numel());
+        pack(constant_weight_.data(), w.dims, packed_weight_.data());
+      }
     }
   }
 
@@ -220,9 +303,11 @@ class SortConvKernel {
                         "timm_sortconv::SortConv2d: X must be a 4-D float32 tensor (N, C, H, W)");
     check_weight(w);
     const int64_t batch = x.dims[0], channels = x.dims[1], out_channels = w.dims[0];
-    TIMM_SORTCONV_CHECK(channels % group_ == 0 && w.dims[1] * group_ == channels,
-                        "timm_sortconv::SortConv2d: X has ", channels, " channels, W expects ", w.dims[1] * group_,
-                        " (", w.dims[1], " per group, group = ", group_, ")");
+    const int64_t guides = aligned_ ? align_.guides : 0;
+    TIMM_SORTCONV_CHECK(channels % group_ == 0 && (w.dims[1] + guides) * group_ == channels,
+                        "timm_sortconv::SortConv2d: X has ", channels, " channels, W expects ",
+                        (w.dims[1] + guides) * group_, " (", w.dims[1], " per group and ", guides,
+                        " guide, group = ", group_, ")");
     const float* bias = nullptr;
     if (b_value != nullptr) {
       const TensorInfo b = tensor_info(b_value);
@@ -233,12 +318,14 @@ class SortConvKernel {
 
     const timm_sortconv_host::Pool pool{threads_, context, &OrtPool::run};
     const timm_sortconv_host::PoolScope scope(&pool);
+    const float* input = float_data(x_value);
+    int64_t height = x.dims[2], width = x.dims[3];
+    std::vector<float> centred;
+    if (centre_) input = centre(input, batch * channels, height, width, centred);
     // With fewer images than threads each thread would copy whole images to read a part of each (the kernel pads
     // while copying): the input is padded once here instead, as cpu_backend.py does for PyTorch.
     const bool pad_here = batch < threads_ && std::any_of(pad_.begin(), pad_.end(), [](int64_t p) { return p > 0; });
-    const float* input = float_data(x_value);
     std::vector<float> padded;
-    int64_t height = x.dims[2], width = x.dims[3];
     if (pad_here) {
       const int64_t h = height + pad_[2] + pad_[3], wd = width + pad_[0] + pad_[1];
       padded.assign(batch * channels * h * wd, 0.f);
@@ -255,27 +342,62 @@ class SortConvKernel {
       width = wd;
     }
     TIMM_SORTCONV_CHECK(height >= 1 && width >= 1, "timm_sortconv::SortConv2d: X has an empty image");
-    const std::shared_ptr<const Plan<float>> plan = plan_for(height, width, pad_here);
+    const std::shared_ptr<PlanState> state = plan_for(height, width, pad_here);
+    const Plan<float>& plan = state->plan;
 
-    const std::array<int64_t, 4> out_dims{batch, out_channels, plan->out_h, plan->out_w};
+    const std::array<int64_t, 4> out_dims{batch, out_channels, plan.out_h, plan.out_w};
     OrtValue* y_value = nullptr;
     check_status(g_api->KernelContext_GetOutput(context, 0, out_dims.data(), out_dims.size(), &y_value));
     void* y_data = nullptr;
     check_status(g_api->GetTensorMutableData(y_value, &y_data));
     if (batch == 0 || out_channels == 0) return;
+    float* out = static_cast<float*>(y_data);
+    const Shape shape{batch, channels - guides * group_, out_channels, group_};
+    const bool constant = !constant_weight_.empty() && weight_shape_ == w.dims;
 
+    if (aligned_) {
+      std::vector<float> packed_here;
+      const float* packed = nullptr;
+      if (constant) {
+        std::lock_guard<std::mutex> guard(state->lock);
+        if (state->packed.empty()) {
+          state->packed.resize(w.numel());
+          harmonic_weight_into<float>(plan, state->tables, shape, constant_weight_.data(), slot_to_grid_, true,
+                                      state->packed.data());
+        }
+        packed = state->packed.data();
+      } else {
+        packed_here.resize(w.numel());
+        harmonic_weight_into<float>(plan, state->tables, shape, float_data(w_value), slot_to_grid_, true,
+                                    packed_here.data());
+        packed = packed_here.data();
+      }
+      if (plan.stride_w == 1) {
+        align_forward_kernel<float, true>(plan, state->tables, shape, input, packed, bias, out);
+      } else {
+        align_forward_kernel<float, false>(plan, state->tables, shape, input, packed, bias, out);
+      }
+      return;
+    }
     const float* packed = packed_weight_.data();
     std::vector<float> packed_here;
-    if (packed_weight_.empty() || weight_shape_ != w.dims) {
+    if (!constant) {
       packed_here.resize(w.numel());
       pack(float_data(w_value), w.dims, packed_here.data());
       packed = packed_here.data();
     }
-    const Shape shape{batch, channels, out_channels, group_};
-    run_forward<float>(*plan, shape, input, packed, nullptr, bias, static_cast<float*>(y_data), true);
+    run_forward<float>(plan, shape, input, packed, nullptr, bias, out, true);
   }
 
  private:
+  // A plan per input size, with the aligned kernel's tables (they depend on the plan) and its harmonic weight.
+  struct PlanState {
+    Plan<float> plan;
+    AlignTables<float> tables;
+    std::mutex lock;
+    std::vector<float> packed;
+  };
+
   void check_weight(const TensorInfo& w) const {
     TIMM_SORTCONV_CHECK(w.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && w.dims.size() == 4 &&
                             w.dims[2] == kernel_size_ && w.dims[3] == kernel_size_,
@@ -283,6 +405,40 @@ class SortConvKernel {
                         kernel_size_);
     TIMM_SORTCONV_CHECK(w.dims[0] % group_ == 0, "timm_sortconv::SortConv2d: group ", group_,
                         " does not divide W's ", w.dims[0], " output channels");
+  }
+
+  // `planes` images of height x width centred as timm_sortconv.grid.centre_grid does (the node's `centre`): per
+  // strided axis read half a pixel on where its residue is odd (rows first, then columns, each the mean of two
+  // neighbours), then cropped by half the residue on each side. Returns `input` where nothing is to be done, else the
+  // centred images in `buffer`; height and width become the centred ones.
+  const float* centre(const float* input, int64_t planes, int64_t& height, int64_t& width,
+                      std::vector<float>& buffer) const {
+    const int64_t rows = centre_residue(height, kernel_size_, strides_[0], pad_[2], dilations_[0], centre_min_size_);
+    const int64_t columns = centre_residue(width, kernel_size_, strides_[1], pad_[0], dilations_[1],
+                                           centre_min_size_);
+    if (rows == 0 && columns == 0) return input;
+    const int64_t half_r = rows % 2, half_c = columns % 2, crop_r = rows / 2, crop_c = columns / 2;
+    const int64_t h = height - rows, wd = width - columns, in_h = height, in_w = width;
+    buffer.resize(planes * h * wd);
+    timm_sortconv_host::parallel_for(0, planes, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t plane = begin; plane < end; ++plane) {
+        const float* image = input + plane * in_h * in_w;
+        float* to = buffer.data() + plane * h * wd;
+        for (int64_t i = 0; i < h; ++i) {
+          const float* top = image + (i + crop_r) * in_w + crop_c;
+          const float* below = top + half_r * in_w;
+          for (int64_t j = 0; j < wd; ++j) {
+            // (a + b) * 0.5 along the rows, then along the columns, as the Python rule's two steps compute it
+            const float left = half_r ? (top[j] + below[j]) * 0.5f : top[j];
+            const float right = half_r ? (top[j + half_c] + below[j + half_c]) * 0.5f : top[j + half_c];
+            to[i * wd + j] = half_c ? (left + right) * 0.5f : left;
+          }
+        }
+      }
+    });
+    height = h;
+    width = wd;
+    return buffer.data();
   }
 
   // The weight (O, C/g, k, k) in grid order, packed as the forward reads it (pack_by_slot, then tiled:
@@ -294,7 +450,7 @@ class SortConvKernel {
     tile_forward_weights<float>(by_slot.data(), packed, shape, kernel_size_ * kernel_size_);
   }
 
-  std::shared_ptr<const Plan<float>> plan_for(int64_t height, int64_t width, bool padded) {
+  std::shared_ptr<PlanState> plan_for(int64_t height, int64_t width, bool padded) {
     const auto key = std::make_tuple(height, width, padded);
     std::lock_guard<std::mutex> guard(plans_lock_);
     auto found = plans_.find(key);
@@ -308,24 +464,28 @@ class SortConvKernel {
     tables.comparators = comparators_.data();
     tables.comparator_count = static_cast<int64_t>(comparators_.size() / 2);
     const std::array<int64_t, 4> pad = padded ? std::array<int64_t, 4>{0, 0, 0, 0} : pad_;
-    auto plan = std::make_shared<const Plan<float>>(make_plan<float>(
-        tables, height, width, kernel_size_, strides_[0], strides_[1], dilations_[0], dilations_[1], pad));
+    auto state = std::make_shared<PlanState>();
+    state->plan = make_plan<float>(tables, height, width, kernel_size_, strides_[0], strides_[1], dilations_[0],
+                                   dilations_[1], pad);
+    if (aligned_) state->tables = make_align_tables<float>(align_, state->plan);
     if (plans_.size() >= kMaxPlans) plans_.clear();  // a graph run at ever new sizes keeps the last few
-    plans_.emplace(key, plan);
-    return plan;
+    plans_.emplace(key, state);
+    return state;
   }
 
   int64_t threads_;
-  int64_t kernel_size_ = 0, group_ = 1, taps_ = 0;
+  int64_t kernel_size_ = 0, group_ = 1, taps_ = 0, centre_min_size_ = 1;
+  bool centre_ = false, aligned_ = false;
   std::array<int64_t, 2> strides_{1, 1}, dilations_{1, 1};
   std::array<int64_t, 4> pad_{0, 0, 0, 0};
   std::vector<int64_t> tap_offsets_, segments_, slot_to_grid_;
   std::vector<double> tap_weights_;
   std::vector<int32_t> comparators_;
+  AlignTableValues align_;
   std::vector<int64_t> weight_shape_;
-  std::vector<float> packed_weight_;
+  std::vector<float> constant_weight_, packed_weight_;
   std::mutex plans_lock_;
-  std::map<std::tuple<int64_t, int64_t, bool>, std::shared_ptr<const Plan<float>>> plans_;
+  std::map<std::tuple<int64_t, int64_t, bool>, std::shared_ptr<PlanState>> plans_;
 };
 
 // OrtCustomOp's callbacks. Errors never cross the C API as exceptions: they become an OrtStatus.
