@@ -158,8 +158,8 @@ def test_every_decomposition_computes_the_reference_path(name, k, sampling, sort
 
 
 def test_an_unknown_decomposition_is_refused_with_the_accepted_ones():
-    with pytest.raises(ValueError, match="unknown decomposition='topk'; accepted: 'network', 'chunked'"):
-        with sc_onnx.decomposition("topk"):
+    with pytest.raises(ValueError, match="unknown decomposition='bubble'; accepted: 'network', 'chunked'"):
+        with sc_onnx.decomposition("bubble"):
             pass
 
 

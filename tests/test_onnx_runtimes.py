@@ -105,6 +105,18 @@ def test_every_way_of_exporting_loads_and_agrees(name, way):
         _assert_agrees(model, data, torch.randn(shape))
 
 
+@pytest.mark.parametrize("name", quick_first(["scnn_p_rs_7", "ri_resnet18", "scnn_p_align_7_guided"]))
+def test_the_openvino_decomposition_agrees_in_both_runtimes(name):
+    """The sorting as OpenVINO runs it fastest (a TopK per ring over a grouped sampling convolution)."""
+    model, x = _model(name)
+    buffer = io.BytesIO()
+    timm_sortconv.onnx.export(model, x, buffer, decomposition=timm_sortconv.onnx.OPENVINO)
+    graph = onnx.load_from_string(buffer.getvalue()).graph
+    if name != "scnn_p_align_7_guided":  # (the aligned variants sort nothing)
+        assert any(node.op_type == "TopK" for node in graph.node)
+    _assert_agrees(model, buffer.getvalue(), x)
+
+
 def test_no_export_writes_an_if_node():
     """The centring of strided grids is written without branches (timm_sortconv.onnx.centring): at a static shape the
     few nodes the size needs, with dynamic axes the rule computed from the shape."""

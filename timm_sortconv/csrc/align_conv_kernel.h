@@ -203,7 +203,8 @@ AlignTables<scalar_t> make_align_tables(const AlignTableValues& v, const Plan<sc
   t.shared = v.shared;
   t.guides = v.guides;
   TIMM_SORTCONV_CHECK(t.guides == 0 || (t.guides == 1 && t.shared),
-                      "sort_conv_cpu: a group carries at most one guide channel, and only with one orientation a group");
+                      "sort_conv_cpu: a group carries at most one guide channel, and only with one orientation a "
+                      "group");
   t.relative = static_cast<scalar_t>(v.relative);
   t.tiny = static_cast<scalar_t>(v.tiny);
   const double* d = v.dft.data();

@@ -30,7 +30,7 @@ from . import centring, fused, guide
 from .exporting import check_model, export
 from .fused import FusedExportError
 from .lowering import Lowering, decomposition, fused_export, fused_export_enabled, lower_sort_conv2d
-from .portable import DECOMPOSITIONS
+from .portable import DECOMPOSITIONS, ONNXRUNTIME, OPENVINO
 from .runtime import THREADS_KEY, LibraryBuildError, build_library, library_path, session
 
 set_onnx_lowering(lower_sort_conv2d)
@@ -38,6 +38,6 @@ centring.register_symbolics()
 guide.register_symbolics()
 fused.register_symbolics()
 
-__all__ = ["DECOMPOSITIONS", "THREADS_KEY", "FusedExportError", "LibraryBuildError", "Lowering", "build_library",
-           "check_model", "decomposition", "export", "fused_export", "fused_export_enabled", "library_path",
+__all__ = ["DECOMPOSITIONS", "ONNXRUNTIME", "OPENVINO", "THREADS_KEY", "FusedExportError", "LibraryBuildError",
+           "Lowering", "build_library", "check_model", "decomposition", "export", "fused_export", "fused_export_enabled", "library_path",
            "session"]

@@ -27,7 +27,9 @@ import torch.nn as nn
 from .functions import attach_functions, expand_centring, inline_functions
 from .fused import (DOMAIN, OPSET, FusedExportError, check_fused, drop_unread_constants, fold_batch_norms,
                     merge_centring, translation_table)
-from .lowering import fused_export
+from .lowering import current, fused_export
+from .lowering import decomposition as lowered_as
+from .portable import ONNXRUNTIME, OPENVINO
 
 __all__ = ["check_model", "export"]
 
@@ -49,7 +51,7 @@ def check_model(model: nn.Module, example: Optional[torch.Tensor] = None) -> Non
 
 
 def export(model: nn.Module, example: torch.Tensor, f, *, dynamo: bool = False, dynamic_size: bool = False,
-           opset_version: int = 18, fused: bool = False, inlined=None) -> None:
+           opset_version: int = 18, fused: bool = False, inlined=None, decomposition: Optional[str] = None) -> None:
     """Exports ``model`` (in evaluation mode) at ``example``'s shape to ``f`` (a path or a binary file object).
 
     Args:
@@ -71,8 +73,15 @@ def export(model: nn.Module, example: torch.Tensor, f, *, dynamo: bool = False, 
             :class:`FusedExportError` before anything is exported. Default: standard operators only.
         inlined: with ``fused=True``, where to write the same model with every function expanded in place (a path or
             a binary file object): standard operators only, for runtimes that do not inline ONNX functions
-            (OpenVINO).
+            (OpenVINO), the sorting written as :data:`.portable.OPENVINO` unless ``decomposition`` names another.
+        decomposition: how the sorting of SC layers in standard operators is written (:data:`.portable.DECOMPOSITIONS`;
+            default: the context's, :func:`.lowering.decomposition`, which is :data:`.portable.ONNXRUNTIME`). For a
+            file that OpenVINO will run: :data:`.portable.OPENVINO`.
     """
+    if decomposition is not None:
+        with lowered_as(decomposition):
+            return export(model, example, f, dynamo=dynamo, dynamic_size=dynamic_size, opset_version=opset_version,
+                          fused=fused, inlined=inlined)
     if dynamo and dynamic_size:
         _refuse_dynamic_centring(model)
     if inlined is not None and not fused:
@@ -91,10 +100,14 @@ def export(model: nn.Module, example: torch.Tensor, f, *, dynamo: bool = False, 
     merge_centring(exported)
     expand_centring(exported)
     drop_unread_constants(exported)
-    attach_functions(exported)
+    standard = onnx.ModelProto()
+    standard.CopyFrom(exported)
+    attach_functions(exported, current().decomposition)
     _write(exported.SerializeToString(), f)
     if inlined is not None:
-        _write(inline_functions(exported).SerializeToString(), inlined)
+        chosen = current().decomposition
+        attach_functions(standard, OPENVINO if chosen == ONNXRUNTIME else chosen)
+        _write(inline_functions(standard).SerializeToString(), inlined)
 
 
 def _write(data: bytes, f) -> None:

@@ -8,7 +8,8 @@ for any batch, height and width, with the node's inputs ``X``, ``W`` and ``B`` (
 body, so a batch normalisation folded into the node's initializers holds for the body too). onnxruntime then runs
 the package's kernel where the library is registered and inlines the function where it is not. A runtime that does
 not inline model-local functions (OpenVINO) takes the file :func:`inline_functions` writes: every function expanded
-in place, standard operators only.
+in place, standard operators only, with the sorting written for that runtime (:data:`.portable.OPENVINO`, a
+``TopK`` per ring, which OpenVINO runs faster than a min/max network, and onnxruntime slower).
 """
 from __future__ import annotations
 
@@ -69,14 +70,16 @@ def _decoded(attributes: Dict[str, object]) -> Dict[str, object]:
     return {name: value.decode() if isinstance(value, bytes) else value for name, value in attributes.items()}
 
 
-def _traced_nodes(module: nn.Module, example, names: List[str], dynamic: Dict[str, Dict[int, str]]):
-    """``module`` exported in standard operators at ``example`` (its inputs named ``names``, ``dynamic`` axes), as a
-    list of nodes, its constants as ``Constant`` nodes (a function or a graph's inlined part has no initializers)."""
+def _traced_nodes(module: nn.Module, example, names: List[str], dynamic: Dict[str, Dict[int, str]],
+                  decomposition: str = "network"):
+    """``module`` exported in standard operators (the sorting networks as ``decomposition``) at ``example`` (its
+    inputs named ``names``, ``dynamic`` axes), as a list of nodes, its constants as ``Constant`` nodes (a function or
+    a graph's inlined part has no initializers)."""
     import onnx
     from onnx import helper
 
     buffer = io.BytesIO()
-    with warnings.catch_warnings(), standard_operators():
+    with warnings.catch_warnings(), standard_operators(decomposition):
         warnings.simplefilter("ignore")
         torch.onnx.export(module, example, buffer, dynamo=False, opset_version=_BODY_OPSET, input_names=names,
                           output_names=["Y"], dynamic_axes=dynamic)
@@ -85,7 +88,8 @@ def _traced_nodes(module: nn.Module, example, names: List[str], dynamic: Dict[st
         graph.node)
 
 
-def _body(attributes: Dict[str, object], weight_shape: List[int], has_bias: bool, channels: int):
+def _body(attributes: Dict[str, object], weight_shape: List[int], has_bias: bool, channels: int,
+          decomposition: str):
     """The function of a node with these attributes: the layer for any batch, height and width."""
     k = attributes["kernel_size"]
     size = max(2 * k * max(attributes["dilations"]), 8)
@@ -93,7 +97,7 @@ def _body(attributes: Dict[str, object], weight_shape: List[int], has_bias: bool
         (torch.zeros(weight_shape[0]),) if has_bias else ())
     names = ["X", "W", "B"][:len(example)]
     axes = {0: "n", 2: "h", 3: "w"}
-    return _traced_nodes(_Layer(attributes), example, names, {"X": axes, "Y": axes}), names
+    return _traced_nodes(_Layer(attributes), example, names, {"X": axes, "Y": axes}, decomposition), names
 
 
 def _overload(attributes: Dict[str, object], weight_shape: List[int], has_bias: bool, channels: int) -> str:
@@ -101,9 +105,10 @@ def _overload(attributes: Dict[str, object], weight_shape: List[int], has_bias: 
     return "layer_" + hashlib.sha256(key).hexdigest()[:12]
 
 
-def attach_functions(model) -> int:
+def attach_functions(model, decomposition: str = "network") -> int:
     """Gives each ``timm_sortconv::SortConv2d`` node of ``model`` (an ``onnx.ModelProto``, in place) its
-    standard-operator form as a model-local function (module docstring); returns the number of functions added."""
+    standard-operator form as a model-local function (module docstring), its sorting networks written as
+    ``decomposition`` (:data:`.portable.DECOMPOSITIONS`); returns the number of functions added."""
     from onnx import helper
 
     shapes = {tensor.name: list(tensor.dims) for tensor in model.graph.initializer}
@@ -122,7 +127,7 @@ def attach_functions(model) -> int:
         node.overload = overload
         if overload in made:
             continue
-        nodes, inputs = _body(attributes, weight_shape, has_bias, in_channels)
+        nodes, inputs = _body(attributes, weight_shape, has_bias, in_channels, decomposition)
         made[overload] = helper.make_function(DOMAIN, OP_NAME, inputs, ["Y"], nodes,
                                               [helper.make_opsetid("", _BODY_OPSET)], overload=overload)
     model.functions.extend(made.values())
@@ -190,7 +195,7 @@ def expand_centring(model) -> int:
 
 def inline_functions(model):
     """A copy of ``model`` with every model-local function expanded in place: standard operators only, for runtimes
-    that do not inline functions (OpenVINO)."""
+    that do not inline functions."""
     from onnx import inliner
 
     return inliner.inline_local_functions(model)

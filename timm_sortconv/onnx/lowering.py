@@ -85,10 +85,10 @@ def fused_export() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def standard_operators() -> Iterator[None]:
-    """Exports inside the ``with`` block write SC layers in standard operators with the default network, whatever
-    the context around it (the bodies of :mod:`.functions`)."""
-    with _lowered(fused=False, decomposition="network"):
+def standard_operators(name: str = "network") -> Iterator[None]:
+    """Exports inside the ``with`` block write SC layers in standard operators, the sorting networks as ``name``,
+    whatever the context around it (the bodies of :mod:`.functions`)."""
+    with _lowered(fused=False), decomposition(name):
         yield
 
 

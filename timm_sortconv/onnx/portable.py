@@ -1,13 +1,13 @@
 """Sorting Convolution in standard operators: the graph that ``torch.onnx.export`` writes for an SC layer.
 
-An exported model runs in any ONNX runtime (onnxruntime, OpenVINO, TensorRT) with nothing to install or register, so
-each SC layer is written as a few standard operators, in three steps that mirror the kernels':
+An exported model runs in any ONNX runtime (onnxruntime and OpenVINO are tested) with nothing to install or
+register, so each SC layer is written as a few standard operators, in three steps that mirror the kernels':
 
 1. **Sampling**: every channel's ``k*k`` samples of every window by one convolution of each channel alone (the input
-   viewed as ``(N*C, 1, H, W)``) with a fixed ``(k*k, 1, k, k)`` filter bank: the rows of the geometry's
-   interpolation matrix (square sampling: one-hot filters; polar: the bilinear taps), with the layer's stride,
-   dilation and zero padding. The filter bank is the same for every layer of a geometry (``k*k*k*k`` numbers), so
-   the file grows by a few kilobytes, not by a copy of the weights.
+   viewed as ``(N*C, 1, H, W)``; ``"topk"``: one grouped convolution) with a fixed ``(k*k, 1, k, k)`` filter bank: the
+   rows of the geometry's interpolation matrix (square sampling: one-hot filters; polar: the bilinear taps), with the
+   layer's stride, dilation and zero padding. The filter bank is the same for every layer of a geometry (``k*k*k*k``
+   numbers; ``"topk"`` repeats it for each channel), not a copy of the weights.
 2. **Sorting**: each segment (a ring, an orbit, or the whole window) by a min/max sorting network (Batcher's odd-even
    merge, :meth:`~timm_sortconv.ops.geometry.SortGeometry.comparators`): the samples split into one map per slot,
    each comparator a ``Min`` and a ``Max`` of two maps, then the maps concatenated again. A network is exact (it only
@@ -19,13 +19,21 @@ each SC layer is written as a few standard operators, in three steps that mirror
 The aligned variants (``sorting="align"``, ``"align-channel"``) export through their standard-operator form, the
 ``harmonic`` backend (:func:`~timm_sortconv.ops.alignment.align_conv2d_harmonic`): :mod:`.lowering` chooses.
 
-The graph's cost against the layer's plain convolution is the sorting network's passes over memory: each comparator
-reads two maps of ``N*C*Ho*Wo`` values and writes two, where a convolution reads its input once. ``BENCHMARKS.md``
-("Exported to ONNX") measures it per model, with the other decompositions (:data:`DECOMPOSITIONS`): ``"chunked"``, the
-same network on groups of channels small enough for the cache (sized for one image), ``"layered"``, the network a layer
-of disjoint comparators at a time on the whole stack of samples (six nodes a layer instead of two a comparator), and
-``"reference"``, the reference path as traced (one ``TopK`` per segment). ``"network"`` is the default;
-:func:`timm_sortconv.onnx.decomposition` selects another while exporting.
+The graph's cost against the layer's plain convolution is the sorting's passes over memory: each comparator reads
+two maps of ``N*C*Ho*Wo`` values and writes two, where a convolution reads its input once. Which form is fastest
+depends on the runtime (``BENCHMARKS.md``, "Exported to ONNX", measures them per model), so there are several
+(:data:`DECOMPOSITIONS`), chosen while exporting by :func:`timm_sortconv.onnx.decomposition`:
+
+* ``"network"`` (the default, :data:`ONNXRUNTIME`): as above; onnxruntime runs its ``Min``/``Max`` nodes in place;
+* ``"topk"`` (:data:`OPENVINO`): the samples by one grouped convolution of the image as it is (``(N, C*k*k, Ho,
+  Wo)``, no batch of ``N*C`` one-channel images), viewed as ``(N*C, k*k, Ho*Wo)`` and each segment sorted by one
+  ``TopK`` along the slots: OpenVINO runs a ``TopK`` along a plain axis in one pass, but a ``Min``/``Max`` pair per
+  comparator as two kernels each (and onnxruntime a ``TopK`` row by row: 4-6 times slower than ``"network"`` there);
+* ``"chunked"``: the network on groups of channels small enough for the cache (sized for one image);
+* ``"layered"``: the network a layer of disjoint comparators at a time on the whole stack of samples (six nodes a
+  layer instead of two a comparator);
+* ``"select"``: a layer at a time too, each slot with its partner (one ``Gather``, then ``Where(low, Min, Max)``);
+* ``"reference"``: the reference path as traced (one ``TopK`` per segment over unfolded windows).
 """
 from __future__ import annotations
 
@@ -38,10 +46,12 @@ import torch.nn.functional as F
 from ..ops.geometry import SortGeometry
 from ..ops.reference import slot_weight, sort_conv2d_reference
 
-__all__ = ["DECOMPOSITIONS", "sort_conv2d_portable"]
+__all__ = ["DECOMPOSITIONS", "ONNXRUNTIME", "OPENVINO", "sort_conv2d_portable"]
 
 #: The ways an SC layer can be written in standard operators (module docstring).
-DECOMPOSITIONS = ("network", "chunked", "layered", "reference")
+DECOMPOSITIONS = ("network", "chunked", "layered", "select", "topk", "reference")
+#: The decomposition for onnxruntime (the default) and the one for OpenVINO (BENCHMARKS.md, "Exported to ONNX").
+ONNXRUNTIME, OPENVINO = "network", "topk"
 #: The values a chunk's sorting network keeps live, at most, in "chunked" (for one image): about the L2 cache of one
 #: core; and the most chunks a layer is cut into (each repeats the layer's network in the graph).
 CHUNK_VALUES = 1 << 18
@@ -61,6 +71,36 @@ def _sorted_maps(samples: torch.Tensor, geometry: SortGeometry) -> torch.Tensor:
         low, high = torch.minimum(maps[a], maps[b]), torch.maximum(maps[a], maps[b])
         maps[a], maps[b] = low, high
     return torch.cat(maps, 1)
+
+
+def _selected(samples: torch.Tensor, geometry: SortGeometry) -> torch.Tensor:
+    """The sorting network a layer at a time, each slot with its partner in the layer: one ``Gather`` of the
+    partners, then ``Min`` where the slot is a comparator's low side and ``Max`` where it is the high side (a slot
+    no comparator of the layer touches is its own partner), written as ``Where(low, Min, Max)``, which runtimes
+    that fuse element-wise operators (OpenVINO) run as one pass."""
+    slots = samples.shape[1]
+    shape = samples.shape
+    samples = samples.flatten(2)  # 3-D: a runtime keeps one plain layout through the network (no reorders)
+    for layer in _network_layers(geometry):
+        partner, low = list(range(slots)), [True] * slots
+        for a, b in layer:
+            partner[a], partner[b], low[b] = b, a, False
+        others = samples[:, partner]
+        mask = torch.tensor(low, device=samples.device).view(1, slots, 1)
+        samples = torch.where(mask, torch.minimum(samples, others), torch.maximum(samples, others))
+    return samples.reshape(shape)
+
+
+def _topk_sorted(samples: torch.Tensor, geometry: SortGeometry) -> torch.Tensor:
+    """``(M, k*k, L)`` samples with every segment of more than one sample sorted ascending by one ``TopK`` along the
+    slots (the segment's size, smallest first). Three-dimensional, so that a runtime keeps one plain layout through
+    the sorting (no reorders around each ``TopK``)."""
+    parts = []
+    for start, end in geometry.segments:
+        part = samples[:, start:end]
+        parts.append(torch.topk(part, end - start, dim=1, largest=False, sorted=True).values if end - start > 1
+                     else part)
+    return torch.cat(parts, 1)
 
 
 def _network_layers(geometry: SortGeometry) -> List[List[Tuple[int, int]]]:
@@ -98,18 +138,28 @@ def _layered(samples: torch.Tensor, geometry: SortGeometry) -> Tuple[torch.Tenso
 
 
 def _sample_and_sort(x: torch.Tensor, geometry: SortGeometry, stride: Tuple[int, int], padding: Tuple[int, int],
-                     dilation: Tuple[int, int], layered: bool) -> Tuple[torch.Tensor, List[int]]:
+                     dilation: Tuple[int, int], name: str) -> Tuple[torch.Tensor, List[int]]:
     """``x`` ``(N, C, H, W)`` -> ``(N, C*k*k, Ho, Wo)``: each channel's windows sampled and sorted, channel ``c``'s
-    ``i``-th map at ``c*k*k + i``; and the slot each map holds (``held[i]``; in slot order but for ``"layered"``)."""
+    ``i``-th map at ``c*k*k + i``, by the decomposition ``name``; and the slot each map holds (``held[i]``; in slot
+    order but for ``"layered"``)."""
     channels, height, width = int(x.shape[1]), x.shape[2], x.shape[3]
+    slots = geometry.kernel_size ** 2
+    if name == "topk":  # one grouped convolution of the image as it is (no batch of N*C one-channel images)
+        filters = _sampling_filters(geometry, x).repeat(channels, 1, 1, 1)
+        samples = F.conv2d(x, filters, None, stride, padding, dilation, channels)
+        ho, wo = samples.shape[2], samples.shape[3]
+        return _topk_sorted(samples.reshape(-1, slots, ho * wo), geometry).reshape(-1, channels * slots, ho,
+                                                                                    wo), list(range(slots))
     samples = F.conv2d(x.reshape(-1, 1, height, width), _sampling_filters(geometry, x), None, stride, padding,
                        dilation)
     ho, wo = samples.shape[2], samples.shape[3]
-    if layered:
+    if name == "layered":
         samples, held = _layered(samples, geometry)
+    elif name == "select":
+        samples, held = _selected(samples, geometry), list(range(slots))
     else:
-        samples, held = _sorted_maps(samples, geometry), list(range(samples.shape[1]))
-    return samples.reshape(-1, channels * geometry.kernel_size ** 2, ho, wo), held
+        samples, held = _sorted_maps(samples, geometry), list(range(slots))
+    return samples.reshape(-1, channels * slots, ho, wo), held
 
 
 def sort_conv2d_portable(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], geometry: SortGeometry,
@@ -132,11 +182,11 @@ def sort_conv2d_portable(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
         per_channel = geometry.kernel_size ** 2 * int(x.shape[2]) * int(x.shape[3])
         chunks = min(MAX_CHUNKS, max(1, math.ceil(channels * per_channel / CHUNK_VALUES)))
         step = math.ceil(channels / chunks)
-        parts = [_sample_and_sort(x[:, c:c + step], geometry, stride, pad, dilation, False)[0]
+        parts = [_sample_and_sort(x[:, c:c + step], geometry, stride, pad, dilation, "network")[0]
                  for c in range(0, channels, step)]
         columns, held = (parts[0] if len(parts) == 1 else torch.cat(parts, 1)), list(range(geometry.kernel_size ** 2))
     else:
-        columns, held = _sample_and_sort(x, geometry, stride, pad, dilation, name == "layered")
+        columns, held = _sample_and_sort(x, geometry, stride, pad, dilation, name)
     kernel = slot_weight(weight, geometry)
     if held != sorted(held):  # map i of each channel holds slot held[i]: the weight follows, not the maps
         kernel = kernel[:, :, held]

@@ -3,8 +3,8 @@
 One source tree (``csrc/``) is compiled into three kinds of library, which all read what is here:
 
 * the PyTorch extension (:mod:`.cpu_backend`, through ``torch.utils.cpp_extension``: it links libtorch);
-* the runtime libraries of :mod:`timm_sortconv.onnx` (onnxruntime's operator library, :mod:`timm_sortconv.onnx.runtime`):
-  plain shared libraries compiled by :func:`build_library` with the same optimisation flags and level, without
+* the runtime libraries of :mod:`timm_sortconv.onnx` (onnxruntime's operator library,
+  :mod:`timm_sortconv.onnx.runtime`): plain shared libraries compiled by :func:`build_library` with the same optimisation flags and level, without
   libtorch.
 
 **Levels** (:data:`ISA_LEVELS`): ``avx512`` (``-march=x86-64-v4``), ``avx2`` (``-march=x86-64-v3``: AVX2 and FMA)
