@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """What an exported SC model costs where it is deployed: each model and its plain twin exported to ONNX and run by
-onnxruntime, in one process, taking turns.
+onnxruntime or OpenVINO, in one process, taking turns.
 
 For every model (``--models``; ``sortify:NAME@SIZE`` is a timm model converted by ``sortify``, its twin the original)
 both networks are built with random weights in evaluation mode, exported by ``torch.onnx.export`` (``--exporter``:
@@ -12,11 +12,14 @@ ratio, the agreement with PyTorch (the largest difference of an output over the 
 seconds, the file's megabytes and nodes, and the nodes per SC layer (the graph's nodes beyond the twin's, per SC
 layer, plus the one convolution it replaces).
 
-SC layers export in standard operators (``timm_sortconv.onnx.portable``), as ``--decomposition`` writes them
-(``network``, the default, ``chunked``, ``layered`` or ``reference``), or with ``--fused`` as one custom node each,
+SC layers export in standard operators (``timm_sortconv.onnx.portable``), as ``--decomposition`` writes them (default:
+the runtime's own, ``network`` for onnxruntime, ``topk`` for OpenVINO), or with ``--fused`` as one custom node each,
 run by the package's onnxruntime library (``timm_sortconv.onnx``: ``session`` registers it and tells it the threads).
-The files go to a temporary folder, removed at the end. ``--csv PATH`` appends the rows, with the machine and the command, to a CSV
-(``results/benchmarks/onnx.csv``, which ``scripts/docs.py`` turns into BENCHMARKS.md's table).
+``--runtime openvino`` runs the files in OpenVINO (CPU, float32 inference precision, ``INFERENCE_NUM_THREADS``; 0:
+its default) instead, with ``--fused`` the package's OpenVINO extension loaded (``timm_sortconv.onnx.openvino``);
+``--profile PATH`` then appends OpenVINO's per-node profile (``PERF_COUNT``) by node type.
+The files go to a temporary folder, removed at the end. ``--csv PATH`` appends the rows, with the machine and the
+command, to a CSV (``results/benchmarks/onnx.csv``, which ``scripts/docs.py`` turns into BENCHMARKS.md's table).
 
 Examples::
 
@@ -44,10 +47,12 @@ from timm_sortconv import SortConv2d
 from timm_sortconv import onnx as sc_onnx
 from timm_sortconv.check import cpu_model
 from timm_sortconv.ops.cpu_backend import cpu_isa
-from timm_sortconv.onnx import DECOMPOSITIONS, decomposition
+from timm_sortconv.onnx import DECOMPOSITIONS, ONNXRUNTIME, OPENVINO, decomposition
 
-MODELS = ("scnn_p_rs_7", "ri_vgg16", "ri_resnet18", "ri_densenet40", "sortify:resnet18@224")
-TWINS = {"scnn_p_rs_7": "scnn_baseline_7"}
+MODELS = ("scnn_p_rs_7", "scnn_p_align_7_guided", "scnn_p_align_7_guided_canon", "ri_vgg16", "ri_resnet18",
+          "ri_densenet40", "sortify:resnet18@224")
+TWINS = {"scnn_p_rs_7": "scnn_baseline_7", "scnn_p_align_7_guided": "scnn_baseline_7",
+         "scnn_p_align_7_guided_canon": "scnn_baseline_7"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -56,8 +61,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32], help="batch sizes (default: 1 32)")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 0],
                         help="onnxruntime intra-op threads, 0: all cores (default: 1 0)")
-    parser.add_argument("--decomposition", default="network", choices=DECOMPOSITIONS,
-                        help="how SC layers are written in standard operators (default: network)")
+    parser.add_argument("--runtime", default="onnxruntime", choices=("onnxruntime", "openvino"),
+                        help="the runtime that runs the files (default: onnxruntime)")
+    parser.add_argument("--decomposition", default=None, choices=DECOMPOSITIONS,
+                        help=f"how SC layers are written in standard operators (default: the runtime's, "
+                             f"{ONNXRUNTIME} for onnxruntime, {OPENVINO} for OpenVINO)")
     parser.add_argument("--fused", action="store_true",
                         help="export sorting layers as one timm_sortconv::SortConv2d node each and run them with the "
                              "package's onnxruntime library (timm_sortconv.onnx; built on first use)")
@@ -71,6 +79,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="also profile the SC session (onnxruntime's profiler, 3 calls) and append its time per "
                              "operator type to this CSV")
     args = parser.parse_args(argv)
+
+    if args.decomposition is None:
+        args.decomposition = OPENVINO if args.runtime == "openvino" else ONNXRUNTIME
     for name in args.models.split(","):
         if name not in MODELS and not name.startswith("sortify:") and name not in timm.list_models():
             parser.error(f"unknown model {name!r}; accepted: a registered model or sortify:NAME@SIZE")
@@ -117,11 +128,34 @@ def export(model: nn.Module, x: torch.Tensor, path: str, exporter: str, fused: b
     return time.perf_counter() - start
 
 
-def session(path: str, threads: int, fused: bool = False):
-    """A CPU session of ``path`` with ``threads`` intra-op threads (0: all); with ``fused`` the package's library
-    registered (:func:`timm_sortconv.onnx.session`)."""
+def openvino_model(path: str, threads: int, profile: bool = False, extension: bool = False):
+    """``path`` compiled by OpenVINO for the CPU (float32, ``threads`` inference threads, 0: its default), with the
+    package's extension loaded where ``extension``."""
+    import openvino
+
+    from timm_sortconv.onnx.openvino import extension_path
+
+    config = {"INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY"}
+    if threads:
+        config["INFERENCE_NUM_THREADS"] = threads
+    if profile:
+        config["PERF_COUNT"] = True
+    core = openvino.Core()
+    if extension:
+        core.add_extension(str(extension_path()))
+    return core.compile_model(path, "CPU", config)
+
+
+def session(path: str, threads: int, fused: bool = False, runtime: str = "onnxruntime"):
+    """A CPU session of ``path`` with ``threads`` intra-op threads (0: all) whose ``run(None, feed)`` returns the
+    outputs; with ``fused`` the package's library registered (:func:`timm_sortconv.onnx.session`), or in OpenVINO its
+    extension (:mod:`timm_sortconv.onnx.openvino`)."""
     import onnxruntime as ort
 
+    if runtime == "openvino":
+        request = openvino_model(path, threads, extension=fused).create_infer_request()
+        return type("OpenVINOSession", (), {"run": staticmethod(
+            lambda names, feed: list(request.infer([feed["x"]]).values()))})
     if fused:
         return sc_onnx.session(path, threads)
     options = ort.SessionOptions()
@@ -172,6 +206,21 @@ def profile(path: str, threads: int, feed: Dict, fused: bool = False, calls: int
     return {op: (ms, count // calls) for op, (ms, count) in totals.items()}
 
 
+def openvino_profile(path: str, threads: int, feed: Dict, calls: int = 3,
+                     extension: bool = False) -> Dict[str, Tuple[float, int]]:
+    """Milliseconds per call and nodes of each node type (with its implementation) in OpenVINO's profile
+    (``PERF_COUNT``) of the last of ``calls`` calls."""
+    request = openvino_model(path, threads, profile=True, extension=extension).create_infer_request()
+    for _ in range(calls):
+        request.infer([feed["x"]])
+    totals: Dict[str, List[float]] = {}
+    for info in request.profiling_info:
+        entry = totals.setdefault(f"{info.node_type} ({info.exec_type})", [0.0, 0])
+        entry[0] += info.real_time.total_seconds() * 1e3
+        entry[1] += 1
+    return {op: (ms, count) for op, (ms, count) in totals.items() if ms > 0}
+
+
 def graph_nodes(path: str) -> int:
     import onnx
 
@@ -193,23 +242,29 @@ def git_commit() -> str:
     return commit + ("+" if dirty else "")
 
 
-def machine() -> str:
-    import onnxruntime as ort
+def machine(runtime: str = "onnxruntime") -> str:
+    if runtime == "openvino":
+        import openvino
 
-    return (f"{cpu_model()}, {os.cpu_count()} logical CPUs; torch {torch.__version__.split('+')[0]}, onnxruntime "
-            f"{ort.__version__}")
+        version = f"openvino {openvino.__version__.split('-')[0]}"
+    else:
+        import onnxruntime as ort
+
+        version = f"onnxruntime {ort.__version__}"
+    return f"{cpu_model()}, {os.cpu_count()} logical CPUs; torch {torch.__version__.split('+')[0]}, {version}"
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     command = "python scripts/bench_onnx.py " + " ".join(sys.argv[1:] if argv is None else argv)
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-    print(f"CPU: {machine()}; SC kernel {cpu_isa()}; load average {os.getloadavg()[0]:.2f}", flush=True)
-    header = ["model", "twin", "input", "batch", "threads", "decomposition", "exporter", "sc_ms", "twin_ms", "ratio",
+    print(f"CPU: {machine(args.runtime)}; SC kernel {cpu_isa()}; load average {os.getloadavg()[0]:.2f}", flush=True)
+    header = ["model", "twin", "input", "batch", "threads", "runtime", "decomposition", "exporter", "sc_ms", "twin_ms",
+              "ratio",
               "error", "sc_export_s", "twin_export_s", "sc_mb", "twin_mb", "sc_nodes", "twin_nodes",
               "nodes_per_sc_layer", "date", "commit", "machine", "load", "command"]
     rows, profiles = [], []
-    mode = "fused" if args.fused else args.decomposition
+    mode = ("extension" if args.runtime == "openvino" else "fused") if args.fused else args.decomposition
     with tempfile.TemporaryDirectory() as folder, decomposition(args.decomposition):
         for name in args.models.split(","):
             model, twin, shape, twin_name = build(name)
@@ -224,25 +279,30 @@ def main(argv=None) -> int:
                 with torch.no_grad():
                     expected = model(x)
                 for threads in args.threads:
-                    runs = [session(paths[0], threads, args.fused).run, session(paths[1], threads).run]
+                    runs = [session(paths[0], threads, args.fused, args.runtime).run,
+                            session(paths[1], threads, runtime=args.runtime).run]
                     feed = {"x": x.numpy()}
                     (out,) = runs[0](None, feed)
                     error = float((torch.from_numpy(out) - expected).abs().max() / expected.abs().max())
                     repeats = args.repeats or (5 if batch == 1 else 2)
                     sc_s, twin_s = best_of(runs, feed, args.rounds, repeats)
                     row = dict(model=name, twin=twin_name, input="x".join(map(str, shape)), batch=batch,
-                               threads=threads or "all", decomposition=mode, exporter=args.exporter,
+                               threads=threads or "all", runtime=args.runtime, decomposition=mode,
+                               exporter=args.exporter,
                                sc_ms=f"{sc_s * 1e3:.2f}", twin_ms=f"{twin_s * 1e3:.2f}", ratio=f"{sc_s / twin_s:.2f}",
                                error=f"{error:.1e}", sc_export_s=f"{seconds[0]:.1f}", twin_export_s=f"{seconds[1]:.1f}",
                                sc_mb=f"{sizes[0]:.2f}", twin_mb=f"{sizes[1]:.2f}", sc_nodes=nodes[0],
                                twin_nodes=nodes[1], nodes_per_sc_layer=f"{(nodes[0] - nodes[1]) / sc_layers + 1:.0f}",
                                date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M"), commit=git_commit(),
-                               machine=machine(), load=f"{os.getloadavg()[0]:.2f}", command=command)
+                               machine=machine(args.runtime), load=f"{os.getloadavg()[0]:.2f}", command=command)
                     rows.append(row)
                     if args.profile:
-                        for op, (ms, count) in sorted(profile(paths[0], threads, feed, args.fused).items(),
-                                                      key=lambda i: -i[1][0]):
-                            profiles.append(dict(model=name, batch=batch, threads=row["threads"], decomposition=mode,
+                        found = (openvino_profile(paths[0], threads, feed, extension=args.fused)
+                                 if args.runtime == "openvino" else
+                                 profile(paths[0], threads, feed, args.fused))
+                        for op, (ms, count) in sorted(found.items(), key=lambda i: -i[1][0]):
+                            profiles.append(dict(model=name, batch=batch, threads=row["threads"],
+                                                 runtime=args.runtime, decomposition=mode,
                                                  op_type=op, ms=f"{ms:.2f}", nodes=count, sc_ms=row["sc_ms"],
                                                  date=row["date"], commit=row["commit"], machine=row["machine"],
                                                  command=command))

@@ -347,70 +347,78 @@ def record_demo(folder: Path, minutes: Optional[float] = None, load: Optional[st
     (DEMO / "demo.json").write_text(json.dumps(meta, indent=1) + "\n")
 
 
-ONNX_ORDER = ("network", "chunked", "layered", "reference", "fused")
-ONNX_NAMES = {"network": "network (default)", "chunked": "chunked", "layered": "layered",
-              "reference": "reference path (TopK)", "fused": "fused node"}
+#: BENCHMARKS.md's deployment table: (runtime, path in onnx.csv's decomposition column) -> its column.
+ONNX_COLUMNS = {("onnxruntime", "network"): "onnxruntime, standard operators",
+                ("onnxruntime", "fused"): "onnxruntime, fused node",
+                ("openvino", "topk"): "OpenVINO, standard operators (`topk`)",
+                ("openvino", "extension"): "OpenVINO, extension"}
+
+
+def _onnx_rows() -> List[dict]:
+    rows = read_csv(BENCH / "onnx.csv")
+    for row in rows:
+        row.setdefault("runtime", "onnxruntime")
+    return rows
 
 
 def onnx() -> str:
-    """Exported SC models against their twins in onnxruntime (``scripts/bench_onnx.py``): the ratio per
-    decomposition, the default's export figures, and where its time goes."""
-    rows = read_csv(BENCH / "onnx.csv")
-    found = [d for d in ONNX_ORDER if any(r["decomposition"] == d for r in rows)]
+    """Exported SC models against their twins (``scripts/bench_onnx.py``): one table, runtime x path x model, and
+    where OpenVINO's time goes (its per-node profile)."""
+    rows = _onnx_rows()
+    found = [key for key in ONNX_COLUMNS if any((r["runtime"], r["decomposition"]) == key for r in rows)]
+    machines = sorted({r["machine"].split(";")[0] for r in rows})
     first = rows[0]
-    lines = [f"`python scripts/bench_onnx.py --decomposition D --batches 1 32 --threads 1` for each decomposition D "
-             f"({first['date'][:10]}, package at {first['commit']}; {first['machine']}; the models and their twins "
-             "taking turns in one process, the least time of a call). SC time / twin time:", "",
-             "| model (input) | batch | threads | " + " | ".join(ONNX_NAMES[d] for d in found) + " |",
+    lines = [f"SC time / twin time, the least time of a call, SC and twin taking turns in one process "
+             f"({first['date'][:10]}, package at {first['commit']}; {'; '.join(machines)}; "
+             f"{first['machine'].split('; ')[1]}; `all` threads: the runtime's default):", "",
+             "| model (input) | batch | threads | " + " | ".join(ONNX_COLUMNS[key] for key in found) + " |",
              "|---|---|---|" + "---|" * len(found)]
-    cell = {(r["model"], r["batch"], r["threads"], r["decomposition"]): r for r in rows}
-    keys = list(dict.fromkeys((r["model"], r["input"], r["batch"], r["threads"]) for r in rows))
-    for model, size, batch, threads in keys:
-        ratios = []
-        for d in found:
-            r = cell.get((model, batch, threads, d))
-            ratios.append(f"{r['ratio']}x ({r['sc_ms']} / {r['twin_ms']} ms)" if r else "-")
-        lines.append(f"| `{model}` ({size}) | {batch} | {threads} | " + " | ".join(ratios) + " |")
-    lines += ["", "The default graph (`network`), exported by `timm_sortconv.onnx.export` (the TorchScript-based "
-              "exporter, opset 18):", "",
-              "| model | largest error / largest logit | export s, SC / twin (batch 1) | file MB, SC / twin | "
-              "nodes, SC / twin | nodes per SC layer |", "|---|---|---|---|---|---|"]
-    for model, _, batch, threads in keys:
-        r = cell.get((model, batch, threads, "network"))
-        if r is None or batch != "1":
-            continue
-        lines.append(f"| `{model}` | {r['error']} | {r['sc_export_s']} / {r['twin_export_s']} | {r['sc_mb']} / "
-                     f"{r['twin_mb']} | {r['sc_nodes']} / {r['twin_nodes']} | {r['nodes_per_sc_layer']} |")
+    cell = {(r["model"], r["batch"], r["threads"], r["runtime"], r["decomposition"]): r for r in rows}
+    for model, size, batch, threads in dict.fromkeys((r["model"], r["input"], r["batch"], r["threads"])
+                                                     for r in rows):
+        cells = []
+        for runtime, path in found:
+            r = cell.get((model, batch, threads, runtime, path))
+            cells.append(f"{r['ratio']}x ({r['sc_ms']} / {r['twin_ms']} ms)" if r else "-")
+        lines.append(f"| `{model}` ({size}) | {batch} | {threads} | " + " | ".join(cells) + " |")
+    commands = list(dict.fromkeys(r["command"] for r in rows))
+    lines += ["", "Commands: " + "; ".join(f"`{c}`" for c in commands) + "."]
     profile_path = BENCH / "onnx_profile.csv"
     if profile_path.is_file():
-        profile = read_csv(profile_path)
-        lines += ["", f"Where the default graph's time goes (onnxruntime's profiler, `{profile[0]['command']}`): "
-                  "milliseconds per call by operator type, and its share of the nodes' time:", "",
-                  "| model | batch | " + " | ".join(f"{i}." for i in range(1, 6)) + " |", "|---|---|" + "---|" * 5]
-        for key in dict.fromkeys((p["model"], p["batch"]) for p in profile):
-            ops = [p for p in profile if (p["model"], p["batch"]) == key]
-            total = sum(float(p["ms"]) for p in ops)
-            top = sorted(ops, key=lambda p: -float(p["ms"]))[:5]
-            lines.append(f"| `{key[0]}` | {key[1]} | " + " | ".join(
-                f"{p['op_type']} {float(p['ms']):.1f} ms ({100 * float(p['ms']) / total:.0f}%)" for p in top) + " |")
+        profile = [p for p in read_csv(profile_path) if p.get("runtime") == "openvino"]
+        if profile:
+            lines += ["", f"Where OpenVINO's time goes (its per-node profile, `PERF_COUNT`, one call; "
+                      f"`{profile[0]['command']}`): milliseconds by node type and implementation, and its share:", "",
+                      "| model | batch | " + " | ".join(f"{i}." for i in range(1, 5)) + " |", "|---|---|" + "---|" * 4]
+            for key in dict.fromkeys((p["model"], p["batch"]) for p in profile):
+                ops = [p for p in profile if (p["model"], p["batch"]) == key]
+                total = sum(float(p["ms"]) for p in ops)
+                top = sorted(ops, key=lambda p: -float(p["ms"]))[:4]
+                lines.append(f"| `{key[0]}` | {key[1]} | " + " | ".join(
+                    f"{p['op_type']} x{p['nodes']} {float(p['ms']):.1f} ms ({100 * float(p['ms']) / total:.0f}%)"
+                    for p in top) + " |")
     return "\n".join(lines)
 
 
 def onnx_brief() -> str:
-    """The exported models' cost in onnxruntime in one sentence (README.md), from :func:`onnx`'s rows."""
-    rows = read_csv(BENCH / "onnx.csv")
+    """The exported models' cost per runtime in one sentence (README.md), from :func:`onnx`'s rows."""
+    rows = _onnx_rows()
 
-    def extent(decomposition: str, models: Sequence[str]) -> str:
-        return span(float(r["ratio"]) for r in rows if r["decomposition"] == decomposition and r["model"] in models)
+    def extent(runtime: str, path: str, models: Sequence[str]) -> str:
+        return span(float(r["ratio"]) for r in rows
+                    if (r["runtime"], r["decomposition"]) == (runtime, path) and r["model"] in models)
 
-    threes, sevens = ("ri_vgg16", "ri_resnet18", "sortify:resnet18@224"), ("scnn_p_rs_7", "ri_densenet40")
-    registered = ("scnn_p_rs_7", "ri_vgg16", "ri_resnet18", "ri_densenet40")
-    threads = sorted({r["threads"] for r in rows})
+    sevens = ("scnn_p_rs_7",)
+    threes = ("ri_vgg16", "ri_resnet18", "ri_densenet40", "sortify:resnet18@224")
+    guided = ("scnn_p_align_7_guided", "scnn_p_align_7_guided_canon")
     first = rows[0]
-    return (f"In onnxruntime ({first['machine'].split(',')[0]}, {' and '.join(threads)} threads, batch 1 and 32) the "
-            f"standard-operator graph runs at {extent('network', threes)} its plain twin for the 3x3 networks "
-            f"(`ri_vgg16`, `ri_resnet18`, a `sortify`-ed resnet18), {extent('network', sevens)} for `scnn_p_rs_7` "
-            f"and `ri_densenet40`; the fused node at {extent('fused', registered)} for every registered model "
+    return (f"Batch 1 and 32, one and all threads ({first['machine'].split(',')[0]}; SC time over its twin's): "
+            f"onnxruntime with the library {extent('onnxruntime', 'fused', sevens + threes)} for `scnn_p_rs_7` and "
+            f"the 3x3 networks, {extent('onnxruntime', 'fused', guided)} for the guided ones; its standard "
+            f"operators {extent('onnxruntime', 'network', sevens + threes)} and "
+            f"{extent('onnxruntime', 'network', guided)}; OpenVINO "
+            f"{extent('openvino', 'topk', sevens)} (`scnn_p_rs_7`), "
+            f"{extent('openvino', 'topk', threes)} (3x3) and {extent('openvino', 'topk', guided)} (guided) "
             f"(`BENCHMARKS.md`, \"Exported to ONNX\").")
 
 

@@ -286,6 +286,32 @@ def test_one_fused_file_runs_in_every_onnxruntime_and_inlined_in_openvino(librar
     _assert_agrees(torch.from_numpy(compiled(x.numpy())[0]), expected)
 
 
+def test_the_openvino_extension_runs_a_fused_file_node_for_node():
+    """OpenVINO with the package's extension (built against the openvino wheel) reads each node into its own
+    operation and runs the package's kernels: the sortings, an aligned layer with a centred stride, a folded
+    normalisation."""
+    pytest.importorskip("openvino")
+    from timm_sortconv.onnx import openvino as sc_openvino
+
+    try:
+        sc_openvino.extension_path()
+    except sc_openvino.ExtensionBuildError as error:
+        unavailable(f"the OpenVINO extension cannot be built here: {error}")
+    torch.manual_seed(0)
+    model = nn.Sequential(SortConv2d(3, 8, 5, padding=2), nn.BatchNorm2d(8), nn.ReLU(),
+                          SortConv2d(8, 8, 3, stride=2, padding=1, sorting="align"), nn.ReLU(),
+                          SortConv2d(8, 6, 3, padding=1, sampling="square", sorting="global")).eval()
+    randomise_batchnorm(model)
+    x = torch.randn(2, 3, 15, 16)
+    buffer = io.BytesIO()
+    sc_onnx.export(model, x, buffer, fused=True)
+    compiled = sc_openvino.compile_model(buffer.getvalue(), config={"PERF_COUNT": True})
+    request = compiled.create_infer_request()
+    out = list(request.infer([x.numpy()]).values())[0]
+    _assert_agrees(torch.from_numpy(out), _reference(model, x))
+    assert sum(info.node_type == "Reference" for info in request.profiling_info) == 3  # the three nodes, as ours
+
+
 def test_an_inlined_file_needs_the_fused_export():
     with pytest.raises(ValueError, match="inlined= .* needs fused=True"):
         sc_onnx.export(_model(kernel_size=3).eval(), torch.randn(1, 3, 8, 8), io.BytesIO(), inlined=io.BytesIO())

@@ -39,5 +39,5 @@ guide.register_symbolics()
 fused.register_symbolics()
 
 __all__ = ["DECOMPOSITIONS", "ONNXRUNTIME", "OPENVINO", "THREADS_KEY", "FusedExportError", "LibraryBuildError",
-           "Lowering", "build_library", "check_model", "decomposition", "export", "fused_export", "fused_export_enabled", "library_path",
-           "session"]
+           "Lowering", "build_library", "check_model", "decomposition", "export", "fused_export", "fused_export_enabled",
+           "library_path", "session"]

@@ -216,11 +216,11 @@ def _library_sources(source: Path, include_dirs: Sequence[Path]) -> Dict[str, by
 
 
 def library_file(name: str, source: Path, include_dirs: Sequence[Path] = (), isa: Optional[str] = None,
-                 flags: Sequence[str] = ()) -> Path:
+                 flags: Sequence[str] = (), libraries: Sequence[str] = ()) -> Path:
     """Where :func:`build_library` keeps the build of these arguments (it may not exist yet)."""
     isa = check_isa(isa)
-    tag = digest(_library_sources(source, include_dirs), " ".join(_flags(isa, flags)), isa, compiler(),
-                 *map(str, include_dirs))
+    tag = digest(_library_sources(source, include_dirs), " ".join(_flags(isa, flags)), " ".join(libraries), isa,
+                 compiler(), *map(str, include_dirs))
     return cache_dir() / "build" / f"{name}_{isa}_{tag}{'.dll' if sys.platform == 'win32' else '.so'}"
 
 
@@ -234,19 +234,20 @@ _lock = threading.Lock()
 
 
 def build_library(name: str, source: Path, include_dirs: Sequence[Path] = (), isa: Optional[str] = None,
-                  flags: Sequence[str] = (), verbose: bool = False) -> Path:
-    """A shared library compiled from ``source`` (with ``csrc/`` and ``include_dirs`` on the include path) at
-    ``isa`` (default: :func:`cpu_isa`), from the cache where it was built before; otherwise compiled into it, with
-    one line on stderr saying so. Raises :class:`BuildError` with a one-line reason where it cannot be built."""
+                  flags: Sequence[str] = (), libraries: Sequence[str] = (), verbose: bool = False) -> Path:
+    """A shared library compiled from ``source`` (with ``csrc/`` and ``include_dirs`` on the include path, linked
+    with ``libraries``, which come after it on the command line as the linker wants them) at ``isa`` (default:
+    :func:`cpu_isa`), from the cache where it was built before; otherwise compiled into it, with one line on stderr
+    saying so. Raises :class:`BuildError` with a one-line reason where it cannot be built."""
     isa = check_isa(isa)
     with _lock:
-        path = library_file(name, source, include_dirs, isa, flags)
+        path = library_file(name, source, include_dirs, isa, flags, libraries)
         if path.is_file():
             return path
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f".{path.name}.{os.getpid()}")
         includes = [f"-I{folder}" for folder in include_dirs]
-        command = [compiler(), *_flags(isa, flags), *includes, str(source), "-o", str(partial)]
+        command = [compiler(), *_flags(isa, flags), *includes, str(source), *libraries, "-o", str(partial)]
         say(f"compiling {name} ({isa} level) into {path}; this takes under a minute, once")
         if verbose:
             sys.stderr.write(" ".join(command) + "\n")

@@ -21,10 +21,11 @@
 //     channel after each group's weighted ones, in X only), shared, relative, tiny, fold, dft (k*k * k*k floats),
 //     blocks, pairs, fixed (ints), first, energy_pairs, energy_fixed, weight_scale, guide_first (floats).
 //
-// Per node the kernel state holds the attributes, the weight packed once where it is a constant initializer (in slot
-// order, each panel chunk's register tiles contiguous: tile_forward_weights, which measured 20% faster for
-// ri_resnet18 at batch 1 than the row layout PyTorch's path packs per call, the same products in the same order), and
-// the kernel's plan per input size (built on first use of a size). The node infers Y's shape, so that onnxruntime
+// Per node a timm_sortconv_runtime::Layer (../runtime_layer.h, shared with the OpenVINO extension) holds the
+// attributes, the weight packed once where it is a constant initializer (in slot order, each panel chunk's register
+// tiles contiguous: tile_forward_weights, which measured 20% faster for ri_resnet18 at batch 1 than the row layout
+// PyTorch's path packs per call, the same products in the same order), and the kernel's plan per input size (built
+// on first use of a size). The node infers Y's shape, so that onnxruntime
 // plans the memory after it as after a convolution. Compute runs the kernel's forward on onnxruntime's intra-op
 // thread pool (KernelContext_ParallelFor), split into as many parts as the session's threads: the library reads them
 // from the session configuration entry kThreadsKey (timm_sortconv.onnx.session sets it to the session's
@@ -49,17 +50,13 @@
 #include <tuple>
 #include <vector>
 
-#include "../sort_conv_kernel.h"
-#include "../align_conv_kernel.h"
+#include "../runtime_layer.h"
 
 namespace {
 
 constexpr const char* kDomain = "timm_sortconv";
 constexpr const char* kOpName = "SortConv2d";
 constexpr const char* kThreadsKey = "custom_op.SortConv2d.intra_op_num_threads";
-// Plans (a few kilobytes each) kept per node, one per input size.
-constexpr size_t kMaxPlans = 64;
-
 const OrtApi* g_api = nullptr;
 
 // A failed call of the C API as an exception (its message), the status released.
@@ -201,91 +198,52 @@ struct OrtPool {
   }
 };
 
-// timm_sortconv::grid.centre_grid_residues: the residue of one axis that the centring takes away (0: none).
-int64_t centre_residue(int64_t size, int64_t kernel_size, int64_t stride, int64_t pad, int64_t dilation,
-                       int64_t min_size) {
-  const int64_t span = size + 2 * pad - dilation * (kernel_size - 1) - 1;
-  if (stride == 1 || span < 0) return 0;
-  const int64_t excess = span % stride;
-  return size - excess < min_size ? 0 : excess;
+// The node's attributes as the layer takes them (the optional ones at their defaults where the node has none).
+timm_sortconv_runtime::LayerAttributes read_attributes(const OrtKernelInfo* info) {
+  timm_sortconv_runtime::LayerAttributes a;
+  a.kernel_size = int_attribute(info, "kernel_size");
+  a.group = int_attribute(info, "group");
+  a.strides = ints_attribute(info, "strides", 2);
+  a.dilations = ints_attribute(info, "dilations", 2);
+  a.pads = ints_attribute(info, "pads", 4);
+  a.centre = int_attribute_or(info, "centre", 0);
+  a.centre_min_size = int_attribute_or(info, "centre_min_size", 1);
+  a.taps = int_attribute(info, "taps");
+  a.tap_offsets = ints_attribute(info, "tap_offsets");
+  a.tap_weights = floats_attribute(info, "tap_weights");
+  a.segments = ints_attribute(info, "segments");
+  a.comparators = ints_attribute(info, "comparators");
+  a.slot_to_grid = ints_attribute(info, "slot_to_grid");
+  a.sorting = string_attribute(info, "sorting");
+  if (a.sorting == "align" || a.sorting == "align-channel") {
+    a.guides = int_attribute_or(info, "guides", 0);
+    a.shared = int_attribute(info, "shared");
+    a.relative = float_attribute(info, "relative");
+    a.tiny = float_attribute(info, "tiny");
+    for (const auto& [name, values] : {std::pair<const char*, std::vector<float>*>{"fold", &a.fold}, {"dft", &a.dft},
+                                      {"first", &a.first}, {"energy_pairs", &a.energy_pairs},
+                                      {"energy_fixed", &a.energy_fixed}, {"weight_scale", &a.weight_scale},
+                                      {"guide_first", &a.guide_first}}) {
+      *values = floats_attribute(info, name);
+    }
+    a.blocks = ints_attribute(info, "blocks");
+    a.pairs = ints_attribute(info, "pairs");
+    a.fixed = ints_attribute(info, "fixed");
+  }
+  return a;
 }
 
 class SortConvKernel {
  public:
-  SortConvKernel(const OrtKernelInfo* info, int64_t threads) : threads_(threads) {
-    kernel_size_ = int_attribute(info, "kernel_size");
-    TIMM_SORTCONV_CHECK(kernel_size_ >= 1 && kernel_size_ <= 15, "timm_sortconv::SortConv2d: kernel_size ",
-                        kernel_size_, " is outside 1..15");
-    const int64_t slots = kernel_size_ * kernel_size_;
-    group_ = int_attribute(info, "group");
-    TIMM_SORTCONV_CHECK(group_ >= 1, "timm_sortconv::SortConv2d: group must be >= 1");
-    const auto strides = ints_attribute(info, "strides", 2), dilations = ints_attribute(info, "dilations", 2);
-    const auto pads = ints_attribute(info, "pads", 4);  // top, left, bottom, right
-    strides_ = {strides[0], strides[1]};
-    dilations_ = {dilations[0], dilations[1]};
-    pad_ = {pads[1], pads[3], pads[0], pads[2]};  // the kernel's left, right, top, bottom
-    centre_ = int_attribute_or(info, "centre", 0) != 0;
-    centre_min_size_ = int_attribute_or(info, "centre_min_size", 1);
-    taps_ = int_attribute(info, "taps");
-    TIMM_SORTCONV_CHECK(taps_ >= 1, "timm_sortconv::SortConv2d: taps must be >= 1");
-    tap_offsets_ = ints_attribute(info, "tap_offsets", static_cast<size_t>(slots * taps_ * 2));
-    const auto weights = floats_attribute(info, "tap_weights");
-    TIMM_SORTCONV_CHECK(static_cast<int64_t>(weights.size()) == slots * taps_, "timm_sortconv::SortConv2d: ",
-                        "tap_weights has ", weights.size(), " values, expected k*k*taps = ", slots * taps_);
-    tap_weights_.assign(weights.begin(), weights.end());
-    segments_ = ints_attribute(info, "segments");
-    TIMM_SORTCONV_CHECK(!segments_.empty() && segments_.size() % 2 == 0,
-                        "timm_sortconv::SortConv2d: segments must be [start, end) pairs");
-    const auto comparators = ints_attribute(info, "comparators");
-    TIMM_SORTCONV_CHECK(comparators.size() % 2 == 0, "timm_sortconv::SortConv2d: comparators must be pairs");
-    for (const int64_t slot : comparators) {
-      TIMM_SORTCONV_CHECK(slot >= 0 && slot < slots, "timm_sortconv::SortConv2d: a comparator's slot ", slot,
-                          " is outside 0..", slots - 1);
-      comparators_.push_back(static_cast<int32_t>(slot));
-    }
-    slot_to_grid_ = ints_attribute(info, "slot_to_grid", static_cast<size_t>(slots));
-    std::vector<bool> seen(slots, false);
-    for (const int64_t position : slot_to_grid_) {
-      TIMM_SORTCONV_CHECK(position >= 0 && position < slots && !seen[position],
-                          "timm_sortconv::SortConv2d: slot_to_grid must be a permutation of 0..", slots - 1);
-      seen[position] = true;
-    }
-    const std::string sorting = string_attribute(info, "sorting");
-    aligned_ = sorting == "align" || sorting == "align-channel";
-    if (aligned_) {
-      align_.guides = int_attribute_or(info, "guides", 0);
-      align_.shared = int_attribute(info, "shared") != 0;
-      align_.relative = float_attribute(info, "relative");
-      align_.tiny = float_attribute(info, "tiny");
-      align_.fold = doubles_attribute(info, "fold");
-      align_.dft = doubles_attribute(info, "dft");
-      align_.blocks = ints_attribute(info, "blocks");
-      align_.pairs = ints_attribute(info, "pairs");
-      align_.fixed = ints_attribute(info, "fixed");
-      align_.first = doubles_attribute(info, "first");
-      align_.energy_pairs = doubles_attribute(info, "energy_pairs");
-      align_.energy_fixed = doubles_attribute(info, "energy_fixed");
-      align_.weight_scale = doubles_attribute(info, "weight_scale");
-      align_.guide_first = doubles_attribute(info, "guide_first");
-      TIMM_SORTCONV_CHECK(comparators_.empty(), "timm_sortconv::SortConv2d: an aligned node sorts nothing");
-    }
-    // The plan of a small input checks the tables once, here, where a bad node fails at session creation.
-    plan_for(kernel_size_ * dilations_[0], kernel_size_ * dilations_[1], false);
-
-    // A constant weight (an initializer) is packed once for all calls (the aligned kernel's per plan: its tables
-    // depend on the plan).
+  SortConvKernel(const OrtKernelInfo* info, int64_t threads) : threads_(threads), layer_(read_attributes(info)) {
+    // A constant weight (an initializer) is packed once for all calls.
     int is_constant = 0;
     const OrtValue* weight = nullptr;
     check_status(g_api->KernelInfoGetConstantInput_tensor(info, 1, &is_constant, &weight));
     if (is_constant != 0 && weight != nullptr) {
       const TensorInfo w = tensor_info(weight);
-      check_weight(w);
-      weight_shape_ = w.dims;
-      constant_weight_.assign(float_data(weight), float_data(weight) + w.numel());
-      if (!aligned_) {
-        packed_weight_.resize(w.numel());
-        pack(constant_weight_.data(), w.dims, packed_weight_.data());
-      }
+      check_float(w, "W");
+      layer_.set_constant_weight(float_data(weight), w.dims);
     }
   }
 
@@ -299,193 +257,36 @@ class SortConvKernel {
     check_status(g_api->KernelContext_GetInput(context, 1, &w_value));
     if (inputs > 2) check_status(g_api->KernelContext_GetInput(context, 2, &b_value));
     const TensorInfo x = tensor_info(x_value), w = tensor_info(w_value);
-    TIMM_SORTCONV_CHECK(x.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && x.dims.size() == 4,
-                        "timm_sortconv::SortConv2d: X must be a 4-D float32 tensor (N, C, H, W)");
-    check_weight(w);
-    const int64_t batch = x.dims[0], channels = x.dims[1], out_channels = w.dims[0];
-    const int64_t guides = aligned_ ? align_.guides : 0;
-    TIMM_SORTCONV_CHECK(channels % group_ == 0 && (w.dims[1] + guides) * group_ == channels,
-                        "timm_sortconv::SortConv2d: X has ", channels, " channels, W expects ",
-                        (w.dims[1] + guides) * group_, " (", w.dims[1], " per group and ", guides,
-                        " guide, group = ", group_, ")");
+    check_float(x, "X");
+    check_float(w, "W");
+    TIMM_SORTCONV_CHECK(x.dims.size() == 4 && w.dims.size() == 4,
+                        "timm_sortconv::SortConv2d: X must be (N, C, H, W) and W (O, C/group, k, k)");
     const float* bias = nullptr;
     if (b_value != nullptr) {
       const TensorInfo b = tensor_info(b_value);
-      TIMM_SORTCONV_CHECK(b.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && b.numel() == out_channels,
-                          "timm_sortconv::SortConv2d: B must hold ", out_channels, " float32 values");
+      TIMM_SORTCONV_CHECK(b.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && b.numel() == w.dims[0],
+                          "timm_sortconv::SortConv2d: B must hold ", w.dims[0], " float32 values");
       bias = float_data(b_value);
     }
-
-    const timm_sortconv_host::Pool pool{threads_, context, &OrtPool::run};
-    const timm_sortconv_host::PoolScope scope(&pool);
-    const float* input = float_data(x_value);
-    int64_t height = x.dims[2], width = x.dims[3];
-    std::vector<float> centred;
-    if (centre_) input = centre(input, batch * channels, height, width, centred);
-    // With fewer images than threads each thread would copy whole images to read a part of each (the kernel pads
-    // while copying): the input is padded once here instead, as cpu_backend.py does for PyTorch.
-    const bool pad_here = batch < threads_ && std::any_of(pad_.begin(), pad_.end(), [](int64_t p) { return p > 0; });
-    std::vector<float> padded;
-    if (pad_here) {
-      const int64_t h = height + pad_[2] + pad_[3], wd = width + pad_[0] + pad_[1];
-      padded.assign(batch * channels * h * wd, 0.f);
-      timm_sortconv_host::parallel_for(0, batch * channels, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t plane = begin; plane < end; ++plane) {
-          for (int64_t row = 0; row < height; ++row) {
-            std::memcpy(padded.data() + (plane * h + row + pad_[2]) * wd + pad_[0],
-                        input + (plane * height + row) * width, width * sizeof(float));
-          }
-        }
-      });
-      input = padded.data();
-      height = h;
-      width = wd;
-    }
-    TIMM_SORTCONV_CHECK(height >= 1 && width >= 1, "timm_sortconv::SortConv2d: X has an empty image");
-    const std::shared_ptr<PlanState> state = plan_for(height, width, pad_here);
-    const Plan<float>& plan = state->plan;
-
-    const std::array<int64_t, 4> out_dims{batch, out_channels, plan.out_h, plan.out_w};
+    const std::array<int64_t, 4> out_dims = layer_.output_dims(x.dims, w.dims);
     OrtValue* y_value = nullptr;
     check_status(g_api->KernelContext_GetOutput(context, 0, out_dims.data(), out_dims.size(), &y_value));
     void* y_data = nullptr;
     check_status(g_api->GetTensorMutableData(y_value, &y_data));
-    if (batch == 0 || out_channels == 0) return;
-    float* out = static_cast<float*>(y_data);
-    const Shape shape{batch, channels - guides * group_, out_channels, group_};
-    const bool constant = !constant_weight_.empty() && weight_shape_ == w.dims;
-
-    if (aligned_) {
-      std::vector<float> packed_here;
-      const float* packed = nullptr;
-      if (constant) {
-        std::lock_guard<std::mutex> guard(state->lock);
-        if (state->packed.empty()) {
-          state->packed.resize(w.numel());
-          harmonic_weight_into<float>(plan, state->tables, shape, constant_weight_.data(), slot_to_grid_, true,
-                                      state->packed.data());
-        }
-        packed = state->packed.data();
-      } else {
-        packed_here.resize(w.numel());
-        harmonic_weight_into<float>(plan, state->tables, shape, float_data(w_value), slot_to_grid_, true,
-                                    packed_here.data());
-        packed = packed_here.data();
-      }
-      if (plan.stride_w == 1) {
-        align_forward_kernel<float, true>(plan, state->tables, shape, input, packed, bias, out);
-      } else {
-        align_forward_kernel<float, false>(plan, state->tables, shape, input, packed, bias, out);
-      }
-      return;
-    }
-    const float* packed = packed_weight_.data();
-    std::vector<float> packed_here;
-    if (!constant) {
-      packed_here.resize(w.numel());
-      pack(float_data(w_value), w.dims, packed_here.data());
-      packed = packed_here.data();
-    }
-    run_forward<float>(plan, shape, input, packed, nullptr, bias, out, true);
+    const timm_sortconv_host::Pool pool{threads_, context, &OrtPool::run};
+    const timm_sortconv_host::PoolScope scope(&pool);
+    layer_.forward(float_data(x_value), x.dims, float_data(w_value), w.dims, bias, static_cast<float*>(y_data),
+                   threads_);
   }
 
  private:
-  // A plan per input size, with the aligned kernel's tables (they depend on the plan) and its harmonic weight.
-  struct PlanState {
-    Plan<float> plan;
-    AlignTables<float> tables;
-    std::mutex lock;
-    std::vector<float> packed;
-  };
-
-  void check_weight(const TensorInfo& w) const {
-    TIMM_SORTCONV_CHECK(w.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && w.dims.size() == 4 &&
-                            w.dims[2] == kernel_size_ && w.dims[3] == kernel_size_,
-                        "timm_sortconv::SortConv2d: W must be a float32 (O, C/group, k, k) tensor with k = ",
-                        kernel_size_);
-    TIMM_SORTCONV_CHECK(w.dims[0] % group_ == 0, "timm_sortconv::SortConv2d: group ", group_,
-                        " does not divide W's ", w.dims[0], " output channels");
-  }
-
-  // `planes` images of height x width centred as timm_sortconv.grid.centre_grid does (the node's `centre`): per
-  // strided axis read half a pixel on where its residue is odd (rows first, then columns, each the mean of two
-  // neighbours), then cropped by half the residue on each side. Returns `input` where nothing is to be done, else the
-  // centred images in `buffer`; height and width become the centred ones.
-  const float* centre(const float* input, int64_t planes, int64_t& height, int64_t& width,
-                      std::vector<float>& buffer) const {
-    const int64_t rows = centre_residue(height, kernel_size_, strides_[0], pad_[2], dilations_[0], centre_min_size_);
-    const int64_t columns = centre_residue(width, kernel_size_, strides_[1], pad_[0], dilations_[1],
-                                           centre_min_size_);
-    if (rows == 0 && columns == 0) return input;
-    const int64_t half_r = rows % 2, half_c = columns % 2, crop_r = rows / 2, crop_c = columns / 2;
-    const int64_t h = height - rows, wd = width - columns, in_h = height, in_w = width;
-    buffer.resize(planes * h * wd);
-    timm_sortconv_host::parallel_for(0, planes, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t plane = begin; plane < end; ++plane) {
-        const float* image = input + plane * in_h * in_w;
-        float* to = buffer.data() + plane * h * wd;
-        for (int64_t i = 0; i < h; ++i) {
-          const float* top = image + (i + crop_r) * in_w + crop_c;
-          const float* below = top + half_r * in_w;
-          for (int64_t j = 0; j < wd; ++j) {
-            // (a + b) * 0.5 along the rows, then along the columns, as the Python rule's two steps compute it
-            const float left = half_r ? (top[j] + below[j]) * 0.5f : top[j];
-            const float right = half_r ? (top[j + half_c] + below[j + half_c]) * 0.5f : top[j + half_c];
-            to[i * wd + j] = half_c ? (left + right) * 0.5f : left;
-          }
-        }
-      }
-    });
-    height = h;
-    width = wd;
-    return buffer.data();
-  }
-
-  // The weight (O, C/g, k, k) in grid order, packed as the forward reads it (pack_by_slot, then tiled:
-  // tile_forward_weights).
-  void pack(const float* weight, const std::vector<int64_t>& dims, float* packed) const {
-    const Shape shape{1, dims[1] * group_, dims[0], group_};
-    std::vector<float> by_slot(dims[0] * dims[1] * kernel_size_ * kernel_size_);
-    pack_by_slot<float>(weight, by_slot.data(), shape, slot_to_grid_);
-    tile_forward_weights<float>(by_slot.data(), packed, shape, kernel_size_ * kernel_size_);
-  }
-
-  std::shared_ptr<PlanState> plan_for(int64_t height, int64_t width, bool padded) {
-    const auto key = std::make_tuple(height, width, padded);
-    std::lock_guard<std::mutex> guard(plans_lock_);
-    auto found = plans_.find(key);
-    if (found != plans_.end()) return found->second;
-    PlanTables tables;
-    tables.tap_offsets = tap_offsets_.data();
-    tables.tap_weights = tap_weights_.data();
-    tables.taps = taps_;
-    tables.segments = segments_.data();
-    tables.segment_count = static_cast<int64_t>(segments_.size() / 2);
-    tables.comparators = comparators_.data();
-    tables.comparator_count = static_cast<int64_t>(comparators_.size() / 2);
-    const std::array<int64_t, 4> pad = padded ? std::array<int64_t, 4>{0, 0, 0, 0} : pad_;
-    auto state = std::make_shared<PlanState>();
-    state->plan = make_plan<float>(tables, height, width, kernel_size_, strides_[0], strides_[1], dilations_[0],
-                                   dilations_[1], pad);
-    if (aligned_) state->tables = make_align_tables<float>(align_, state->plan);
-    if (plans_.size() >= kMaxPlans) plans_.clear();  // a graph run at ever new sizes keeps the last few
-    plans_.emplace(key, state);
-    return state;
+  static void check_float(const TensorInfo& tensor, const char* name) {
+    TIMM_SORTCONV_CHECK(tensor.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, "timm_sortconv::SortConv2d: ", name,
+                        " must be float32");
   }
 
   int64_t threads_;
-  int64_t kernel_size_ = 0, group_ = 1, taps_ = 0, centre_min_size_ = 1;
-  bool centre_ = false, aligned_ = false;
-  std::array<int64_t, 2> strides_{1, 1}, dilations_{1, 1};
-  std::array<int64_t, 4> pad_{0, 0, 0, 0};
-  std::vector<int64_t> tap_offsets_, segments_, slot_to_grid_;
-  std::vector<double> tap_weights_;
-  std::vector<int32_t> comparators_;
-  AlignTableValues align_;
-  std::vector<int64_t> weight_shape_;
-  std::vector<float> constant_weight_, packed_weight_;
-  std::mutex plans_lock_;
-  std::map<std::tuple<int64_t, int64_t, bool>, std::shared_ptr<PlanState>> plans_;
+  timm_sortconv_runtime::Layer layer_;
 };
 
 // OrtCustomOp's callbacks. Errors never cross the C API as exceptions: they become an OrtStatus.
@@ -538,12 +339,8 @@ void infer_output_shape(const OrtShapeInferContext* context) {
   const auto pads = inferred_ints(context, "pads", ORT_OP_ATTR_INTS, 4);  // top, left, bottom, right
   std::vector<int64_t> y{x[0], w[0], -1, -1};
   for (int axis = 0; axis < 2; ++axis) {
-    const int64_t size = x[2 + axis];
-    if (size < 0) continue;
-    const int64_t span = size + pads[axis] + pads[2 + axis] - dilations[axis] * (k - 1) - 1;
-    TIMM_SORTCONV_CHECK(span >= 0 && strides[axis] >= 1, "timm_sortconv::SortConv2d: X's ", axis ? "width " : "height ",
-                        size, " is smaller than the dilated kernel");
-    y[2 + axis] = span / strides[axis] + 1;
+    y[2 + axis] = timm_sortconv_runtime::output_size(x[2 + axis], k, strides[axis], pads[axis] + pads[2 + axis],
+                                                     dilations[axis]);
   }
   // A size not known is named, by X's batch symbol or a name of its own (a -1 would read as a size).
   std::string names[4];
