@@ -262,7 +262,7 @@ def main(argv=None) -> int:
     header = ["model", "twin", "input", "batch", "threads", "runtime", "decomposition", "exporter", "sc_ms", "twin_ms",
               "ratio",
               "error", "sc_export_s", "twin_export_s", "sc_mb", "twin_mb", "sc_nodes", "twin_nodes",
-              "nodes_per_sc_layer", "date", "commit", "machine", "load", "command"]
+              "nodes_per_sc_layer", "date", "commit", "machine", "isa", "load", "command"]
     rows, profiles = [], []
     mode = ("extension" if args.runtime == "openvino" else "fused") if args.fused else args.decomposition
     with tempfile.TemporaryDirectory() as folder, decomposition(args.decomposition):
@@ -294,7 +294,8 @@ def main(argv=None) -> int:
                                sc_mb=f"{sizes[0]:.2f}", twin_mb=f"{sizes[1]:.2f}", sc_nodes=nodes[0],
                                twin_nodes=nodes[1], nodes_per_sc_layer=f"{(nodes[0] - nodes[1]) / sc_layers + 1:.0f}",
                                date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M"), commit=git_commit(),
-                               machine=machine(args.runtime), load=f"{os.getloadavg()[0]:.2f}", command=command)
+                               machine=machine(args.runtime), isa=cpu_isa(), load=f"{os.getloadavg()[0]:.2f}",
+                               command=command)
                     rows.append(row)
                     if args.profile:
                         found = (openvino_profile(paths[0], threads, feed, extension=args.fused)

@@ -23,6 +23,8 @@
 #include "sort_conv_kernel.h"
 #include "align_conv_kernel.h"
 
+// (Inside the kernels' anonymous namespace: the layer holds their types, which have internal linkage.)
+namespace {
 namespace timm_sortconv_runtime {
 
 // The node's attributes, by their ONNX names (fused.py's module docstring and onnxruntime/sort_conv_op.cpp's header).
@@ -326,3 +328,4 @@ class Layer {
 };
 
 }  // namespace timm_sortconv_runtime
+}  // namespace

@@ -6,7 +6,7 @@ package's kernels: ``csrc/openvino/sort_conv_extension.cpp`` defines an OpenVINO
 evaluate runs the same layer as the onnxruntime library (``csrc/runtime_layer.h``), and the ONNX frontend's
 conversion of the node ``timm_sortconv::SortConv2d`` into it. It is compiled by
 :func:`timm_sortconv.ops.native.build_library` against the headers and ``libopenvino`` that the openvino wheel ships
-(nothing downloaded), once per change. OpenVINO's CPU plugin runs an extension's operation on one thread.
+(nothing downloaded), once per change; the kernels' loops run as TBB tasks, in OpenVINO's own thread arena.
 
 Example:
     >>> import openvino
@@ -39,8 +39,8 @@ def _wheel() -> Path:
 
 
 def _link_flags(wheel: Path) -> List[str]:
-    libraries = sorted((wheel / "libs").glob("libopenvino.so*")) + sorted(
-        (wheel / "libs").glob("libopenvino_onnx_frontend.so*"))
+    libraries = [path for pattern in ("libopenvino.so*", "libopenvino_onnx_frontend.so*", "libtbb.so*")
+                 for path in sorted((wheel / "libs").glob(pattern))]
     if not libraries:
         raise ExtensionBuildError(f"the openvino wheel at {wheel} holds no libopenvino.so in libs/")
     return [str(path) for path in libraries] + [f"-Wl,-rpath,{wheel / 'libs'}"]

@@ -5,10 +5,12 @@
 // converts each node into the operation (convert: its attributes read by name, the optional ones at their defaults),
 // so that the fused file runs in OpenVINO as it runs in onnxruntime with the library registered.
 //
-// OpenVINO's CPU plugin runs an operation of an extension through its evaluate, on the calling thread: the kernel
-// runs without a pool here (one thread).
+// OpenVINO's CPU plugin runs an operation of an extension through its evaluate, called on one of its threads; the
+// kernel's parallel loops run as TBB tasks in the arena of that thread (the plugin's, which INFERENCE_NUM_THREADS
+// sizes), as the plugin's own nodes do.
 #define TIMM_SORTCONV_STANDALONE 1
 
+#include <algorithm>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -20,10 +22,19 @@
 #include <openvino/frontend/onnx/extension/conversion.hpp>
 #include <openvino/op/constant.hpp>
 #include <openvino/op/op.hpp>
+#include <tbb/parallel_for.h>
+#include <tbb/task_arena.h>
 
 #include "../runtime_layer.h"
 
 namespace {
+
+// The pool of kernel_support.h as TBB tasks in the calling thread's arena.
+struct TbbPool {
+  static void run(void*, int64_t count, void (*task)(void*, int64_t), void* state) {
+    tbb::parallel_for(int64_t(0), count, [&](int64_t i) { task(state, i); });
+  }
+};
 
 class SortConv2d : public ov::op::Op {
  public:
@@ -108,8 +119,11 @@ class SortConv2d : public ov::op::Op {
     const auto y = layer.output_dims(x, w);
     outputs[0].set_shape(ov::Shape(y.begin(), y.end()));
     const float* bias = inputs.size() > 2 && inputs[2] ? inputs[2].data<const float>() : nullptr;
+    const int64_t threads = std::max(1, tbb::this_task_arena::max_concurrency());
+    const timm_sortconv_host::Pool pool{threads, nullptr, &TbbPool::run};
+    const timm_sortconv_host::PoolScope scope(&pool);
     layer.forward(inputs[0].data<const float>(), x, inputs[1].data<const float>(), w, bias, outputs[0].data<float>(),
-                  1);
+                  threads);
     return true;
   }
 
