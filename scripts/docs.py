@@ -367,10 +367,12 @@ def onnx() -> str:
     rows = _onnx_rows()
     found = [key for key in ONNX_COLUMNS if any((r["runtime"], r["decomposition"]) == key for r in rows)]
     machines = sorted({r["machine"].split(";")[0] for r in rows})
+    versions = sorted({part.strip() for r in rows for part in r["machine"].split(";")[1].split(",")})
+    isas = sorted({r.get("isa", "") for r in rows} - {""})
     first = rows[0]
     lines = [f"SC time / twin time, the least time of a call, SC and twin taking turns in one process "
-             f"({first['date'][:10]}, package at {first['commit']}; {'; '.join(machines)}; "
-             f"{first['machine'].split('; ')[1]}; `all` threads: the runtime's default):", "",
+             f"({first['date'][:10]}, package at {first['commit']}; {'; '.join(machines)}, the kernels' "
+             f"{' and '.join(isas)} build; {', '.join(versions)}; `all` threads: the runtime's default):", "",
              "| model (input) | batch | threads | " + " | ".join(ONNX_COLUMNS[key] for key in found) + " |",
              "|---|---|---|" + "---|" * len(found)]
     cell = {(r["model"], r["batch"], r["threads"], r["runtime"], r["decomposition"]): r for r in rows}
@@ -387,11 +389,13 @@ def onnx() -> str:
     if profile_path.is_file():
         profile = [p for p in read_csv(profile_path) if p.get("runtime") == "openvino"]
         if profile:
-            lines += ["", f"Where OpenVINO's time goes (its per-node profile, `PERF_COUNT`, one call; "
-                      f"`{profile[0]['command']}`): milliseconds by node type and implementation, and its share:", "",
-                      "| model | batch | " + " | ".join(f"{i}." for i in range(1, 5)) + " |", "|---|---|" + "---|" * 4]
-            for key in dict.fromkeys((p["model"], p["batch"]) for p in profile):
-                ops = [p for p in profile if (p["model"], p["batch"]) == key]
+            commands = "; ".join(f"`{c}`" for c in dict.fromkeys(p["command"] for p in profile))
+            lines += ["", f"Where OpenVINO's time goes (its per-node profile, `PERF_COUNT`, the last of 3 calls, batch 1, "
+                      f"one thread; {commands}): milliseconds by node type and implementation (`Reference`: the "
+                      "extension's operation), and its share:", "",
+                      "| model | path | " + " | ".join(f"{i}." for i in range(1, 5)) + " |", "|---|---|" + "---|" * 4]
+            for key in dict.fromkeys((p["model"], p["decomposition"]) for p in profile):
+                ops = [p for p in profile if (p["model"], p["decomposition"]) == key]
                 total = sum(float(p["ms"]) for p in ops)
                 top = sorted(ops, key=lambda p: -float(p["ms"]))[:4]
                 lines.append(f"| `{key[0]}` | {key[1]} | " + " | ".join(
@@ -412,14 +416,16 @@ def onnx_brief() -> str:
     threes = ("ri_vgg16", "ri_resnet18", "ri_densenet40", "sortify:resnet18@224")
     guided = ("scnn_p_align_7_guided", "scnn_p_align_7_guided_canon")
     first = rows[0]
-    return (f"Batch 1 and 32, one and all threads ({first['machine'].split(',')[0]}; SC time over its twin's): "
-            f"onnxruntime with the library {extent('onnxruntime', 'fused', sevens + threes)} for `scnn_p_rs_7` and "
-            f"the 3x3 networks, {extent('onnxruntime', 'fused', guided)} for the guided ones; its standard "
-            f"operators {extent('onnxruntime', 'network', sevens + threes)} and "
-            f"{extent('onnxruntime', 'network', guided)}; OpenVINO "
-            f"{extent('openvino', 'topk', sevens)} (`scnn_p_rs_7`), "
-            f"{extent('openvino', 'topk', threes)} (3x3) and {extent('openvino', 'topk', guided)} (guided) "
-            f"(`BENCHMARKS.md`, \"Exported to ONNX\").")
+
+    def runtime(runtime_: str, path: str) -> str:
+        return (f"{extent(runtime_, path, sevens + threes)} (`scnn_p_rs_7`, 3x3), "
+                f"{extent(runtime_, path, guided)} (guided)")
+
+    return (f"SC time over its twin's, batch 1 and 32, one and all threads ({first['machine'].split(',')[0]}): "
+            f"onnxruntime with the library {runtime('onnxruntime', 'fused')}, OpenVINO with the extension "
+            f"{runtime('openvino', 'extension')}; in standard operators alone "
+            f"{extent('onnxruntime', 'network', sevens + threes + guided)} and "
+            f"{extent('openvino', 'topk', sevens + threes + guided)} (`BENCHMARKS.md`).")
 
 
 def decision(table: str) -> Callable[[], str]:
