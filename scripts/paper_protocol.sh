@@ -11,8 +11,9 @@
 #   bash scripts/paper_protocol.sh stop   RUNS [MODEL]        # end it; `start` resumes it later
 #
 # RUNS is a folder for the run (RUNS/<MODEL>-paper/: checkpoints, curve.json) and its log
-# (RUNS/<MODEL>-paper.log, appended to by every session); results (JSON, per-angle CSV, plot) go to
-# RUNS/results/. Keep RUNS out of git's way: under the clone's output/ (ignored by git; the README uses
+# (RUNS/<MODEL>-paper.log, appended to by every session); its result is a row of the table RUNS/results.csv
+# (scripts/mnist_results.py --results), its sweep's per-angle CSV and plot RUNS/<MODEL>-paper/mnist_rot.csv|png.
+# Keep RUNS out of git's way: under the clone's output/ (ignored by git; the README uses
 # output/paper) or outside the clone. A run that is killed, or ends with the session, loses at
 # most the batches since its last recovery checkpoint (every 100 batches), and `start` resumes it with the
 # result of an uninterrupted run. DATA is the folder of the MNIST IDX files. MODEL: scnn_p_rs_7 by default.
@@ -55,7 +56,7 @@ start)
     # setsid: the run and its data-loading workers form one process group, which stop/pause/resume signal.
     OMP_NUM_THREADS=$threads MKL_NUM_THREADS=$threads setsid nohup "$python" scripts/mnist_results.py \
         --model "$model" --name "$name" --config scripts/configs/mnist_scnn.yaml --data-dir "$data" \
-        --runs "$runs" --results "$runs/results" --curve 1 2 5 10 20 40 70 100 --curve-samples 2000 --log-interval 50 \
+        --runs "$runs" --results "$runs/results.csv" --curve 1 2 5 10 20 40 70 100 --curve-samples 2000 --log-interval 50 \
         "$@" >> "$log" 2>&1 < /dev/null &
     echo $! > "$pidfile"
     sleep 2

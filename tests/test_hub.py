@@ -215,6 +215,15 @@ def test_shipped_weights_declare_their_hub_repo_and_load_offline(name):
         torch.testing.assert_close(logits[:4], logits[4:], rtol=1e-4, atol=1e-4)
 
 
+def _table(path, *rows):
+    """``path``, a table of ``rows`` as scripts/mnist_results.py writes it (one row per name)."""
+    from timm_sortconv.cli.mnist_results import records
+
+    for row in rows:
+        records(path).put(row)
+    return path
+
+
 def _row(model, **extra):
     angles = [10.0 * i for i in range(36)]
     row = dict(name=model, model=model, model_kwargs=[], config="scripts/configs/mnist_scnn_short.yaml", epochs=1,
@@ -230,16 +239,15 @@ def _row(model, **extra):
 
 @pytest.mark.slow
 def test_model_cards_say_what_was_measured(tmp_path):
-    rows = []
     repeating = [90.0 + i / 10 for i in range(9)] * 4
-    for i, row in enumerate([_row("scnn_p_rs_7"), _row("scnn_p_rs_7", name="x", model_kwargs=["downsample=avg"]),
-                             _row("scnn_s_gs_3"), _row("scnn_p_rs_7", name="long", epochs=5, mnist_rot_top1=95.5,
-                                                       mnist_rot_images=10000, per_angle_top1=repeating)]):
-        rows.append(tmp_path / f"{i}.json")
-        rows[-1].write_text(json.dumps(row))
+    sweep = _table(tmp_path / "sweep.csv", _row("scnn_p_rs_7"), _row("scnn_s_gs_3"))
+    others = _table(tmp_path / "others.csv", _row("scnn_p_rs_7", name="x", model_kwargs=["downsample=avg"]),
+                    _row("scnn_p_rs_7", name="long", epochs=5, mnist_rot_top1=95.5, mnist_rot_images=10000,
+                         per_angle_top1=repeating))
     out = tmp_path / "cards"
-    subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "model_cards.py"), str(rows[0]), str(rows[1]),
-                    str(rows[2]), "--hub-row", str(rows[3]), "--out", str(out)], check=True, capture_output=True)
+    # every row of one table, one row of another by name, and a --hub-row that wins over both
+    subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "model_cards.py"), str(sweep), f"{others}:x",
+                    "--hub-row", f"{others}:long", "--out", str(out)], check=True, capture_output=True)
     assert sorted(p.name for p in out.iterdir()) == ["scnn_p_rs_7.md", "scnn_s_gs_3.md"]  # kwargs rows: no card
     card = (out / "scnn_p_rs_7.md").read_text()
     assert card.startswith("---\nlibrary_name: timm\nlicense: apache-2.0")
@@ -258,14 +266,32 @@ def test_model_cards_say_what_was_measured(tmp_path):
     assert "| angle | 270 |" in other and "is exactly the one shown" not in other  # made-up numbers: no repeats
 
 
+def test_model_cards_refuse_what_is_not_a_row_of_a_table_in_one_line(tmp_path):
+    """A JSON row of the older mnist_results.py, a missing table, an empty one and a name it lacks: each refused
+    with what is wrong, before any card is written."""
+    from timm_sortconv.cli import CommandError, model_cards
+
+    old = tmp_path / "scnn_p_rs_7.json"
+    old.write_text(json.dumps(_row("scnn_p_rs_7"), indent=1))
+    table = _table(tmp_path / "rows.csv", _row("scnn_p_rs_7"))
+    empty = tmp_path / "empty.csv"
+    empty.write_text("name,model\n")
+    refusals = {str(old): "is not a table of scripts/mnist_results.py", str(tmp_path / "no.csv"): "does not exist",
+                str(empty): "empty.csv has no rows", f"{table}:scnn_s_rs_7": "rows.csv has no row scnn_s_rs_7"}
+    for spec, message in refusals.items():
+        with pytest.raises(CommandError, match=message):
+            model_cards.main([spec, "--out", str(tmp_path / "cards")])
+    assert not (tmp_path / "cards").exists()
+
+
 @pytest.mark.slow
 def test_card_of_the_paper_schedule_says_so(tmp_path):
     """A row trained on the paper's preset for its 100 epochs is described as the paper's schedule, with the
     hours its epochs ran, not as the short schedule that fits a CPU."""
-    row = tmp_path / "paper.json"
-    row.write_text(json.dumps(_row("scnn_p_rs_7", epochs=100, config="scripts/configs/mnist_scnn.yaml",
-                                   train_args=["--log-interval", "50"],  # logging only: still the paper's schedule
-                                   train_minutes=510.0, best_epoch=52, best_val_top1=98.53, mnist_rot_images=10000)))
+    row = _table(tmp_path / "paper.csv",
+                 _row("scnn_p_rs_7", epochs=100, config="scripts/configs/mnist_scnn.yaml",
+                      train_args=["--log-interval", "50"],  # logging only: still the paper's schedule
+                      train_minutes=510.0, best_epoch=52, best_val_top1=98.53, mnist_rot_images=10000))
     out = tmp_path / "cards"
     subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "model_cards.py"), str(row), "--out", str(out)],
                    check=True, capture_output=True)
@@ -277,8 +303,7 @@ def test_card_of_the_paper_schedule_says_so(tmp_path):
 
 @pytest.mark.slow
 def test_card_of_the_early_sorting_model_names_its_partial_sorting_and_its_turn(tmp_path):
-    row = tmp_path / "early.json"
-    row.write_text(json.dumps(_row("scnn_p_rs_7_early_canon", epochs=5, mnist_rot_images=10000)))
+    row = _table(tmp_path / "early.csv", _row("scnn_p_rs_7_early_canon", epochs=5, mnist_rot_images=10000))
     out = tmp_path / "cards"
     subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "model_cards.py"), str(row), "--out", str(out)],
                    check=True, capture_output=True)
@@ -341,8 +366,7 @@ def test_shipped_c2_model_keeps_more_than_ring_sorting():
 @pytest.mark.parametrize("model,sorting", [("scnn_p_rs_7_canon", "ring sorting (each ring's values sorted"),
                                            ("scnn_p_c2_7_canon", "half-turn orbit sorting (`sorting='c2'`")])
 def test_model_cards_of_the_canonical_models_say_so(tmp_path, model, sorting):
-    row = tmp_path / "canon.json"
-    row.write_text(json.dumps(_row(model, mnist_rot_images=10000)))
+    row = _table(tmp_path / "canon.csv", _row(model, mnist_rot_images=10000))
     out = tmp_path / "cards"
     subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "model_cards.py"), str(row), "--out", str(out)],
                    check=True, capture_output=True)
@@ -356,22 +380,21 @@ def test_model_cards_of_the_canonical_models_say_so(tmp_path, model, sorting):
 @pytest.mark.slow
 def test_card_of_weights_trained_on_from_the_bundled_ones_gives_both_stages(tmp_path):
     """A row trained with ``--pretrained`` started from the model's bundled weights: its card names the row
-    that trained those (the JSON named after the model beside it), both schedules and both commands."""
+    that trained those (the row named after the model in the same table), both schedules and both commands."""
     first = _row("scnn_p_c2_7_canon", epochs=8, train_minutes=88.8, best_epoch=6, best_val_top1=98.99,
                  reproduce="python scripts/mnist_results.py --model scnn_p_c2_7_canon --epochs 8 --data-dir DATA")
     more = _row("scnn_p_c2_7_canon", name="scnn_p_c2_7_canon-ft4", epochs=4, train_minutes=44.0, best_epoch=3,
                 best_val_top1=99.06, mnist_test_top1=99.02, train_args=["--pretrained", "--lr", "5e-4"],
                 reproduce="python scripts/mnist_results.py --model scnn_p_c2_7_canon --name scnn_p_c2_7_canon-ft4 "
                           "--epochs 4 --data-dir DATA --pretrained --lr 5e-4")
-    rows = tmp_path / "rows"
-    rows.mkdir()
-    (rows / "scnn_p_c2_7_canon-ft4.json").write_text(json.dumps(more))
-    command = [sys.executable, str(REPO_ROOT / "scripts" / "model_cards.py"), str(rows / "scnn_p_c2_7_canon-ft4.json"),
+    rows = _table(tmp_path / "rows.csv", more)
+    command = [sys.executable, str(REPO_ROOT / "scripts" / "model_cards.py"), f"{rows}:scnn_p_c2_7_canon-ft4",
                "--out", str(tmp_path / "cards")]
     missing = subprocess.run(command, capture_output=True, text=True)
-    assert missing.returncode == 2 and "scnn_p_c2_7_canon.json, does not exist" in missing.stderr
+    assert missing.returncode == 2 and "has no row scnn_p_c2_7_canon (scnn_p_c2_7_canon-ft4 was trained on from " \
+        "the bundled weights of scnn_p_c2_7_canon" in missing.stderr
     assert "Traceback" not in missing.stderr
-    (rows / "scnn_p_c2_7_canon.json").write_text(json.dumps(first))
+    _table(rows, first)
     subprocess.run(command, check=True, capture_output=True)
     card = (tmp_path / "cards" / "scnn_p_c2_7_canon.md").read_text()
     assert "in two stages: 8 epochs of the preset" in card or "in two stages: 8 epochs, batch 50" in card

@@ -8,7 +8,6 @@ validate.py sweeps rotations of their weights and writes its CSV and plot. Runs 
 of their own call the tools' ``main(argv)`` in this process, which saves the interpreter start-up.
 """
 import csv
-import json
 import logging
 import os
 import signal
@@ -337,7 +336,8 @@ def test_models_take_the_arguments_timm_train_py_passes(name, in_chans, num_clas
 @pytest.mark.slow
 def test_mnist_results_rows_train_measure_compare_and_tabulate(data_dir, tmp_path, capsys):
     results = results_tool
-    common = [str(a) for a in ("--data-dir", data_dir, "--runs", tmp_path / "runs", "--results", tmp_path / "res",
+    table = results.records(tmp_path / "res.csv")
+    common = [str(a) for a in ("--data-dir", data_dir, "--runs", tmp_path / "runs", "--results", table.path,
                                "--rot-samples", 8, "-j", 0, "--model-kwargs", "channels=(4,4,4,4,4,4)",
                                # the rest goes to train.py: the tiny data set has no 10k validation split
                                "--train-split", "trainval", "--val-split", "test", "-b", 8)]
@@ -350,13 +350,16 @@ def test_mnist_results_rows_train_measure_compare_and_tabulate(data_dir, tmp_pat
     # the training time is the time the epochs ran, not the files' ages
     assert row["train_minutes"] == pytest.approx(float(summary["train_seconds"]) / 60) and row["train_minutes"] > 0
     assert row["epochs"] == 1 and row["mnist_rot_images"] == 8 and row["angles"] == [10.0 * i for i in range(36)]
-    with open(tmp_path / "res" / "sc.csv") as f:
+    with open(tmp_path / "runs" / "sc" / "mnist_rot.csv") as f:  # the sweep's own CSV, beside its run
         per_angle = {float(r["angle"]): float(r["sc"]) for r in csv.DictReader(f)}
     assert row["per_angle_top1"] == list(per_angle.values())
     assert row["mnist_rot_top1"] == pytest.approx(sum(per_angle.values()) / 36)
     assert per_angle[0.0] == per_angle[90.0] == per_angle[180.0] == per_angle[270.0]  # exact quarter-turn invariance
-    assert (tmp_path / "res" / "sc.png").stat().st_size > 10_000
-    assert json.loads((tmp_path / "res" / "sc.json").read_text()) == row
+    assert (tmp_path / "runs" / "sc" / "mnist_rot.png").stat().st_size > 10_000
+    # the compared row's sweep, drawn beside, is the one in the table
+    with open(tmp_path / "runs" / "sc" / "compare-base.csv") as f:
+        assert [float(r["base"]) for r in csv.DictReader(f)] == base["per_angle_top1"]
+    assert table.records() == [base, row]  # the table reads back each row as it was returned, to the last digit
     assert row["commands"][0].startswith("python scripts/train.py -c scripts/configs/mnist_scnn_short.yaml")
     # A finished row is measured again without retraining.
     weights = tmp_path / "runs" / "sc" / "last.pth.tar"
@@ -374,16 +377,17 @@ def test_mnist_results_rows_train_measure_compare_and_tabulate(data_dir, tmp_pat
         "trained with other settings (lr: 0.002 there, 0.001 asked)": ["--name", "sc", "--lr", "1e-3"],
         "unrecognized arguments: --rot-sampels": ["--name", "sc3", "--rot-sampels", "4"],
         "--output is set by this script": ["--name", "sc3", "--output", str(tmp_path / "elsewhere")],
+        f"--results {tmp_path} is a folder": ["--name", "sc3", "--results", str(tmp_path)],
     }
     for message, extra in refusals.items():
         with pytest.raises(SystemExit):
             results.main(["--model", "scnn_p_rs_3", *common, *extra])
         assert message in capsys.readouterr().err, message
-    assert not (tmp_path / "runs" / "sc3").exists() and not (tmp_path / "res" / "sc2.json").exists()
+    assert not (tmp_path / "runs" / "sc3").exists() and table.find(name="sc2") is None
     # Without --name, the row is named after the model and its arguments, as a file name.
     args, _ = results.parser.parse_known_args(["--model", "m", "--model-kwargs", "channels=(4,4)", "stride_align=corner"])
     assert results.row_name(args) == "m-channels-4-4-stride_align-corner"
-    results.main(["--table", "--results", str(tmp_path / "res")])
+    results.main(["--table", "--results", str(table.path)])
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("| row |") and [line.split("|")[1].strip() for line in lines[2:]] == ["base", "sc"]
     assert f"{base['mnist_rot_top1']:.2f}%" in lines[2]
@@ -434,7 +438,7 @@ def test_paper_protocol_runs_in_the_background_is_stopped_resumed_and_measured(d
     straight = tmp_path / "straight"
     results_tool.main(["--model", "scnn_p_rs_3", "--name", "scnn_p_rs_3-paper", "--config",
                        str(REPO / "scripts" / "configs" / "mnist_scnn.yaml"), "--data-dir", str(data_dir),
-                       "--runs", str(straight), "--results", str(straight / "results"),
+                       "--runs", str(straight), "--results", str(straight / "results.csv"),
                        "--curve", "1", "2", "5", "10", "20", "40", "70", "100", *tiny])
     runs = tmp_path / "runs"
     env = dict(os.environ, PYTHON=sys.executable)
@@ -452,18 +456,20 @@ def test_paper_protocol_runs_in_the_background_is_stopped_resumed_and_measured(d
     deadline = time.time() + 60
     while "not running" not in protocol("status", "scnn_p_rs_3").stdout and time.time() < deadline:
         time.sleep(0.1)
-    assert not (runs / "results" / "scnn_p_rs_3-paper.json").exists(), "the run ended before it was stopped"
+    result = results_tool.records(runs / "results.csv")  # the table paper_protocol.sh adds its row to
+    assert result.find(name="scnn_p_rs_3-paper") is None, "the run ended before it was stopped"
     protocol("start", str(data_dir), "scnn_p_rs_3", *tiny)
-    result = runs / "results" / "scnn_p_rs_3-paper.json"
     deadline = time.time() + 300
-    while not result.exists() and time.time() < deadline:
+    while result.find(name="scnn_p_rs_3-paper") is None and time.time() < deadline:
         time.sleep(0.2)
     while "not running" not in protocol("status", "scnn_p_rs_3").stdout and time.time() < deadline:
         time.sleep(0.1)
     assert_same_training(run_dir, straight / "scnn_p_rs_3-paper")
     for epoch in (1, 2):
         assert (run_dir / f"epoch-{epoch}.pth.tar").is_file()
-    ours, theirs = (json.loads(p.read_text()) for p in (result, straight / "results" / "scnn_p_rs_3-paper.json"))
+    ours = result.find(name="scnn_p_rs_3-paper")
+    theirs = results_tool.records(straight / "results.csv").find(name="scnn_p_rs_3-paper")
+    assert (run_dir / "mnist_rot.csv").is_file() and (run_dir / "mnist_rot.png").is_file()
     assert ours["curve"] == theirs["curve"] and [p["epoch"] for p in ours["curve"]] == [1, 2]
     assert ours["per_angle_top1"] == theirs["per_angle_top1"]
     assert ours["commands"][0].startswith("python scripts/train.py -c scripts/configs/mnist_scnn.yaml")

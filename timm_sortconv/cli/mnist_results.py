@@ -14,7 +14,7 @@ files go beside the run: ``<runs>/<name>/mnist_rot.csv`` (accuracy per angle, va
 accuracies are written there as ``compare-<row>.csv``). MNIST-rot is every
 test image of the data folder (MNIST's 10,000; the package's sample has 500) at 0, 10, ..., 350 degrees;
 ``--rot-samples N`` sweeps a fixed random N of them instead (the same N images for every model with the same
-``--seed``). The JSON records how many images each evaluation read (``mnist_test_images``,
+``--seed``). The row records how many images each evaluation read (``mnist_test_images``,
 ``mnist_rot_images``), counted on the data set validate.py builds, not on the options asked for.
 ``--table`` prints the Markdown table of every row of ``--results``. Options this tool does not know
 go to ``scripts/train.py`` as they are (for instance ``--lr 1e-3``), checked by its parser first, and are
@@ -316,6 +316,9 @@ def main(argv: Optional[Sequence[str]] = None):
     """Trains and measures one row, or prints the table (see ``--help``); returns the row's record."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args, train_extra = parser.parse_known_args(argv)
+    if os.path.isdir(args.results):  # a folder of JSON rows, as this tool once wrote: refused before any training
+        parser.error(f"--results {args.results} is a folder; it names the CSV table of the rows (one row per "
+                     f"name), e.g. {os.path.join(args.results, 'results.csv')}")
     if args.table:
         print(table(args.results))
         return None

@@ -15,6 +15,7 @@ Example::
         --hub-row model_cards/results/full.csv:scnn_p_rs_7-paper
 """
 import argparse
+import csv
 import os
 from typing import List, Optional, Sequence
 
@@ -302,7 +303,14 @@ def read_rows(spec: str, what: str = "") -> List[tuple]:
     path, name = (spec, None) if spec.endswith(".csv") else spec.rsplit(":", 1) if ":" in spec else (spec, None)
     if not os.path.isfile(path):
         raise CommandError(f"table {path} does not exist (tables are the CSVs scripts/mnist_results.py writes)")
+    with open(path, newline="") as f:
+        columns = next(csv.reader(f), [])
+    if not {"name", "model"} <= set(columns):  # e.g. a JSON row of an older mnist_results.py
+        raise CommandError(f"{path} is not a table of scripts/mnist_results.py (no name and model columns; tables "
+                           "are the CSVs it writes, one row per name)")
     found = records(path).records(**({"name": name} if name else {}))
+    if not found and not name:
+        raise CommandError(f"{path} has no rows")
     if not found:
         raise CommandError(f"{path} has no row {name}" + (f" ({what})" if what else ""))
     table = os.path.relpath(os.path.abspath(path))
@@ -323,8 +331,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 continue  # experiments with other settings are RESULTS.md rows, not published models
             if "--pretrained" in (row.get("train_args") or []):
                 # trained on from the model's bundled weights: those came from the row named after the model
-                (first, _), = read_rows(f"{table}:{row['model']}", f"the row that trained the bundled weights "
-                                                                   f"{row['name']} was trained on from")
+                (first, _), = read_rows(f"{table}:{row['model']}", f"{row['name']} was trained on from the bundled "
+                                                                   f"weights of {row['model']}; its card needs the row "
+                                                                   "that trained those, in the same table")
                 row["start"] = portable(first, table)
             rows[row["model"]] = portable(row, table)
     os.makedirs(args.out, exist_ok=True)
