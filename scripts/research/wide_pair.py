@@ -141,7 +141,8 @@ def _spread(values: Sequence[float]) -> str:
 def table(results) -> str:
     """The Markdown table of ``results``: per row (in :data:`ROWS`' order, then any other) its seeds' mean and
     standard deviation of upright accuracy, the mean over the turns, the worst turn, random turns and what the
-    turns keep, with the network's input, parameters, steps and seconds per step."""
+    turns keep, with the network's input, parameters, steps and seconds per step (the median over seeds: a run
+    paused for others' timings counts the pause in its step)."""
     found: Dict[str, List[Dict]] = {}
     for record in records(results).records():
         found.setdefault(record["row"], []).append(record)
@@ -156,7 +157,7 @@ def table(results) -> str:
         first = seeds[0]
         what = next((row.what for row in ROWS if row.name == name), first["model"])
         cells = [name, what, "x".join(map(str, first["input"])), f"{first['params']:,}", str(first["steps"]),
-                 f"{np.mean([r['seconds_per_step'] for r in seeds]):.2f}", str(len(seeds))]
+                 f"{np.median([r['seconds_per_step'] for r in seeds]):.2f}", str(len(seeds))]
         cells += [_spread([r[key] for r in seeds]) for key in ("upright", "mean", "worst", "random")]
         cells += [f"{np.mean([r['retained'] for r in seeds]):.3f}", f"{first['ceiling']:.2f}"]
         lines.append("| " + " | ".join(cells) + " |")
