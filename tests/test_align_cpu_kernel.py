@@ -70,6 +70,20 @@ def test_wide_layers_agree_with_reference(k, dtype, threads, isa):
         assert_agree(x, weight, bias, padding=k // 2, groups=groups, sampling="polar", sorting="align")
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("sorting", ALIGNED)
+def test_agrees_with_reference_when_threads_split_the_outputs(sorting, dtype, threads, isa):
+    """One 7x7 image (49 positions: fewer blocks than two threads) with work for both: the threads take parts of
+    each group's outputs, each part turning the same windows; 100 outputs (9 register tiles of uneven rows) and 2
+    groups of 50, the parts ending inside the harmonic weight's rows and the bias."""
+    threads(2)
+    for index, groups in enumerate((1, 2)):
+        x = randn(1, 64, 7, 7, seed=index, dtype=dtype)
+        weight = randn(100, 64 // groups, 7, 7, seed=10 + index, dtype=dtype) * 0.05
+        bias = randn(100, seed=20 + index, dtype=dtype)
+        assert_agree(x, weight, bias, padding=3, groups=groups, sampling="polar", sorting=sorting)
+
+
 @pytest.mark.parametrize("sorting", ALIGNED)
 @pytest.mark.parametrize("sampling", ["polar", "square"])
 def test_forward_and_both_gradients_agree_with_the_oracle(sampling, sorting):

@@ -240,6 +240,21 @@ def test_agrees_with_reference_on_two_threads(batch, threads, isa):
     assert_agree(x, weight, bias, padding=2, sampling="polar", sorting="ring")
 
 
+@pytest.mark.parametrize("out_channels,groups,stride", [(100, 1, 1), (100, 2, 1), (96, 1, 2)])
+def test_agrees_with_reference_when_threads_split_the_outputs(out_channels, groups, stride, threads, isa):
+    """One small image has fewer blocks of positions than two threads (7x7: 49 positions, one block of kLanes and a
+    partial one; stride 2: 16 positions, one partial block) yet work for both (over 2M multiply-adds): the threads
+    take parts of each group's outputs instead, every part sorting the same samples. 100 outputs make 9 register
+    tiles of uneven rows (50 per group: 5), so the parts end inside the weight's tiled layout and in the bias."""
+    threads(2)
+    for dtype in (torch.float32, torch.float64):
+        x = randn(1, 64, 7, 7, seed=6, dtype=dtype)
+        weight = randn(out_channels, 64 // groups, 7, 7, seed=7, dtype=dtype) * 0.05
+        bias = randn(out_channels, seed=8, dtype=dtype)
+        assert_agree(x, weight, bias, min_comparable=0.5, stride=stride, padding=3, groups=groups,
+                     sampling="polar", sorting="ring")
+
+
 def test_padding_same_and_no_bias(threads, isa):
     threads(1)
     x, weight = randn(2, 3, 10, 10), randn(5, 3, 5, 5, seed=1)

@@ -163,9 +163,12 @@ class Layer {
     int64_t height = x[2], width = x[3];
     std::vector<float> centred;
     if (centre_) input = centre(input, batch * channels, height, width, centred);
-    // With fewer images than threads each thread would copy whole images to read a part of each (the kernel pads
-    // while copying): the input is padded once here instead, as cpu_backend.py does for PyTorch.
-    const bool pad_here = batch < threads && std::any_of(pad_.begin(), pad_.end(), [](int64_t p) { return p > 0; });
+    // With fewer images than threads each thread copies (and pads) the whole images it reads a part of: images up
+    // to kMaxCopiedImage stay in the cache that way, and the gathers from the copy are faster than from the input
+    // (32 -> 32 channels at 28 x 28, k = 7, one image, 2 threads: 10% in onnxruntime). Larger ones are padded once
+    // here instead and read in place, as cpu_backend.py does for PyTorch.
+    const bool pad_here = batch < threads && std::any_of(pad_.begin(), pad_.end(), [](int64_t p) { return p > 0; })
+                          && channels * height * width * static_cast<int64_t>(sizeof(float)) > kMaxCopiedImage;
     std::vector<float> padded;
     if (pad_here) {
       const int64_t h = height + pad_[2] + pad_[3], wd = width + pad_[0] + pad_[1];

@@ -67,6 +67,7 @@
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -1150,15 +1151,38 @@ constexpr std::array<MicroGemm<scalar_t>, sizeof...(kRows)> micro_gemm_table(std
   return {&micro_gemm<scalar_t, kRows + 1>...};
 }
 
-// tile[rows][lanes] (+)= w^T panel for any number of rows, in register tiles of kTileRows.
+// The register tiles of `rows` output rows: equal tiles of at most kTileRows (64 rows: 6 tiles of 10-11, not 5 of
+// 12 and one of 4, which would be load-bound), tile i holding rows [tile_start(rows, i), tile_start(rows, i + 1)).
+inline int64_t tile_count(int64_t rows) { return (rows + kTileRows - 1) / kTileRows; }
+
+inline int64_t tile_start(int64_t rows, int64_t i) {
+  const int64_t tiles = tile_count(rows);
+  int64_t m0 = 0;
+  for (int64_t j = 0; j < i && j < tiles; ++j) m0 += (rows - m0) / (tiles - j);
+  return m0;
+}
+
+// The output rows [first, last) of a part of `rows`: register tiles [tiles * part / parts, tiles * (part + 1) /
+// parts) (forward_kernel's split of the outputs between threads).
+struct RowRange {
+  int64_t first_tile, last_tile, first, last;
+};
+
+inline RowRange row_range(int64_t rows, int64_t part, int64_t parts) {
+  const int64_t tiles = tile_count(rows), a = tiles * part / parts, b = tiles * (part + 1) / parts;
+  return {a, b, tile_start(rows, a), tile_start(rows, b)};
+}
+
+// tile[rows][lanes] (+)= w^T panel for any number of rows, in register tiles of kTileRows; only the tiles of
+// `range` (default: all), tile and w still indexed from row 0.
 template <typename scalar_t>
 void gemm_rows(const scalar_t* panel, int64_t depth, const scalar_t* w, int64_t ldw, int64_t rows, scalar_t* tile,
-               bool accumulate) {
+               bool accumulate, const RowRange* range = nullptr) {
   static constexpr auto table = micro_gemm_table<scalar_t>(std::make_integer_sequence<int, kTileRows>{});
   constexpr int64_t lanes = kLanes<scalar_t>;
-  // Equal tiles (64 rows: 6 tiles of 10-11, not 5 of 12 and one of 4, which would be load-bound).
-  const int64_t tiles = (rows + kTileRows - 1) / kTileRows;
-  for (int64_t i = 0, m0 = 0; i < tiles; ++i) {
+  const int64_t tiles = tile_count(rows), last = range != nullptr ? range->last_tile : tiles;
+  int64_t i = range != nullptr ? range->first_tile : 0, m0 = range != nullptr ? range->first : 0;
+  for (; i < last; ++i) {
     const int64_t m = (rows - m0) / (tiles - i);
     table[m - 1](panel, depth, w + m0, ldw, tile + m0 * lanes, accumulate);
     m0 += m;
@@ -1170,11 +1194,12 @@ void gemm_rows(const scalar_t* panel, int64_t depth, const scalar_t* w, int64_t 
 // sequential stream instead of depth rows `ldw` apart, which the hardware prefetches where they come from memory.
 template <typename scalar_t>
 void gemm_tiles(const scalar_t* panel, int64_t depth, const scalar_t* w, int64_t rows, scalar_t* tile,
-                bool accumulate) {
+                bool accumulate, const RowRange* range = nullptr) {
   static constexpr auto table = micro_gemm_table<scalar_t>(std::make_integer_sequence<int, kTileRows>{});
   constexpr int64_t lanes = kLanes<scalar_t>;
-  const int64_t tiles = (rows + kTileRows - 1) / kTileRows;
-  for (int64_t i = 0, m0 = 0; i < tiles; ++i) {
+  const int64_t tiles = tile_count(rows), last = range != nullptr ? range->last_tile : tiles;
+  int64_t i = range != nullptr ? range->first_tile : 0, m0 = range != nullptr ? range->first : 0;
+  for (; i < last; ++i) {
     const int64_t m = (rows - m0) / (tiles - i);
     table[m - 1](panel, depth, w + m0 * depth, m, tile + m0 * lanes, accumulate);
     m0 += m;
@@ -1428,6 +1453,27 @@ int64_t multiply_adds(const Shape& shape, int64_t positions, int64_t slots) {
   return shape.batch * positions * shape.channels * slots * shape.out_per_group();
 }
 
+// How a forward call's work is shared between threads: `ranges` contiguous ranges of the flat output positions,
+// each computed in `parts` parts of every group's outputs (row_range). A thread is only started for a whole block of
+// positions; where the call has fewer blocks than the work has threads (a batch of one small map: 7 x 7 has one
+// block of kLanes and a little), the outputs are split too: each part gathers and sorts the same samples (for a
+// small map, a small share of the work) and multiplies them with its own register tiles of the weight.
+struct ForwardSplit {
+  int64_t ranges = 1, parts = 1;
+  int64_t threads() const { return ranges * parts; }
+};
+
+inline ForwardSplit forward_split(const Shape& shape, int64_t positions, int64_t slots, int64_t lanes,
+                                  bool split_outputs) {
+  const int64_t wanted = thread_count(std::numeric_limits<int64_t>::max(), multiply_adds(shape, positions, slots));
+  ForwardSplit split;
+  split.ranges = std::max<int64_t>(1, std::min(wanted, shape.batch * positions / lanes));
+  if (split_outputs && split.ranges < wanted) {
+    split.parts = std::max<int64_t>(1, std::min(wanted / split.ranges, tile_count(shape.out_per_group())));
+  }
+  return split;
+}
+
 // Calls fn(thread, first, last) with each thread's range of flat output positions; with
 // `whole_images` the ranges begin and end on image boundaries.
 template <typename F>
@@ -1447,9 +1493,11 @@ void for_each_thread_range(int64_t batch, int64_t positions, int64_t threads, bo
 // faster at B=100, 32->32, 28x28, k=7, 9-14% at 14x14, 7-16% with 64x64 maps and k=3 (1.1 MB images),
 // 0-5% at 64x64 and k=7; with 2 threads, 10-16% at 28x28. The copy also does the zero padding, so
 // the caller need not pad (nor keep a padded input for the backward). Without padding, images are read
-// (and their gradient written) in place where they are larger (a 4.3 MB one measured within noise) or
-// where the thread's positions do not make up a whole image: with fewer images than threads, every
-// thread would copy whole images to read a part of each (sort_conv2d_cpu pads those calls itself).
+// (and their gradient written) in place where they are larger (a 4.3 MB one measured within noise), and
+// in the backward pass where the thread's positions do not make up a whole image (with fewer images
+// than threads: its gradient would be a whole image per thread; sort_conv2d_cpu pads those calls
+// itself). The forward pass copies such an image whole all the same: one image at batch 1 and 2
+// threads, 32->32 at 28x28, k=7, ran 10% faster copied than read in place (onnxruntime's node).
 constexpr int64_t kMaxCopiedImage = int64_t(4) << 20;  // bytes
 
 template <typename scalar_t>
@@ -1469,7 +1517,7 @@ class ImageRing {
         // `span` consecutive positions lie in at most this many images.
         capacity_(std::max<int64_t>(1, std::min(image_end_ - begin / plan.positions(),
                                                 (span - 2) / plan.positions() + 2))),
-        enabled_(plan.padded() || (end - begin >= plan.positions()
+        enabled_(plan.padded() || ((end - begin >= plan.positions() || grad_input == nullptr)
                                    && image_size_ * static_cast<int64_t>(sizeof(scalar_t)) <= kMaxCopiedImage)) {
     // Zeros: the padding is never written after this.
     if (enabled_) data_.assign(capacity_ * image_size_, scalar_t(0));
@@ -1618,9 +1666,13 @@ void forward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scalar
   const int64_t panel_channels = panel_channels_of(cg, slots);
   const int64_t chunk_pairs = pairs_of(panel_channels * slots);
   [[maybe_unused]] const int64_t group_pairs = (cg / panel_channels) * chunk_pairs + pairs_of((cg % panel_channels) * slots);
-  const int64_t threads = thread_count(shape.batch * positions / lanes, multiply_adds(shape, positions, slots));
+  // (the bfloat16 products take a group's outputs whole)
+  const ForwardSplit split = forward_split(shape, positions, slots, lanes, weight_pairs == nullptr);
   const int64_t pass_blocks = blocks_per_pass<scalar_t>(shape, slots), span = pass_blocks * lanes;
-  for_each_thread_range(shape.batch, positions, threads, false, [&](int64_t, int64_t begin, int64_t end) {
+  for_each_thread(split.threads(), split.threads(), [&](int64_t thread, int64_t, int64_t) {
+    const int64_t range = thread / split.parts, flat = shape.batch * positions;
+    const int64_t begin = flat * range / split.ranges, end = flat * (range + 1) / split.ranges;
+    const RowRange rows = row_range(og, thread % split.parts, split.parts);
     // stage_windows may write a vector past its last row.
     std::vector<scalar_t> panel(panel_channels * slots * lanes + half), grid(slots * lanes + half);
     std::vector<uint32_t> panel_pairs(weight_pairs != nullptr ? chunk_pairs * lanes : 0);
@@ -1633,9 +1685,11 @@ void forward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scalar
       const int64_t count = cover_pass<scalar_t, kUnitStride>(plan, ring, start, stop, shape.channels, blocks);
       const scalar_t* images = ring.images();
       for (int64_t b = 0; b < count; ++b) {
-        for (int64_t o = 0; o < shape.out_channels; ++o) {
-          scalar_t* row = tiles.data() + (b * shape.out_channels + o) * lanes;
-          std::fill(row, row + lanes, bias != nullptr ? bias[o] : scalar_t(0));
+        for (int64_t g = 0; g < shape.groups; ++g) {
+          for (int64_t o = g * og + rows.first; o < g * og + rows.last; ++o) {
+            scalar_t* row = tiles.data() + (b * shape.out_channels + o) * lanes;
+            std::fill(row, row + lanes, bias != nullptr ? bias[o] : scalar_t(0));
+          }
         }
       }
       for (int64_t g = 0; g < shape.groups; ++g) {
@@ -1667,17 +1721,19 @@ void forward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scalar
             // weight_packed is (groups, C/g, k*k, O/g): the rows of these channels' slots.
             const scalar_t* chunk = weight_packed + (g * cg + c0) * slots * og;
             if (tiled) {
-              gemm_tiles(panel.data(), channels * slots, chunk, og, tile, true);
+              gemm_tiles(panel.data(), channels * slots, chunk, og, tile, true, &rows);
             } else {
-              gemm_rows(panel.data(), channels * slots, chunk, og, og, tile, true);
+              gemm_rows(panel.data(), channels * slots, chunk, og, og, tile, true, &rows);
             }
           }
         }
       }
       for (int64_t b = 0; b < count; ++b) {
-        for (int64_t o = 0; o < shape.out_channels; ++o) {
-          store_lanes(plan, blocks[b], tiles.data() + (b * shape.out_channels + o) * lanes, output + o * positions,
-                      shape.out_channels * positions);
+        for (int64_t g = 0; g < shape.groups; ++g) {
+          for (int64_t o = g * og + rows.first; o < g * og + rows.last; ++o) {
+            store_lanes(plan, blocks[b], tiles.data() + (b * shape.out_channels + o) * lanes, output + o * positions,
+                        shape.out_channels * positions);
+          }
         }
       }
     }
