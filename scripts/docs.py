@@ -369,9 +369,16 @@ def onnx() -> str:
     machines = sorted({r["machine"].split(";")[0] for r in rows})
     versions = sorted({part.strip() for r in rows for part in r["machine"].split(";")[1].split(",")})
     isas = sorted({r.get("isa", "") for r in rows} - {""})
-    first = rows[0]
+    # the package's commit of each kind of column (the standard-operator files and the package's kernels)
+    kinds = {"fused": "fused node", "extension": "extension"}
+    commits: Dict[str, List[str]] = {}
+    for r in rows:
+        commits.setdefault(r["commit"], []).append(kinds.get(r["decomposition"], "standard operators"))
+    at = "; ".join(f"{' and '.join(dict.fromkeys(kinds_))} at {commit}" if len(commits) > 1 else commit
+                   for commit, kinds_ in commits.items())
+    dates = sorted({r["date"][:10] for r in rows})
     lines = [f"SC time / twin time, the least time of a call, SC and twin taking turns in one process "
-             f"({first['date'][:10]}, package at {first['commit']}; {'; '.join(machines)}, the kernels' "
+             f"({', '.join(dates)}, the package: {at}; {'; '.join(machines)}, the kernels' "
              f"{' and '.join(isas)} build; {', '.join(versions)}; `all` threads: the runtime's default):", "",
              "| model (input) | batch | threads | " + " | ".join(ONNX_COLUMNS[key] for key in found) + " |",
              "|---|---|---|" + "---|" * len(found)]
