@@ -2,7 +2,7 @@
 
 ``python scripts/onnx_export.py MODEL FILE [--fused] [--pretrained]`` exports ``MODEL`` at its input size
 (:func:`timm_sortconv.onnx.export`), runs the file in onnxruntime (with ``--fused``: with the package's library and
-without it) and, where it is installed, in OpenVINO, says which file to hand which runtime, and exits with status 1
+without it; an onnxruntime older than 1.27 runs the inlined twin without it) and, where it is installed, in OpenVINO, says which file to hand which runtime, and exits with status 1
 where an output differs from PyTorch's by more than 1e-4 of the largest. With ``--fused`` it also writes
 ``FILE``'s standard-operator twin for runtimes that do not inline ONNX functions (``NAME.inlined.onnx``, OpenVINO's).
 ``python scripts/onnx_library.py`` builds the onnxruntime operator library where it is not built yet and prints its
@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from .. import onnx as sc_onnx
+from ..onnx.functions import STOCK_INLINING_ONNXRUNTIME, stock_onnxruntime_inlines
 from . import CommandError, check_model_name, create_model_or_error
 
 __all__ = ["library_main", "main", "parse_args"]
@@ -91,9 +92,11 @@ def _export(args: argparse.Namespace) -> int:
     main_file, runs = Path(args.output), []
     runs.append((main_file, "onnxruntime with the library" if args.fused else "onnxruntime",
                  _onnxruntime(files[main_file], args.threads, args.fused)))
-    if args.fused:
-        runs.append((main_file, "onnxruntime without it", _onnxruntime(files[main_file], args.threads, False)))
     standard = _inlined_path(args.output) if args.fused else main_file
+    old_onnxruntime = args.fused and not stock_onnxruntime_inlines()
+    if args.fused:
+        without = standard if old_onnxruntime else main_file
+        runs.append((without, "onnxruntime without it", _onnxruntime(files[without], args.threads, False)))
     openvino = _openvino(files[standard])
     if openvino is not None:
         runs.append((standard, "OpenVINO", openvino))
@@ -103,7 +106,13 @@ def _export(args: argparse.Namespace) -> int:
         error = float((got - expected).abs().max() / expected.abs().max())
         worst = max(worst, error)
         print(f"{path}: {args.model} in {runtime} agrees with PyTorch to {error:.1e} of the largest output")
-    if args.fused:
+    if old_onnxruntime:
+        import onnxruntime
+
+        print(f"hand {main_file} to onnxruntime with timm_sortconv.onnx.library_path() registered; onnxruntime "
+              f"{onnxruntime.__version__} (before {'.'.join(map(str, STOCK_INLINING_ONNXRUNTIME))}) cannot run it "
+              f"without the library: hand it {standard}, as to runtimes that do not inline ONNX functions (OpenVINO)")
+    elif args.fused:
         print(f"hand {main_file} to onnxruntime (the package's kernels where timm_sortconv.onnx.library_path() is "
               f"registered, standard operators where it is not); {standard} to runtimes that do not inline ONNX "
               "functions (OpenVINO)")

@@ -6,7 +6,8 @@ configuration, of the node's domain and name, told apart by the function's ``ove
 one): its body is the layer in standard operators, written by the same lowering as a plain export (:mod:`.lowering`)
 for any batch, height and width, with the node's inputs ``X``, ``W`` and ``B`` (the weight and bias are inputs of the
 body, so a batch normalisation folded into the node's initializers holds for the body too). onnxruntime then runs
-the package's kernel where the library is registered and inlines the function where it is not. A runtime that does
+the package's kernel where the library is registered and inlines the function where it is not (from onnxruntime 1.27:
+:data:`STOCK_INLINING_ONNXRUNTIME`). A runtime that does
 not inline model-local functions (OpenVINO) takes the file :func:`inline_functions` writes: every function expanded
 in place, standard operators only, with the sorting written for that runtime (:data:`.portable.OPENVINO`, a
 ``TopK`` per ring, which OpenVINO runs faster than a min/max network, and onnxruntime slower).
@@ -28,11 +29,29 @@ from .fused import CENTRE_OP, DOMAIN, OP_NAME
 from .lowering import standard_operators
 from .portable import sort_conv2d_portable
 
-__all__ = ["FUNCTION_IR_VERSION", "attach_functions", "expand_centring", "inline_functions"]
+__all__ = ["FUNCTION_IR_VERSION", "STOCK_INLINING_ONNXRUNTIME", "attach_functions", "expand_centring", "inline_functions",
+           "stock_onnxruntime_inlines"]
 
-#: The IR version from which a function has an ``overload`` (onnx 1.16; onnxruntime since 1.17 reads it).
+#: The IR version from which a function has an ``overload`` (onnx 1.16).
 FUNCTION_IR_VERSION = 10
 _BODY_OPSET = 18
+#: The first onnxruntime that runs a fused file without the library when the file has more than one layer
+#: configuration: 1.23.2 to 1.26.0 (1.23.2 is the last for Python 3.10) infer every overload's body with another
+#: overload's (a 1 -> 32 layer's weight reshaped as a 32 -> 32 one's: "[ShapeInferenceError] ... Reshape ...
+#: incompatible shapes") and refuse the file; 1.27.0 to 1.32.0 load it. With the library registered every one of
+#: them runs it, and the file :func:`inline_functions` writes runs in all of them.
+STOCK_INLINING_ONNXRUNTIME = (1, 27)
+
+
+def stock_onnxruntime_inlines(version: str = None) -> bool:
+    """Whether onnxruntime ``version`` (default: the installed one) runs a fused file with several layer
+    configurations without the library (:data:`STOCK_INLINING_ONNXRUNTIME`)."""
+    if version is None:
+        import onnxruntime
+
+        version = onnxruntime.__version__
+    numbers = tuple(int(part) for part in version.split("+")[0].split(".")[:2])
+    return numbers >= STOCK_INLINING_ONNXRUNTIME
 
 
 class _Layer(nn.Module):
