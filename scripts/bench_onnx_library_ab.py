@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""Two builds of the package's onnxruntime library against each other on the same fused file, in one process, taking
+turns: what a change to the kernels gains where the model is deployed.
+
+Each model (random weights, evaluation mode) is exported once per batch size with ``timm_sortconv.onnx.export(...,
+fused=True)``; one onnxruntime session per library (``--before``, ``--after``: paths of built libraries, e.g. two
+files of ``.cache/native/build/`` from two checkouts or commits; ``--after`` defaults to this checkout's
+``library_path()``) runs it with each ``--threads`` setting. After a warm-up call the sessions take turns for
+``--rounds`` rounds of ``--repeats`` calls; printed: the median milliseconds of a call of each, their ratio, and the
+largest difference of their outputs over the largest output.
+
+Example::
+
+    python scripts/bench_onnx_library_ab.py --before OLD.so --models scnn_p_align_7_guided --batches 1 32
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import statistics
+import time
+
+import numpy as np
+import timm
+import torch
+
+from timm_sortconv import onnx as sc_onnx
+from timm_sortconv.cli import CommandError, run
+
+
+def _session(data: bytes, library: str, threads: int):
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.add_session_config_entry(sc_onnx.THREADS_KEY, str(threads))
+    options.register_custom_ops_library(library)
+    return onnxruntime.InferenceSession(data, options, providers=["CPUExecutionProvider"])
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python scripts/bench_onnx_library_ab.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--before", required=True, help="the library to compare against (a built .so)")
+    parser.add_argument("--after", default=None, help="the library compared (default: this checkout's, built if needed)")
+    parser.add_argument("--models", default="scnn_p_align_7_guided", help="comma-separated registered SCNN models")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=None, help="calls per round (default: 40 at batch 1, else 3)")
+    args = parser.parse_args(argv)
+    after = args.after or str(sc_onnx.library_path())
+    for path in (args.before, after):
+        if not os.path.isfile(path):
+            raise CommandError(f"no library at {path}: give the path of a built timm_sortconv_onnxruntime_*.so")
+    if min(args.batches) < 1 or min(args.threads) < 1 or args.rounds < 1:
+        raise CommandError("--batches, --threads and --rounds take values >= 1")
+    torch.manual_seed(0)
+    for name in args.models.split(","):
+        model = timm.create_model(name, num_classes=10).eval()
+        shape = model.pretrained_cfg.get("input_size", (1, 28, 28))
+        for batch in args.batches:
+            x = torch.randn(batch, *shape)
+            buffer = io.BytesIO()
+            sc_onnx.export(model, x, buffer, fused=True)
+            for threads in args.threads:
+                sessions = {"before": _session(buffer.getvalue(), args.before, threads),
+                            "after": _session(buffer.getvalue(), after, threads)}
+                feed = {sessions["before"].get_inputs()[0].name: x.numpy()}
+                outputs = {tag: s.run(None, feed)[0] for tag, s in sessions.items()}
+                error = float(np.abs(outputs["before"] - outputs["after"]).max() / np.abs(outputs["before"]).max())
+                repeats = args.repeats or (40 if batch == 1 else 3)
+                times = {tag: [] for tag in sessions}
+                for _ in range(args.rounds):
+                    for tag, session in sessions.items():
+                        start = time.perf_counter()
+                        for _ in range(repeats):
+                            session.run(None, feed)
+                        times[tag].append((time.perf_counter() - start) / repeats * 1e3)
+                before, after_ms = statistics.median(times["before"]), statistics.median(times["after"])
+                print(f"{name} batch {batch}, threads {threads}: before {before:.2f} ms, after {after_ms:.2f} ms "
+                      f"(x{after_ms / before:.3f}); outputs differ by {error:.1e} of the largest", flush=True)
+
+
+if __name__ == "__main__":
+    run(main)
