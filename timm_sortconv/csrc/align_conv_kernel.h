@@ -400,8 +400,9 @@ inline __attribute__((always_inline)) void ring_dft(const Sample& sample, const 
 }
 
 // The transpose of ring_dft on one vector of lanes: the N samples' gradient (out(j, value)) from the N spectra rows'
-// (grad(row)), through the blocks' transposes (DftBlock::backward) and the unfold: g_{s_j} = g_{u_j} + g_{v_j},
-// g_{s_{N-j}} = g_{u_j} - g_{v_j}, as gemm_rows and apply_taps(t.unfold) compute them.
+// (grad(row)), through the blocks' transposes (DftBlock::backward; for N a multiple of 4 through ring_dft's second
+// fold, transposed) and the unfold: g_{s_j} = g_{u_j} + g_{v_j}, g_{s_{N-j}} = g_{u_j} - g_{v_j}, as gemm_rows and
+// apply_taps(t.unfold) compute them.
 template <typename vec, int N, typename scalar_t, typename Grad, typename Out>
 inline __attribute__((always_inline)) void ring_dft_transposed(const Grad& grad, const scalar_t* cosine,
                                                                const scalar_t* sine, const Out& out) {
@@ -410,19 +411,52 @@ inline __attribute__((always_inline)) void ring_dft_transposed(const Grad& grad,
   } else {
     constexpr int kCos = N / 2 + 1, kSin = N / 2 - 1;
     vec gu[kCos], gv[kSin];
+    if constexpr (N % 4 == 0) {
+      // The transpose of ring_dft's second fold (both blocks are symmetric: row m, column j = row j, column m).
+      constexpr int M = N / 2, Q = N / 4;
 #pragma GCC unroll 16
-    for (int m = 0; m < kCos; ++m) {
-      vec acc{};
+      for (int j = 0; j <= Q; ++j) {
+        vec even{}, odd{};
 #pragma GCC unroll 16
-      for (int k = 0; k < kCos; ++k) acc += splat(cosine[k * kCos + m]) * grad(k);
-      gu[m] = acc;
-    }
+        for (int m = 0; m <= M; m += 2) even += splat(cosine[m * kCos + j]) * grad(m);
+        if (j < Q) {
 #pragma GCC unroll 16
-    for (int m = 0; m < kSin; ++m) {
-      vec acc{};
+          for (int m = 1; m < M; m += 2) odd += splat(cosine[m * kCos + j]) * grad(m);
+          gu[j] = even + odd;
+          gu[M - j] = even - odd;
+        } else {
+          gu[Q] = even;
+        }
+      }
 #pragma GCC unroll 16
-      for (int k = 0; k < kSin; ++k) acc += splat(sine[k * kSin + m]) * grad(kCos + k);
-      gv[m] = acc;
+      for (int j = 1; j <= Q; ++j) {
+        vec even{}, odd{};
+#pragma GCC unroll 16
+        for (int m = 1; m < M; m += 2) odd += splat(sine[(m - 1) * kSin + j - 1]) * grad(kCos + m - 1);
+        if (j < Q) {
+#pragma GCC unroll 16
+          for (int m = 2; m < M; m += 2) even += splat(sine[(m - 1) * kSin + j - 1]) * grad(kCos + m - 1);
+          gv[j - 1] = even + odd;
+          gv[M - j - 1] = odd - even;
+        } else {
+          gv[Q - 1] = odd;
+        }
+      }
+    } else {
+#pragma GCC unroll 16
+      for (int m = 0; m < kCos; ++m) {
+        vec acc{};
+#pragma GCC unroll 16
+        for (int k = 0; k < kCos; ++k) acc += splat(cosine[k * kCos + m]) * grad(k);
+        gu[m] = acc;
+      }
+#pragma GCC unroll 16
+      for (int m = 0; m < kSin; ++m) {
+        vec acc{};
+#pragma GCC unroll 16
+        for (int k = 0; k < kSin; ++k) acc += splat(sine[k * kSin + m]) * grad(kCos + k);
+        gv[m] = acc;
+      }
     }
     out(0, gu[0]);
     out(N / 2, gu[N / 2]);
