@@ -313,9 +313,10 @@ AlignTables<scalar_t> make_align_tables(const timm_sortconv_cpu::AlignCall& alig
 // One vector of lanes of a ring's N samples (sample(j), j < N) to its N spectra rows (out(row, value)), in registers:
 // folded (u_0 = s_0, u_j = s_j + s_{N-j}, u_{N/2} = s_{N/2}; v_j = s_j - s_{N-j}, 0 < j < N/2), then the cosine
 // block from the u and the sine block from the v. For N a multiple of 4 each block is folded once more (half the
-// products; scripts/bench_onnx.py's guided network 5-7% faster at one thread than with the dense blocks, outputs
-// within 1.2e-8); otherwise each row is the sum over the block's columns in column order, the operations of
-// apply_taps(t.fold) and gemm_rows on the blocks. Nothing is stored and reloaded between the samples and the rows.
+// products; scripts/bench_onnx_library_ab.py: the guided network 5-7% faster at one thread than with the dense
+// blocks, outputs within 1.2e-8); otherwise each row is the sum over the block's columns in column order, the
+// operations of apply_taps(t.fold) and gemm_rows on the blocks. Nothing is stored and reloaded between the samples
+// and the rows.
 // `cosine` and `sine` are the blocks' DftBlock::forward.
 template <typename vec, int N, typename scalar_t, typename Sample, typename Out>
 inline __attribute__((always_inline)) void ring_dft(const Sample& sample, const scalar_t* cosine, const scalar_t* sine,
