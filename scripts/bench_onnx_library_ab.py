@@ -40,9 +40,11 @@ def _session(data: bytes, library: str, threads: int):
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python scripts/bench_onnx_library_ab.py", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python scripts/bench_onnx_library_ab.py",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--before", required=True, help="the library to compare against (a built .so)")
-    parser.add_argument("--after", default=None, help="the library compared (default: this checkout's, built if needed)")
+    parser.add_argument("--after", default=None,
+                        help="the library compared (default: this checkout's, built if needed)")
     parser.add_argument("--models", default="scnn_p_align_7_guided", help="comma-separated registered SCNN models")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])

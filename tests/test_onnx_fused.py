@@ -292,7 +292,6 @@ def test_stock_onnxruntime_runs_a_file_of_several_configurations_from_the_versio
     """STOCK_INLINING_ONNXRUNTIME holds for the installed onnxruntime: a fused file with two layer configurations (two
     overloads of one function) loads without the library exactly where stock_onnxruntime_inlines() says so, and the
     version test reads release and local versions."""
-    onnxruntime = pytest.importorskip("onnxruntime")
     model = nn.Sequential(SortConv2d(3, 8, 5, padding=2), nn.ReLU(), SortConv2d(8, 8, 5, padding=2)).eval()
     buffer = io.BytesIO()
     sc_onnx.export(model, torch.randn(1, 3, 12, 12), buffer, fused=True)

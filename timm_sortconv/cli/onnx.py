@@ -2,8 +2,9 @@
 
 ``python scripts/onnx_export.py MODEL FILE [--fused] [--pretrained]`` exports ``MODEL`` at its input size
 (:func:`timm_sortconv.onnx.export`), runs the file in onnxruntime (with ``--fused``: with the package's library and
-without it; an onnxruntime older than 1.27 runs the inlined twin without it) and, where it is installed, in OpenVINO, says which file to hand which runtime, and exits with status 1
-where an output differs from PyTorch's by more than 1e-4 of the largest. With ``--fused`` it also writes
+without it; an onnxruntime older than 1.27 runs the inlined twin without it) and, where it is installed, in
+OpenVINO, says which file to hand which runtime, and exits with status 1 where an output differs from PyTorch's by
+more than 1e-4 of the largest. With ``--fused`` it also writes
 ``FILE``'s standard-operator twin for runtimes that do not inline ONNX functions (``NAME.inlined.onnx``, OpenVINO's).
 ``python scripts/onnx_library.py`` builds the onnxruntime operator library where it is not built yet and prints its
 path (:func:`timm_sortconv.onnx.library_path`). A problem with the input (an unknown model, weights it has none of, a

@@ -1097,10 +1097,7 @@ void align_forward_kernel(const Plan<scalar_t>& plan, const AlignTables<scalar_t
   const int64_t cin = cg + t.guides, in_channels = cin * shape.groups;
   const int64_t panel_channels = panel_channels_of(cg, slots);
   const ForwardSplit split = forward_split(shape, positions, slots, lanes, true);
-  for_each_thread(split.threads(), split.threads(), [&](int64_t thread, int64_t, int64_t) {
-    const int64_t range = thread / split.parts, flat = shape.batch * positions;
-    const int64_t begin = flat * range / split.ranges, end = flat * (range + 1) / split.ranges;
-    const RowRange rows = row_range(og, thread % split.parts, split.parts);
+  for_each_forward_part(split, shape.batch * positions, og, [&](int64_t begin, int64_t end, const RowRange& rows) {
     // gather_samples may write a vector past its last row.
     std::vector<scalar_t> spectra(cin * slots * lanes + half), samples(slots * lanes + half),
         grid(slots * lanes + half), folded(slots * lanes);
@@ -1112,11 +1109,9 @@ void align_forward_kernel(const Plan<scalar_t>& plan, const AlignTables<scalar_t
       cover_pass<scalar_t, kUnitStride>(plan, ring, start, stop, in_channels, blocks);
       const Block& block = blocks[0];
       const scalar_t* images = ring.images();
-      for (int64_t g = 0; g < shape.groups; ++g) {
-        for (int64_t o = g * og + rows.first; o < g * og + rows.last; ++o) {
-          std::fill(tile.data() + o * lanes, tile.data() + (o + 1) * lanes, bias != nullptr ? bias[o] : scalar_t(0));
-        }
-      }
+      for_each_output(shape, rows, [&](int64_t o) {
+        std::fill(tile.data() + o * lanes, tile.data() + (o + 1) * lanes, bias != nullptr ? bias[o] : scalar_t(0));
+      });
       for (int64_t g = 0; g < shape.groups; ++g) {
         group_spectra<scalar_t, kUnitStride>(plan, t, cin, images + g * cin * plane, block, grid.data(),
                                              samples.data(), folded.data(), spectra.data(), states.data());
@@ -1133,11 +1128,9 @@ void align_forward_kernel(const Plan<scalar_t>& plan, const AlignTables<scalar_t
                     tile.data() + g * og * lanes, true, &rows);
         }
       }
-      for (int64_t g = 0; g < shape.groups; ++g) {
-        for (int64_t o = g * og + rows.first; o < g * og + rows.last; ++o) {
-          store_lanes(plan, block, tile.data() + o * lanes, output + o * positions, shape.out_channels * positions);
-        }
-      }
+      for_each_output(shape, rows, [&](int64_t o) {
+        store_lanes(plan, block, tile.data() + o * lanes, output + o * positions, shape.out_channels * positions);
+      });
     }
   });
 }

@@ -1474,6 +1474,26 @@ inline ForwardSplit forward_split(const Shape& shape, int64_t positions, int64_t
   return split;
 }
 
+// Calls fn(begin, end, rows) once per thread of `split`: its range [begin, end) of the `flat` output positions and
+// its register tiles `rows` of each group's `og` outputs.
+template <typename F>
+void for_each_forward_part(const ForwardSplit& split, int64_t flat, int64_t og, const F& fn) {
+  for_each_thread(split.threads(), split.threads(), [&](int64_t thread, int64_t, int64_t) {
+    const int64_t range = thread / split.parts;
+    const RowRange rows = row_range(og, thread % split.parts, split.parts);
+    fn(flat * range / split.ranges, flat * (range + 1) / split.ranges, rows);
+  });
+}
+
+// Calls fn(o) for the outputs o of every group that `rows` holds.
+template <typename F>
+void for_each_output(const Shape& shape, const RowRange& rows, const F& fn) {
+  const int64_t og = shape.out_per_group();
+  for (int64_t g = 0; g < shape.groups; ++g) {
+    for (int64_t o = g * og + rows.first; o < g * og + rows.last; ++o) fn(o);
+  }
+}
+
 // Calls fn(thread, first, last) with each thread's range of flat output positions; with
 // `whole_images` the ranges begin and end on image boundaries.
 template <typename F>
@@ -1669,10 +1689,7 @@ void forward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scalar
   // (the bfloat16 products take a group's outputs whole)
   const ForwardSplit split = forward_split(shape, positions, slots, lanes, weight_pairs == nullptr);
   const int64_t pass_blocks = blocks_per_pass<scalar_t>(shape, slots), span = pass_blocks * lanes;
-  for_each_thread(split.threads(), split.threads(), [&](int64_t thread, int64_t, int64_t) {
-    const int64_t range = thread / split.parts, flat = shape.batch * positions;
-    const int64_t begin = flat * range / split.ranges, end = flat * (range + 1) / split.ranges;
-    const RowRange rows = row_range(og, thread % split.parts, split.parts);
+  for_each_forward_part(split, shape.batch * positions, og, [&](int64_t begin, int64_t end, const RowRange& rows) {
     // stage_windows may write a vector past its last row.
     std::vector<scalar_t> panel(panel_channels * slots * lanes + half), grid(slots * lanes + half);
     std::vector<uint32_t> panel_pairs(weight_pairs != nullptr ? chunk_pairs * lanes : 0);
@@ -1685,12 +1702,10 @@ void forward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scalar
       const int64_t count = cover_pass<scalar_t, kUnitStride>(plan, ring, start, stop, shape.channels, blocks);
       const scalar_t* images = ring.images();
       for (int64_t b = 0; b < count; ++b) {
-        for (int64_t g = 0; g < shape.groups; ++g) {
-          for (int64_t o = g * og + rows.first; o < g * og + rows.last; ++o) {
-            scalar_t* row = tiles.data() + (b * shape.out_channels + o) * lanes;
-            std::fill(row, row + lanes, bias != nullptr ? bias[o] : scalar_t(0));
-          }
-        }
+        for_each_output(shape, rows, [&](int64_t o) {
+          scalar_t* row = tiles.data() + (b * shape.out_channels + o) * lanes;
+          std::fill(row, row + lanes, bias != nullptr ? bias[o] : scalar_t(0));
+        });
       }
       for (int64_t g = 0; g < shape.groups; ++g) {
         for (int64_t c0 = 0; c0 < cg; c0 += panel_channels) {
@@ -1729,12 +1744,10 @@ void forward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scalar
         }
       }
       for (int64_t b = 0; b < count; ++b) {
-        for (int64_t g = 0; g < shape.groups; ++g) {
-          for (int64_t o = g * og + rows.first; o < g * og + rows.last; ++o) {
-            store_lanes(plan, blocks[b], tiles.data() + (b * shape.out_channels + o) * lanes, output + o * positions,
-                        shape.out_channels * positions);
-          }
-        }
+        for_each_output(shape, rows, [&](int64_t o) {
+          store_lanes(plan, blocks[b], tiles.data() + (b * shape.out_channels + o) * lanes, output + o * positions,
+                      shape.out_channels * positions);
+        });
       }
     }
   });

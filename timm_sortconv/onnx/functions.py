@@ -6,11 +6,11 @@ configuration, of the node's domain and name, told apart by the function's ``ove
 one): its body is the layer in standard operators, written by the same lowering as a plain export (:mod:`.lowering`)
 for any batch, height and width, with the node's inputs ``X``, ``W`` and ``B`` (the weight and bias are inputs of the
 body, so a batch normalisation folded into the node's initializers holds for the body too). onnxruntime then runs
-the package's kernel where the library is registered and inlines the function where it is not (from onnxruntime 1.27:
-:data:`STOCK_INLINING_ONNXRUNTIME`). A runtime that does
-not inline model-local functions (OpenVINO) takes the file :func:`inline_functions` writes: every function expanded
-in place, standard operators only, with the sorting written for that runtime (:data:`.portable.OPENVINO`, a
-``TopK`` per ring, which OpenVINO runs faster than a min/max network, and onnxruntime slower).
+the package's kernel where the library is registered and inlines the function where it is not (from onnxruntime
+1.27: :data:`STOCK_INLINING_ONNXRUNTIME`). A runtime that does not inline model-local functions (OpenVINO) takes the
+file :func:`inline_functions` writes: every function expanded in place, standard operators only, with the sorting
+written for that runtime (:data:`.portable.OPENVINO`, a ``TopK`` per ring, which OpenVINO runs faster than a min/max
+network, and onnxruntime slower).
 """
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ from .fused import CENTRE_OP, DOMAIN, OP_NAME
 from .lowering import standard_operators
 from .portable import sort_conv2d_portable
 
-__all__ = ["FUNCTION_IR_VERSION", "STOCK_INLINING_ONNXRUNTIME", "attach_functions", "expand_centring", "inline_functions",
-           "stock_onnxruntime_inlines"]
+__all__ = ["FUNCTION_IR_VERSION", "STOCK_INLINING_ONNXRUNTIME", "attach_functions", "expand_centring",
+           "inline_functions", "stock_onnxruntime_inlines"]
 
 #: The IR version from which a function has an ``overload`` (onnx 1.16).
 FUNCTION_IR_VERSION = 10
