@@ -24,6 +24,7 @@ from typing import List, Optional
 import torch
 import torch.nn as nn
 
+from .folding import fold_static_sizes
 from .functions import attach_functions, expand_centring, inline_functions
 from .fused import (DOMAIN, OPSET, FusedExportError, check_fused, drop_unread_constants, fold_batch_norms,
                     merge_centring, translation_table)
@@ -52,7 +53,9 @@ def check_model(model: nn.Module, example: Optional[torch.Tensor] = None) -> Non
 
 def export(model: nn.Module, example: torch.Tensor, f, *, dynamo: bool = False, dynamic_size: bool = False,
            opset_version: int = 18, fused: bool = False, inlined=None, decomposition: Optional[str] = None) -> None:
-    """Exports ``model`` (in evaluation mode) at ``example``'s shape to ``f`` (a path or a binary file object).
+    """Exports ``model`` (in evaluation mode) at ``example``'s shape to ``f`` (a path or a binary file object). What
+    the fixed sizes decide (the arithmetic on ``Shape`` nodes that reads no dynamic axis) is written as constants
+    (:func:`.folding.fold_static_sizes`), where the package ``onnx`` is installed.
 
     Args:
         model: any model, SC layers included.
@@ -87,18 +90,28 @@ def export(model: nn.Module, example: torch.Tensor, f, *, dynamo: bool = False, 
     if inlined is not None and not fused:
         raise ValueError("inlined= is the fused file with its functions expanded; it needs fused=True (without it "
                          "the file written to f is standard operators already)")
-    if not fused:
-        _export(model, example, f, dynamo, dynamic_size, opset_version, fused)
-        return
-    import onnx  # (the package onnx, not this module)
-
-    check_model(model, example)
+    if fused:
+        check_model(model, example)
     buffer = io.BytesIO()
     _export(model, example, buffer, dynamo, dynamic_size, opset_version, fused)
+    try:
+        import onnx  # (the package onnx, not this module)
+    except ImportError:  # a plain export without the package onnx: the file as the exporter wrote it
+        if fused:
+            raise
+        _write(buffer.getvalue(), f)
+        return
     exported = onnx.load_from_string(buffer.getvalue())
+    if not fused:
+        fold_static_sizes(exported)
+        drop_unread_constants(exported)
+        _write(exported.SerializeToString(), f)
+        return
     fold_batch_norms(exported)
     merge_centring(exported)
+    fold_static_sizes(exported)  # (a CentreGrid left learns its input's size here, where it is static)
     expand_centring(exported)
+    fold_static_sizes(exported)
     drop_unread_constants(exported)
     standard = onnx.ModelProto()
     standard.CopyFrom(exported)
