@@ -84,6 +84,21 @@ def test_agrees_with_reference_when_threads_split_the_outputs(sorting, dtype, th
         assert_agree(x, weight, bias, padding=3, groups=groups, sampling="polar", sorting=sorting)
 
 
+@pytest.mark.parametrize("count", [1, 2])
+@pytest.mark.parametrize("sampling", ["polar", "square"])
+@pytest.mark.parametrize("sorting", ALIGNED)
+def test_agrees_with_reference_where_a_block_lies_in_its_first_vector(sorting, sampling, count, threads, isa):
+    """One 14x14 image (196 positions: six whole blocks and one of 4) on one thread and on two (ranges of 96 and
+    100 positions: the second ends in a block of 4): such a block's spectra, orientation, turn and products are taken
+    in the first vector of lanes only; the same at 3x3 (9 positions, the only block)."""
+    threads(count)
+    for size in (14, 3):
+        x = randn(1, 24, size, size, seed=size, dtype=torch.float32)
+        weight = randn(40, 24, 7, 7, seed=1, dtype=torch.float32) * 0.05
+        assert_agree(x, weight, randn(40, seed=2, dtype=torch.float32), padding=3, sampling=sampling,
+                     sorting=sorting)
+
+
 @pytest.mark.parametrize("sorting", ALIGNED)
 @pytest.mark.parametrize("sampling", ["polar", "square"])
 def test_forward_and_both_gradients_agree_with_the_oracle(sampling, sorting):

@@ -255,6 +255,20 @@ def test_agrees_with_reference_when_threads_split_the_outputs(out_channels, grou
                      sampling="polar", sorting="ring")
 
 
+@pytest.mark.parametrize("count", [1, 2])
+@pytest.mark.parametrize("sampling,sorting,k", [("polar", "ring", 7), ("square", "global", 3)])
+def test_agrees_with_reference_where_a_block_lies_in_its_first_vector(sampling, sorting, k, count, threads, isa):
+    """One 14x14 image (196 positions: six whole blocks and one of 4) on one thread and on two (ranges of 96 and
+    100 positions: the second ends in a block of 4): such a block is sorted and multiplied in the first vector of
+    lanes only, the others' lanes left unread; the same at 3x3 (9 positions, the only block)."""
+    threads(count)
+    for size in (14, 3):
+        x = randn(1, 32, size, size, seed=size, dtype=torch.float32)
+        weight = randn(40, 32, k, k, seed=1, dtype=torch.float32) * 0.05
+        assert_agree(x, weight, randn(40, seed=2, dtype=torch.float32), min_comparable=0.5, padding=k // 2,
+                     sampling=sampling, sorting=sorting)
+
+
 def test_padding_same_and_no_bias(threads, isa):
     threads(1)
     x, weight = randn(2, 3, 10, 10), randn(5, 3, 5, 5, seed=1)

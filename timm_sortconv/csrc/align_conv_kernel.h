@@ -633,14 +633,14 @@ void direct_ring_spectra(const Plan<float>& plan, const Segment& segment, const 
 // block do not allow it.
 template <bool kSamples = false>
 bool direct_spectra(const Plan<float>& plan, const AlignTables<float>& t, const float* channel_input,
-                    const Block& block, float* spectra) {
+                    const Block& block, float* spectra, bool narrow = false) {
   constexpr int64_t lanes = kLanes<float>, half = kVecLanes<float>;
   if (!t.direct || !block.direct) return false;
   for (size_t i = 0; i < plan.segments.size(); ++i) {
     const Segment& segment = plan.segments[i];
     const float* cosine = block_weights(t, t.cosine_block[i], false);
     const float* sine = block_weights(t, t.sine_block[i], false);
-    for (int64_t h = 0; h < lanes / half; ++h) {
+    for (int64_t h = 0; h < (narrow ? 1 : lanes / half); ++h) {
       const VectorSource& source = block.source[h];
       const float* p0 = channel_input + source.base[0];
       const float* p1 = channel_input + source.base[1];
@@ -660,7 +660,8 @@ bool known_polar_segment(int64_t, int64_t, int64_t) { return false; }
 #endif
 
 template <bool kSamples = false, typename scalar_t>
-bool direct_spectra(const Plan<scalar_t>&, const AlignTables<scalar_t>&, const scalar_t*, const Block&, scalar_t*) {
+bool direct_spectra(const Plan<scalar_t>&, const AlignTables<scalar_t>&, const scalar_t*, const Block&, scalar_t*,
+                    bool = false) {
   return false;
 }
 
@@ -684,8 +685,9 @@ void samples_to_spectra(const Plan<scalar_t>& plan, const AlignTables<scalar_t>&
 
 template <typename scalar_t, bool kUnitStride>
 void window_spectra(const Plan<scalar_t>& plan, const AlignTables<scalar_t>& t, const scalar_t* channel_input,
-                    const Block& block, scalar_t* grid, scalar_t* samples, scalar_t* folded, scalar_t* spectra) {
-  if (kUnitStride && direct_spectra(plan, t, channel_input, block, spectra)) return;
+                    const Block& block, scalar_t* grid, scalar_t* samples, scalar_t* folded, scalar_t* spectra,
+                    bool narrow = false) {
+  if (kUnitStride && direct_spectra(plan, t, channel_input, block, spectra, narrow)) return;
   gather_samples<scalar_t, kUnitStride>(plan, channel_input, block, grid, samples);
   samples_to_spectra(plan, t, samples, folded, spectra);
 }
@@ -706,12 +708,13 @@ void spectra_to_samples(const Plan<scalar_t>& plan, const AlignTables<scalar_t>&
   apply_taps(t.unfold, grad_folded, grad_samples);
 }
 
-// state[0..2] += one channel's (c_re, c_im, E), summed in registers a vector of lanes at a time.
+// state[0..2] += one channel's (c_re, c_im, E), summed in registers a vector of lanes at a time (`narrow`: the
+// first vector only).
 template <typename scalar_t>
-void add_orientation(const AlignTables<scalar_t>& t, const scalar_t* spectra, scalar_t* state) {
+void add_orientation(const AlignTables<scalar_t>& t, const scalar_t* spectra, scalar_t* state, bool narrow = false) {
   using vec = typename Simd<scalar_t>::vec;
   constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
-  for (int64_t h = 0; h < lanes; h += half) {
+  for (int64_t h = 0; h < (narrow ? half : lanes); h += half) {
     vec c_re = load(state + h), c_im = load(state + lanes + h), energy = load(state + 2 * lanes + h);
     for (size_t i = 0; i < t.first_pair.size(); ++i) {
       const vec w = splat(t.first_weight[i]);
@@ -881,21 +884,23 @@ void make_turns(const AlignTables<scalar_t>& t, scalar_t* state) {
 }
 
 // out = the spectra turned by the unit's powers (out may be `in`): A_m = S_m * T_m for the pairs, a Nyquist
-// channel times Re T_{N/2}, the other fixed channels as they are.
+// channel times Re T_{N/2}, the other fixed channels as they are; `narrow`: the first vector of lanes only.
 template <typename scalar_t>
-void turn_spectra(const AlignTables<scalar_t>& t, const scalar_t* state, const scalar_t* in, scalar_t* out) {
+void turn_spectra(const AlignTables<scalar_t>& t, const scalar_t* state, const scalar_t* in, scalar_t* out,
+                  bool narrow = false) {
   constexpr int64_t lanes = kLanes<scalar_t>;
+  const int64_t used = narrow ? kVecLanes<scalar_t> : lanes;
   const scalar_t* turn_re = state + 3 * lanes;
   const scalar_t* turn_im = turn_re + (t.largest + 1) * lanes;
   if (out != in) {
-    for (const int64_t row : t.still_row) std::memcpy(out + row * lanes, in + row * lanes, lanes * sizeof(scalar_t));
+    for (const int64_t row : t.still_row) std::memcpy(out + row * lanes, in + row * lanes, used * sizeof(scalar_t));
   }
   for (size_t i = 0; i < t.nyquist_row.size(); ++i) {
     const scalar_t* tr = turn_re + t.nyquist_m[i] * lanes;
     const scalar_t* s = in + t.nyquist_row[i] * lanes;
     scalar_t* o = out + t.nyquist_row[i] * lanes;
 #pragma omp simd
-    for (int64_t l = 0; l < lanes; ++l) o[l] = s[l] * tr[l];
+    for (int64_t l = 0; l < used; ++l) o[l] = s[l] * tr[l];
   }
   for (int64_t p = 0; p < t.pairs; ++p) {
     const scalar_t* tr = turn_re + t.pair_m[p] * lanes;
@@ -905,7 +910,7 @@ void turn_spectra(const AlignTables<scalar_t>& t, const scalar_t* state, const s
     scalar_t* out_re = out + t.re(p) * lanes;
     scalar_t* out_im = out + t.im(p) * lanes;
 #pragma omp simd
-    for (int64_t l = 0; l < lanes; ++l) {
+    for (int64_t l = 0; l < used; ++l) {
       const scalar_t a = re[l], b = im[l];
       out_re[l] = a * tr[l] - b * ti[l];
       out_im[l] = a * ti[l] + b * tr[l];
@@ -1061,7 +1066,7 @@ inline int64_t units_of(bool shared, int64_t channels_per_group) { return shared
 template <typename scalar_t, bool kUnitStride>
 void group_spectra(const Plan<scalar_t>& plan, const AlignTables<scalar_t>& t, int64_t channels,
                    const scalar_t* group_input, const Block& block, scalar_t* grid, scalar_t* samples,
-                   scalar_t* folded, scalar_t* spectra, scalar_t* states) {
+                   scalar_t* folded, scalar_t* spectra, scalar_t* states, bool narrow = false) {
   constexpr int64_t lanes = kLanes<scalar_t>;
   const int64_t slots = plan.slots, plane = plan.in_h * plan.in_w, state_size = t.state_rows() * lanes;
   const int64_t units = units_of(t.shared, channels);
@@ -1071,15 +1076,16 @@ void group_spectra(const Plan<scalar_t>& plan, const AlignTables<scalar_t>& t, i
     scalar_t* channel_spectra = spectra + ci * slots * lanes;
     if (ci >= channels - t.guides && !t.guide_re.empty()) {  // a guide: its samples in its rows, for the backward
       if (!turns) continue;
-      if (!kUnitStride || !direct_spectra<true>(plan, t, group_input + ci * plane, block, channel_spectra)) {
+      if (!kUnitStride || !direct_spectra<true>(plan, t, group_input + ci * plane, block, channel_spectra,
+                                                            narrow)) {
         gather_samples<scalar_t, kUnitStride>(plan, group_input + ci * plane, block, grid, channel_spectra);
       }
       add_guide_orientation(plan, t, channel_spectra, states);
       continue;
     }
     window_spectra<scalar_t, kUnitStride>(plan, t, group_input + ci * plane, block, grid, samples, folded,
-                                          channel_spectra);
-    if (turns) add_orientation(t, channel_spectra, states + (t.shared ? 0 : ci) * state_size);
+                                          channel_spectra, narrow);
+    if (turns) add_orientation(t, channel_spectra, states + (t.shared ? 0 : ci) * state_size, narrow);
   }
   if (turns) {
     for (int64_t u = 0; u < units; ++u) make_turns(t, states + u * state_size);
@@ -1097,7 +1103,8 @@ void align_forward_kernel(const Plan<scalar_t>& plan, const AlignTables<scalar_t
   const int64_t cin = cg + t.guides, in_channels = cin * shape.groups;
   const int64_t panel_channels = panel_channels_of(cg, slots);
   const ForwardSplit split = forward_split(shape, positions, slots, lanes, true);
-  for_each_forward_part(split, shape.batch * positions, og, [&](int64_t begin, int64_t end, const RowRange& rows) {
+  for_each_forward_part(split, shape.batch * positions, og, half,
+                        [&](int64_t begin, int64_t end, const RowRange& rows) {
     // gather_samples may write a vector past its last row.
     std::vector<scalar_t> spectra(cin * slots * lanes + half), samples(slots * lanes + half),
         grid(slots * lanes + half), folded(slots * lanes);
@@ -1108,13 +1115,16 @@ void align_forward_kernel(const Plan<scalar_t>& plan, const AlignTables<scalar_t
       const int64_t stop = std::min(start + lanes, end);
       cover_pass<scalar_t, kUnitStride>(plan, ring, start, stop, in_channels, blocks);
       const Block& block = blocks[0];
+      // A block within the first vector of lanes takes its spectra, turn and products there only (store_lanes
+      // writes the block's own lanes).
+      const bool narrow = narrow_block<scalar_t>(block.count);
       const scalar_t* images = ring.images();
       for_each_output(shape, rows, [&](int64_t o) {
         std::fill(tile.data() + o * lanes, tile.data() + (o + 1) * lanes, bias != nullptr ? bias[o] : scalar_t(0));
       });
       for (int64_t g = 0; g < shape.groups; ++g) {
         group_spectra<scalar_t, kUnitStride>(plan, t, cin, images + g * cin * plane, block, grid.data(),
-                                             samples.data(), folded.data(), spectra.data(), states.data());
+                                             samples.data(), folded.data(), spectra.data(), states.data(), narrow);
         // Panel by panel, each turned in place just before its product, so that the product reads it from L1.
         // weight_packed is (groups, C/g * k*k, O/g), the harmonic channels of these channels as rows.
         for (int64_t c0 = 0; c0 < cg; c0 += panel_channels) {
@@ -1122,10 +1132,11 @@ void align_forward_kernel(const Plan<scalar_t>& plan, const AlignTables<scalar_t
           scalar_t* panel = spectra.data() + c0 * slots * lanes;
           for (int64_t ci = c0; t.pairs > 0 && ci < c0 + channels; ++ci) {
             scalar_t* channel_spectra = spectra.data() + ci * slots * lanes;
-            turn_spectra(t, states.data() + (t.shared ? 0 : ci) * state_size, channel_spectra, channel_spectra);
+            turn_spectra(t, states.data() + (t.shared ? 0 : ci) * state_size, channel_spectra, channel_spectra,
+                         narrow);
           }
           gemm_rows(panel, channels * slots, weight_packed + (g * cg + c0) * slots * og, og, og,
-                    tile.data() + g * og * lanes, true, &rows);
+                    tile.data() + g * og * lanes, true, &rows, narrow);
         }
       }
       for_each_output(shape, rows, [&](int64_t o) {

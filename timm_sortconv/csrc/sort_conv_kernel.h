@@ -1076,11 +1076,12 @@ void sort_polar_segment(const Plan<float>& plan, const Segment& segment, const f
 // gather_samples + sort_samples of one channel in one pass; false (nothing done) where the plan or
 // the block does not allow it (polar sampling other than k = 5, 7, a segment without an unrolled
 // network, a vector of three or more pieces).
-bool sort_direct(const Plan<float>& plan, const float* channel_input, const Block& block, float* value) {
+bool sort_direct(const Plan<float>& plan, const float* channel_input, const Block& block, float* value,
+                 bool narrow = false) {
   constexpr int64_t lanes = kLanes<float>, half = kVecLanes<float>;
   if (!plan.direct || !block.direct) return false;
   for (const auto& segment : plan.segments) {
-    for (int64_t h = 0; h < lanes / half; ++h) {
+    for (int64_t h = 0; h < (narrow ? 1 : lanes / half); ++h) {
       const VectorSource& source = block.source[h];
       const float* p0 = channel_input + source.base[0];
       const float* p1 = channel_input + source.base[1];
@@ -1112,7 +1113,7 @@ bool sort_direct(const Plan<float>& plan, const float* channel_input, const Bloc
 #endif
 
 template <typename scalar_t>
-bool sort_direct(const Plan<scalar_t>&, const scalar_t*, const Block&, scalar_t*) {
+bool sort_direct(const Plan<scalar_t>&, const scalar_t*, const Block&, scalar_t*, bool = false) {
   return false;
 }
 
@@ -1143,12 +1144,42 @@ void micro_gemm(const scalar_t* panel, int64_t depth, const scalar_t* w, int64_t
   }
 }
 
+// micro_gemm on the first vector of lanes only (kVecLanes): a block whose positions all lie there (the last one of
+// a range, at batch 1 often the only part of a block) takes half the products. The other lanes of `tile` are left
+// as they are.
+template <typename scalar_t, int kRows>
+void micro_gemm_narrow(const scalar_t* panel, int64_t depth, const scalar_t* w, int64_t ldw, scalar_t* tile,
+                       bool accumulate) {
+  using vec = typename Simd<scalar_t>::vec;
+  constexpr int64_t lanes = kLanes<scalar_t>;
+  vec acc[kRows];
+  for (int m = 0; m < kRows; ++m) acc[m] = accumulate ? load(tile + m * lanes) : vec{};
+  for (int64_t k = 0; k < depth; ++k) {
+    const vec p = load(panel + k * lanes);
+    const scalar_t* wk = w + k * ldw;
+    for (int m = 0; m < kRows; ++m) acc[m] += splat(wk[m]) * p;
+  }
+  for (int m = 0; m < kRows; ++m) store(tile + m * lanes, acc[m]);
+}
+
 template <typename scalar_t>
 using MicroGemm = void (*)(const scalar_t*, int64_t, const scalar_t*, int64_t, scalar_t*, bool);
 
 template <typename scalar_t, int... kRows>
 constexpr std::array<MicroGemm<scalar_t>, sizeof...(kRows)> micro_gemm_table(std::integer_sequence<int, kRows...>) {
   return {&micro_gemm<scalar_t, kRows + 1>...};
+}
+
+template <typename scalar_t, int... kRows>
+constexpr std::array<MicroGemm<scalar_t>, sizeof...(kRows)> micro_gemm_narrow_table(
+    std::integer_sequence<int, kRows...>) {
+  return {&micro_gemm_narrow<scalar_t, kRows + 1>...};
+}
+
+// Whether a block of `count` positions lies in the first vector of lanes (the micro-GEMMs' `narrow`).
+template <typename scalar_t>
+inline bool narrow_block(int64_t count) {
+  return count <= kVecLanes<scalar_t>;
 }
 
 // The register tiles of `rows` output rows: equal tiles of at most kTileRows (64 rows: 6 tiles of 10-11, not 5 of
@@ -1174,11 +1205,13 @@ inline RowRange row_range(int64_t rows, int64_t part, int64_t parts) {
 }
 
 // tile[rows][lanes] (+)= w^T panel for any number of rows, in register tiles of kTileRows; only the tiles of
-// `range` (default: all), tile and w still indexed from row 0.
+// `range` (default: all), tile and w still indexed from row 0; `narrow`: the first vector of lanes only.
 template <typename scalar_t>
 void gemm_rows(const scalar_t* panel, int64_t depth, const scalar_t* w, int64_t ldw, int64_t rows, scalar_t* tile,
-               bool accumulate, const RowRange* range = nullptr) {
-  static constexpr auto table = micro_gemm_table<scalar_t>(std::make_integer_sequence<int, kTileRows>{});
+               bool accumulate, const RowRange* range = nullptr, bool narrow = false) {
+  static constexpr auto wide = micro_gemm_table<scalar_t>(std::make_integer_sequence<int, kTileRows>{});
+  static constexpr auto half = micro_gemm_narrow_table<scalar_t>(std::make_integer_sequence<int, kTileRows>{});
+  const auto& table = narrow ? half : wide;
   constexpr int64_t lanes = kLanes<scalar_t>;
   const int64_t tiles = tile_count(rows), last = range != nullptr ? range->last_tile : tiles;
   int64_t i = range != nullptr ? range->first_tile : 0, m0 = range != nullptr ? range->first : 0;
@@ -1194,8 +1227,10 @@ void gemm_rows(const scalar_t* panel, int64_t depth, const scalar_t* w, int64_t 
 // sequential stream instead of depth rows `ldw` apart, which the hardware prefetches where they come from memory.
 template <typename scalar_t>
 void gemm_tiles(const scalar_t* panel, int64_t depth, const scalar_t* w, int64_t rows, scalar_t* tile,
-                bool accumulate, const RowRange* range = nullptr) {
-  static constexpr auto table = micro_gemm_table<scalar_t>(std::make_integer_sequence<int, kTileRows>{});
+                bool accumulate, const RowRange* range = nullptr, bool narrow = false) {
+  static constexpr auto wide = micro_gemm_table<scalar_t>(std::make_integer_sequence<int, kTileRows>{});
+  static constexpr auto half = micro_gemm_narrow_table<scalar_t>(std::make_integer_sequence<int, kTileRows>{});
+  const auto& table = narrow ? half : wide;
   constexpr int64_t lanes = kLanes<scalar_t>;
   const int64_t tiles = tile_count(rows), last = range != nullptr ? range->last_tile : tiles;
   int64_t i = range != nullptr ? range->first_tile : 0, m0 = range != nullptr ? range->first : 0;
@@ -1475,13 +1510,18 @@ inline ForwardSplit forward_split(const Shape& shape, int64_t positions, int64_t
 }
 
 // Calls fn(begin, end, rows) once per thread of `split`: its range [begin, end) of the `flat` output positions and
-// its register tiles `rows` of each group's `og` outputs.
+// its register tiles `rows` of each group's `og` outputs. The ranges begin at multiples of `vector` (a vector's
+// lanes), nearest the even split: a range's blocks then fill whole vectors but for its last, whose narrow_block
+// takes half the work (196 positions, 2 threads: 96 + 100, 3 blocks and 3 and a narrow one, not 4 and 4).
 template <typename F>
-void for_each_forward_part(const ForwardSplit& split, int64_t flat, int64_t og, const F& fn) {
+void for_each_forward_part(const ForwardSplit& split, int64_t flat, int64_t og, int64_t vector, const F& fn) {
+  const auto bound = [&](int64_t range) {
+    return range == split.ranges ? flat : std::min(flat, (flat * range / split.ranges + vector / 2) / vector * vector);
+  };
   for_each_thread(split.threads(), split.threads(), [&](int64_t thread, int64_t, int64_t) {
     const int64_t range = thread / split.parts;
     const RowRange rows = row_range(og, thread % split.parts, split.parts);
-    fn(flat * range / split.ranges, flat * (range + 1) / split.ranges, rows);
+    fn(bound(range), bound(range + 1), rows);
   });
 }
 
@@ -1689,7 +1729,8 @@ void forward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scalar
   // (the bfloat16 products take a group's outputs whole)
   const ForwardSplit split = forward_split(shape, positions, slots, lanes, weight_pairs == nullptr);
   const int64_t pass_blocks = blocks_per_pass<scalar_t>(shape, slots), span = pass_blocks * lanes;
-  for_each_forward_part(split, shape.batch * positions, og, [&](int64_t begin, int64_t end, const RowRange& rows) {
+  for_each_forward_part(split, shape.batch * positions, og, half,
+                        [&](int64_t begin, int64_t end, const RowRange& rows) {
     // stage_windows may write a vector past its last row.
     std::vector<scalar_t> panel(panel_channels * slots * lanes + half), grid(slots * lanes + half);
     std::vector<uint32_t> panel_pairs(weight_pairs != nullptr ? chunk_pairs * lanes : 0);
@@ -1713,11 +1754,14 @@ void forward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scalar
           // Block after block on the same weight chunk: it stays in L2 between them.
           for (int64_t b = 0; b < count; ++b) {
             const Block& block = blocks[b];
+            // A block within the first vector of lanes is sorted and multiplied there only (the rest of its
+            // columns are not read: store_lanes writes the block's own lanes).
+            const bool narrow = narrow_block<scalar_t>(block.count);
             scalar_t* tile = tiles.data() + (b * shape.out_channels + g * og) * lanes;
             for (int64_t ci = 0; ci < channels; ++ci) {
               scalar_t* value = panel.data() + ci * slots * lanes;
               const scalar_t* channel_input = images + (g * cg + c0 + ci) * plane;
-              if (!sort_direct(plan, channel_input, block, value)) {
+              if (!sort_direct(plan, channel_input, block, value, narrow)) {
                 gather_samples<scalar_t, kUnitStride>(plan, channel_input, block, grid.data(), value);
                 sort_samples<scalar_t, false>(plan, value, static_cast<SwapMask<vec>*>(nullptr));
               }
@@ -1736,9 +1780,9 @@ void forward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scalar
             // weight_packed is (groups, C/g, k*k, O/g): the rows of these channels' slots.
             const scalar_t* chunk = weight_packed + (g * cg + c0) * slots * og;
             if (tiled) {
-              gemm_tiles(panel.data(), channels * slots, chunk, og, tile, true, &rows);
+              gemm_tiles(panel.data(), channels * slots, chunk, og, tile, true, &rows, narrow);
             } else {
-              gemm_rows(panel.data(), channels * slots, chunk, og, og, tile, true, &rows);
+              gemm_rows(panel.data(), channels * slots, chunk, og, og, tile, true, &rows, narrow);
             }
           }
         }
