@@ -371,10 +371,17 @@ def onnx() -> str:
     isas = sorted({r.get("isa", "") for r in rows} - {""})
     # the package's commit of each kind of column (the standard-operator files and the package's kernels)
     kinds = {"fused": "fused node", "extension": "extension"}
-    commits: Dict[str, List[str]] = {}
+    models: Dict[Tuple[str, str], List[str]] = {}  # (commit, kind) -> its models
     for r in rows:
-        commits.setdefault(r["commit"], []).append(kinds.get(r["decomposition"], "standard operators"))
-    at = "; ".join(f"{' and '.join(dict.fromkeys(kinds_))} at {commit}" if len(commits) > 1 else commit
+        models.setdefault((r["commit"], kinds.get(r["decomposition"], "standard operators")), []).append(r["model"])
+    commits: Dict[str, List[str]] = {}
+    for (commit, kind), names in models.items():
+        # a kind measured at several commits: the models of each but its largest share are named
+        largest = max((len(set(n)) for (c, k), n in models.items() if k == kind))
+        if len(set(names)) < largest:
+            kind += " of " + ", ".join(f"`{name}`" for name in dict.fromkeys(names))
+        commits.setdefault(commit, []).append(kind)
+    at = "; ".join(f"{' and '.join(kinds_)} at {commit}" if len(commits) > 1 else commit
                    for commit, kinds_ in commits.items())
     dates = sorted({r["date"][:10] for r in rows})
     lines = [f"SC time / twin time, the least time of a call, SC and twin taking turns in one process "
