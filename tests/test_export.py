@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from timm_sortconv import SortConv2d, sort_conv2d
 from timm_sortconv import onnx as sc_onnx
 from timm_sortconv.canonical import MomentCanonicalize2d
-from timm_sortconv.ops import geometry
+from timm_sortconv.ops import alignment, geometry
 from timm_sortconv.onnx import portable
 from timm_sortconv.ops.geometry import get_geometry
 from timm_sortconv.ops.reference import sort_conv2d_reference
@@ -161,6 +161,21 @@ def test_an_unknown_decomposition_is_refused_with_the_accepted_ones():
     with pytest.raises(ValueError, match="unknown decomposition='bubble'; accepted: 'network', 'chunked'"):
         with sc_onnx.decomposition("bubble"):
             pass
+
+
+def test_the_first_export_of_a_process_writes_the_same_graph_as_the_next(monkeypatch):
+    """The aligned layers' harmonic tables are built on first use and cached: built inside the trace, the first
+    export would carry the operations that build them (index assignments, stacks) where the next carries them as
+    constants."""
+    onnx = pytest.importorskip("onnx")
+    monkeypatch.setattr(alignment, "_TABLES", {})  # as in a new process
+    layer = SortConv2d(3, 4, 5, padding=2, sorting="align").eval()
+    graphs = []
+    for _ in range(2):
+        buffer = io.BytesIO()
+        sc_onnx.export(layer, torch.randn(1, 3, 9, 9), buffer)
+        graphs.append(Counter(node.op_type for node in onnx.load_from_string(buffer.getvalue()).graph.node))
+    assert graphs[0] == graphs[1] and "ScatterND" not in graphs[0]
 
 
 def _exported(model, example, dynamo, dynamic_size=False):

@@ -65,6 +65,7 @@ Three implementations compute the same function:
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -201,36 +202,57 @@ def _ring_basis(n: int) -> List[Tuple[str, int, torch.Tensor]]:
     return rows
 
 
+@contextlib.contextmanager
+def _untraced():
+    """Suspends a TorchScript trace in progress: tables built inside are constants of the traced graph, as they are
+    where the cache already holds them, instead of the operations that built them (an exported file would otherwise
+    depend on whether it was the first export of the process)."""
+    if not torch.jit.is_tracing():  # (torch.compile and torch.export read this as False: no private call traced)
+        yield
+        return
+    state = torch._C._get_tracing_state()
+    torch._C._set_tracing_state(None)
+    try:
+        yield
+    finally:
+        torch._C._set_tracing_state(state)
+
+
 def harmonic_tables(geometry: SortGeometry, device: torch.device, dtype: torch.dtype) -> HarmonicTables:
     """The cached :class:`HarmonicTables` of ``geometry`` on ``device`` in ``dtype``."""
     key = (geometry.kernel_size, geometry.sampling, geometry.sorting, device, dtype)
     if key not in _TABLES:
-        kk = geometry.kernel_size ** 2
-        blocks = {"fixed": [], "re": [], "im": []}  # (row over the k*k slots, m, ring size)
-        for s, e in geometry.segments:
-            n = e - s
-            for part, m, row in (_ring_basis(n) if n > 1 else [("fixed", 0, torch.ones(1, dtype=torch.float64))]):
-                full = torch.zeros(kk, dtype=torch.float64)
-                full[s:e] = row
-                blocks[part].append((full, m, n))
-        ordered = blocks["fixed"] + blocks["re"] + blocks["im"]
-        analysis = torch.stack([row for row, _, _ in ordered])
-        # analysis @ analysis.T is diagonal (n for S_0 and the Nyquist row, n / 2 for the others), so the
-        # inverse is analysis.T scaled by its reciprocal.
-        inverse = analysis.t() / (analysis * analysis).sum(1)
-        filters = (analysis @ geometry.interpolation).reshape(kk, 1, geometry.kernel_size, geometry.kernel_size)
-        fixed = [(m, n) for _, m, n in blocks["fixed"]]
-        pairs = [(m, n) for _, m, n in blocks["re"]]
-        to = dict(device=device, dtype=dtype)
-        _TABLES[key] = HarmonicTables(
-            analysis.to(**to), filters.to(**to), inverse.to(**to), len(fixed),
-            torch.tensor([m for m, _ in fixed], device=device),
-            torch.tensor([m for m, _ in pairs], device=device),
-            torch.tensor([1.0 / n if m == 1 else 0.0 for m, n in pairs], **to),
-            torch.tensor([2.0 / n ** 2 for _, n in pairs], **to),
-            torch.tensor([(1.0 if m > 0 else LEVEL / RELATIVE if n > 1 else 0.0) / n ** 2 for m, n in fixed], **to),
-            max(m for m, _ in fixed + pairs))
+        with _untraced():
+            _TABLES[key] = _build_tables(geometry, device, dtype)
     return _TABLES[key]
+
+
+def _build_tables(geometry: SortGeometry, device: torch.device, dtype: torch.dtype) -> HarmonicTables:
+    kk = geometry.kernel_size ** 2
+    blocks = {"fixed": [], "re": [], "im": []}  # (row over the k*k slots, m, ring size)
+    for s, e in geometry.segments:
+        n = e - s
+        for part, m, row in (_ring_basis(n) if n > 1 else [("fixed", 0, torch.ones(1, dtype=torch.float64))]):
+            full = torch.zeros(kk, dtype=torch.float64)
+            full[s:e] = row
+            blocks[part].append((full, m, n))
+    ordered = blocks["fixed"] + blocks["re"] + blocks["im"]
+    analysis = torch.stack([row for row, _, _ in ordered])
+    # analysis @ analysis.T is diagonal (n for S_0 and the Nyquist row, n / 2 for the others), so the
+    # inverse is analysis.T scaled by its reciprocal.
+    inverse = analysis.t() / (analysis * analysis).sum(1)
+    filters = (analysis @ geometry.interpolation).reshape(kk, 1, geometry.kernel_size, geometry.kernel_size)
+    fixed = [(m, n) for _, m, n in blocks["fixed"]]
+    pairs = [(m, n) for _, m, n in blocks["re"]]
+    to = dict(device=device, dtype=dtype)
+    return HarmonicTables(
+        analysis.to(**to), filters.to(**to), inverse.to(**to), len(fixed),
+        torch.tensor([m for m, _ in fixed], device=device),
+        torch.tensor([m for m, _ in pairs], device=device),
+        torch.tensor([1.0 / n if m == 1 else 0.0 for m, n in pairs], **to),
+        torch.tensor([2.0 / n ** 2 for _, n in pairs], **to),
+        torch.tensor([(1.0 if m > 0 else LEVEL / RELATIVE if n > 1 else 0.0) / n ** 2 for m, n in fixed], **to),
+        max(m for m, _ in fixed + pairs))
 
 
 def _turns(first_re, first_im, energy, largest: int):
