@@ -194,7 +194,7 @@ def fold_static_sizes(model) -> int:
             continue
         for name, result in zip(node.output, folded[position]):
             if name:
-                nodes.append(helper.make_node("Constant", [], [name], name=f"{node.name or name}_folded",
+                nodes.append(helper.make_node("Constant", [], [name], name=f"{name}_folded",
                                               value=numpy_helper.from_array(result, name)))
     del graph.node[:]
     graph.node.extend(nodes)
