@@ -19,6 +19,8 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from .functions import _attributes
+
 __all__ = ["fold_static_sizes"]
 
 # Values with more elements stay computed (a folded value is stored in the file): 2 MiB of float32.
@@ -44,13 +46,11 @@ def _tensor_type(dtype: int, dims):
 def _fused_output_dims(node, input_dims, weight_dims) -> Optional[List[Optional[int]]]:
     """The dimensions of a ``timm_sortconv::SortConv2d`` node's output (:func:`.fused.output_size`; a centring
     inside the node keeps them)."""
-    from onnx import helper
-
     from .fused import output_size
 
     if input_dims is None or weight_dims is None or len(input_dims) != 4:
         return None
-    a = {attribute.name: helper.get_attribute_value(attribute) for attribute in node.attribute}
+    a = _attributes(node)
     k, strides, dilations = a["kernel_size"], a.get("strides", [1, 1]), a.get("dilations", [1, 1])
     pads = a.get("pads", [0, 0, 0, 0])
     return [input_dims[0], weight_dims[0],
@@ -74,7 +74,7 @@ def _package_node_dims(node, types) -> Optional[List[Optional[int]]]:
         return _fused_output_dims(node, dims, _dims(types[node.input[1]]))
     if node.op_type != CENTRE_OP or dims is None or len(dims) < 2 or None in dims[-2:]:
         return None
-    a = {attribute.name: helper.get_attribute_value(attribute) for attribute in node.attribute}
+    a = _attributes(node)
     residues = centre_grid_residues(dims[-2], dims[-1], list(a["kernel_size"]), list(a["strides"]), list(a["pads"]),
                                     list(a["dilations"]), int(a["min_size"]))
     if list(a["sizes"]) != dims[-2:]:
@@ -98,13 +98,11 @@ def _partial(node, values, parts) -> Optional[Tuple[List[Optional[int]], bool]]:
     """The entries of a 1-D integer value that a ``Gather`` (axis 0) or ``Slice`` (axis 0, step 1) reads from a
     partly known one (``parts``: a ``Shape``'s dimensions, ``None`` where not known), and whether the result is a
     scalar (a ``Gather`` of a scalar index); ``None`` where the node is not such a read."""
-    from onnx import helper
-
     source = parts.get(node.input[0])
     if source is None:
         return None
     if node.op_type == "Gather":
-        axis = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "axis"), 0)
+        axis = _attributes(node).get("axis", 0)
         index = values.get(node.input[1])
         if axis != 0 or index is None or index.ndim > 1:
             return None
@@ -153,7 +151,7 @@ def fold_static_sizes(model) -> int:
         elif node.op_type == "Shape" and node.input[0] in types:
             dims = _dims(types[node.input[0]])
             if dims is not None:
-                a = {attribute.name: helper.get_attribute_value(attribute) for attribute in node.attribute}
+                a = _attributes(node)
                 dims = dims[a.get("start", 0):a.get("end", len(dims))]
                 if all(d is not None for d in dims):
                     results = [np.array(dims, dtype=np.int64)]
