@@ -10,7 +10,8 @@ cores, onnxruntime's default). After a warm-up call each, the two sessions take 
 ``--repeats`` calls, and the least time of a call is kept. Printed per row: the milliseconds of SC and twin and their
 ratio, the agreement with PyTorch (the largest difference of an output over the largest output), the export's
 seconds, the file's megabytes and nodes, and the nodes per SC layer (the graph's nodes beyond the twin's, per SC
-layer, plus the one convolution it replaces).
+layer, plus the one convolution it replaces: 0 where each fused node also takes the ReLU after it, which is a node of
+its own in the twin's file).
 
 SC layers export in standard operators (``timm_sortconv.onnx.portable``), as ``--decomposition`` writes them (default:
 the runtime's own, ``network`` for onnxruntime, ``topk`` for OpenVINO), or with ``--fused`` as one custom node each,

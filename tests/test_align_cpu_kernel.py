@@ -90,12 +90,14 @@ def test_agrees_with_reference_when_threads_split_the_outputs(sorting, dtype, th
 def test_agrees_with_reference_where_a_block_lies_in_its_first_vector(sorting, sampling, count, threads, isa):
     """One 14x14 image (196 positions: six whole blocks and one of 4) on one thread and on two (ranges of 96 and
     100 positions: the second ends in a block of 4): such a block's spectra, orientation, turn and products are taken
-    in the first vector of lanes only; the same at 3x3 (9 positions, the only block)."""
+    in the first vector of lanes only, and its products with the outputs on the lanes (gemm_positions); the same at
+    3x3 (9 positions, the only block) and 7x7 (a block of 32 and one of 17: a whole vector and one position more; on
+    two threads each takes part of the 70 outputs, more than one vector of outputs at a time holds)."""
     threads(count)
-    for size in (14, 3):
+    for size, outputs in ((14, 40), (3, 40), (7, 70)):
         x = randn(1, 24, size, size, seed=size, dtype=torch.float32)
-        weight = randn(40, 24, 7, 7, seed=1, dtype=torch.float32) * 0.05
-        assert_agree(x, weight, randn(40, seed=2, dtype=torch.float32), padding=3, sampling=sampling,
+        weight = randn(outputs, 24, 7, 7, seed=1, dtype=torch.float32) * 0.05
+        assert_agree(x, weight, randn(outputs, seed=2, dtype=torch.float32), padding=3, sampling=sampling,
                      sorting=sorting)
 
 

@@ -259,13 +259,15 @@ def test_agrees_with_reference_when_threads_split_the_outputs(out_channels, grou
 @pytest.mark.parametrize("sampling,sorting,k", [("polar", "ring", 7), ("square", "global", 3)])
 def test_agrees_with_reference_where_a_block_lies_in_its_first_vector(sampling, sorting, k, count, threads, isa):
     """One 14x14 image (196 positions: six whole blocks and one of 4) on one thread and on two (ranges of 96 and
-    100 positions: the second ends in a block of 4): such a block is sorted and multiplied in the first vector of
-    lanes only, the others' lanes left unread; the same at 3x3 (9 positions, the only block)."""
+    100 positions: the second ends in a block of 4): such a block is sorted in the first vector of lanes only, the
+    others' lanes left unread, and multiplied with the outputs on the lanes (gemm_positions); the same at 3x3 (9
+    positions, the only block) and 7x7 (a block of 32 and one of 17: a whole vector and one position more; on two
+    threads each takes part of the 70 outputs, more than one vector of outputs at a time holds)."""
     threads(count)
-    for size in (14, 3):
+    for size, outputs in ((14, 40), (3, 40), (7, 70)):
         x = randn(1, 32, size, size, seed=size, dtype=torch.float32)
-        weight = randn(40, 32, k, k, seed=1, dtype=torch.float32) * 0.05
-        assert_agree(x, weight, randn(40, seed=2, dtype=torch.float32), min_comparable=0.5, padding=k // 2,
+        weight = randn(outputs, 32, k, k, seed=1, dtype=torch.float32) * 0.05
+        assert_agree(x, weight, randn(outputs, seed=2, dtype=torch.float32), min_comparable=0.5, padding=k // 2,
                      sampling=sampling, sorting=sorting)
 
 

@@ -159,6 +159,47 @@ def test_a_normalisation_that_alone_reads_a_node_is_folded_into_it(library, dyna
     _assert_agrees(_run(data, library, x), _reference(model, x))
 
 
+class _TwoReadings(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = SortConv2d(3, 8, 5, padding=2)
+        self.conv2 = SortConv2d(8, 8, 3, padding=1, sorting="align")
+
+    def forward(self, x):
+        y = self.conv2(torch.relu(self.conv1(x)))
+        return torch.relu(y) + y
+
+
+def test_a_relu_that_alone_reads_a_node_is_merged_into_it(library):
+    """The first layer's ReLU becomes its node's activation; the second layer's output is read twice and keeps its
+    own. Agrees with the library (negated input too: the ReLU then zeroes other outputs) and without it (each node's
+    function ends in the same ReLU; the inlined file for other runtimes holds both ReLUs); a node with an activation
+    the library does not know is refused when the session loads it."""
+    torch.manual_seed(0)
+    model = _TwoReadings().eval()
+    x = torch.randn(2, 3, 11, 12)
+    buffer, inlined = io.BytesIO(), io.BytesIO()
+    sc_onnx.export(model, x, buffer, fused=True, inlined=inlined)
+    data = buffer.getvalue()
+    graph = onnx.load_from_string(data).graph
+    activations = [{a.name: a.s for a in node.attribute}.get("activation", b"") for node in _fused_nodes(data)]
+    assert activations == [b"Relu", b""]
+    assert sum(node.op_type == "Relu" for node in graph.node) == 1
+    expected = _reference(model, x)
+    _assert_agrees(_run(data, library, x), expected)
+    _assert_agrees(_run(data, library, -x), _reference(model, -x))
+    stock = data if stock_onnxruntime_inlines() else inlined.getvalue()
+    session = onnxruntime.InferenceSession(stock, providers=["CPUExecutionProvider"])
+    _assert_agrees(torch.from_numpy(session.run(None, {"x": x.numpy()})[0]), expected)
+    assert sum(node.op_type == "Relu" for node in onnx.load_from_string(inlined.getvalue()).graph.node) == 2
+    unknown = onnx.load_from_string(data)
+    for attribute in unknown.graph.node[[n.domain for n in unknown.graph.node].index("timm_sortconv")].attribute:
+        if attribute.name == "activation":
+            attribute.s = b"Tanh"
+    with pytest.raises(Exception, match="activation 'Tanh'"):
+        sc_onnx.session(unknown.SerializeToString(), 1, library=library)
+
+
 def test_threads_do_not_change_the_result(library):
     torch.manual_seed(0)
     model = nn.Sequential(SortConv2d(8, 16, 7, padding=3, sampling="polar", sorting="ring"), nn.ReLU(),

@@ -1116,8 +1116,10 @@ void align_forward_kernel(const Plan<scalar_t>& plan, const AlignTables<scalar_t
       cover_pass<scalar_t, kUnitStride>(plan, ring, start, stop, in_channels, blocks);
       const Block& block = blocks[0];
       // A block within the first vector of lanes takes its spectra, turn and products there only (store_lanes
-      // writes the block's own lanes).
-      const bool narrow = narrow_block<scalar_t>(block.count);
+      // writes the block's own lanes). A few positions past the block's last whole vector (a 7 x 7 map's 49th,
+      // 14 x 14's last 4) take their products with the outputs on the lanes instead (gemm_positions).
+      const bool narrow = narrow_block<scalar_t>(block.count), tail = position_tail<scalar_t>(block.count);
+      const int64_t whole = block.count / half * half;
       const scalar_t* images = ring.images();
       for_each_output(shape, rows, [&](int64_t o) {
         std::fill(tile.data() + o * lanes, tile.data() + (o + 1) * lanes, bias != nullptr ? bias[o] : scalar_t(0));
@@ -1135,11 +1137,18 @@ void align_forward_kernel(const Plan<scalar_t>& plan, const AlignTables<scalar_t
             turn_spectra(t, states.data() + (t.shared ? 0 : ci) * state_size, channel_spectra, channel_spectra,
                          narrow);
           }
-          gemm_rows(panel, channels * slots, weight_packed + (g * cg + c0) * slots * og, og, og,
-                    tile.data() + g * og * lanes, true, &rows, narrow);
+          const scalar_t* w = weight_packed + (g * cg + c0) * slots * og;
+          scalar_t* group_tile = tile.data() + g * og * lanes;
+          if (!tail) {
+            gemm_rows(panel, channels * slots, w, og, og, group_tile, true, &rows, narrow);
+            continue;
+          }
+          if (whole > 0) gemm_rows(panel, channels * slots, w, og, og, group_tile, true, &rows, true);
+          gemm_positions(panel, channels * slots, w, og, rows, group_tile, whole, block.count - whole);
         }
       }
       for_each_output(shape, rows, [&](int64_t o) {
+        if (shape.relu) rectify(tile.data() + o * lanes);
         store_lanes(plan, block, tile.data() + o * lanes, output + o * positions, shape.out_channels * positions);
       });
     }

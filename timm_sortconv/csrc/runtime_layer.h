@@ -34,6 +34,7 @@ struct LayerAttributes {
   std::vector<int64_t> tap_offsets, segments, comparators, slot_to_grid;
   std::vector<float> tap_weights;
   std::string sampling, sorting;
+  std::string activation;  // "" or "Relu": the output rectified (a ReLU after the layer, merged into the node)
   // The aligned variants' (sorting "align", "align-channel").
   int64_t guides = 0, shared = 1;
   float relative = 0.f, tiny = 0.f;
@@ -106,6 +107,9 @@ class Layer {
                           "timm_sortconv::SortConv2d: slot_to_grid must be a permutation of 0..", slots - 1);
       seen[position] = true;
     }
+    TIMM_SORTCONV_CHECK(a.activation.empty() || a.activation == "Relu", "timm_sortconv::SortConv2d: activation '",
+                        a.activation, "' is not one of '' (none) and 'Relu'");
+    relu_ = a.activation == "Relu";
     aligned_ = a.sorting == "align" || a.sorting == "align-channel";
     if (aligned_) {
       TIMM_SORTCONV_CHECK(comparators_.empty(), "timm_sortconv::SortConv2d: an aligned node sorts nothing");
@@ -189,7 +193,7 @@ class Layer {
     if (batch == 0 || out_channels == 0) return;
     const std::shared_ptr<PlanState> state = plan_for(height, width, pad_here);
     const Plan<float>& plan = state->plan;
-    const Shape shape{batch, channels - guides() * group_, out_channels, group_};
+    const Shape shape{batch, channels - guides() * group_, out_channels, group_, relu_};
     const bool constant = !constant_weight_.empty() && weight_shape_ == w;
     if (aligned_) {
       std::vector<float> packed_here;
@@ -317,7 +321,7 @@ class Layer {
   static constexpr size_t kMaxPlans = 64;
 
   int64_t kernel_size_ = 0, group_ = 1, taps_ = 0, centre_min_size_ = 1;
-  bool centre_ = false, aligned_ = false;
+  bool centre_ = false, aligned_ = false, relu_ = false;
   std::array<int64_t, 2> strides_{1, 1}, dilations_{1, 1};
   std::array<int64_t, 4> pad_{0, 0, 0, 0};
   std::vector<int64_t> tap_offsets_, segments_, slot_to_grid_;

@@ -1241,6 +1241,104 @@ void gemm_tiles(const scalar_t* panel, int64_t depth, const scalar_t* w, int64_t
   }
 }
 
+// tile[o][p] += sum_k w[k * ldw + o] * panel[k][p] for kPositions positions p and the `outputs` (up to kVectors *
+// kVecLanes) rows o: the product with the outputs on the vector lanes and each position's value broadcast, for the
+// positions of a block past its last whole vector of lanes, which micro_gemm would take a whole vector for. Rows
+// whose kVectors vectors would reach past w's last value (`values` from w on) are read from a copy of their
+// `outputs` values; the lanes past `outputs` are never stored.
+template <typename scalar_t, int kPositions, int kVectors>
+void micro_gemm_positions(const scalar_t* panel, int64_t depth, const scalar_t* w, int64_t ldw, int64_t values,
+                          int64_t outputs, scalar_t* tile) {
+  using vec = typename Simd<scalar_t>::vec;
+  constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>, width = kVectors * half;
+  vec acc[kPositions][kVectors];
+  for (int p = 0; p < kPositions; ++p) {
+    for (int v = 0; v < kVectors; ++v) acc[p][v] = vec{};
+  }
+  const auto step = [&](const scalar_t* wk, const scalar_t* pk) {
+    vec wv[kVectors];
+    for (int v = 0; v < kVectors; ++v) wv[v] = load(wk + v * half);
+    for (int p = 0; p < kPositions; ++p) {
+      const vec x = splat(pk[p]);
+      for (int v = 0; v < kVectors; ++v) acc[p][v] += x * wv[v];
+    }
+  };
+  const int64_t direct = values < width ? 0 : std::min(depth, (values - width) / ldw + 1);
+  for (int64_t k = 0; k < direct; ++k) step(w + k * ldw, panel + k * lanes);
+  for (int64_t k = direct; k < depth; ++k) {
+    scalar_t row[width] = {};
+    std::memcpy(row, w + k * ldw, outputs * sizeof(scalar_t));
+    step(row, panel + k * lanes);
+  }
+  for (int p = 0; p < kPositions; ++p) {
+    scalar_t sums[width];
+    for (int v = 0; v < kVectors; ++v) store(sums + v * half, acc[p][v]);
+    for (int64_t o = 0; o < outputs; ++o) tile[o * lanes + p] += sums[o];
+  }
+}
+
+template <typename scalar_t>
+using MicroGemmPositions = void (*)(const scalar_t*, int64_t, const scalar_t*, int64_t, int64_t, int64_t, scalar_t*);
+
+// The most vectors of outputs micro_gemm_positions takes at `positions` positions: as many sums as micro_gemm keeps
+// (2 * kTileRows vectors), and at one position still four (or three) independent chains of multiply-adds.
+constexpr int position_vectors(int positions) {
+  return kVectorRegisters == 32 ? (positions <= kTileRows / 2 ? 4 : 2) : (positions <= kTileRows / 2 ? 3 : 2);
+}
+constexpr int kPositionVectors = position_vectors(1);
+
+template <typename scalar_t, int kPositions, int... kVectors>
+constexpr std::array<MicroGemmPositions<scalar_t>, sizeof...(kVectors)> micro_gemm_positions_row(
+    std::integer_sequence<int, kVectors...>) {
+  return {&micro_gemm_positions<scalar_t, kPositions, std::min(kVectors + 1, position_vectors(kPositions))>...};
+}
+
+template <typename scalar_t, int... kPositions>
+constexpr std::array<std::array<MicroGemmPositions<scalar_t>, kPositionVectors>, sizeof...(kPositions)>
+micro_gemm_positions_table(std::integer_sequence<int, kPositions...>) {
+  return {micro_gemm_positions_row<scalar_t, kPositions + 1>(std::make_integer_sequence<int, kPositionVectors>{})...};
+}
+
+// tile[o][first + p] += sum_k w[k * ldw + o] * panel[k][first + p] for the rows o of `range` and the `count`
+// (1 .. kTileRows) positions from lane `first`, the outputs on the vector lanes (micro_gemm_positions). w holds
+// depth rows of ldw values.
+template <typename scalar_t>
+void gemm_positions(const scalar_t* panel, int64_t depth, const scalar_t* w, int64_t ldw, const RowRange& range,
+                    scalar_t* tile, int64_t first, int64_t count) {
+  static constexpr auto table = micro_gemm_positions_table<scalar_t>(std::make_integer_sequence<int, kTileRows>{});
+  constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
+  const int64_t most = position_vectors(static_cast<int>(count));
+  for (int64_t o = range.first; o < range.last;) {
+    const int64_t outputs = std::min(most * half, range.last - o), vectors = (outputs + half - 1) / half;
+    table[count - 1][vectors - 1](panel + first, depth, w + o, ldw, depth * ldw - o, outputs,
+                                  tile + o * lanes + first);
+    o += outputs;
+  }
+}
+
+// gemm_positions with w in the layout of tile_weights (`rows` rows in all): each register tile's depth x m weights
+// on the lanes of one vector.
+template <typename scalar_t>
+void gemm_tiles_positions(const scalar_t* panel, int64_t depth, const scalar_t* w, int64_t rows, const RowRange& range,
+                          scalar_t* tile, int64_t first, int64_t count) {
+  static constexpr auto table = micro_gemm_positions_table<scalar_t>(std::make_integer_sequence<int, kTileRows>{});
+  constexpr int64_t lanes = kLanes<scalar_t>;
+  const int64_t tiles = tile_count(rows);
+  for (int64_t i = range.first_tile, m0 = range.first; i < range.last_tile; ++i) {
+    const int64_t m = (rows - m0) / (tiles - i);
+    table[count - 1][0](panel + first, depth, w + m0 * depth, m, (rows - m0) * depth, m, tile + m0 * lanes + first);
+    m0 += m;
+  }
+}
+
+// Whether a block of `count` positions takes its positions past its last whole vector of lanes in gemm_positions:
+// where they are a few (1 .. kTileRows), so that a vector of lanes would be mostly empty.
+template <typename scalar_t>
+inline bool position_tail(int64_t count) {
+  const int64_t tail = count % kVecLanes<scalar_t>;
+  return tail != 0 && tail <= kTileRows;
+}
+
 // A depth x rows matrix w (rows `ldw` apart) in gemm_tiles' layout, written to `tiled` (depth * rows values).
 template <typename scalar_t>
 void tile_weights(const scalar_t* w, int64_t depth, int64_t ldw, int64_t rows, scalar_t* tiled) {
@@ -1330,6 +1428,13 @@ void gemm_reduce(const scalar_t* columns, int64_t column_stride, int64_t slots, 
 #include "bf16_gemm.h"
 
 namespace {
+
+// A tile row of kLanes outputs rectified (Shape::relu): y < 0 becomes 0, NaN stays NaN, as torch.relu.
+template <typename scalar_t>
+inline void rectify(scalar_t* row) {
+#pragma omp simd
+  for (int64_t l = 0; l < kLanes<scalar_t>; ++l) row[l] = row[l] < scalar_t(0) ? scalar_t(0) : row[l];
+}
 
 // Copies between a block's lanes and its positions in one channel of (B, channels, out_h, out_w):
 // `channel_planes` is that channel's plane of image 0, images `image_stride` apart.
@@ -1456,6 +1561,7 @@ void scatter_gradients(const Plan<scalar_t>& plan, const Block& block, const sca
 
 struct Shape {
   int64_t batch, channels, out_channels, groups;
+  bool relu = false;  // the output rectified, max(y, 0) (NaN kept), as it is stored: a runtime's node with a ReLU
   int64_t in_per_group() const { return channels / groups; }
   int64_t out_per_group() const { return out_channels / groups; }
 };
@@ -1779,16 +1885,28 @@ void forward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scalar
 #endif
             // weight_packed is (groups, C/g, k*k, O/g): the rows of these channels' slots.
             const scalar_t* chunk = weight_packed + (g * cg + c0) * slots * og;
-            if (tiled) {
-              gemm_tiles(panel.data(), channels * slots, chunk, og, tile, true, &rows, narrow);
+            // A few positions past the block's last whole vector take their products with the outputs on the
+            // lanes (gemm_positions).
+            const int64_t depth = channels * slots, whole = block.count / half * half;
+            const bool tail = position_tail<scalar_t>(block.count);
+            if (tail && whole == 0) {
+              // nothing for the row tiles
+            } else if (tiled) {
+              gemm_tiles(panel.data(), depth, chunk, og, tile, true, &rows, narrow || tail);
             } else {
-              gemm_rows(panel.data(), channels * slots, chunk, og, og, tile, true, &rows, narrow);
+              gemm_rows(panel.data(), depth, chunk, og, og, tile, true, &rows, narrow || tail);
+            }
+            if (tail && tiled) {
+              gemm_tiles_positions(panel.data(), depth, chunk, og, rows, tile, whole, block.count - whole);
+            } else if (tail) {
+              gemm_positions(panel.data(), depth, chunk, og, rows, tile, whole, block.count - whole);
             }
           }
         }
       }
       for (int64_t b = 0; b < count; ++b) {
         for_each_output(shape, rows, [&](int64_t o) {
+          if (shape.relu) rectify(tiles.data() + (b * shape.out_channels + o) * lanes);
           store_lanes(plan, blocks[b], tiles.data() + (b * shape.out_channels + o) * lanes, output + o * positions,
                       shape.out_channels * positions);
         });

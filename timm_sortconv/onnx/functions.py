@@ -25,7 +25,7 @@ import torch.nn as nn
 from ..grid import centre_grid
 from ..ops.alignment import align_conv2d_harmonic, is_aligned
 from ..ops.geometry import get_geometry
-from .fused import CENTRE_OP, DOMAIN, OP_NAME
+from .fused import ACTIVATIONS, CENTRE_OP, DOMAIN, OP_NAME
 from .lowering import standard_operators
 from .portable import sort_conv2d_portable
 
@@ -66,8 +66,16 @@ class _Layer(nn.Module):
         self.geometry = get_geometry(attributes["kernel_size"], attributes["sampling"], attributes["sorting"])
         self.centre = bool(attributes.get("centre", 0))
         self.min_size = int(attributes.get("centre_min_size", 1))
+        activation = attributes.get("activation", "")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"fused ONNX node: activation {activation!r} is not one of {ACTIVATIONS}")
+        self.relu = activation == "Relu"
 
     def forward(self, x, weight, bias=None):
+        y = self._layer(x, weight, bias)
+        return torch.relu(y) if self.relu else y
+
+    def _layer(self, x, weight, bias):
         if self.centre:
             k = self.geometry.kernel_size
             x = centre_grid(x, [k, k], list(self.stride), [self.padding[2], self.padding[0]], list(self.dilation),

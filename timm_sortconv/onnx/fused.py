@@ -12,7 +12,9 @@ written instead as one node of the domain ``timm_sortconv``, which onnxruntime r
   computes it, which stays the only place it is computed: ``taps``, ``tap_offsets`` (per sample in slot order and
   tap, ``(dy, dx)`` from window pixel ``k // 2``), ``tap_weights``, ``segments`` (``[start, end)`` slot ranges sorted
   together), ``comparators`` (the sorting network's ``(lo, hi)`` pairs), ``slot_to_grid``; and ``sampling``,
-  ``sorting`` for the reader.
+  ``sorting`` for the reader; the aligned variants' tables besides (:func:`node_attributes`); ``centre`` and
+  ``centre_min_size`` where a strided grid's centring is merged into the node (:func:`merge_centring`); ``activation``
+  ``"Relu"`` where a ReLU that alone read the node's output is (:func:`fuse_activations`).
 
 Both exporters write it: the TorchScript-based one (``dynamo=False``) through a symbolic of the registered operator
 ``timm_sortconv::sort_conv2d`` (:func:`register_symbolics`, at import), the dynamo one through
@@ -21,10 +23,9 @@ lowering records that operator, so that the exporter meets it.
 
 What the node takes is what the kernel takes, in float32: any kernel size up to 15 (odd or even), stride, dilation,
 groups, zero padding on each side (other padding modes are ``Pad`` nodes before it), bias or none, square and polar
-sampling, the sortings ``ring``, ``global``, ``c4`` and ``c2``. Anything else is refused at export time with
-:class:`FusedExportError`, naming the option and what is accepted. The aligned variants (``sorting="align"``,
-``"align-channel"``) have no node: they export in standard operators as by default (their own kernel is not in the
-library).
+sampling, the sortings ``ring``, ``global``, ``c4`` and ``c2``, and the aligned variants (``align`` with or without
+a guide channel, ``align-channel``), which the library runs with the aligned kernel. Anything else is refused at
+export time with :class:`FusedExportError`, naming the option and what is accepted.
 
 This module has no ``from __future__ import annotations``: the exporter reads the translation function's annotations
 as objects.
@@ -36,9 +37,9 @@ import torch
 from ..ops.cpu_backend import align_kernel_tables
 from ..ops.geometry import ALIGNMENTS, SortGeometry, get_geometry
 
-__all__ = ["CENTRE_OP", "DOMAIN", "FusedExportError", "OP_NAME", "OPSET", "check_fused", "drop_unread_constants",
-           "fold_batch_norms", "merge_centring", "node_attributes", "output_size", "register_symbolics",
-           "translation_table"]
+__all__ = ["ACTIVATIONS", "CENTRE_OP", "DOMAIN", "FusedExportError", "OP_NAME", "OPSET", "check_fused",
+           "drop_unread_constants", "fold_batch_norms", "fuse_activations", "merge_centring", "node_attributes",
+           "output_size", "register_symbolics", "translation_table"]
 
 DOMAIN = "timm_sortconv"
 OP_NAME = "SortConv2d"
@@ -48,6 +49,8 @@ MAX_KERNEL_SIZE = 15
 #: The sortings the node computes (the aligned ones with the aligned kernel).
 FUSED_SORTINGS = ("ring", "global", "c4", "c2") + tuple(ALIGNMENTS)
 _TORCH_OP = "timm_sortconv::sort_conv2d"
+#: The node's ``activation`` values: none, or the output rectified as it is stored (:func:`fuse_activations`).
+ACTIVATIONS = ("", "Relu")
 #: The node that :mod:`.centring` writes inside :func:`.lowering.fused_export` for a centred grid: merged into the
 #: SortConv2d node that alone reads it (:func:`merge_centring`), otherwise expanded into standard operators
 #: (:func:`.functions.expand_centring`).
@@ -171,7 +174,7 @@ def _op_schema():
                  guides=kind.INT, shared=kind.INT, relative=kind.FLOAT, tiny=kind.FLOAT, fold=kind.FLOATS,
                  dft=kind.FLOATS, blocks=kind.INTS, pairs=kind.INTS, fixed=kind.INTS, first=kind.FLOATS,
                  energy_pairs=kind.FLOATS, energy_fixed=kind.FLOATS, weight_scale=kind.FLOATS,
-                 guide_first=kind.FLOATS, centre=kind.INT, centre_min_size=kind.INT)
+                 guide_first=kind.FLOATS, centre=kind.INT, centre_min_size=kind.INT, activation=kind.STRING)
     parameter = defs.OpSchema.FormalParameter
     return defs.OpSchema(
         OP_NAME, DOMAIN, OPSET, "Sorting Convolution (timm_sortconv): one SC layer's forward",
@@ -220,6 +223,17 @@ def _names_read(graph) -> Dict[str, int]:
     return counts
 
 
+def _sole_readers(graph) -> Dict[str, object]:
+    """The value names of ``graph`` that one node reads, once, and nothing else (no subgraph, no graph output),
+    each with that node."""
+    readers: Dict[str, list] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    reads = _names_read(graph)
+    return {name: nodes[0] for name, nodes in readers.items() if len(nodes) == 1 and reads.get(name) == 1}
+
+
 def fold_batch_norms(model) -> int:
     """Folds each ``BatchNormalization`` (inference form, constant parameters) that alone reads a fused node's
     output into that node's weight and bias, in place in ``model`` (an ``onnx.ModelProto``), as the exporters fold
@@ -232,20 +246,16 @@ def fold_batch_norms(model) -> int:
     graph = model.graph
     initializers = {tensor.name: tensor for tensor in graph.initializer}
     reads = _names_read(graph)
-    readers: Dict[str, list] = {}
-    for node in graph.node:
-        for name in node.input:
-            readers.setdefault(name, []).append(node)
+    sole = _sole_readers(graph)
     aliases = {node.output[0]: node.input[0] for node in graph.node
                if node.op_type == "Identity" and node.input[0] in initializers}
     folded, removed = 0, []
     for node in graph.node:
         if node.domain != DOMAIN or node.op_type != OP_NAME:
             continue
-        users = readers.get(node.output[0], [])
-        if len(users) != 1 or reads.get(node.output[0]) != 1 or users[0].op_type != "BatchNormalization":
+        norm = sole.get(node.output[0])
+        if norm is None or norm.op_type != "BatchNormalization":
             continue
-        norm = users[0]
         attributes = {a.name: a for a in norm.attribute}
         if len(norm.output) != 1 or ("training_mode" in attributes and attributes["training_mode"].i != 0):
             continue
@@ -285,6 +295,35 @@ def fold_batch_norms(model) -> int:
     return folded
 
 
+def fuse_activations(model) -> int:
+    """Merges each ``Relu`` that alone reads a fused node's output (not a graph output) into that node, in place in
+    ``model`` (an ``onnx.ModelProto``): the node's ``activation`` becomes ``"Relu"`` and the library rectifies each
+    output as it stores it, where a separate node would pass over the whole output again (and, at batch 1, cost
+    onnxruntime a dispatch on its threads per layer), as onnxruntime fuses a ``Relu`` into its own ``Conv``. The
+    node's standard-operator form (:mod:`.functions`) ends in the same ``Relu``. Returns the number merged."""
+    from onnx import helper
+
+    graph = model.graph
+    sole = _sole_readers(graph)
+    merged = []
+    for node in graph.node:
+        if node.domain != DOMAIN or node.op_type != OP_NAME:
+            continue
+        if any(a.name == "activation" and a.s for a in node.attribute):
+            continue
+        relu = sole.get(node.output[0])
+        if relu is None or relu.op_type != "Relu" or relu.domain not in ("", "ai.onnx"):
+            continue
+        node.output[0] = relu.output[0]
+        kept = [a for a in node.attribute if a.name != "activation"]
+        del node.attribute[:]
+        node.attribute.extend(kept + [helper.make_attribute("activation", "Relu")])
+        merged.append(relu)
+    for relu in merged:
+        graph.node.remove(relu)
+    return len(merged)
+
+
 def merge_centring(model) -> int:
     """Moves each ``CentreGrid`` node whose output only a ``SortConv2d`` node reads, with the same kernel, stride,
     padding and dilation, into that node (its ``centre`` and ``centre_min_size`` attributes: the library centres
@@ -294,20 +333,13 @@ def merge_centring(model) -> int:
     from onnx import helper
 
     graph = model.graph
-    readers: Dict[str, list] = {}
-    for node in graph.node:
-        for name in node.input:
-            readers.setdefault(name, []).append(node)
-    reads = _names_read(graph)
+    sole = _sole_readers(graph)
     merged = []
     for node in graph.node:
         if node.domain != DOMAIN or node.op_type != CENTRE_OP:
             continue
-        users = readers.get(node.output[0], [])
-        if len(users) != 1 or reads.get(node.output[0]) != 1:
-            continue
-        user = users[0]
-        if user.domain != DOMAIN or user.op_type != OP_NAME or user.input[0] != node.output[0]:
+        user = sole.get(node.output[0])
+        if user is None or user.domain != DOMAIN or user.op_type != OP_NAME or user.input[0] != node.output[0]:
             continue
         centre = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         layer = {a.name: helper.get_attribute_value(a) for a in user.attribute}

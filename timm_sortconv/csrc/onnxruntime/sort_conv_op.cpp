@@ -16,7 +16,8 @@
 //     position of each slot; sampling, sorting: strings ("align" and "align-channel" choose the aligned kernel);
 //     centre, centre_min_size (optional, 0): the input's grid centred first, as timm_sortconv.grid.centre_grid does
 //     (read half a pixel on where a strided axis's residue is odd, then cropped by half of it on each side; the
-//     output's size is unchanged), so that a centred strided layer is one node;
+//     output's size is unchanged), so that a centred strided layer is one node; activation (optional string, ""):
+//     "Relu" rectifies the output as it is stored, a ReLU that alone read the layer's output merged into the node;
 //   the aligned variants' attributes besides (cpu_backend.align_kernel_tables computes them): guides (0 or 1 guide
 //     channel after each group's weighted ones, in X only), shared, relative, tiny, fold, dft (k*k * k*k floats),
 //     blocks, pairs, fixed (ints), first, energy_pairs, energy_fixed, weight_scale, guide_first (floats).
@@ -215,6 +216,7 @@ timm_sortconv_runtime::LayerAttributes read_attributes(const OrtKernelInfo* info
   a.comparators = ints_attribute(info, "comparators");
   a.slot_to_grid = ints_attribute(info, "slot_to_grid");
   a.sorting = string_attribute(info, "sorting");
+  a.activation = string_attribute(info, "activation");  // (optional: "" where the node has none)
   if (a.sorting == "align" || a.sorting == "align-channel") {
     a.guides = int_attribute_or(info, "guides", 0);
     a.shared = int_attribute(info, "shared");

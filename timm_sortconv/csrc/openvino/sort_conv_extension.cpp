@@ -91,6 +91,7 @@ class SortConv2d : public ov::op::Op {
     visitor.on_attribute("slot_to_grid", a.slot_to_grid);
     visitor.on_attribute("sampling", a.sampling);
     visitor.on_attribute("sorting", a.sorting);
+    visitor.on_attribute("activation", a.activation);
     visitor.on_attribute("guides", a.guides);
     visitor.on_attribute("shared", a.shared);
     visitor.on_attribute("relative", a.relative);
@@ -180,6 +181,7 @@ ov::OutputVector convert(const ov::frontend::NodeContext& node) {
   a.tap_weights = floats(node, "tap_weights");
   a.sampling = attribute<std::string>(node, "sampling", "");
   a.sorting = attribute<std::string>(node, "sorting", "");
+  a.activation = attribute<std::string>(node, "activation", "");
   a.guides = attribute<int64_t>(node, "guides", 0);
   a.shared = attribute<int64_t>(node, "shared", 1);
   a.relative = static_cast<float>(attribute<double>(node, "relative", 0.0));
