@@ -918,6 +918,35 @@ void turn_spectra(const AlignTables<scalar_t>& t, const scalar_t* state, const s
   }
 }
 
+// turn_spectra in place on `channels` channels' spectra (slots rows of lanes each, one after the other) that share the
+// unit's powers in `state` ("align"): pair by pair, each power's vectors loaded once for all the channels.
+template <typename scalar_t>
+void turn_panel(const AlignTables<scalar_t>& t, const scalar_t* state, scalar_t* spectra, int64_t channels,
+                int64_t slots, bool narrow = false) {
+  using vec = typename Simd<scalar_t>::vec;
+  constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
+  const int64_t stride = slots * lanes;
+  const scalar_t* turn_re = state + 3 * lanes;
+  const scalar_t* turn_im = turn_re + (t.largest + 1) * lanes;
+  for (int64_t h = 0; h < (narrow ? half : lanes); h += half) {
+    for (size_t i = 0; i < t.nyquist_row.size(); ++i) {
+      const vec tr = load(turn_re + t.nyquist_m[i] * lanes + h);
+      scalar_t* s = spectra + t.nyquist_row[i] * lanes + h;
+      for (int64_t c = 0; c < channels; ++c) store(s + c * stride, load(s + c * stride) * tr);
+    }
+    for (int64_t p = 0; p < t.pairs; ++p) {
+      const vec tr = load(turn_re + t.pair_m[p] * lanes + h), ti = load(turn_im + t.pair_m[p] * lanes + h);
+      scalar_t* re = spectra + t.re(p) * lanes + h;
+      scalar_t* im = spectra + t.im(p) * lanes + h;
+      for (int64_t c = 0; c < channels; ++c) {
+        const vec a = load(re + c * stride), b = load(im + c * stride);
+        store(re + c * stride, a * tr - b * ti);
+        store(im + c * stride, a * ti + b * tr);
+      }
+    }
+  }
+}
+
 // The transpose of turn_spectra on the aligned gradient `grad` (in place, becoming the spectra's gradient through
 // the turn), and dL/dT_m added to grad_turn (Re rows then Im rows, m = 0 .. largest): for A = S * T,
 // dL/dS = gA * conj(T) and dL/dT = gA * conj(S) (as pairs of reals: the gradient of a complex product).
@@ -1127,15 +1156,16 @@ void align_forward_kernel(const Plan<scalar_t>& plan, const AlignTables<scalar_t
       for (int64_t g = 0; g < shape.groups; ++g) {
         group_spectra<scalar_t, kUnitStride>(plan, t, cin, images + g * cin * plane, block, grid.data(),
                                              samples.data(), folded.data(), spectra.data(), states.data(), narrow);
-        // Panel by panel, each turned in place just before its product, so that the product reads it from L1.
+        // Panel by panel, each turned in place just before its product, so that the product reads it from L1
+        // (turn_panel: a pair's powers loaded once for the panel's channels).
         // weight_packed is (groups, C/g * k*k, O/g), the harmonic channels of these channels as rows.
         for (int64_t c0 = 0; c0 < cg; c0 += panel_channels) {
           const int64_t channels = std::min(panel_channels, cg - c0);
           scalar_t* panel = spectra.data() + c0 * slots * lanes;
-          for (int64_t ci = c0; t.pairs > 0 && ci < c0 + channels; ++ci) {
+          if (t.pairs > 0 && t.shared) turn_panel(t, states.data(), panel, channels, slots, narrow);
+          for (int64_t ci = c0; t.pairs > 0 && !t.shared && ci < c0 + channels; ++ci) {
             scalar_t* channel_spectra = spectra.data() + ci * slots * lanes;
-            turn_spectra(t, states.data() + (t.shared ? 0 : ci) * state_size, channel_spectra, channel_spectra,
-                         narrow);
+            turn_spectra(t, states.data() + ci * state_size, channel_spectra, channel_spectra, narrow);
           }
           const scalar_t* w = weight_packed + (g * cg + c0) * slots * og;
           scalar_t* group_tile = tile.data() + g * og * lanes;
