@@ -229,15 +229,16 @@ def graph_nodes(path: str) -> int:
 
 
 def git_commit() -> str:
-    """The repository's commit, ``+`` if the work tree differs from it; ``unknown`` outside a checkout."""
+    """The repository's commit, ``+`` if the work tree differs from it outside ``results/`` (where the rows of an
+    earlier run of the same series may just have been written); ``unknown`` outside a checkout."""
     import subprocess
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
         commit = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                ":(exclude)results"], capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return commit + ("+" if dirty else "")

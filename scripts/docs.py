@@ -355,16 +355,19 @@ ONNX_COLUMNS = {("onnxruntime", "network"): "onnxruntime, standard operators",
 
 
 def _onnx_rows() -> List[dict]:
-    rows = read_csv(BENCH / "onnx.csv")
-    for row in rows:
+    """The latest row of each cell (model, batch, threads, runtime, path) of ``onnx.csv``, in the file's order."""
+    every = read_csv(BENCH / "onnx.csv")
+    for row in every:
         row.setdefault("runtime", "onnxruntime")
-    return rows
+    latest = {(r["model"], r["batch"], r["threads"], r["runtime"], r["decomposition"]): r for r in every}
+    return [r for r in every if latest[(r["model"], r["batch"], r["threads"], r["runtime"], r["decomposition"])] is r]
 
 
 def onnx() -> str:
     """Exported SC models against their twins (``scripts/bench_onnx.py``): one table, runtime x path x model, and
     where OpenVINO's time goes (its per-node profile)."""
-    rows = _onnx_rows()
+    rows = _onnx_rows()  # (the header and the commands are those of the rows shown)
+    cell = {(r["model"], r["batch"], r["threads"], r["runtime"], r["decomposition"]): r for r in rows}
     found = [key for key in ONNX_COLUMNS if any((r["runtime"], r["decomposition"]) == key for r in rows)]
     machines = sorted({r["machine"].split(";")[0] for r in rows})
     versions = sorted({part.strip() for r in rows for part in r["machine"].split(";")[1].split(",")})
@@ -389,7 +392,6 @@ def onnx() -> str:
              f"{' and '.join(isas)} build; {', '.join(versions)}; `all` threads: the runtime's default):", "",
              "| model (input) | batch | threads | " + " | ".join(ONNX_COLUMNS[key] for key in found) + " |",
              "|---|---|---|" + "---|" * len(found)]
-    cell = {(r["model"], r["batch"], r["threads"], r["runtime"], r["decomposition"]): r for r in rows}
     for model, size, batch, threads in dict.fromkeys((r["model"], r["input"], r["batch"], r["threads"])
                                                      for r in rows):
         cells = []
@@ -442,6 +444,14 @@ def onnx_brief() -> str:
             f"{extent('openvino', 'topk', sevens + threes + guided)} (`BENCHMARKS.md`).")
 
 
+def wide_pair() -> str:
+    """``scripts/research/wide_pair.py``'s table over its stored results."""
+    sys.path.insert(0, str(REPO / "scripts" / "research"))
+    import wide_pair as study
+
+    return study.table(study.RESULTS)
+
+
 def decision(table: str) -> Callable[[], str]:
     """The block of ``scripts/research/decision_table.py``'s function ``table`` over its stored results."""
     def block() -> str:
@@ -457,7 +467,7 @@ BLOCKS: Dict[str, Callable[[], str]] = {
     "speed": speed, "speed-brief": speed_brief, "mnist-brief": mnist_brief, "cpu-layers": cpu_layers,
     "cpu-training": cpu_training, "cpu-twins": cpu_twins, "gpu": gpu, "mnist": mnist, "demo": demo,
     "decision": decision("table"), "decision-attempts": decision("attempts_table"),
-    "decision-aligned": decision("aligned_table"), "onnx": onnx, "onnx-brief": onnx_brief,
+    "decision-aligned": decision("aligned_table"), "onnx": onnx, "onnx-brief": onnx_brief, "wide-pair": wide_pair,
 }
 
 

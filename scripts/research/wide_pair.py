@@ -167,8 +167,9 @@ def table(results) -> str:
     first = next(iter(found.values()))[0]
     lines.append(f"\n`pair` on a {'x'.join(map(str, first['canvas']))} canvas, {first['train_scenes']:,} upright "
                  f"training scenes, {first['scenes']:,} test scenes; mean ± standard deviation over seeds; "
-                 f"{', '.join(machines)}, {dates[0]}{' to ' + dates[-1] if len(dates) > 1 else ''}; "
-                 f"`{first['command']}`.")
+                 f"{', '.join(machines)}, {dates[0]}{' to ' + dates[-1] if len(dates) > 1 else ''}; each row's "
+                 "command in the CSV; all of them: `python scripts/research/wide_pair.py run --data-dir DATA/mnist "
+                 "--output RUNS/wide_pair` (resumable).")
     return "\n".join(lines)
 
 
