@@ -45,7 +45,7 @@ def main(argv=None) -> None:
     parser.add_argument("--before", required=True, help="the library to compare against (a built .so)")
     parser.add_argument("--after", default=None,
                         help="the library compared (default: this checkout's, built if needed)")
-    parser.add_argument("--models", default="scnn_p_align_7_guided", help="comma-separated registered SCNN models")
+    parser.add_argument("--models", default="scnn_p_align_7_guided", help="comma-separated registered models (each at its pretrained_cfg's input size)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--rounds", type=int, default=7)
