@@ -1169,12 +1169,11 @@ void align_forward_kernel(const Plan<scalar_t>& plan, const AlignTables<scalar_t
           }
           const scalar_t* w = weight_packed + (g * cg + c0) * slots * og;
           scalar_t* group_tile = tile.data() + g * og * lanes;
-          if (!tail) {
-            gemm_rows(panel, channels * slots, w, og, og, group_tile, true, &rows, narrow);
-            continue;
+          // (a tail follows at most one whole vector: narrow)
+          if (!tail || whole > 0) {
+            gemm_rows(panel, channels * slots, w, og, og, group_tile, true, &rows, narrow || tail);
           }
-          if (whole > 0) gemm_rows(panel, channels * slots, w, og, og, group_tile, true, &rows, true);
-          gemm_positions(panel, channels * slots, w, og, rows, group_tile, whole, block.count - whole);
+          if (tail) gemm_positions(panel, channels * slots, w, og, rows, group_tile, whole, block.count - whole);
         }
       }
       for_each_output(shape, rows, [&](int64_t o) {

@@ -1887,19 +1887,22 @@ void forward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scalar
             const scalar_t* chunk = weight_packed + (g * cg + c0) * slots * og;
             // A few positions past the block's last whole vector take their products with the outputs on the
             // lanes (gemm_positions).
+            // (a tail follows at most one whole vector: narrow)
             const int64_t depth = channels * slots, whole = block.count / half * half;
             const bool tail = position_tail<scalar_t>(block.count);
-            if (tail && whole == 0) {
-              // nothing for the row tiles
-            } else if (tiled) {
-              gemm_tiles(panel.data(), depth, chunk, og, tile, true, &rows, narrow || tail);
-            } else {
-              gemm_rows(panel.data(), depth, chunk, og, og, tile, true, &rows, narrow || tail);
+            if (!tail || whole > 0) {
+              if (tiled) {
+                gemm_tiles(panel.data(), depth, chunk, og, tile, true, &rows, narrow || tail);
+              } else {
+                gemm_rows(panel.data(), depth, chunk, og, og, tile, true, &rows, narrow || tail);
+              }
             }
-            if (tail && tiled) {
-              gemm_tiles_positions(panel.data(), depth, chunk, og, rows, tile, whole, block.count - whole);
-            } else if (tail) {
-              gemm_positions(panel.data(), depth, chunk, og, rows, tile, whole, block.count - whole);
+            if (tail) {
+              if (tiled) {
+                gemm_tiles_positions(panel.data(), depth, chunk, og, rows, tile, whole, block.count - whole);
+              } else {
+                gemm_positions(panel.data(), depth, chunk, og, rows, tile, whole, block.count - whole);
+              }
             }
           }
         }
