@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .functions import _attributes
+from .fused import _attributes
 
 __all__ = ["fold_static_sizes"]
 

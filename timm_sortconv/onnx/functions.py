@@ -25,7 +25,7 @@ import torch.nn as nn
 from ..grid import centre_grid
 from ..ops.alignment import align_conv2d_harmonic, is_aligned
 from ..ops.geometry import get_geometry
-from .fused import ACTIVATIONS, CENTRE_OP, DOMAIN, OP_NAME
+from .fused import ACTIVATIONS, CENTRE_OP, DOMAIN, OP_NAME, _attributes
 from .lowering import standard_operators
 from .portable import sort_conv2d_portable
 
@@ -85,12 +85,6 @@ class _Layer(nn.Module):
             return align_conv2d_harmonic(x, weight, bias, self.geometry, self.stride, self.dilation, self.groups)
         return sort_conv2d_portable(x, weight, bias, self.geometry, self.stride, self.padding, self.dilation,
                                     self.groups)
-
-
-def _attributes(node) -> Dict[str, object]:
-    from onnx import helper
-
-    return {attribute.name: helper.get_attribute_value(attribute) for attribute in node.attribute}
 
 
 def _decoded(attributes: Dict[str, object]) -> Dict[str, object]:
@@ -206,11 +200,9 @@ def expand_centring(model) -> int:
     """Writes each ``CentreGrid`` node of ``model`` that :func:`.fused.merge_centring` left (a centred pooling or
     plain convolution) as the standard operators of a plain export (:mod:`.centring`: for the traced size where the
     node records one, else for any), in place; returns how many."""
-    from onnx import helper
-
     left = [node for node in model.graph.node if node.domain == DOMAIN and node.op_type == CENTRE_OP]
     for index, node in enumerate(left):
-        attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        attributes = _attributes(node)
         height, width = attributes["sizes"]
         static = height > 0 and width > 0
         example = torch.zeros(1, 1, *(attributes["sizes"] if static else (32, 32)))

@@ -207,6 +207,13 @@ def translation_table() -> Dict[object, object]:
     return {torch.ops.timm_sortconv.sort_conv2d.default: sort_conv2d}
 
 
+def _attributes(node) -> Dict[str, object]:
+    """An ONNX node's attributes by name, as values (``onnx.helper.get_attribute_value``)."""
+    from onnx import helper
+
+    return {attribute.name: helper.get_attribute_value(attribute) for attribute in node.attribute}
+
+
 def _names_read(graph) -> Dict[str, int]:
     """How many times each value name is read in ``graph``, its subgraphs (which read outer names too) and its
     outputs."""
@@ -341,8 +348,7 @@ def merge_centring(model) -> int:
         user = sole.get(node.output[0])
         if user is None or user.domain != DOMAIN or user.op_type != OP_NAME or user.input[0] != node.output[0]:
             continue
-        centre = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        layer = {a.name: helper.get_attribute_value(a) for a in user.attribute}
+        centre, layer = _attributes(node), _attributes(user)
         same = (list(centre["kernel_size"]) == [layer["kernel_size"]] * 2
                 and list(centre["strides"]) == list(layer["strides"])
                 and list(centre["dilations"]) == list(layer["dilations"])
