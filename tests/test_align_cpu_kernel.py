@@ -55,6 +55,21 @@ def test_agrees_with_reference(sorting, sampling, k, dtype, threads, isa):
                      padding_mode=padding_mode, sampling=sampling, sorting=sorting)
 
 
+@pytest.mark.parametrize("count", [1, 2])
+@pytest.mark.parametrize("sorting", ALIGNED)
+def test_polar_samples_read_from_the_runs_agree_for_every_row_width(sorting, count, threads, isa):
+    """The ring spectra of k = 3 take their samples straight from the input's runs where a block's runs take two
+    vectors or fewer, else from the staged window: rows of 8, 16, 32 and in between, on one thread and on two (two
+    images of 5 x 8, 64 -> 64 channels: the first thread's range ends in a block of two rows of 8)."""
+    threads(count)
+    for index, width in enumerate((8, 16, 32, 12, 17, 33)):
+        channels = 64 if width == 8 else 4
+        x = randn(2, channels, 5, width, seed=index, dtype=torch.float32)
+        weight = randn(channels, channels, 3, 3, seed=10 + index, dtype=torch.float32) * 0.1
+        assert_agree(x, weight, randn(channels, seed=20, dtype=torch.float32), padding=1, sampling="polar",
+                     sorting=sorting)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 @pytest.mark.parametrize("k", [3, 7])
 def test_wide_layers_agree_with_reference(k, dtype, threads, isa):

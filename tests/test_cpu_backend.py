@@ -159,6 +159,22 @@ def test_agrees_with_reference_for_every_row_width(sampling, sorting, width, thr
                      min_comparable=0.5)
 
 
+@pytest.mark.parametrize("count", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_polar_samples_read_from_the_runs_agree_for_every_row_width(dtype, count, threads, isa):
+    """Polar samples (k = 3) are interpolated straight from the input where a block's runs take two vectors or fewer
+    (rows of 32 or 16), and from the staged window otherwise; forward and both gradients must agree at every width.
+    Two images of 5 x 8 with 64 -> 64 channels on two threads: the first thread's range (48 positions) ends in a
+    block of two rows of 8, the first run's second half spilling into the second's lanes."""
+    threads(count)
+    for index, width in enumerate((8, 16, 32, 12, 17, 33)):
+        channels = 64 if width == 8 else 3
+        x = randn(2, channels, 5 if width == 8 else 6, width, seed=index, dtype=dtype)
+        weight = randn(channels, channels, 3, 3, seed=10 + index, dtype=dtype) * 0.1
+        assert_agree(x, weight, randn(channels, seed=20, dtype=dtype), padding=1, sampling="polar", sorting="ring",
+                     min_comparable=0.5)
+
+
 def test_compiled_polar_tap_positions_match_the_geometry():
     """The kernel reads polar taps (k = 5, 7) at compile-time positions (csrc/polar_taps.h) where they equal the
     geometry's; the file must be what geometry.py gives today (regenerate it with polar_tap_header())."""

@@ -8,7 +8,8 @@
 // and image boundaries so that no lane idles. Per block and input channel the
 // forward pass
 //   1. gathers the k*k samples of every window in ring order (square sampling: the grid values;
-//      polar sampling: bilinear interpolation of the staged k x k grid), as value[sample][lane];
+//      polar sampling: bilinear interpolation of the window's values, read from the input where a
+//      block is a row or two, else from the staged k x k grid), as value[sample][lane];
 //   2. sorts every segment (a ring, or the whole window) with Batcher's odd-even merge network,
 //      each comparator a compare-exchange (min and max) of whole vectors; in float32 the common
 //      sizes are unrolled at compile time so that the values stay in registers;
@@ -533,8 +534,74 @@ void apply_taps(const TapTable<scalar_t>& table, const scalar_t* in, scalar_t* o
   }
 }
 
+// kVectors vectors of one run (read from `src`, written from `value`'s first lane) of a tap group's targets.
+template <typename scalar_t, int kTerms, int kVectors>
+void interpolate_group(const TapGroup<scalar_t>& group, const int64_t* offset, const scalar_t* src, scalar_t* value) {
+  using vec = typename Simd<scalar_t>::vec;
+  constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
+  const int64_t count = static_cast<int64_t>(group.targets.size());
+  for (int64_t j = 0; j < count; ++j) {
+    const int64_t* source = group.sources.data() + j * kTerms;
+    const scalar_t* weight = group.weights.data() + j * kTerms;
+    scalar_t* target = value + group.targets[j] * lanes;
+#pragma GCC unroll 2
+    for (int h = 0; h < kVectors; ++h) {
+      vec acc = splat(weight[0]) * load(src + offset[source[0]] + h * half);
+#pragma GCC unroll 4
+      for (int t = 1; t < kTerms; ++t) acc += splat(weight[t]) * load(src + offset[source[t]] + h * half);
+      store(target + h * half, acc);
+    }
+  }
+}
+
+template <typename scalar_t, int kVectors>
+void interpolate_run(const TapTable<scalar_t>& table, const int64_t* offset, const scalar_t* src, scalar_t* value) {
+  for (const auto& group : table) {
+    switch (group.terms) {
+      case 1: interpolate_group<scalar_t, 1, kVectors>(group, offset, src, value); break;
+      case 2: interpolate_group<scalar_t, 2, kVectors>(group, offset, src, value); break;
+      case 3: interpolate_group<scalar_t, 3, kVectors>(group, offset, src, value); break;
+      default: interpolate_group<scalar_t, 4, kVectors>(group, offset, src, value); break;
+    }
+  }
+}
+
+// Polar samples interpolated straight from the input where the block's runs take at most two whole vectors (a row of
+// 32 positions or two of 16): each sample's taps read from the run at their window offsets (plan.grid_offset) and
+// summed in registers, stored once, instead of the k x k window staged (stage_windows) and read back (apply_taps),
+// with the same products in the same order. Run after run in lane order, so that a run's spill past its lanes is
+// overwritten by the next run's, as in stage_windows; with two vectors in all no run writes past its sample's row of
+// kLanes (a second run starts at lane 16 or before). False (nothing done) for other blocks: a small map's many short
+// rows would take more vectors here than the staged taps do. Measured (scripts/bench_onnx_library_ab.py, one
+// thread): ri_densenet40 6% faster at batch 1 than staging, outputs bit-equal.
+template <typename scalar_t>
+bool interpolate_runs(const Plan<scalar_t>& plan, const scalar_t* channel_input, const Block& block, scalar_t* value) {
+  constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
+  int64_t vectors = 0;
+  for (int64_t i = 0; i < block.runs; ++i) {
+    if (block.run[i].vectors == 0) return false;
+    vectors += block.run[i].vectors;
+  }
+  if (vectors > lanes / half) return false;
+  for (const auto& group : plan.sampling) {
+    if (group.terms < 1 || group.terms > 4) return false;
+  }
+  // Run after run in lane order, so that a run's spill past its lanes is overwritten by the next run's.
+  for (int64_t i = 0; i < block.runs; ++i) {
+    const Run& run = block.run[i];
+    const scalar_t* src = channel_input + run.input;
+    if (run.vectors == 2) {
+      interpolate_run<scalar_t, 2>(plan.sampling, plan.grid_offset.data(), src, value + run.lane);
+    } else {
+      interpolate_run<scalar_t, 1>(plan.sampling, plan.grid_offset.data(), src, value + run.lane);
+    }
+  }
+  return true;
+}
+
 // value[s][lanes] = sample s of every lane's window, in ring order. Square samples are staged
-// straight from the input; polar samples are interpolated from the staged k x k window.
+// straight from the input; polar samples are interpolated from the runs (interpolate_runs) or from the
+// staged k x k window.
 template <typename scalar_t, bool kUnitStride>
 void gather_samples(const Plan<scalar_t>& plan, const scalar_t* channel_input, const Block& block, scalar_t* grid,
                     scalar_t* value) {
@@ -542,6 +609,7 @@ void gather_samples(const Plan<scalar_t>& plan, const scalar_t* channel_input, c
     stage_windows<scalar_t, kUnitStride>(plan, channel_input, block, plan.sample_offset.data(), plan.slots, value);
     return;
   }
+  if (kUnitStride && interpolate_runs(plan, channel_input, block, value)) return;
   stage_windows<scalar_t, kUnitStride>(plan, channel_input, block, plan.grid_offset.data(), plan.slots, grid);
   apply_taps(plan.sampling, grid, value);
 }
@@ -955,7 +1023,8 @@ void unsort_gradients(const Plan<scalar_t>& plan, scalar_t* grad,
 // every window value). Measured against staging, in one process with the two builds taking turns (1
 // thread, AVX-512): the forward 4-17% faster at the 7x7 shapes and for square sampling at 3x3.
 // Polar sampling with k = 3 and the backward pass (which records the swaps) measured no faster or
-// slower, so they stage.
+// slower, so they gather first (gather_samples: for k = 3, the taps read from the block's runs where
+// interpolate_runs can, else from the staged window) and sort after.
 #if defined(__AVX512F__)
 #define TIMM_SORTCONV_SORT_DIRECT 1
 using PieceMask = __mmask16;
@@ -1566,13 +1635,11 @@ struct Shape {
   int64_t out_per_group() const { return out_channels / groups; }
 };
 
-// A thread is only worth starting for this many multiply-adds or more: tiny calls (tests, small
-// layers) run inline, away from OpenMP's start-up and spin costs.
-constexpr int64_t kMinWorkPerThread = int64_t(1) << 20;
-
+// A thread is only started for timm_sortconv_host::kMinWorkPerThread multiply-adds or more: tiny calls (tests,
+// small layers) run inline.
 int64_t thread_count(int64_t items, int64_t multiply_adds) {
   return std::max<int64_t>(1, std::min<int64_t>({timm_sortconv_host::num_threads(), items,
-                                                  multiply_adds / kMinWorkPerThread}));
+                                                  multiply_adds / timm_sortconv_host::kMinWorkPerThread}));
 }
 
 // Splits `items` into one contiguous range per thread; `fn(thread, first, last)`.
