@@ -199,6 +199,7 @@ struct Plan {
   bool single_tap = true;  // square sampling: every sample is one window value, weight 1
   bool direct = false;     // every segment has an unrolled network or one slot, and sort_direct knows the sampling
   int polar_k = 0;         // polar sampling whose taps sit where PolarTaps<polar_k> says (k = 5, 7)
+  bool polar_3 = false;    // polar sampling with k = 3 whose taps sit where PolarTaps<3> says (interpolate_runs)
   std::vector<scalar_t> polar_weight;  // then per sample, kPolarTaps weights in that order (0 past its count)
   std::vector<int64_t> sample_offset;    // square sampling: per sample, its flat offset in the window
   std::vector<int64_t> position_sample;  // square sampling: per row-major window position, its sample
@@ -416,9 +417,13 @@ Plan<scalar_t> make_plan(const PlanTables& tables, int64_t src_h, int64_t src_w,
                       "sort_conv_cpu: segments must cover all k*k slots");
   TIMM_SORTCONV_CHECK(next_pair == comparator_count, "sort_conv_cpu: comparator ", next_pair,
                       " lies outside its segment");
-  // Not for k = 3: there the staged taps measured as fast (A/B, 64x64 maps) and the fused ones up to 10% slower.
+  // sort_direct not for k = 3: there the staged taps measured as fast (A/B, 64x64 maps) and the fused ones up to 10%
+  // slower; its taps at compile-time positions serve interpolate_runs.
+  plan.polar_3 = !plan.single_tap && same_polar_taps<3>(taps_of);
   if (!plan.single_tap && (same_polar_taps<5>(taps_of) || same_polar_taps<7>(taps_of))) {
     plan.polar_k = static_cast<int>(kernel_size);
+  }
+  if (plan.polar_k != 0 || plan.polar_3) {
     plan.polar_weight.assign(slots * kPolarTaps, scalar_t(0));
     for (int64_t s = 0; s < slots; ++s) {
       for (size_t t = 0; t < taps_of[s].size(); ++t) {
@@ -554,6 +559,35 @@ void interpolate_group(const TapGroup<scalar_t>& group, const int64_t* offset, c
   }
 }
 
+// interpolate_run for k = 3 (plan.polar_3): the window's 9 values read once per vector and each sample's taps taken
+// from them in registers (PolarTaps<3>'s positions, the plan's weights in the tap table's order), not one read per
+// tap (16 for the four diagonal samples, which share the centre and the axes).
+template <typename scalar_t, int kVectors>
+void interpolate_run_3(const Plan<scalar_t>& plan, const scalar_t* src, scalar_t* value) {
+  using vec = typename Simd<scalar_t>::vec;
+  using taps = PolarTaps<3>;
+  constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
+  const scalar_t* weight = plan.polar_weight.data();
+#pragma GCC unroll 2
+  for (int h = 0; h < kVectors; ++h) {
+    vec x[9];
+#pragma GCC unroll 9
+    for (int g = 0; g < 9; ++g) x[g] = load(src + plan.grid_offset[g] + h * half);
+#pragma GCC unroll 9
+    for (int s = 0; s < 9; ++s) {
+      const auto tap = [&](int t) __attribute__((always_inline)) {
+        return x[taps::kTap[s][t][0] * 3 + taps::kTap[s][t][1]];
+      };
+      vec acc = splat(weight[s * kPolarTaps]) * tap(0);
+#pragma GCC unroll 4
+      for (int t = 1; t < kPolarTaps; ++t) {
+        if (t < taps::kCount[s]) acc += splat(weight[s * kPolarTaps + t]) * tap(t);
+      }
+      store(value + s * lanes + h * half, acc);
+    }
+  }
+}
+
 template <typename scalar_t, int kVectors>
 void interpolate_run(const TapTable<scalar_t>& table, const int64_t* offset, const scalar_t* src, scalar_t* value) {
   for (const auto& group : table) {
@@ -572,8 +606,9 @@ void interpolate_run(const TapTable<scalar_t>& table, const int64_t* offset, con
 // with the same products in the same order. Run after run in lane order, so that a run's spill past its lanes is
 // overwritten by the next run's, as in stage_windows; with two vectors in all no run writes past its sample's row of
 // kLanes (a second run starts at lane 16 or before). False (nothing done) for other blocks: a small map's many short
-// rows would take more vectors here than the staged taps do. Measured (scripts/bench_onnx_library_ab.py, one
-// thread): ri_densenet40 6% faster at batch 1 than staging, outputs bit-equal.
+// rows would take more vectors here than the staged taps do (with k = 3's shared reads, up to five vectors measured
+// no faster than staging). Measured (scripts/bench_onnx_library_ab.py, one thread): ri_densenet40 8% faster at batch
+// 1 than staging, and with k = 3's reads shared (interpolate_run_3) 12% more; outputs bit-equal.
 template <typename scalar_t>
 bool interpolate_runs(const Plan<scalar_t>& plan, const scalar_t* channel_input, const Block& block, scalar_t* value) {
   constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
@@ -590,7 +625,13 @@ bool interpolate_runs(const Plan<scalar_t>& plan, const scalar_t* channel_input,
   for (int64_t i = 0; i < block.runs; ++i) {
     const Run& run = block.run[i];
     const scalar_t* src = channel_input + run.input;
-    if (run.vectors == 2) {
+    if (plan.polar_3) {
+      if (run.vectors == 2) {
+        interpolate_run_3<scalar_t, 2>(plan, src, value + run.lane);
+      } else {
+        interpolate_run_3<scalar_t, 1>(plan, src, value + run.lane);
+      }
+    } else if (run.vectors == 2) {
       interpolate_run<scalar_t, 2>(plan.sampling, plan.grid_offset.data(), src, value + run.lane);
     } else {
       interpolate_run<scalar_t, 1>(plan.sampling, plan.grid_offset.data(), src, value + run.lane);

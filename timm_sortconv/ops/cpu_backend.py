@@ -91,7 +91,7 @@ SUPPORTED_DTYPES = (torch.float32, torch.float64)
 
 _SOURCE_NAME = "sort_conv_cpu.cpp"
 # Kernel sizes whose polar tap positions are compiled into the extension (polar_taps.h).
-POLAR_TAP_SIZES = (5, 7)
+POLAR_TAP_SIZES = (3, 5, 7)
 # The package's flags with OpenMP, whose threads at::parallel_for uses.
 _CFLAGS = CFLAGS + ("-fopenmp",)
 _LDFLAGS = ("-fopenmp",)  # cpp_extension.load appends to the lists it is given: it gets copies
