@@ -9,9 +9,14 @@ files of ``.cache/native/build/`` from two checkouts or commits; ``--after`` def
 ``--rounds`` rounds of ``--repeats`` calls; printed: the median milliseconds of a call of each, their ratio, and the
 largest difference of their outputs over the largest output.
 
+With two threads or more, two sessions in one process have each other's idle pool threads spinning on the same
+cores: ``--processes`` times each library's calls of a round in a process of its own (the file and the input in a
+temporary folder), the libraries still taking turns.
+
 Example::
 
     python scripts/bench_onnx_library_ab.py --before OLD.so --models scnn_p_align_7_guided --batches 1 32
+    python scripts/bench_onnx_library_ab.py --before OLD.so --models scnn_p_rs_7 --batches 1 --threads 2 --processes
 """
 from __future__ import annotations
 
@@ -19,6 +24,9 @@ import argparse
 import io
 import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 import numpy as np
@@ -39,7 +47,37 @@ def _session(data: bytes, library: str, threads: int):
     return onnxruntime.InferenceSession(data, options, providers=["CPUExecutionProvider"])
 
 
+def _time_calls(data: bytes, library: str, threads: int, x: np.ndarray, repeats: int) -> float:
+    """Milliseconds of one call on ``x``: the mean of ``repeats`` calls after a warm-up call."""
+    session = _session(data, library, threads)
+    feed = {session.get_inputs()[0].name: x}
+    session.run(None, feed)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        session.run(None, feed)
+    return (time.perf_counter() - start) / repeats * 1e3
+
+
+def _time_in_process(folder: str, library: str, threads: int, repeats: int) -> float:
+    """_time_calls on the file and input saved in ``folder``, in a new Python process."""
+    result = subprocess.run([sys.executable, __file__, "--time-saved", folder, library, str(threads), str(repeats)],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        raise CommandError(f"timing {library} in a new process failed: {result.stderr.strip()[-2000:]}")
+    return float(result.stdout.split()[-1])
+
+
+def _time_saved(folder: str, library: str, threads: str, repeats: str) -> None:
+    with open(os.path.join(folder, "model.onnx"), "rb") as f:
+        data = f.read()
+    x = np.load(os.path.join(folder, "input.npy"))
+    print(_time_calls(data, library, int(threads), x, int(repeats)))
+
+
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--time-saved"]:
+        return _time_saved(*argv[1:])
     parser = argparse.ArgumentParser(prog="python scripts/bench_onnx_library_ab.py",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--before", required=True, help="the library to compare against (a built .so)")
@@ -50,6 +88,8 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--repeats", type=int, default=None, help="calls per round (default: 40 at batch 1, else 3)")
+    parser.add_argument("--processes", action="store_true",
+                        help="time each library's calls of a round in a process of its own (for two threads or more)")
     args = parser.parse_args(argv)
     after = args.after or str(sc_onnx.library_path())
     for path in (args.before, after):
@@ -66,19 +106,29 @@ def main(argv=None) -> None:
             buffer = io.BytesIO()
             sc_onnx.export(model, x, buffer, fused=True)
             for threads in args.threads:
-                sessions = {"before": _session(buffer.getvalue(), args.before, threads),
-                            "after": _session(buffer.getvalue(), after, threads)}
+                libraries = {"before": args.before, "after": after}
+                sessions = {tag: _session(buffer.getvalue(), library, threads) for tag, library in libraries.items()}
                 feed = {sessions["before"].get_inputs()[0].name: x.numpy()}
                 outputs = {tag: s.run(None, feed)[0] for tag, s in sessions.items()}
                 error = float(np.abs(outputs["before"] - outputs["after"]).max() / np.abs(outputs["before"]).max())
                 repeats = args.repeats or (40 if batch == 1 else 3)
                 times = {tag: [] for tag in sessions}
-                for _ in range(args.rounds):
-                    for tag, session in sessions.items():
-                        start = time.perf_counter()
-                        for _ in range(repeats):
-                            session.run(None, feed)
-                        times[tag].append((time.perf_counter() - start) / repeats * 1e3)
+                if args.processes:
+                    del sessions
+                    with tempfile.TemporaryDirectory() as folder:
+                        with open(os.path.join(folder, "model.onnx"), "wb") as f:
+                            f.write(buffer.getvalue())
+                        np.save(os.path.join(folder, "input.npy"), x.numpy())
+                        for _ in range(args.rounds):
+                            for tag, library in libraries.items():
+                                times[tag].append(_time_in_process(folder, library, threads, repeats))
+                else:
+                    for _ in range(args.rounds):
+                        for tag, session in sessions.items():
+                            start = time.perf_counter()
+                            for _ in range(repeats):
+                                session.run(None, feed)
+                            times[tag].append((time.perf_counter() - start) / repeats * 1e3)
                 before, after_ms = statistics.median(times["before"]), statistics.median(times["after"])
                 print(f"{name} batch {batch}, threads {threads}: before {before:.2f} ms, after {after_ms:.2f} ms "
                       f"(x{after_ms / before:.3f}); outputs differ by {error:.1e} of the largest", flush=True)

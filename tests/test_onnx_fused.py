@@ -432,3 +432,24 @@ def test_the_library_builds_offline_from_the_vendored_header(tmp_path, monkeypat
     path = sc_onnx.build_library("generic")
     assert path.is_file() and tmp_path in path.parents
     assert sc_onnx.build_library("generic") == path  # cached
+
+
+def test_the_library_ab_times_each_library_in_a_process_of_its_own(library, tmp_path):
+    """scripts/bench_onnx_library_ab.py --processes: each round's calls of each library in a new process (two sessions
+    in one process have each other's pool threads spinning); the same library twice gives equal outputs and a time
+    for each."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_onnx_library_ab.py"
+    result = subprocess.run([sys.executable, str(script), "--before", str(library), "--after", str(library), "--models",
+                             "scnn_p_rs_3", "--batches", "1", "--threads", "2", "--rounds", "2", "--repeats", "2",
+                             "--processes"], capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    found = re.search(r"scnn_p_rs_3 batch 1, threads 2: before ([0-9.]+) ms, after ([0-9.]+) ms \(x[0-9.]+\); outputs "
+                      r"differ by 0\.0e\+00 of the largest", result.stdout)
+    assert found, result.stdout
+    assert float(found.group(1)) > 0 and float(found.group(2)) > 0
+    assert list(tmp_path.iterdir()) == []  # the file and its input lived in a temporary folder
