@@ -47,15 +47,20 @@ def _session(data: bytes, library: str, threads: int):
     return onnxruntime.InferenceSession(data, options, providers=["CPUExecutionProvider"])
 
 
-def _time_calls(data: bytes, library: str, threads: int, x: np.ndarray, repeats: int) -> float:
-    """Milliseconds of one call on ``x``: the mean of ``repeats`` calls after a warm-up call."""
-    session = _session(data, library, threads)
-    feed = {session.get_inputs()[0].name: x}
-    session.run(None, feed)
+def _mean_ms(session, feed: dict, repeats: int) -> float:
+    """Milliseconds of one call of ``session`` on ``feed``: the mean of ``repeats`` calls."""
     start = time.perf_counter()
     for _ in range(repeats):
         session.run(None, feed)
     return (time.perf_counter() - start) / repeats * 1e3
+
+
+def _time_calls(data: bytes, library: str, threads: int, x: np.ndarray, repeats: int) -> float:
+    """_mean_ms of a new session of ``data`` on ``x``, after a warm-up call."""
+    session = _session(data, library, threads)
+    feed = {session.get_inputs()[0].name: x}
+    session.run(None, feed)
+    return _mean_ms(session, feed, repeats)
 
 
 def _time_in_process(folder: str, library: str, threads: int, repeats: int) -> float:
@@ -125,10 +130,7 @@ def main(argv=None) -> None:
                 else:
                     for _ in range(args.rounds):
                         for tag, session in sessions.items():
-                            start = time.perf_counter()
-                            for _ in range(repeats):
-                                session.run(None, feed)
-                            times[tag].append((time.perf_counter() - start) / repeats * 1e3)
+                            times[tag].append(_mean_ms(session, feed, repeats))
                 before, after_ms = statistics.median(times["before"]), statistics.median(times["after"])
                 print(f"{name} batch {batch}, threads {threads}: before {before:.2f} ms, after {after_ms:.2f} ms "
                       f"(x{after_ms / before:.3f}); outputs differ by {error:.1e} of the largest", flush=True)
