@@ -252,3 +252,42 @@ def test_the_dynamo_exporter_refuses_a_dynamic_size_it_cannot_centre_and_exports
     with torch.no_grad():
         torch.testing.assert_close(torch.from_numpy(session.run(None, {"x": example.numpy()})[0]), model(example),
                                    atol=1e-4, rtol=1e-4)
+
+
+class _Centre(nn.Module):
+    def __init__(self, same: bool, kernel, stride):
+        super().__init__()
+        self.same, self.kernel, self.stride = same, kernel, stride
+
+    def forward(self, x):
+        from timm_sortconv.grid import centre_grid, centre_grid_same
+
+        if self.same:
+            return centre_grid_same(x, self.kernel, self.stride, [1, 1])
+        return centre_grid(x, self.kernel, self.stride, [1, 1], [1, 1])
+
+
+@pytest.mark.parametrize("same", [False, True], ids=["valid", "same"])
+@pytest.mark.parametrize("shape", [(2, 3, 12, 12), (2, 3, 12, 11), (2, 3, 13, 16), (3, 14, 12)])
+def test_a_static_centring_reads_half_a_pixel_in_one_pooling_and_agrees(same, shape):
+    """At a static size the half-pixel read of a batch of images is one ``AveragePool`` over the axes that need it
+    (no ``Slice``/``Add``/``Mul`` copies of the input), and the centred input agrees with PyTorch's in onnxruntime, for
+    either axis, both, and an image without a batch (read by the slices instead)."""
+    onnx = pytest.importorskip("onnx")
+    onnxruntime = pytest.importorskip("onnxruntime")
+    from timm_sortconv.grid import centre_grid_residues, same_padding_totals
+
+    module = _Centre(same, [3, 3], [2, 2])
+    x = torch.randn(*shape)
+    odd = ([total % 2 for total in same_padding_totals(shape[-2], shape[-1], [3, 3], [2, 2], [1, 1])] if same else
+           [residue % 2 for residue in centre_grid_residues(shape[-2], shape[-1], [3, 3], [2, 2], [1, 1], [1, 1])])
+    buffer = io.BytesIO()
+    torch.onnx.export(module, (x,), buffer, dynamo=False, input_names=["x"])
+    ops = Counter(node.op_type for node in onnx.load_from_string(buffer.getvalue()).graph.node)
+    if len(shape) == 4:
+        assert ops["AveragePool"] == (1 if any(odd) else 0) and ops["Add"] == ops["Mul"] == 0, ops
+    else:
+        assert ops["AveragePool"] == 0 and ops["Add"] == sum(odd), ops
+    session = onnxruntime.InferenceSession(buffer.getvalue(), providers=["CPUExecutionProvider"])
+    torch.testing.assert_close(torch.from_numpy(session.run(None, {"x": x.numpy()})[0]), module(x),
+                               atol=1e-6, rtol=1e-6)

@@ -5,8 +5,8 @@ non-square image (:func:`timm_sortconv.canonical.canonical_frame`), by the same 
 
 Where the exporter knows the input's height and width (a static shape: the sizes of every layer follow from the
 example's), the rule is worked out here and written as the nodes it needs at that size: nothing where the grid is
-centred already, otherwise a ``Slice`` pair, an ``Add`` and a ``Mul`` by one half for a half-pixel read, and a
-``Slice`` for a crop (or a ``Pad`` for "SAME" padding). Where a size is dynamic, the same rule is computed in the
+centred already, otherwise an ``AveragePool`` of 2 pixels along the axes read half a pixel on, and a ``Slice`` for a
+crop (or a ``Pad`` for "SAME" padding). Where a size is dynamic, the same rule is computed in the
 graph from the input's shape (``Shape``, ``Mod``, ``Div``, ``Where``) and applied without branches: the half-pixel
 read of an axis whose residue is even takes the mean of the input with itself, ``(x + x) * 0.5 = x`` exactly. No
 ``If`` node is written, so every runtime's type inference takes the graph at a static shape as at a dynamic one.
@@ -59,16 +59,27 @@ def _slice(g, x, start, end, dim: int):
     return g.op("Slice", x, bound(start), bound(end), _constant(g, [dim]))
 
 
-def _half_pixel_static(g, x, dim: int, size: int):
-    return g.op("Mul", g.op("Add", _slice(g, x, 0, size - 1, dim), _slice(g, x, 1, size, dim)),
-                g.op("Constant", value_t=torch.tensor(0.5)))
+def _half_pixel_static(g, x, rank: int, sizes: List[int], odd: List[bool]):
+    """The half-pixel read of the axes marked ``odd`` (the mean of each pixel and the next; ``sizes`` updated): on
+    a batch of images one ``AveragePool`` of 2 pixels along those axes, a single pass over the input (a ``Slice``
+    pair, an ``Add`` and a ``Mul`` per axis copy it four times each); an image without a batch axis, which
+    ``AveragePool`` does not take, by those nodes."""
+    if not any(odd):
+        return x
+    if rank == 4:
+        x = g.op("AveragePool", x, kernel_shape_i=[2 if o else 1 for o in odd], strides_i=[1, 1])
+    for axis in range(2):
+        if odd[axis]:
+            if rank != 4:
+                dim, size = rank - 2 + axis, sizes[axis]
+                x = g.op("Mul", g.op("Add", _slice(g, x, 0, size - 1, dim), _slice(g, x, 1, size, dim)),
+                         g.op("Constant", value_t=torch.tensor(0.5)))
+            sizes[axis] -= 1
+    return x
 
 
 def _centre_static(g, x, rank: int, sizes: List[int], residues: List[int]):
-    for axis in range(2):
-        if residues[axis] % 2 == 1:
-            x = _half_pixel_static(g, x, rank - 2 + axis, sizes[axis])
-            sizes[axis] -= 1
+    x = _half_pixel_static(g, x, rank, sizes, [residue % 2 == 1 for residue in residues])
     for axis in range(2):
         crop = residues[axis] // 2
         if crop > 0:
@@ -160,10 +171,7 @@ def _centre_grid_same_symbolic(g, x, kernel_size, stride, dilation):
     if sizes is None:
         return _centre_same_dynamic(g, x, rank, kernel_size, stride, dilation)
     totals = same_padding_totals(sizes[0], sizes[1], kernel_size, stride, dilation)
-    for axis in range(2):
-        if totals[axis] % 2 == 1:
-            x = _half_pixel_static(g, x, rank - 2 + axis, sizes[axis])
-            sizes[axis] -= 1
+    x = _half_pixel_static(g, x, rank, sizes, [total % 2 == 1 for total in totals])
     pads = [0] * (2 * rank)
     for axis in range(2):
         side = (totals[axis] + totals[axis] % 2) // 2
