@@ -212,6 +212,22 @@ def test_threads_do_not_change_the_result(library):
         _assert_agrees(one, _reference(model, x))
 
 
+@pytest.mark.parametrize("size", [9, 12, 33])
+@pytest.mark.parametrize("kernel_size,stride,sorting", [(3, 1, "ring"), (5, 1, "ring"), (7, 2, "ring"),
+                                                        (7, 1, "align")])
+def test_one_image_cut_into_tasks_agrees_at_every_size(library, size, kernel_size, stride, sorting):
+    """One padded image on two threads: the node cuts its positions into tasks, each copying and padding only the rows
+    its windows read (a task's rows may start at the first or reach the last, or both). Equal to one thread, and to
+    the reference."""
+    torch.manual_seed(0)
+    layer = SortConv2d(64, 32, kernel_size, stride=stride, padding=kernel_size // 2, sampling="polar", sorting=sorting)
+    x = torch.randn(1, 64, size, size)
+    data = _fused(layer, x)
+    one, two = _run(data, library, x, threads=1), _run(data, library, x, threads=2)
+    assert torch.equal(one, two)
+    _assert_agrees(two, _reference(layer, x))
+
+
 def test_a_file_runs_on_session_options_of_ones_own(library, tmp_path):
     """register_custom_ops_library on plain options, as the module docstring describes, without the threads entry."""
     model = _model(kernel_size=5, padding=2).eval()

@@ -69,6 +69,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -1770,8 +1771,8 @@ void for_each_thread_range(int64_t batch, int64_t positions, int64_t threads, bo
 // (and their gradient written) in place where they are larger (a 4.3 MB one measured within noise), and
 // in the backward pass where the thread's positions do not make up a whole image (with fewer images
 // than threads: its gradient would be a whole image per thread; sort_conv2d_cpu pads those calls
-// itself). The forward pass copies such an image whole all the same: one image at batch 1 and 2
-// threads, 32->32 at 28x28, k=7, ran 10% faster copied than read in place (onnxruntime's node).
+// itself). The forward pass copies such a part all the same, only the rows its windows read: one image at
+// batch 1 and 2 threads, 32->32 at 28x28, k=7, ran 10% faster copied than read in place (onnxruntime's node).
 constexpr int64_t kMaxCopiedImage = int64_t(4) << 20;  // bytes
 
 template <typename scalar_t>
@@ -1792,14 +1793,29 @@ class ImageRing {
         capacity_(std::max<int64_t>(1, std::min(image_end_ - begin / plan.positions(),
                                                 (span - 2) / plan.positions() + 2))),
         enabled_(plan.padded() || ((end - begin >= plan.positions() || grad_input == nullptr)
-                                   && image_size_ * static_cast<int64_t>(sizeof(scalar_t)) <= kMaxCopiedImage)) {
-    // Zeros: the padding is never written after this.
-    if (enabled_) data_.assign(capacity_ * image_size_, scalar_t(0));
-    if (enabled_ && grad_input_ != nullptr) grad_.assign(capacity_ * image_size_, scalar_t(0));
+                                   && image_size_ * static_cast<int64_t>(sizeof(scalar_t)) <= kMaxCopiedImage)),
+        rows_hi_(plan.in_h) {
+    if (!enabled_) return;
+    const int64_t positions = plan.positions();
+    if (grad_input_ == nullptr && end > begin && begin / positions == (end - 1) / positions
+        && end - begin < positions) {
+      // A forward thread with part of one image (fewer images than threads) copies only the rows its windows
+      // read, and the rows a whole-vector read past a window's last row may reach (zeros there): the other
+      // threads' rows stay out of its cache, and they are not copied twice.
+      const int64_t window_rows = plan.grid_offset.back() / plan.in_w + 1;
+      spill_rows_ = (kLanes<scalar_t> + plan.in_w - 1) / plan.in_w;
+      rows_lo_ = (begin % positions) / plan.out_w * plan.stride_h;
+      rows_hi_ = std::min(plan.in_h, ((end - 1) % positions) / plan.out_w * plan.stride_h + window_rows + spill_rows_);
+      data_.reset(new scalar_t[capacity_ * image_size_]);  // written where read: copy_rows
+    } else {
+      // Zeros: the padding is never written after this.
+      data_.reset(new scalar_t[capacity_ * image_size_]());
+    }
+    if (grad_input_ != nullptr) grad_.assign(capacity_ * image_size_, scalar_t(0));
   }
 
   // Image `first`'s padded planes, and its gradient (a block's input offsets count from there).
-  const scalar_t* images() const { return enabled_ ? data_.data() : input_ + first * image_size_; }
+  const scalar_t* images() const { return enabled_ ? data_.get() : input_ + first * image_size_; }
   scalar_t* grads() { return enabled_ ? grad_.data() : grad_input_ + first * image_size_; }
   // Values readable from images() on (make_block's `readable`).
   int64_t readable() const { return enabled_ ? capacity_ * image_size_ : (batch_ - first) * image_size_; }
@@ -1818,8 +1834,8 @@ class ImageRing {
     }
     // Images already held move to their new place; the others are copied from the input.
     if (kept_lo < kept_hi) {
-      move(data_, kept_lo - first, kept_lo - lo, kept_hi - kept_lo);
-      if (!grad_.empty()) move(grad_, kept_lo - first, kept_lo - lo, kept_hi - kept_lo);
+      move(data_.get(), kept_lo - first, kept_lo - lo, kept_hi - kept_lo);
+      if (!grad_.empty()) move(grad_.data(), kept_lo - first, kept_lo - lo, kept_hi - kept_lo);
     }
     for (int64_t image = lo; image < lo + next; ++image) {
       if (image >= kept_lo && image < kept_hi) continue;
@@ -1837,9 +1853,8 @@ class ImageRing {
   }
 
  private:
-  void move(std::vector<scalar_t>& buffer, int64_t from, int64_t to, int64_t images) {
-    std::memmove(buffer.data() + to * image_size_, buffer.data() + from * image_size_,
-                 images * image_size_ * sizeof(scalar_t));
+  void move(scalar_t* buffer, int64_t from, int64_t to, int64_t images) {
+    std::memmove(buffer + to * image_size_, buffer + from * image_size_, images * image_size_ * sizeof(scalar_t));
   }
 
   // Where row `row` of an image as given (channel * src_h + r) starts in the padded image.
@@ -1850,13 +1865,42 @@ class ImageRing {
 
   void copy_in(int64_t image, int64_t slot) {
     const scalar_t* src = input_ + image * source_size_;
-    scalar_t* dst = data_.data() + slot * image_size_;
+    scalar_t* dst = data_.get() + slot * image_size_;
+    if (spill_rows_ > 0) {  // a part of one image (the constructor)
+      copy_rows(src, dst);
+      return;
+    }
     if (!plan_.padded()) {
       std::memcpy(dst, src, image_size_ * sizeof(scalar_t));
       return;
     }
     for (int64_t row = 0; row < channels_ * plan_.src_h; ++row) {
       std::memcpy(dst + padded_offset(row), src + row * plan_.src_w, plan_.src_w * sizeof(scalar_t));
+    }
+  }
+
+  // Rows [rows_lo_, rows_hi_) of every padded plane, the padding in them zeros, and the first spill_rows_ rows of
+  // the next plane zeros where they are not copied (a read past the plane's last row lands there).
+  void copy_rows(const scalar_t* src, scalar_t* dst) const {
+    const int64_t in_h = plan_.in_h, in_w = plan_.in_w, src_w = plan_.src_w, left = plan_.pad_left;
+    const int64_t right = in_w - left - src_w;
+    for (int64_t channel = 0; channel < channels_; ++channel) {
+      scalar_t* plane = dst + channel * in_h * in_w;
+      const scalar_t* source = src + channel * plan_.src_h * src_w;
+      for (int64_t row = rows_lo_; row < rows_hi_; ++row) {
+        scalar_t* to = plane + row * in_w;
+        const int64_t r = row - plan_.pad_top;
+        if (r < 0 || r >= plan_.src_h) {
+          std::fill_n(to, in_w, scalar_t(0));
+          continue;
+        }
+        std::fill_n(to, left, scalar_t(0));
+        std::memcpy(to + left, source + r * src_w, src_w * sizeof(scalar_t));
+        std::fill_n(to + left + src_w, right, scalar_t(0));
+      }
+      if (rows_hi_ == in_h && channel + 1 < channels_) {
+        std::fill_n(plane + in_h * in_w, std::min(spill_rows_, rows_lo_) * in_w, scalar_t(0));
+      }
     }
   }
 
@@ -1877,7 +1921,9 @@ class ImageRing {
   scalar_t* grad_input_;
   int64_t batch_, channels_, source_size_, image_size_, image_end_, capacity_;
   bool enabled_;
-  std::vector<scalar_t> data_, grad_;
+  int64_t rows_lo_ = 0, rows_hi_, spill_rows_ = 0;  // the padded rows copied (copy_rows; spill_rows_ > 0)
+  std::unique_ptr<scalar_t[]> data_;
+  std::vector<scalar_t> grad_;
   int64_t count_ = 0;
 };
 
