@@ -294,7 +294,10 @@ def main(argv=None) -> int:
                                sc_ms=f"{sc_s * 1e3:.2f}", twin_ms=f"{twin_s * 1e3:.2f}", ratio=f"{sc_s / twin_s:.2f}",
                                error=f"{error:.1e}", sc_export_s=f"{seconds[0]:.1f}", twin_export_s=f"{seconds[1]:.1f}",
                                sc_mb=f"{sizes[0]:.2f}", twin_mb=f"{sizes[1]:.2f}", sc_nodes=nodes[0],
-                               twin_nodes=nodes[1], nodes_per_sc_layer=f"{(nodes[0] - nodes[1]) / sc_layers + 1:.0f}",
+                               twin_nodes=nodes[1],
+                               # (at least one: a fused node that takes the residual Adds and ReLUs in leaves the
+                               # file fewer nodes than the twin's)
+                               nodes_per_sc_layer=f"{max(1.0, (nodes[0] - nodes[1]) / sc_layers + 1):.0f}",
                                date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M"), commit=git_commit(),
                                machine=machine(args.runtime), isa=cpu_isa(), load=f"{os.getloadavg()[0]:.2f}",
                                command=command)

@@ -389,6 +389,68 @@ def test_the_openvino_extension_runs_a_fused_file_node_for_node():
     assert sum(info.node_type == "Reference" for info in request.profiling_info) == 3  # the three nodes, as ours
 
 
+class _Residual(nn.Module):
+    """A residual block's second half: SC layer (normalised or not), plus the shortcut (or a broadcast shift), ReLU."""
+
+    def __init__(self, normalised: bool, broadcast: bool = False):
+        super().__init__()
+        self.conv = SortConv2d(8, 8, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(8) if normalised else nn.Identity()
+        self.shift = nn.Parameter(torch.randn(1, 8, 1, 1)) if broadcast else None
+
+    def forward(self, x):
+        y = self.bn(self.conv(x))
+        return torch.relu(y + (self.shift if self.shift is not None else x))
+
+
+@pytest.mark.parametrize("normalised", [True, False], ids=["bn", "no-bias"])
+def test_a_residual_add_and_its_relu_are_merged_into_the_node(library, normalised):
+    """The shortcut's Add that alone reads a node (then its ReLU) becomes the node's input S, added before the
+    activation (a node without a bias gets a zero one): one node, agreeing with the reference with the library at one
+    and two threads, without it (the function adds S too), inlined in standard operators, and in OpenVINO."""
+    torch.manual_seed(0)
+    model = nn.Sequential(SortConv2d(3, 8, 3, padding=1), _Residual(normalised)).eval()
+    randomise_batchnorm(model)
+    x = torch.randn(2, 3, 13, 12)
+    buffer, inlined = io.BytesIO(), io.BytesIO()
+    sc_onnx.export(model, x, buffer, fused=True, inlined=inlined)
+    data = buffer.getvalue()
+    ops = [node.op_type for node in onnx.load_from_string(data).graph.node]
+    assert ops.count("SortConv2d") == 2 and "Add" not in ops and "Relu" not in ops, ops
+    first, node = _fused_nodes(data)
+    assert len(node.input) == 4 and node.input[3] == first.output[0] and node.input[2]
+    assert any(a.name == "activation" and a.s == b"Relu" for a in node.attribute)
+    expected = _reference(model, x)
+    for threads in (1, 2):
+        _assert_agrees(_run(data, library, x, threads), expected)
+    if stock_onnxruntime_inlines():
+        stock = onnxruntime.InferenceSession(data, providers=["CPUExecutionProvider"])
+        _assert_agrees(torch.from_numpy(stock.run(None, {"x": x.numpy()})[0]), expected)
+    standard = onnxruntime.InferenceSession(inlined.getvalue(), providers=["CPUExecutionProvider"])
+    _assert_agrees(torch.from_numpy(standard.run(None, {"x": x.numpy()})[0]), expected)
+    pytest.importorskip("openvino")
+    from timm_sortconv.onnx import openvino as sc_openvino
+
+    try:
+        sc_openvino.extension_path()
+    except sc_openvino.ExtensionBuildError as error:
+        unavailable(f"the OpenVINO extension cannot be built here: {error}")
+    out = sc_openvino.compile_model(data)(x.numpy())[0]
+    _assert_agrees(torch.from_numpy(out), expected)
+
+
+def test_a_broadcast_add_stays_a_node_of_its_own(library):
+    """An Add whose other operand broadcasts (a per-channel shift) is not a residual: it stays, and the file agrees."""
+    torch.manual_seed(0)
+    model = _Residual(True, broadcast=True).eval()
+    randomise_batchnorm(model)
+    x = torch.randn(2, 8, 10, 10)
+    data = _fused(model, x)
+    ops = [node.op_type for node in onnx.load_from_string(data).graph.node]
+    assert "Add" in ops and len(_fused_nodes(data)[0].input) <= 3, ops
+    _assert_agrees(_run(data, library, x, 2), _reference(model, x))
+
+
 def test_an_inlined_file_needs_the_fused_export():
     with pytest.raises(ValueError, match="inlined= .* needs fused=True"):
         sc_onnx.export(_model(kernel_size=3).eval(), torch.randn(1, 3, 8, 8), io.BytesIO(), inlined=io.BytesIO())

@@ -1294,7 +1294,7 @@ void align_forward_kernel(const Plan<scalar_t>& plan, const AlignTables<scalar_t
       const int64_t whole = block.count / half * half;
       const scalar_t* images = ring.images();
       for_each_output(shape, rows, [&](int64_t o) {
-        std::fill(tile.data() + o * lanes, tile.data() + (o + 1) * lanes, bias != nullptr ? bias[o] : scalar_t(0));
+        start_tile_row(plan, shape, block, bias, o, tile.data() + o * lanes);
       });
       for (int64_t g = 0; g < shape.groups; ++g) {
         group_spectra<scalar_t, kUnitStride>(plan, t, cin, images + g * cin * plane, block, grid.data(),

@@ -153,10 +153,11 @@ class Layer {
     }
   }
 
-  // Y (output_dims(x_dims, w_dims), all known) of X (N, C, H, W), W (O, C/group, k, k) and B (O, or nullptr), with
-  // `threads` the threads of the pool the caller installed (1: none).
+  // Y (output_dims(x_dims, w_dims), all known) of X (N, C, H, W), W (O, C/group, k, k), B (O, or nullptr) and S (a
+  // tensor like Y added to it before the activation, or nullptr), with `threads` the threads of the pool the caller
+  // installed (1: none).
   void forward(const float* input, const std::vector<int64_t>& x, const float* weight, const std::vector<int64_t>& w,
-               const float* bias, float* out, int64_t threads) {
+               const float* bias, const float* sum, float* out, int64_t threads) {
     TIMM_SORTCONV_CHECK(x.size() == 4, "timm_sortconv::SortConv2d: X must be 4-D (N, C, H, W)");
     check_weight(w);
     const int64_t batch = x[0], channels = x[1], out_channels = w[0];
@@ -193,7 +194,7 @@ class Layer {
     if (batch == 0 || out_channels == 0) return;
     const std::shared_ptr<PlanState> state = plan_for(height, width, pad_here);
     const Plan<float>& plan = state->plan;
-    const Shape shape{batch, channels - guides() * group_, out_channels, group_, relu_};
+    const Shape shape{batch, channels - guides() * group_, out_channels, group_, relu_, sum};
     const bool constant = !constant_weight_.empty() && weight_shape_ == w;
     if (aligned_) {
       std::vector<float> packed_here;

@@ -1673,9 +1673,29 @@ void scatter_gradients(const Plan<scalar_t>& plan, const Block& block, const sca
 struct Shape {
   int64_t batch, channels, out_channels, groups;
   bool relu = false;  // the output rectified, max(y, 0) (NaN kept), as it is stored: a runtime's node with a ReLU
+  // A tensor like the output (scalar_t) added to it before the activation, or nullptr: a runtime's node with the
+  // residual Add that alone read its output (the output tiles start from bias + sum instead of the bias).
+  const void* sum = nullptr;
   int64_t in_per_group() const { return channels / groups; }
   int64_t out_per_group() const { return out_channels / groups; }
 };
+
+// A block's output tile row of channel o started: the bias, plus shape.sum's values at the block's positions.
+template <typename scalar_t>
+void start_tile_row(const Plan<scalar_t>& plan, const Shape& shape, const Block& block, const scalar_t* bias,
+                    int64_t o, scalar_t* row) {
+  constexpr int64_t lanes = kLanes<scalar_t>;
+  std::fill(row, row + lanes, bias != nullptr ? bias[o] : scalar_t(0));
+  if (shape.sum == nullptr) return;
+  const int64_t positions = plan.positions(), image_stride = shape.out_channels * positions;
+  const scalar_t* planes = static_cast<const scalar_t*>(shape.sum) + o * positions;
+  for (int64_t i = 0; i < block.runs; ++i) {
+    const Run& run = block.run[i];
+    const scalar_t* from = planes + run.image * image_stride + run.row * plan.out_w + run.col;
+    scalar_t* to = row + run.lane;
+    for (int64_t j = 0; j < run.cols; ++j) to[j] += from[j];
+  }
+}
 
 // A thread is only started for timm_sortconv_host::kMinWorkPerThread multiply-adds or more: tiny calls (tests,
 // small layers) run inline.
@@ -2004,8 +2024,7 @@ void forward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scalar
       const scalar_t* images = ring.images();
       for (int64_t b = 0; b < count; ++b) {
         for_each_output(shape, rows, [&](int64_t o) {
-          scalar_t* row = tiles.data() + (b * shape.out_channels + o) * lanes;
-          std::fill(row, row + lanes, bias != nullptr ? bias[o] : scalar_t(0));
+          start_tile_row(plan, shape, blocks[b], bias, o, tiles.data() + (b * shape.out_channels + o) * lanes);
         });
       }
       for (int64_t g = 0; g < shape.groups; ++g) {

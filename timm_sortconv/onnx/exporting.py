@@ -27,7 +27,7 @@ import torch.nn as nn
 from .folding import fold_static_sizes
 from .functions import attach_functions, expand_centring, inline_functions
 from .fused import (DOMAIN, OPSET, FusedExportError, check_fused, drop_unread_constants, fold_batch_norms,
-                    fuse_activations, merge_centring, translation_table)
+                    fuse_activations, fuse_residuals, merge_centring, translation_table)
 from .lowering import current, fused_export
 from .lowering import decomposition as lowered_as
 from .portable import ONNXRUNTIME, OPENVINO
@@ -72,8 +72,9 @@ def export(model: nn.Module, example: torch.Tensor, f, *, dynamo: bool = False, 
             (:func:`.runtime.session`) the nodes run the package's kernel, without it each node's standard-operator
             form, which the file carries as a model-local function (:mod:`.functions`). A ``BatchNormalization``
             that alone reads a node's output is folded into its weight and bias (:func:`.fused.fold_batch_norms`),
-            as the exporters fold one into a convolution, and a ``Relu`` that then alone reads it into the node
-            (:func:`.fused.fuse_activations`). A layer the node cannot compute raises
+            as the exporters fold one into a convolution, an ``Add`` of a value of the node's shape that alone
+            reads it (a residual block's) into the node (:func:`.fused.fuse_residuals`), and a ``Relu`` that then
+            alone reads it (:func:`.fused.fuse_activations`). A layer the node cannot compute raises
             :class:`FusedExportError` before anything is exported. Default: standard operators only.
         inlined: with ``fused=True``, where to write the same model with every function expanded in place (a path or
             a binary file object): standard operators only, for runtimes that do not inline ONNX functions
@@ -114,6 +115,8 @@ def export(model: nn.Module, example: torch.Tensor, f, *, dynamo: bool = False, 
     fold_static_sizes(exported)  # (a CentreGrid left learns its input's size here, where it is static)
     expand_centring(exported)
     fold_static_sizes(exported)
+    if fuse_residuals(exported):  # (with every size known; the ReLUs after the merged Adds follow)
+        fuse_activations(exported)
     drop_unread_constants(exported)
     standard = onnx.ModelProto()
     standard.CopyFrom(exported)

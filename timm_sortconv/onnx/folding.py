@@ -21,7 +21,7 @@ import numpy as np
 
 from .fused import _attributes
 
-__all__ = ["fold_static_sizes"]
+__all__ = ["fold_static_sizes", "value_dims"]
 
 # Values with more elements stay computed (a folded value is stored in the file): 2 MiB of float32.
 _LARGEST = 1 << 19
@@ -118,10 +118,9 @@ def _partial(node, values, parts) -> Optional[Tuple[List[Optional[int]], bool]]:
     return None
 
 
-def fold_static_sizes(model) -> int:
-    """Replaces by constants, in place in ``model`` (an ``onnx.ModelProto`` whose nodes are in order), the values of
-    its graph that its inputs' known sizes decide (the module docstring), and removes the nodes then unread; returns
-    the number of nodes folded."""
+def _walk(model) -> Tuple[Dict[str, object], Dict[int, List[np.ndarray]]]:
+    """The graph of ``model`` walked once in order (the module docstring): each value's type where known, and the
+    results of the nodes to fold, by position."""
     from onnx import defs, helper, numpy_helper
     from onnx.shape_inference import infer_node_outputs
 
@@ -183,6 +182,24 @@ def fold_static_sizes(model) -> int:
             types.update(infer_node_outputs(schema, node, known_types, data, opset_imports=list(model.opset_import)))
         except Exception:  # types not inferred: what reads this node's outputs is not folded
             pass
+    return types, folded
+
+
+def value_dims(model) -> Dict[str, Optional[List[Optional[int]]]]:
+    """The dimensions of the values of ``model``'s graph (an ``onnx.ModelProto`` whose nodes are in order) where
+    known (``None`` for a dimension not known, or for a value whose rank is not), the package's nodes included."""
+    types, _ = _walk(model)
+    return {name: _dims(value_type) for name, value_type in types.items()}
+
+
+def fold_static_sizes(model) -> int:
+    """Replaces by constants, in place in ``model`` (an ``onnx.ModelProto`` whose nodes are in order), the values of
+    its graph that its inputs' known sizes decide (the module docstring), and removes the nodes then unread; returns
+    the number of nodes folded."""
+    from onnx import helper, numpy_helper
+
+    graph = model.graph
+    _, folded = _walk(model)
     if not folded:
         return 0
     nodes = []

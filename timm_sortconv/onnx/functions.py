@@ -4,8 +4,8 @@ A ``timm_sortconv::SortConv2d`` node (:mod:`.fused`) runs where the package's li
 same file also runs where it is not, :func:`attach_functions` gives the model one function per distinct layer
 configuration, of the node's domain and name, told apart by the function's ``overload`` (the node names the same
 one): its body is the layer in standard operators, written by the same lowering as a plain export (:mod:`.lowering`)
-for any batch, height and width, with the node's inputs ``X``, ``W`` and ``B`` (the weight and bias are inputs of the
-body, so a batch normalisation folded into the node's initializers holds for the body too). onnxruntime then runs
+for any batch, height and width, with the node's inputs ``X``, ``W``, ``B`` and ``S`` where it has them (the weight and
+bias are inputs of the body, so a batch normalisation folded into the node's initializers holds for the body too). onnxruntime then runs
 the package's kernel where the library is registered and inlines the function where it is not (from onnxruntime
 1.27: :data:`STOCK_INLINING_ONNXRUNTIME`). A runtime that does not inline model-local functions (OpenVINO) takes the
 file :func:`inline_functions` writes: every function expanded in place, standard operators only, with the sorting
@@ -71,8 +71,10 @@ class _Layer(nn.Module):
             raise ValueError(f"fused ONNX node: activation {activation!r} is not one of {ACTIVATIONS}")
         self.relu = activation == "Relu"
 
-    def forward(self, x, weight, bias=None):
+    def forward(self, x, weight, bias=None, sum=None):
         y = self._layer(x, weight, bias)
+        if sum is not None:
+            y = y + sum
         return torch.relu(y) if self.relu else y
 
     def _layer(self, x, weight, bias):
@@ -109,20 +111,26 @@ def _traced_nodes(module: nn.Module, example, names: List[str], dynamic: Dict[st
         graph.node)
 
 
-def _body(attributes: Dict[str, object], weight_shape: List[int], has_bias: bool, channels: int,
-          decomposition: str):
-    """The function of a node with these attributes: the layer for any batch, height and width."""
+def _body(attributes: Dict[str, object], weight_shape: List[int], inputs: int, channels: int, decomposition: str):
+    """The function of a node with these attributes and ``inputs`` inputs (``X``, ``W``, ``B``, ``S``): the layer
+    for any batch, height and width."""
     k = attributes["kernel_size"]
     size = max(2 * k * max(attributes["dilations"]), 8)
-    example = (torch.zeros(1, channels, size, size), torch.zeros(weight_shape)) + (
-        (torch.zeros(weight_shape[0]),) if has_bias else ())
-    names = ["X", "W", "B"][:len(example)]
+    layer = _Layer(attributes)
+    example = (torch.zeros(1, channels, size, size), torch.zeros(weight_shape), torch.zeros(weight_shape[0]))
+    if inputs > 3:
+        with torch.no_grad():
+            example += (torch.zeros_like(layer(*example)),)
+    example = example[:inputs]
+    names = ["X", "W", "B", "S"][:inputs]
     axes = {0: "n", 2: "h", 3: "w"}
-    return _traced_nodes(_Layer(attributes), example, names, {"X": axes, "Y": axes}, decomposition), names
+    dynamic = {"X": axes, "Y": axes, **({"S": axes} if inputs > 3 else {})}
+    return _traced_nodes(layer, example, names, dynamic, decomposition), names
 
 
-def _overload(attributes: Dict[str, object], weight_shape: List[int], has_bias: bool, channels: int) -> str:
-    key = repr((sorted(attributes.items()), weight_shape, has_bias, channels)).encode()
+def _overload(attributes: Dict[str, object], weight_shape: List[int], inputs: int, channels: int) -> str:
+    key = repr((sorted(attributes.items()), weight_shape, inputs > 2, channels) + ((True,) if inputs > 3 else ())
+               ).encode()
     return "layer_" + hashlib.sha256(key).hexdigest()[:12]
 
 
@@ -141,14 +149,14 @@ def attach_functions(model, decomposition: str = "network") -> int:
         weight_shape = shapes.get(node.input[1])
         if weight_shape is None:
             raise ValueError(f"fused ONNX export: the weight of node {node.name} is not an initializer")
-        has_bias = len(node.input) > 2 and bool(node.input[2])
+        inputs = len(node.input) if len(node.input) != 3 or node.input[2] else 2
         guides = attributes.get("guides", 0)
         in_channels = weight_shape[1] * attributes["group"] + guides * attributes["group"]
-        overload = _overload(attributes, weight_shape, has_bias, in_channels)
+        overload = _overload(attributes, weight_shape, inputs, in_channels)
         node.overload = overload
         if overload in made:
             continue
-        nodes, inputs = _body(attributes, weight_shape, has_bias, in_channels, decomposition)
+        nodes, inputs = _body(attributes, weight_shape, inputs, in_channels, decomposition)
         made[overload] = helper.make_function(DOMAIN, OP_NAME, inputs, ["Y"], nodes,
                                               [helper.make_opsetid("", _BODY_OPSET)], overload=overload)
     model.functions.extend(made.values())

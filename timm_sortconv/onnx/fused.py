@@ -6,7 +6,8 @@ written instead as one node of the domain ``timm_sortconv``, which onnxruntime r
 :mod:`.runtime`: the fused CPU kernel of PyTorch's CPU backend, on onnxruntime's intra-op threads. The node:
 
 * inputs ``X`` ``(N, C, H, W)``, ``W`` ``(O, C/group, k, k)`` (the layer's weight as it is, grid order), optional
-  ``B`` ``(O,)``; output ``Y``; all float32;
+  ``B`` ``(O,)`` and ``S`` (like ``Y``: added to it before the activation, where a residual ``Add`` is merged,
+  :func:`fuse_residuals`); output ``Y``; all float32;
 * attributes: ``kernel_size``, ``strides``, ``dilations``, ``group``, ``pads`` (zeros, ``[top, left, bottom, right]``
   as ONNX ``Conv`` orders them), and the sampling geometry as :func:`~timm_sortconv.ops.geometry.get_geometry`
   computes it, which stays the only place it is computed: ``taps``, ``tap_offsets`` (per sample in slot order and
@@ -38,8 +39,8 @@ from ..ops.cpu_backend import align_kernel_tables
 from ..ops.geometry import ALIGNMENTS, SortGeometry, get_geometry
 
 __all__ = ["ACTIVATIONS", "CENTRE_OP", "DOMAIN", "FusedExportError", "OP_NAME", "OPSET", "check_fused",
-           "drop_unread_constants", "fold_batch_norms", "fuse_activations", "merge_centring", "node_attributes",
-           "output_size", "register_symbolics", "translation_table"]
+           "drop_unread_constants", "fold_batch_norms", "fuse_activations", "fuse_residuals", "merge_centring",
+           "node_attributes", "output_size", "register_symbolics", "translation_table"]
 
 DOMAIN = "timm_sortconv"
 OP_NAME = "SortConv2d"
@@ -328,6 +329,52 @@ def fuse_activations(model) -> int:
         merged.append(relu)
     for relu in merged:
         graph.node.remove(relu)
+    return len(merged)
+
+
+def fuse_residuals(model) -> int:
+    """Merges each ``Add`` that alone reads a fused node's output (the node with no activation yet) and adds to it a
+    value of the same shape (a residual block's shortcut, not a broadcast) into that node, in place in ``model`` (an
+    ``onnx.ModelProto`` whose nodes are in order): the other operand becomes the node's fourth input ``S``, which the
+    library adds to each output tile before the activation, as onnxruntime fuses a residual ``Add`` into its own
+    ``Conv``; a zero ``B`` is given to a node without one. The node's standard-operator form (:mod:`.functions`) adds
+    ``S`` too. A ``Relu`` that then alone reads the node's output :func:`fuse_activations` merges. Returns the number
+    merged."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    from .folding import value_dims
+
+    graph = model.graph
+    sole = _sole_readers(graph)
+    dims = value_dims(model)
+    weights = {tensor.name: tensor for tensor in graph.initializer}
+    merged = []
+    for node in graph.node:
+        if node.domain != DOMAIN or node.op_type != OP_NAME or len(node.input) > 3:
+            continue
+        if any(a.name == "activation" and a.s for a in node.attribute):
+            continue
+        add = sole.get(node.output[0])
+        if add is None or add.op_type != "Add" or add.domain not in ("", "ai.onnx") or len(add.input) != 2:
+            continue
+        other = add.input[1] if add.input[0] == node.output[0] else add.input[0]
+        if other == node.output[0] or node.input[1] not in weights:
+            continue
+        ours, theirs = dims.get(node.output[0]), dims.get(other)
+        if ours is None or ours != theirs or len(ours) != 4 or None in ours[1:]:
+            continue
+        if len(node.input) < 3 or not node.input[2]:
+            bias = numpy_helper.from_array(np.zeros(weights[node.input[1]].dims[0], dtype=np.float32),
+                                           f"{add.output[0]}_zero_bias")
+            graph.initializer.append(bias)
+            del node.input[2:]
+            node.input.append(bias.name)
+        node.input.append(other)
+        node.output[0] = add.output[0]
+        merged.append(add)
+    for add in merged:
+        graph.node.remove(add)
     return len(merged)
 
 

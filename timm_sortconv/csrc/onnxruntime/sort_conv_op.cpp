@@ -6,7 +6,8 @@
 // the OrtApi table), at ORT_API_VERSION of the header, which every later onnxruntime serves.
 //
 // The node (timm_sortconv/onnx/fused.py writes it):
-//   inputs   X (N, C, H, W) float32; W (O, C/group, k, k) float32, the layer's weight in grid order; B (O,) optional
+//   inputs   X (N, C, H, W) float32; W (O, C/group, k, k) float32, the layer's weight in grid order; B (O,) optional;
+//            S (N, O, Ho, Wo) optional, added to the output before the activation (a residual Add merged)
 //   output   Y (N, O, Ho, Wo) float32
 //   attributes (the geometry as timm_sortconv/ops/geometry.py computes it, which is the only place it is computed)
 //     kernel_size k; strides, dilations [h, w]; group; pads [top, left, bottom, right] zeros (ONNX Conv's order);
@@ -255,9 +256,11 @@ class SortConvKernel {
     const OrtValue* x_value = nullptr;
     const OrtValue* w_value = nullptr;
     const OrtValue* b_value = nullptr;
+    const OrtValue* s_value = nullptr;
     check_status(g_api->KernelContext_GetInput(context, 0, &x_value));
     check_status(g_api->KernelContext_GetInput(context, 1, &w_value));
     if (inputs > 2) check_status(g_api->KernelContext_GetInput(context, 2, &b_value));
+    if (inputs > 3) check_status(g_api->KernelContext_GetInput(context, 3, &s_value));
     const TensorInfo x = tensor_info(x_value), w = tensor_info(w_value);
     check_float(x, "X");
     check_float(w, "W");
@@ -271,13 +274,22 @@ class SortConvKernel {
       bias = float_data(b_value);
     }
     const std::array<int64_t, 4> out_dims = layer_.output_dims(x.dims, w.dims);
+    const float* sum = nullptr;
+    if (s_value != nullptr) {
+      const TensorInfo s = tensor_info(s_value);
+      TIMM_SORTCONV_CHECK(s.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT
+                              && s.dims == std::vector<int64_t>(out_dims.begin(), out_dims.end()),
+                          "timm_sortconv::SortConv2d: S must be a float32 tensor of Y's shape (", out_dims[0], ", ",
+                          out_dims[1], ", ", out_dims[2], ", ", out_dims[3], ")");
+      sum = float_data(s_value);
+    }
     OrtValue* y_value = nullptr;
     check_status(g_api->KernelContext_GetOutput(context, 0, out_dims.data(), out_dims.size(), &y_value));
     void* y_data = nullptr;
     check_status(g_api->GetTensorMutableData(y_value, &y_data));
     const timm_sortconv_host::Pool pool{threads_, context, &OrtPool::run};
     const timm_sortconv_host::PoolScope scope(&pool);
-    layer_.forward(float_data(x_value), x.dims, float_data(w_value), w.dims, bias, static_cast<float*>(y_data),
+    layer_.forward(float_data(x_value), x.dims, float_data(w_value), w.dims, bias, sum, static_cast<float*>(y_data),
                    threads_);
   }
 
@@ -369,11 +381,11 @@ struct SortConvOp : OrtCustomOp {
     GetName = [](const OrtCustomOp*) { return kOpName; };
     GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return "CPUExecutionProvider"; };
     GetInputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
-    GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 3; };
+    GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 4; };
     GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
     GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
     GetInputCharacteristic = [](const OrtCustomOp*, size_t index) {
-      return index == 2 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+      return index >= 2 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
     };
     GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
     GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };

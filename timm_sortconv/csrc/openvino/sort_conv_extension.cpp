@@ -120,11 +120,17 @@ class SortConv2d : public ov::op::Op {
     const auto y = layer.output_dims(x, w);
     outputs[0].set_shape(ov::Shape(y.begin(), y.end()));
     const float* bias = inputs.size() > 2 && inputs[2] ? inputs[2].data<const float>() : nullptr;
+    const float* sum = nullptr;
+    if (inputs.size() > 3 && inputs[3]) {
+      TIMM_SORTCONV_CHECK(dims(inputs[3]) == std::vector<int64_t>(y.begin(), y.end()),
+                          "timm_sortconv::SortConv2d: S must have Y's shape");
+      sum = inputs[3].data<const float>();
+    }
     const int64_t threads = std::max(1, tbb::this_task_arena::max_concurrency());
     const timm_sortconv_host::Pool pool{threads, nullptr, &TbbPool::run};
     const timm_sortconv_host::PoolScope scope(&pool);
-    layer.forward(inputs[0].data<const float>(), x, inputs[1].data<const float>(), w, bias, outputs[0].data<float>(),
-                  threads);
+    layer.forward(inputs[0].data<const float>(), x, inputs[1].data<const float>(), w, bias, sum,
+                  outputs[0].data<float>(), threads);
     return true;
   }
 
