@@ -412,6 +412,8 @@ def onnx() -> str:
                       "| model | path | " + " | ".join(f"{i}." for i in range(1, 5)) + " |", "|---|---|" + "---|" * 4]
             for key in dict.fromkeys((p["model"], p["decomposition"]) for p in profile):
                 ops = [p for p in profile if (p["model"], p["decomposition"]) == key]
+                latest = max((p["date"], p["commit"]) for p in ops)  # the last profile of the model and path
+                ops = [p for p in ops if (p["date"], p["commit"]) == latest]
                 total = sum(float(p["ms"]) for p in ops)
                 top = sorted(ops, key=lambda p: -float(p["ms"]))[:4]
                 lines.append(f"| `{key[0]}` | {key[1]} | " + " | ".join(
