@@ -347,9 +347,8 @@ def fuse_residuals(model) -> int:
 
     graph = model.graph
     sole = _sole_readers(graph)
-    dims = value_dims(model)
     weights = {tensor.name: tensor for tensor in graph.initializer}
-    merged = []
+    candidates = []
     for node in graph.node:
         if node.domain != DOMAIN or node.op_type != OP_NAME or len(node.input) > 3:
             continue
@@ -359,8 +358,13 @@ def fuse_residuals(model) -> int:
         if add is None or add.op_type != "Add" or add.domain not in ("", "ai.onnx") or len(add.input) != 2:
             continue
         other = add.input[1] if add.input[0] == node.output[0] else add.input[0]
-        if other == node.output[0] or node.input[1] not in weights:
-            continue
+        if other != node.output[0] and node.input[1] in weights:
+            candidates.append((node, add, other))
+    if not candidates:  # (the shapes need a walk over the whole graph: only where an Add may be merged)
+        return 0
+    dims = value_dims(model)
+    merged = []
+    for node, add, other in candidates:
         ours, theirs = dims.get(node.output[0]), dims.get(other)
         if ours is None or ours != theirs or len(ours) != 4 or None in ours[1:]:
             continue
