@@ -212,13 +212,15 @@ def test_threads_do_not_change_the_result(library):
         _assert_agrees(one, _reference(model, x))
 
 
-@pytest.mark.parametrize("size", [9, 12, 33])
+@pytest.mark.parametrize("size", [7, 9, 12, 33])
 @pytest.mark.parametrize("kernel_size,stride,sorting", [(3, 1, "ring"), (5, 1, "ring"), (7, 2, "ring"),
                                                         (7, 1, "align")])
 def test_one_image_cut_into_tasks_agrees_at_every_size(library, size, kernel_size, stride, sorting):
     """One padded image on two threads: the node cuts its positions into tasks, each copying and padding only the rows
-    its windows read (a task's rows may start at the first or reach the last, or both). Equal to one thread, and to
-    the reference."""
+    its windows read (a task's rows may start at the first or reach the last, or both). Fewer blocks than threads
+    (7 x 7: 49 positions, 12 x 12 at stride 2: 36) are cut between whole vectors (25 + 24), where the positions past
+    a task's last whole vector take the products with the outputs on the lanes. Equal to one thread, and to the
+    reference."""
     torch.manual_seed(0)
     layer = SortConv2d(64, 32, kernel_size, stride=stride, padding=kernel_size // 2, sampling="polar", sorting=sorting)
     x = torch.randn(1, 64, size, size)

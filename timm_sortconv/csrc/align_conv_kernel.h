@@ -1274,7 +1274,7 @@ void align_forward_kernel(const Plan<scalar_t>& plan, const AlignTables<scalar_t
   // The input's channels per group: the weighted ones, then the guide's (t.guides), read for the orientation only.
   const int64_t cin = cg + t.guides, in_channels = cin * shape.groups;
   const int64_t panel_channels = panel_channels_of(cg, slots);
-  const ForwardSplit split = forward_split(shape, positions, slots, lanes, true);
+  const ForwardSplit split = forward_split<scalar_t>(shape, positions, slots, true);
   for_each_forward_part(split, shape.batch * positions, og, half,
                         [&](int64_t begin, int64_t end, const RowRange& rows) {
     // gather_samples may write a vector past its last row.

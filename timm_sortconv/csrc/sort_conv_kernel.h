@@ -1229,17 +1229,16 @@ bool sort_direct(const Plan<scalar_t>&, const scalar_t*, const Block&, scalar_t*
 }
 
 // tile[m][lanes] (+)= sum_k w[k * ldw + m] * panel[k][lanes] for m < kRows: `panel` holds `depth`
-// rows of kLanes values, `w` is read as depth rows of kRows consecutive values.
+// rows of kLanes values, `w` is read as depth rows of kRows consecutive values. The sum is taken from zero and
+// then added to the tile, as micro_gemm_positions does: a position's output is the same to the last bit whichever
+// of the two takes it (which depends on how a call's positions are cut into blocks, and so on its threads).
 template <typename scalar_t, int kRows>
 void micro_gemm(const scalar_t* panel, int64_t depth, const scalar_t* w, int64_t ldw, scalar_t* tile,
                 bool accumulate) {
   using vec = typename Simd<scalar_t>::vec;
   constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
   vec acc0[kRows], acc1[kRows];
-  for (int m = 0; m < kRows; ++m) {
-    acc0[m] = accumulate ? load(tile + m * lanes) : vec{};
-    acc1[m] = accumulate ? load(tile + m * lanes + half) : vec{};
-  }
+  for (int m = 0; m < kRows; ++m) acc0[m] = acc1[m] = vec{};
   for (int64_t k = 0; k < depth; ++k) {
     const vec p0 = load(panel + k * lanes), p1 = load(panel + k * lanes + half);
     const scalar_t* wk = w + k * ldw;
@@ -1250,8 +1249,8 @@ void micro_gemm(const scalar_t* panel, int64_t depth, const scalar_t* w, int64_t
     }
   }
   for (int m = 0; m < kRows; ++m) {
-    store(tile + m * lanes, acc0[m]);
-    store(tile + m * lanes + half, acc1[m]);
+    store(tile + m * lanes, accumulate ? load(tile + m * lanes) + acc0[m] : acc0[m]);
+    store(tile + m * lanes + half, accumulate ? load(tile + m * lanes + half) + acc1[m] : acc1[m]);
   }
 }
 
@@ -1264,13 +1263,13 @@ void micro_gemm_narrow(const scalar_t* panel, int64_t depth, const scalar_t* w, 
   using vec = typename Simd<scalar_t>::vec;
   constexpr int64_t lanes = kLanes<scalar_t>;
   vec acc[kRows];
-  for (int m = 0; m < kRows; ++m) acc[m] = accumulate ? load(tile + m * lanes) : vec{};
+  for (int m = 0; m < kRows; ++m) acc[m] = vec{};
   for (int64_t k = 0; k < depth; ++k) {
     const vec p = load(panel + k * lanes);
     const scalar_t* wk = w + k * ldw;
     for (int m = 0; m < kRows; ++m) acc[m] += splat(wk[m]) * p;
   }
-  for (int m = 0; m < kRows; ++m) store(tile + m * lanes, acc[m]);
+  for (int m = 0; m < kRows; ++m) store(tile + m * lanes, accumulate ? load(tile + m * lanes) + acc[m] : acc[m]);
 }
 
 template <typename scalar_t>
@@ -1724,20 +1723,46 @@ int64_t multiply_adds(const Shape& shape, int64_t positions, int64_t slots) {
 }
 
 // How a forward call's work is shared between threads: `ranges` contiguous ranges of the flat output positions,
-// each computed in `parts` parts of every group's outputs (row_range). A thread is only started for a whole block of
-// positions; where the call has fewer blocks than the work has threads (a batch of one small map: 7 x 7 has one
-// block of kLanes and a little), the outputs are split too: each part gathers and sorts the same samples (for a
-// small map, a small share of the work) and multiplies them with its own register tiles of the weight.
+// each computed in `parts` parts of every group's outputs (row_range). A thread takes at least a whole vector of
+// positions. Where the call has fewer blocks (kLanes positions) than the work has threads (a batch of one small
+// map: 7 x 7 has one block and a little), the ranges are cut at the even split (`exact`: 7 x 7 on two threads, 25
+// + 24 positions) if each range then ends in whole vectors and at most kTileRows positions more (gemm_positions
+// takes those), so that each thread takes only its own positions' samples, and if a group's weights fit in a core's
+// L2 (kSplitWeightBytes), since each thread then reads all of them; otherwise the outputs are split too: each part
+// gathers and sorts the same samples and multiplies them with its own register tiles of the weight. (The
+// sortify-ed resnet18's 512 -> 512 layer at 7 x 7, 9.4 MB of weights, was 2-8% slower at batch 1 on two threads
+// cut by positions.)
+constexpr int64_t kSplitWeightBytes = 1 << 20;
+
 struct ForwardSplit {
   int64_t ranges = 1, parts = 1;
+  bool exact = false;
   int64_t threads() const { return ranges * parts; }
 };
 
-inline ForwardSplit forward_split(const Shape& shape, int64_t positions, int64_t slots, int64_t lanes,
-                                  bool split_outputs) {
+// Whether `flat` positions cut evenly into `ranges` ranges leave each range whole vectors and at most kTileRows
+// positions more.
+inline bool even_cuts_fit(int64_t flat, int64_t ranges, int64_t vector) {
+  for (int64_t range = 0; range < ranges; ++range) {
+    const int64_t size = flat * (range + 1) / ranges - flat * range / ranges;
+    if (size < vector || size % vector > kTileRows) return false;
+  }
+  return true;
+}
+
+template <typename scalar_t>
+ForwardSplit forward_split(const Shape& shape, int64_t positions, int64_t slots, bool split_outputs) {
+  constexpr int64_t lanes = kLanes<scalar_t>, vector = kVecLanes<scalar_t>;
   const int64_t wanted = thread_count(std::numeric_limits<int64_t>::max(), multiply_adds(shape, positions, slots));
+  const int64_t flat = shape.batch * positions;
+  const int64_t weight_bytes = shape.in_per_group() * slots * shape.out_per_group() * int64_t(sizeof(scalar_t));
   ForwardSplit split;
-  split.ranges = std::max<int64_t>(1, std::min(wanted, shape.batch * positions / lanes));
+  split.ranges = std::max<int64_t>(1, std::min(wanted, flat / lanes));
+  const int64_t by_vectors = std::min(wanted, flat / vector);
+  if (split.ranges < by_vectors && weight_bytes <= kSplitWeightBytes && even_cuts_fit(flat, by_vectors, vector)) {
+    split.ranges = by_vectors;
+    split.exact = true;
+  }
   if (split_outputs && split.ranges < wanted) {
     split.parts = std::max<int64_t>(1, std::min(wanted / split.ranges, tile_count(shape.out_per_group())));
   }
@@ -1745,12 +1770,14 @@ inline ForwardSplit forward_split(const Shape& shape, int64_t positions, int64_t
 }
 
 // Calls fn(begin, end, rows) once per thread of `split`: its range [begin, end) of the `flat` output positions and
-// its register tiles `rows` of each group's `og` outputs. The ranges begin at multiples of `vector` (a vector's
-// lanes), nearest the even split: a range's blocks then fill whole vectors but for its last, whose narrow_block
-// takes half the work (196 positions, 2 threads: 96 + 100, 3 blocks and 3 and a narrow one, not 4 and 4).
+// its register tiles `rows` of each group's `og` outputs. Unless `split.exact`, the ranges begin at multiples of
+// `vector` (a vector's lanes), nearest the even split: a range's blocks then fill whole vectors but for its last,
+// whose narrow_block takes half the work (196 positions, 2 threads: 96 + 100, 3 blocks and 3 and a narrow one, not 4
+// and 4).
 template <typename F>
 void for_each_forward_part(const ForwardSplit& split, int64_t flat, int64_t og, int64_t vector, const F& fn) {
   const auto bound = [&](int64_t range) {
+    if (split.exact) return flat * range / split.ranges;
     return range == split.ranges ? flat : std::min(flat, (flat * range / split.ranges + vector / 2) / vector * vector);
   };
   for_each_thread(split.threads(), split.threads(), [&](int64_t thread, int64_t, int64_t) {
@@ -2007,7 +2034,7 @@ void forward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scalar
   const int64_t chunk_pairs = pairs_of(panel_channels * slots);
   [[maybe_unused]] const int64_t group_pairs = (cg / panel_channels) * chunk_pairs + pairs_of((cg % panel_channels) * slots);
   // (the bfloat16 products take a group's outputs whole)
-  const ForwardSplit split = forward_split(shape, positions, slots, lanes, weight_pairs == nullptr);
+  const ForwardSplit split = forward_split<scalar_t>(shape, positions, slots, weight_pairs == nullptr);
   const int64_t pass_blocks = blocks_per_pass<scalar_t>(shape, slots), span = pass_blocks * lanes;
   for_each_forward_part(split, shape.batch * positions, og, half,
                         [&](int64_t begin, int64_t end, const RowRange& rows) {
