@@ -1730,8 +1730,8 @@ int64_t multiply_adds(const Shape& shape, int64_t positions, int64_t slots) {
 // takes those), so that each thread takes only its own positions' samples, and if a group's weights fit in a core's
 // L2 (kSplitWeightBytes), since each thread then reads all of them; otherwise the outputs are split too: each part
 // gathers and sorts the same samples and multiplies them with its own register tiles of the weight. (The
-// sortify-ed resnet18's 512 -> 512 layer at 7 x 7, 9.4 MB of weights, was 2-8% slower at batch 1 on two threads
-// cut by positions.)
+// sortify-ed resnet18, whose 512 -> 512 layers at 7 x 7 hold 9.4 MB of weights, was 1-2% slower at batch 1 on two
+// threads with those layers cut by positions.)
 constexpr int64_t kSplitWeightBytes = 1 << 20;
 
 struct ForwardSplit {
