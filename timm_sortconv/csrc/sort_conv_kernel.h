@@ -1750,16 +1750,22 @@ inline bool even_cuts_fit(int64_t flat, int64_t ranges, int64_t vector) {
   return true;
 }
 
+// The bytes of one group's weights (C/g * slots * O/g values).
+template <typename scalar_t>
+int64_t group_weight_bytes(const Shape& shape, int64_t slots) {
+  return shape.in_per_group() * slots * shape.out_per_group() * static_cast<int64_t>(sizeof(scalar_t));
+}
+
 template <typename scalar_t>
 ForwardSplit forward_split(const Shape& shape, int64_t positions, int64_t slots, bool split_outputs) {
   constexpr int64_t lanes = kLanes<scalar_t>, vector = kVecLanes<scalar_t>;
   const int64_t wanted = thread_count(std::numeric_limits<int64_t>::max(), multiply_adds(shape, positions, slots));
   const int64_t flat = shape.batch * positions;
-  const int64_t weight_bytes = shape.in_per_group() * slots * shape.out_per_group() * int64_t(sizeof(scalar_t));
   ForwardSplit split;
   split.ranges = std::max<int64_t>(1, std::min(wanted, flat / lanes));
   const int64_t by_vectors = std::min(wanted, flat / vector);
-  if (split.ranges < by_vectors && weight_bytes <= kSplitWeightBytes && even_cuts_fit(flat, by_vectors, vector)) {
+  if (split.ranges < by_vectors && group_weight_bytes<scalar_t>(shape, slots) <= kSplitWeightBytes
+      && even_cuts_fit(flat, by_vectors, vector)) {
     split.ranges = by_vectors;
     split.exact = true;
   }
@@ -2016,8 +2022,7 @@ constexpr int64_t kPassWeightBytes = TIMM_SORTCONV_PASS_BYTES;
 
 template <typename scalar_t>
 int64_t blocks_per_pass(const Shape& shape, int64_t slots) {
-  const int64_t bytes = shape.in_per_group() * slots * shape.out_per_group() * static_cast<int64_t>(sizeof(scalar_t));
-  return bytes >= kPassWeightBytes ? kPassBlocks : 1;
+  return group_weight_bytes<scalar_t>(shape, slots) >= kPassWeightBytes ? kPassBlocks : 1;
 }
 
 // weight_pairs: the forward's weights as bfloat16 pair rows (pack_forward_weights), or nullptr to
