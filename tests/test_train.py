@@ -432,8 +432,10 @@ def test_help_shows_input_size_as_c_h_w(parser):
 def test_paper_protocol_runs_in_the_background_is_stopped_resumed_and_measured(data_dir, tmp_path):
     """scripts/paper_protocol.sh on a tiny configuration: started in the background, stopped mid-epoch, started
     again, it ends with the weights, summary and learning curve of the same run left uninterrupted."""
+    # Batches of 2 (48 an epoch): the stop, sent once the first recovery checkpoint (batch 3) is written, lands
+    # mid-epoch even on a busy machine, where the stop's own process takes as long as a dozen batches of 8.
     tiny = ["--epochs", "2", "--curve", "1", "2", "--curve-samples", "8", "--rot-samples", "8", "--model-kwargs",
-            "channels=(4,4,4,4,4,4)", "--train-split", "trainval", "--val-split", "test", "-b", "8", "-j", "0",
+            "channels=(4,4,4,4,4,4)", "--train-split", "trainval", "--val-split", "test", "-b", "2", "-j", "0",
             "--recovery-interval", "3", "--log-interval", "4"]
     straight = tmp_path / "straight"
     results_tool.main(["--model", "scnn_p_rs_3", "--name", "scnn_p_rs_3-paper", "--config",
