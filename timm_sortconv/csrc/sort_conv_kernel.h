@@ -1742,10 +1742,11 @@ struct ForwardSplit {
 
 // Whether `flat` positions cut evenly into `ranges` ranges leave each range whole vectors and at most kTileRows
 // positions more.
-inline bool even_cuts_fit(int64_t flat, int64_t ranges, int64_t vector) {
+template <typename scalar_t>
+bool even_cuts_fit(int64_t flat, int64_t ranges) {
   for (int64_t range = 0; range < ranges; ++range) {
     const int64_t size = flat * (range + 1) / ranges - flat * range / ranges;
-    if (size < vector || size % vector > kTileRows) return false;
+    if (size < kVecLanes<scalar_t> || (size % kVecLanes<scalar_t> != 0 && !position_tail<scalar_t>(size))) return false;
   }
   return true;
 }
@@ -1765,7 +1766,7 @@ ForwardSplit forward_split(const Shape& shape, int64_t positions, int64_t slots,
   split.ranges = std::max<int64_t>(1, std::min(wanted, flat / lanes));
   const int64_t by_vectors = std::min(wanted, flat / vector);
   if (split.ranges < by_vectors && group_weight_bytes<scalar_t>(shape, slots) <= kSplitWeightBytes
-      && even_cuts_fit(flat, by_vectors, vector)) {
+      && even_cuts_fit<scalar_t>(flat, by_vectors)) {
     split.ranges = by_vectors;
     split.exact = true;
   }
