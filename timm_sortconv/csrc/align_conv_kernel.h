@@ -124,6 +124,11 @@ inline bool unrolled_ring(int64_t size) { return size == 1 || size == 8 || size 
 
 bool known_polar_segment(int64_t k, int64_t start, int64_t size);
 
+// The polar kernel size whose taps sit where PolarTaps says (0: none): plan.polar_k (5, 7), or 3 (plan.polar_3, which
+// the sorting kernel leaves to its staged taps).
+template <typename scalar_t>
+int polar_size(const Plan<scalar_t>& plan) { return plan.polar_3 ? 3 : plan.polar_k; }
+
 // Fills t.cosine_block, t.sine_block and t.rings, t.direct from the plan's segments and the fold (float64, k*k x k*k).
 template <typename scalar_t>
 void find_rings(const Plan<scalar_t>& plan, const double* f, AlignTables<scalar_t>& t) {
@@ -163,8 +168,8 @@ void find_rings(const Plan<scalar_t>& plan, const double* f, AlignTables<scalar_
 #if defined(TIMM_SORTCONV_SORT_DIRECT)
   t.direct = t.rings && kUnrolledNetworks<scalar_t>
              && (plan.single_tap
-                 || (plan.polar_k != 0 && std::all_of(plan.segments.begin(), plan.segments.end(), [&](const Segment& g) {
-                       return known_polar_segment(plan.polar_k, g.start, g.size);
+                 || (polar_size(plan) != 0 && std::all_of(plan.segments.begin(), plan.segments.end(), [&](const Segment& g) {
+                       return known_polar_segment(polar_size(plan), g.start, g.size);
                      })));
 #endif
 }
@@ -684,7 +689,8 @@ inline vfloat fused_multiply_add(vfloat a, vfloat b, vfloat c) {
 }
 
 bool known_polar_segment(int64_t k, int64_t start, int64_t size) {
-  return (k == 5 && ((start == 0 && size == 1) || (start == 1 && size == 8) || (start == 9 && size == 16)))
+  return (k == 3 && ((start == 0 && size == 1) || (start == 1 && size == 8)))
+         || (k == 5 && ((start == 0 && size == 1) || (start == 1 && size == 8) || (start == 9 && size == 16)))
          || (k == 7 && ((start == 0 && size == 1) || (start == 1 && size == 8) || (start == 9 && size == 16)
                         || (start == 25 && size == 24)));
 }
@@ -745,18 +751,20 @@ void square_ring_spectra(const Plan<float>& plan, int64_t start, const float* co
 template <bool kTwo, bool kSamples>
 void direct_ring_spectra(const Plan<float>& plan, const Segment& segment, const float* cosine, const float* sine,
                          const float* p0, const float* p1, PieceMask m0, PieceMask m1, float* out) {
-  if (plan.polar_k == 0) {
+  if (polar_size(plan) == 0) {
     with_ring_size(segment.size, [&](auto size) {
       square_ring_spectra<decltype(size)::value, kTwo, kSamples>(plan, segment.start, cosine, sine, p0, p1, m0, m1,
                                                                  out);
     });
     return;
   }
-  const int64_t key = plan.polar_k * 10000 + segment.start * 100 + segment.size;
+  const int64_t key = polar_size(plan) * 10000 + segment.start * 100 + segment.size;
 #define TIMM_SORTCONV_CASE(k, start, size) \
   case k * 10000 + start * 100 + size:    \
     return polar_ring_spectra<k, start, size, kTwo, kSamples>(plan, cosine, sine, p0, p1, m0, m1, out);
   switch (key) {
+    TIMM_SORTCONV_CASE(3, 0, 1)
+    TIMM_SORTCONV_CASE(3, 1, 8)
     TIMM_SORTCONV_CASE(5, 0, 1)
     TIMM_SORTCONV_CASE(5, 1, 8)
     TIMM_SORTCONV_CASE(5, 9, 16)
@@ -766,7 +774,7 @@ void direct_ring_spectra(const Plan<float>& plan, const Segment& segment, const 
     TIMM_SORTCONV_CASE(7, 25, 24)
     default:
       TIMM_SORTCONV_CHECK(false, "sort_conv_cpu: no polar ring [", segment.start, ", ", segment.start + segment.size,
-                  ") for k = ", plan.polar_k);
+                  ") for k = ", polar_size(plan));
   }
 #undef TIMM_SORTCONV_CASE
 }
