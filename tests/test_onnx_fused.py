@@ -8,6 +8,7 @@ export time; a library that cannot be built must say why in one line.
 """
 import io
 
+import numpy
 import pytest
 import torch
 import torch.nn as nn
@@ -439,6 +440,21 @@ def test_a_residual_add_and_its_relu_are_merged_into_the_node(library, normalise
         unavailable(f"the OpenVINO extension cannot be built here: {error}")
     out = sc_openvino.compile_model(data)(x.numpy())[0]
     _assert_agrees(torch.from_numpy(out), expected)
+
+
+def test_a_residual_of_another_shape_is_refused_naming_both_shapes(library):
+    """A node's S that is not of Y's shape (here a graph input fed one column short) fails the run with one error
+    that names Y's shape and S's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(SortConv2d(3, 8, 3, padding=1), _Residual(False)).eval()
+    x = torch.randn(2, 3, 13, 12)
+    graph_model = onnx.load_from_string(_fused(model, x))
+    node = [node for node in graph_model.graph.node if node.domain == "timm_sortconv" and len(node.input) == 4][0]
+    node.input[3] = "s"
+    graph_model.graph.input.append(onnx.helper.make_tensor_value_info("s", onnx.TensorProto.FLOAT, None))
+    session = sc_onnx.session(graph_model.SerializeToString(), 1, library=library)
+    with pytest.raises(Exception, match=r"S must have Y's shape \(2, 8, 13, 12\), not \(2, 8, 13, 11\)"):
+        session.run(None, {"x": x.numpy(), "s": numpy.zeros((2, 8, 13, 11), numpy.float32)})
 
 
 def test_a_broadcast_add_stays_a_node_of_its_own(library):

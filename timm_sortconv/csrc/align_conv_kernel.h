@@ -93,7 +93,7 @@ struct AlignTables {
   // Whether every ring is folded as _folded_dft folds it (its rows from the ring's first slot on: the cosine block,
   // then the sine block) with a size ring_dft has unrolled; then per segment of the plan the index in `blocks` of
   // its cosine block and of its sine block (-1: none), and whether its samples can be read straight from the input
-  // (polar sampling as PolarTaps<5> or <7> places it, or square sampling, in float32 where masked loads exist).
+  // (polar sampling as PolarTaps<3>, <5> or <7> places it, or square sampling, in float32 where masked loads exist).
   bool rings = false, direct = false;
   std::vector<int64_t> cosine_block, sine_block;
 

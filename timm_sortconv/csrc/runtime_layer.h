@@ -142,6 +142,15 @@ class Layer {
             output_size(x[3], kernel_size_, strides_[1], pad_[0] + pad_[1], dilations_[1])};
   }
 
+  // S (added to Y before the activation: a residual) must have Y's shape `y`; one check for every runtime.
+  static void check_sum(const std::vector<int64_t>& s, const std::array<int64_t, 4>& y) {
+    if (s == std::vector<int64_t>(y.begin(), y.end())) return;
+    std::string given;
+    for (size_t i = 0; i < s.size(); ++i) given += (i ? ", " : "") + std::to_string(s[i]);
+    TIMM_SORTCONV_CHECK(false, "timm_sortconv::SortConv2d: S must have Y's shape (", y[0], ", ", y[1], ", ", y[2], ", ",
+                        y[3], "), not (", given, ")");
+  }
+
   // A weight that stays the same for every call (an initializer), packed once.
   void set_constant_weight(const float* weight, const std::vector<int64_t>& dims) {
     check_weight(dims);

@@ -277,10 +277,8 @@ class SortConvKernel {
     const float* sum = nullptr;
     if (s_value != nullptr) {
       const TensorInfo s = tensor_info(s_value);
-      TIMM_SORTCONV_CHECK(s.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT
-                              && s.dims == std::vector<int64_t>(out_dims.begin(), out_dims.end()),
-                          "timm_sortconv::SortConv2d: S must be a float32 tensor of Y's shape (", out_dims[0], ", ",
-                          out_dims[1], ", ", out_dims[2], ", ", out_dims[3], ")");
+      check_float(s, "S");
+      timm_sortconv_runtime::Layer::check_sum(s.dims, out_dims);
       sum = float_data(s_value);
     }
     OrtValue* y_value = nullptr;

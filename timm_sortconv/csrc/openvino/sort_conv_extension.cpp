@@ -122,8 +122,7 @@ class SortConv2d : public ov::op::Op {
     const float* bias = inputs.size() > 2 && inputs[2] ? inputs[2].data<const float>() : nullptr;
     const float* sum = nullptr;
     if (inputs.size() > 3 && inputs[3]) {
-      TIMM_SORTCONV_CHECK(dims(inputs[3]) == std::vector<int64_t>(y.begin(), y.end()),
-                          "timm_sortconv::SortConv2d: S must have Y's shape");
+      timm_sortconv_runtime::Layer::check_sum(dims(inputs[3]), y);
       sum = inputs[3].data<const float>();
     }
     const int64_t threads = std::max(1, tbb::this_task_arena::max_concurrency());
