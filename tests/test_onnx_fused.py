@@ -262,7 +262,8 @@ def test_the_aligned_variants_are_one_node_that_agrees_with_the_reference_path(l
 @pytest.mark.slow
 def test_a_guided_network_is_one_node_per_layer_with_its_guide_channel(library):
     """scnn_p_align_7_guided_canon: the canonical turn, the guide pooled to each layer's size (two matrix products at
-    a static shape) and joined as one more input channel, which each node reads for the orientation only."""
+    a static shape, once per size: the layers of a size share them) and joined as one more input channel, which
+    each node reads for the orientation only; no Cast of the guide to the type it has."""
     import timm
 
     model = timm.create_model("scnn_p_align_7_guided_canon", pretrained=True).eval()
@@ -270,6 +271,12 @@ def test_a_guided_network_is_one_node_per_layer_with_its_guide_channel(library):
     data = _fused(model, x)
     nodes = _fused_nodes(data)
     assert len(nodes) == 6
+    graph = onnx.load_from_string(data).graph
+    concats = [node for node in graph.node if node.output[0] in {node.input[0] for node in nodes}]
+    guides = [node.input[1] for node in concats]  # the pooled guide at 28 x 28, 14 x 14, 7 x 7, two layers each
+    assert len(concats) == 6 and len(set(guides)) == 3, guides
+    makers = {output: node for node in graph.node for output in node.output}
+    assert all(makers[name].op_type == "MatMul" for name in guides), [makers[name].op_type for name in guides]
     assert all(onnx.helper.get_attribute_value(next(a for a in node.attribute if a.name == "guides")) == 1
                for node in nodes)
     _assert_agrees(_run(data, library, x), _reference(model, x))

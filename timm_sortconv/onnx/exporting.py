@@ -24,7 +24,7 @@ from typing import List, Optional
 import torch
 import torch.nn as nn
 
-from .folding import fold_static_sizes
+from .folding import fold_static_sizes, merge_repeats
 from .functions import attach_functions, expand_centring, inline_functions
 from .fused import (DOMAIN, OPSET, FusedExportError, check_fused, drop_unread_constants, fold_batch_norms,
                     fuse_activations, fuse_residuals, merge_centring, translation_table)
@@ -106,6 +106,7 @@ def export(model: nn.Module, example: torch.Tensor, f, *, dynamo: bool = False, 
     exported = onnx.load_from_string(buffer.getvalue())
     if not fused:
         fold_static_sizes(exported)
+        merge_repeats(exported)
         drop_unread_constants(exported)
         _write(exported.SerializeToString(), f)
         return
@@ -117,6 +118,7 @@ def export(model: nn.Module, example: torch.Tensor, f, *, dynamo: bool = False, 
     fold_static_sizes(exported)
     if fuse_residuals(exported):  # (with every size known; the ReLUs after the merged Adds follow)
         fuse_activations(exported)
+    merge_repeats(exported)
     drop_unread_constants(exported)
     standard = onnx.ModelProto()
     standard.CopyFrom(exported)

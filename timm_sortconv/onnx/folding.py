@@ -12,6 +12,10 @@ standard node all of whose inputs are known (evaluated with ``onnx.reference``).
 size become ``Constant`` nodes, and what then reads nothing is removed; nothing that depends on the batch or on the
 input's values is folded, and what the exporter left of the weights' arithmetic stays as it is (a runtime folds that
 once, when it loads the file).
+
+:func:`merge_repeats` then keeps one of the nodes that compute the same thing: a guided model pools its guide to a
+size once per layer of that size, and casts it to the layer's dtype, which it already has (the trace records the
+call of every layer). Each such node costs a runtime a call of its own at every run.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ import numpy as np
 
 from .fused import _attributes
 
-__all__ = ["fold_static_sizes", "value_dims"]
+__all__ = ["fold_static_sizes", "merge_repeats", "value_dims"]
 
 # Values with more elements stay computed (a folded value is stored in the file): 2 MiB of float32.
 _LARGEST = 1 << 19
@@ -229,3 +233,72 @@ def _drop_unread(graph) -> None:
             return
         for node in unread:
             graph.node.remove(node)
+
+
+def _node_key(node, names: Dict[str, str]) -> Optional[tuple]:
+    """What ``node`` computes, with its inputs under the names they were merged to: its domain, type, inputs and
+    attributes (a tensor's by value, without its name); ``None`` for a node with a subgraph or a random one."""
+    from onnx import helper
+
+    if node.op_type in _RANDOM or any(a.type in (helper.AttributeProto.GRAPH, helper.AttributeProto.GRAPHS)
+                                      for a in node.attribute):
+        return None
+    attributes = []
+    for attribute in sorted(node.attribute, key=lambda a: a.name):
+        copy = helper.AttributeProto()
+        copy.CopyFrom(attribute)
+        copy.t.ClearField("name")
+        for tensor in copy.tensors:
+            tensor.ClearField("name")
+        attributes.append(copy.SerializeToString(deterministic=True))
+    return (node.domain, node.op_type, tuple(names.get(name, name) for name in node.input), tuple(attributes))
+
+
+def merge_repeats(model) -> int:
+    """Keeps, in place in ``model`` (an ``onnx.ModelProto`` whose nodes are in order), the first of the standard
+    nodes that compute the same thing (same type, attributes and inputs, constants compared by value), and drops
+    every ``Cast`` to the type its input has; what read a dropped node's outputs reads the kept ones. A node whose
+    output is a graph output stays. Returns the number of nodes dropped."""
+    graph = model.graph
+    types, _ = _walk(model)
+    outputs = {output.name for output in graph.output}
+    names: Dict[str, str] = {}  # a dropped node's output -> the value that replaces it
+    first: Dict[tuple, object] = {}
+    kept = []
+    for node in graph.node:
+        standard = node.domain in _STANDARD
+        if standard and not outputs.intersection(node.output):
+            if node.op_type == "Cast" and node.input[0] in types:
+                source = types[node.input[0]].tensor_type.elem_type
+                if source and source == _attributes(node).get("to"):
+                    names[node.output[0]] = names.get(node.input[0], node.input[0])
+                    continue
+            key = _node_key(node, names)
+            if key is not None and key in first:
+                for name, kept_name in zip(node.output, first[key].output):
+                    if name:
+                        names[name] = kept_name
+                continue
+            if key is not None:
+                first[key] = node
+        kept.append(node)
+    if not names:
+        return 0
+    dropped = len(graph.node) - len(kept)
+    del graph.node[:]
+    graph.node.extend(kept)
+    _rename_reads(graph, names)
+    for info in [info for info in graph.value_info if info.name in names]:
+        graph.value_info.remove(info)
+    return dropped
+
+
+def _rename_reads(graph, names: Dict[str, str]) -> None:
+    """Every read of a name in ``names`` by a node of ``graph`` or of its subgraphs becomes a read of its value."""
+    for node in graph.node:
+        for i, name in enumerate(node.input):
+            if name in names:
+                node.input[i] = names[name]
+        for attribute in node.attribute:
+            for subgraph in list(attribute.graphs) + ([attribute.g] if attribute.HasField("g") else []):
+                _rename_reads(subgraph, names)
