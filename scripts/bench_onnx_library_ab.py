@@ -17,6 +17,7 @@ Example::
 
     python scripts/bench_onnx_library_ab.py --before OLD.so --models scnn_p_align_7_guided --batches 1 32
     python scripts/bench_onnx_library_ab.py --before OLD.so --models scnn_p_rs_7 --batches 1 --threads 2 --processes
+    python scripts/bench_onnx_library_ab.py --before OLD.so --models sortify:resnet18@224 --sorting align --batches 1
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ import numpy as np
 import timm
 import torch
 
+import timm_sortconv
 from timm_sortconv import onnx as sc_onnx
 from timm_sortconv.cli import CommandError, run
 
@@ -79,6 +81,18 @@ def _time_saved(folder: str, library: str, threads: str, repeats: str) -> None:
     print(_time_calls(data, library, int(threads), x, int(repeats)))
 
 
+def _model(name: str, sorting):
+    """``(model in evaluation mode, its input's (C, H, W))`` for a name of ``--models``."""
+    if name.startswith("sortify:"):
+        base, _, size = name[len("sortify:"):].partition("@")
+        if not size.isdigit():
+            raise CommandError(f"{name!r}: a sortify model is written sortify:NAME@SIZE, e.g. sortify:resnet18@224")
+        kwargs = {} if sorting is None else {"sorting": sorting}
+        return timm_sortconv.sortify(timm.create_model(base, num_classes=10), **kwargs).eval(), (3, int(size), int(size))
+    model = timm.create_model(name, num_classes=10).eval()
+    return model, model.pretrained_cfg.get("input_size", (1, 28, 28))
+
+
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--time-saved"]:
@@ -88,7 +102,11 @@ def main(argv=None) -> None:
     parser.add_argument("--before", required=True, help="the library to compare against (a built .so)")
     parser.add_argument("--after", default=None,
                         help="the library compared (default: this checkout's, built if needed)")
-    parser.add_argument("--models", default="scnn_p_align_7_guided", help="comma-separated registered models (each at its pretrained_cfg's input size)")
+    parser.add_argument("--models", default="scnn_p_align_7_guided",
+                        help="comma-separated registered models (each at its pretrained_cfg's input size) or "
+                             "sortify:NAME@SIZE (a timm model converted by sortify, at SIZE x SIZE)")
+    parser.add_argument("--sorting", default=None,
+                        help="the sorting of the sortify:NAME@SIZE models (default: sortify's)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--rounds", type=int, default=7)
@@ -104,8 +122,7 @@ def main(argv=None) -> None:
         raise CommandError("--batches, --threads and --rounds take values >= 1")
     torch.manual_seed(0)
     for name in args.models.split(","):
-        model = timm.create_model(name, num_classes=10).eval()
-        shape = model.pretrained_cfg.get("input_size", (1, 28, 28))
+        model, shape = _model(name, args.sorting)
         for batch in args.batches:
             x = torch.randn(batch, *shape)
             buffer = io.BytesIO()

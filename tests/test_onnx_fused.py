@@ -556,3 +556,22 @@ def test_the_library_ab_times_each_library_in_a_process_of_its_own(library, tmp_
     assert found, result.stdout
     assert float(found.group(1)) > 0 and float(found.group(2)) > 0
     assert list(tmp_path.iterdir()) == []  # the file and its input lived in a temporary folder
+
+
+def test_the_library_ab_takes_a_sortified_timm_model_with_its_sorting(library, tmp_path):
+    """scripts/bench_onnx_library_ab.py --models sortify:NAME@SIZE --sorting S: the timm model converted by sortify
+    with that sorting, at SIZE x SIZE; a name without its size is refused in one line."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_onnx_library_ab.py"
+    common = [sys.executable, str(script), "--before", str(library), "--after", str(library), "--batches", "1",
+              "--threads", "1", "--rounds", "1", "--repeats", "1"]
+    result = subprocess.run(common + ["--models", "sortify:resnet10t@32", "--sorting", "align"], capture_output=True,
+                            text=True, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "sortify:resnet10t@32 batch 1, threads 1: before" in result.stdout and "differ by 0.0e+00" in result.stdout
+    refused = subprocess.run(common + ["--models", "sortify:resnet10t"], capture_output=True, text=True, cwd=tmp_path)
+    assert refused.returncode != 0 and "sortify:NAME@SIZE" in refused.stderr
+    assert "Traceback" not in refused.stderr
