@@ -38,6 +38,7 @@ from collections import OrderedDict
 from contextlib import nullcontext
 from datetime import datetime, timedelta
 from functools import partial
+from typing import List
 
 import torch
 import torch.distributed as dist
@@ -171,6 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _RECOVERY_PREFIX = "recovery"
+# The tensor of a distributed run's last all-reduce, held until the process ends (the end of main says why).
+_END_OF_RUN: List[torch.Tensor] = []
 
 
 def parse_args(argv=None):
@@ -584,9 +587,13 @@ def main(argv=None):
     if best_metric is not None:
         _logger.info(f"*** Best metric: {best_metric} (epoch {best_epoch})")
     if args.distributed:
-        # Every process reaches the end before the group is torn down: with gloo on torch 2.9, a process that
-        # left while process 0 was still saving could hang at exit.
-        dist.barrier()
+        # Every process reaches the end before the group is torn down (with gloo on torch 2.9, a process that left
+        # while process 0 was still saving could hang at exit). Not with dist.barrier(): gloo's barrier holds the
+        # earlier collectives' work, whose tensors (validate's sums) its worker thread then frees, which takes the
+        # GIL, while this thread, holding the GIL, joins that worker as DDP's reducer drops the group: a deadlock
+        # (py-spy on torch 2.9.1). One all-reduce holds only its own tensor, kept alive here past the teardown.
+        _END_OF_RUN.append(torch.zeros(1))
+        dist.all_reduce(_END_OF_RUN[-1])
         dist.destroy_process_group()
     return output_dir
 
