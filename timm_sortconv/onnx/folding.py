@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .fused import _attributes
+from .fused import _attributes, _subgraphs
 
 __all__ = ["fold_static_sizes", "merge_repeats", "value_dims"]
 
@@ -31,6 +31,12 @@ __all__ = ["fold_static_sizes", "merge_repeats", "value_dims"]
 _LARGEST = 1 << 19
 _RANDOM = {"Bernoulli", "Multinomial", "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike"}
 _STANDARD = ("", "ai.onnx")
+
+
+def _opaque(node) -> bool:
+    """Whether what ``node`` computes is more than its inputs and attributes say: a node with a subgraph, or a random
+    one. Such a node is neither folded nor merged."""
+    return node.op_type in _RANDOM or bool(_subgraphs(node))
 
 
 def _dims(value_type) -> Optional[List[Optional[int]]]:
@@ -148,8 +154,7 @@ def _walk(model) -> Tuple[Dict[str, object], Dict[int, List[np.ndarray]]]:
             if dims is not None:
                 types[node.output[0]] = _tensor_type(types[node.input[0]].tensor_type.elem_type, dims)
             continue
-        if any(a.type in (helper.AttributeProto.GRAPH, helper.AttributeProto.GRAPHS) for a in node.attribute) or \
-                node.op_type in _RANDOM:
+        if _opaque(node):
             results = None
         elif node.op_type == "Shape" and node.input[0] in types:
             dims = _dims(types[node.input[0]])
@@ -237,11 +242,10 @@ def _drop_unread(graph) -> None:
 
 def _node_key(node, names: Dict[str, str]) -> Optional[tuple]:
     """What ``node`` computes, with its inputs under the names they were merged to: its domain, type, inputs and
-    attributes (a tensor's by value, without its name); ``None`` for a node with a subgraph or a random one."""
+    attributes (a tensor's by value, without its name); ``None`` for an :func:`_opaque` node."""
     from onnx import helper
 
-    if node.op_type in _RANDOM or any(a.type in (helper.AttributeProto.GRAPH, helper.AttributeProto.GRAPHS)
-                                      for a in node.attribute):
+    if _opaque(node):
         return None
     attributes = []
     for attribute in sorted(node.attribute, key=lambda a: a.name):
@@ -299,6 +303,5 @@ def _rename_reads(graph, names: Dict[str, str]) -> None:
         for i, name in enumerate(node.input):
             if name in names:
                 node.input[i] = names[name]
-        for attribute in node.attribute:
-            for subgraph in list(attribute.graphs) + ([attribute.g] if attribute.HasField("g") else []):
-                _rename_reads(subgraph, names)
+        for subgraph in _subgraphs(node):
+            _rename_reads(subgraph, names)

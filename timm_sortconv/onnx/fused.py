@@ -215,6 +215,12 @@ def _attributes(node) -> Dict[str, object]:
     return {attribute.name: helper.get_attribute_value(attribute) for attribute in node.attribute}
 
 
+def _subgraphs(node) -> List[object]:
+    """The graphs that ``node``'s attributes hold (an ``If``'s branches, a ``Loop``'s body)."""
+    return [g for attribute in node.attribute
+            for g in list(attribute.graphs) + ([attribute.g] if attribute.HasField("g") else [])]
+
+
 def _names_read(graph) -> Dict[str, int]:
     """How many times each value name is read in ``graph``, its subgraphs (which read outer names too) and its
     outputs."""
@@ -222,10 +228,9 @@ def _names_read(graph) -> Dict[str, int]:
     for node in graph.node:
         for name in node.input:
             counts[name] = counts.get(name, 0) + 1
-        for attribute in node.attribute:
-            for subgraph in list(attribute.graphs) + ([attribute.g] if attribute.HasField("g") else []):
-                for name, count in _names_read(subgraph).items():
-                    counts[name] = counts.get(name, 0) + count
+        for subgraph in _subgraphs(node):
+            for name, count in _names_read(subgraph).items():
+                counts[name] = counts.get(name, 0) + count
     for output in graph.output:
         counts[output.name] = counts.get(output.name, 0) + 1
     return counts
