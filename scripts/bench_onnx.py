@@ -1,13 +1,17 @@
 #!/usr/bin/env python3
 """What an exported SC model costs where it is deployed: each model and its plain twin exported to ONNX and run by
-onnxruntime or OpenVINO, in one process, taking turns.
+onnxruntime or OpenVINO, taking turns.
 
 For every model (``--models``; ``sortify:NAME@SIZE`` is a timm model converted by ``sortify``, its twin the original)
 both networks are built with random weights in evaluation mode, exported by ``torch.onnx.export`` (``--exporter``:
 the TorchScript-based one, ``dynamo=False``, or ``dynamo``) at each batch size, and run by a stock onnxruntime
 ``InferenceSession`` (CPUExecutionProvider, default graph optimisations) with each ``--threads`` setting (0: all
 cores, onnxruntime's default). After a warm-up call each, the two sessions take turns for ``--rounds`` rounds of
-``--repeats`` calls, and the least time of a call is kept. Printed per row: the milliseconds of SC and twin and their
+``--repeats`` calls, and the least time of a call is kept. With ``--processes N`` each file is instead timed in
+processes of its own, one session each (SC, twin, SC, ... N of each; in each, calls for half a second to warm up, then
+``--rounds`` x ``--repeats`` calls), the least time of a call over them kept: what a program holding one session sees. (In some
+processes holding both sessions, onnxruntime runs a standard-operator file at all threads about twice as slow as in a
+process of its own: results/benchmarks/README.md, "Measuring".) Printed per row: the milliseconds of SC and twin and their
 ratio, the agreement with PyTorch (the largest difference of an output over the largest output), the export's
 seconds, the file's megabytes and nodes, and the nodes per SC layer (the graph's nodes beyond the twin's, per SC
 layer, plus the one convolution it replaces: 0 where each fused node also takes the ReLU after it, which is a node of
@@ -47,6 +51,7 @@ import timm_sortconv
 from timm_sortconv import SortConv2d
 from timm_sortconv import onnx as sc_onnx
 from timm_sortconv.check import cpu_model
+from timm_sortconv.cli import CommandError
 from timm_sortconv.ops.cpu_backend import cpu_isa
 from timm_sortconv.onnx import DECOMPOSITIONS, ONNXRUNTIME, OPENVINO, decomposition
 
@@ -75,11 +80,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3, help="rounds, SC and twin taking turns (default: 3)")
     parser.add_argument("--repeats", type=int, default=0,
                         help="calls per round (default: 5 at batch 1, 2 at larger batches)")
+    parser.add_argument("--processes", type=int, default=0, metavar="N",
+                        help="time each file in N processes of its own, SC and twin taking turns (default: 0, both "
+                             "sessions in this process)")
+    parser.add_argument("--no-spinning", action="store_true",
+                        help="onnxruntime's pool threads wait without spinning (session.intra_op.allow_spinning = 0)")
     parser.add_argument("--csv", default=None, metavar="PATH", help="append the rows to this CSV")
     parser.add_argument("--profile", default=None, metavar="PATH",
                         help="also profile the SC session (onnxruntime's profiler, 3 calls) and append its time per "
                              "operator type to this CSV")
+    parser.add_argument("--child", nargs=3, default=None, help=argparse.SUPPRESS,
+                        metavar=("FILE", "INPUT", "OUTPUT"))  # (a process of --processes: times one file)
     args = parser.parse_args(argv)
+    if args.processes < 0:
+        parser.error(f"--processes must be 0 or more, got {args.processes}")
+    if args.no_spinning and (args.csv or args.runtime == "openvino"):
+        parser.error("--no-spinning is an onnxruntime setting that BENCHMARKS.md's table does not show: run it "
+                     "without --csv, with --runtime onnxruntime")
 
     if args.decomposition is None:
         args.decomposition = OPENVINO if args.runtime == "openvino" else ONNXRUNTIME
@@ -147,19 +164,21 @@ def openvino_model(path: str, threads: int, profile: bool = False, extension: bo
     return core.compile_model(path, "CPU", config)
 
 
-def session(path: str, threads: int, fused: bool = False, runtime: str = "onnxruntime"):
+def session(path: str, threads: int, fused: bool = False, runtime: str = "onnxruntime", spinning: bool = True):
     """A CPU session of ``path`` with ``threads`` intra-op threads (0: all) whose ``run(None, feed)`` returns the
     outputs; with ``fused`` the package's library registered (:func:`timm_sortconv.onnx.session`), or in OpenVINO its
-    extension (:mod:`timm_sortconv.onnx.openvino`)."""
+    extension (:mod:`timm_sortconv.onnx.openvino`); ``spinning``: onnxruntime's ``session.intra_op.allow_spinning``."""
     import onnxruntime as ort
 
     if runtime == "openvino":
         request = openvino_model(path, threads, extension=fused).create_infer_request()
         return type("OpenVINOSession", (), {"run": staticmethod(
             lambda names, feed: list(request.infer([feed["x"]]).values()))})
-    if fused:
-        return sc_onnx.session(path, threads)
     options = ort.SessionOptions()
+    if not spinning:
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if fused:
+        return sc_onnx.session(path, threads, options=options)
     options.intra_op_num_threads = threads
     return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
 
@@ -176,6 +195,43 @@ def best_of(runs: List, feed: Dict, rounds: int, repeats: int) -> List[float]:
                 run(None, feed)
                 best[i] = min(best[i], time.perf_counter() - start)
     return best
+
+
+def time_alone(path: str, threads: int, fused: bool, runtime: str, x: "np.ndarray", calls: int, folder: str,
+               spinning: bool = True) -> Tuple[float, "np.ndarray"]:
+    """The least seconds of ``calls`` calls (after a warm-up call) of ``path`` in a process of its own (this script's
+    hidden ``--child``), and its output."""
+    import subprocess
+
+    import numpy as np
+
+    inputs, outputs = os.path.join(folder, "x.npy"), os.path.join(folder, "out.npy")
+    np.save(inputs, x)
+    command = [sys.executable, os.path.abspath(__file__), "--child", path, inputs, outputs, "--threads", str(threads),
+               "--runtime", runtime, "--rounds", "1", "--repeats", str(calls)] + (["--fused"] if fused else []) + (
+        [] if spinning else ["--no-spinning"])
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise CommandError(f"timing {path} in a process of its own failed: {done.stderr.strip()[-2000:]}")
+    return float(done.stdout.split()[-1]), np.load(outputs)
+
+
+def child(args: argparse.Namespace) -> int:
+    """``--child FILE INPUT OUTPUT``: one session of FILE, called on INPUT (its output saved to OUTPUT) for half a
+    second to warm up (the caches, onnxruntime's threads: a fresh process's first calls of a small model are slower),
+    then ``--repeats`` calls; prints the least seconds of a call."""
+    import numpy as np
+
+    path, inputs, outputs = args.child
+    feed = {"x": np.load(inputs)}
+    run = session(path, args.threads[0], args.fused, args.runtime, not args.no_spinning).run
+    np.save(outputs, run(None, feed)[0])
+    start = time.perf_counter()
+    while time.perf_counter() - start < 0.5:
+        run(None, feed)
+    (best,) = best_of([run], feed, 1, args.repeats)
+    print(best)
+    return 0
 
 
 def profile(path: str, threads: int, feed: Dict, fused: bool = False, calls: int = 3) -> Dict[str, Tuple[float, int]]:
@@ -258,6 +314,8 @@ def machine(runtime: str = "onnxruntime") -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.child:
+        return child(args)
     command = "python scripts/bench_onnx.py " + " ".join(sys.argv[1:] if argv is None else argv)
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     print(f"CPU: {machine(args.runtime)}; SC kernel {cpu_isa()}; load average {os.getloadavg()[0]:.2f}", flush=True)
@@ -281,13 +339,24 @@ def main(argv=None) -> int:
                 with torch.no_grad():
                     expected = model(x)
                 for threads in args.threads:
-                    runs = [session(paths[0], threads, args.fused, args.runtime).run,
-                            session(paths[1], threads, runtime=args.runtime).run]
                     feed = {"x": x.numpy()}
-                    (out,) = runs[0](None, feed)
-                    error = float((torch.from_numpy(out) - expected).abs().max() / expected.abs().max())
                     repeats = args.repeats or (5 if batch == 1 else 2)
-                    sc_s, twin_s = best_of(runs, feed, args.rounds, repeats)
+                    if args.processes:
+                        best = [float("inf")] * 2
+                        for _ in range(args.processes):
+                            for i, path in enumerate(paths):
+                                took, output = time_alone(path, threads, args.fused and i == 0, args.runtime,
+                                                          feed["x"], args.rounds * repeats, folder,
+                                                          not args.no_spinning)
+                                best[i] = min(best[i], took)
+                                out = output if i == 0 else out
+                        sc_s, twin_s = best
+                    else:
+                        runs = [session(paths[0], threads, args.fused, args.runtime, not args.no_spinning).run,
+                                session(paths[1], threads, runtime=args.runtime, spinning=not args.no_spinning).run]
+                        (out,) = runs[0](None, feed)
+                        sc_s, twin_s = best_of(runs, feed, args.rounds, repeats)
+                    error = float((torch.from_numpy(out) - expected).abs().max() / expected.abs().max())
                     row = dict(model=name, twin=twin_name, input="x".join(map(str, shape)), batch=batch,
                                threads=threads or "all", runtime=args.runtime, decomposition=mode,
                                exporter=args.exporter,

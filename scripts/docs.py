@@ -363,6 +363,12 @@ def _onnx_rows() -> List[dict]:
     return [r for r in every if latest[(r["model"], r["batch"], r["threads"], r["runtime"], r["decomposition"])] is r]
 
 
+def _processes(row: dict) -> int:
+    """The ``--processes N`` of the command that measured ``row`` (0: both sessions in one process)."""
+    words = row["command"].split()
+    return int(words[words.index("--processes") + 1]) if "--processes" in words else 0
+
+
 def onnx() -> str:
     """Exported SC models against their twins (``scripts/bench_onnx.py``): one table, runtime x path x model, and
     where OpenVINO's time goes (its per-node profile)."""
@@ -387,17 +393,26 @@ def onnx() -> str:
     at = "; ".join(f"{' and '.join(kinds_)} at {commit}" if len(commits) > 1 else commit
                    for commit, kinds_ in commits.items())
     dates = sorted({r["date"][:10] for r in rows})
-    lines = [f"SC time / twin time, the least time of a call, SC and twin taking turns in one process "
+    alone = sorted({_processes(r) for r in rows} - {0})
+    method = "SC and twin taking turns in one process"
+    if alone:
+        method += (", or where marked *, each file in processes of its own, one session each, taking turns "
+                   f"(`--processes {' / '.join(map(str, alone))}`)")
+    lines = [f"SC time / twin time, the least time of a call, {method} "
              f"({', '.join(dates)}, the package: {at}; {'; '.join(machines)}, the kernels' "
              f"{' and '.join(isas)} build; {', '.join(versions)}; `all` threads: the runtime's default):", "",
              "| model (input) | batch | threads | " + " | ".join(ONNX_COLUMNS[key] for key in found) + " |",
              "|---|---|---|" + "---|" * len(found)]
-    for model, size, batch, threads in dict.fromkeys((r["model"], r["input"], r["batch"], r["threads"])
-                                                     for r in rows):
+    # model by model as the file first names them, then by batch and threads (rows measured later come last in it)
+    first = {model: i for i, model in reversed(list(enumerate(r["model"] for r in rows)))}
+    keys = sorted(dict.fromkeys((r["model"], r["input"], r["batch"], r["threads"]) for r in rows),
+                  key=lambda k: (first[k[0]], int(k[2]), k[3] != "1", k[3]))
+    for model, size, batch, threads in keys:
         cells = []
         for runtime, path in found:
             r = cell.get((model, batch, threads, runtime, path))
-            cells.append(f"{r['ratio']}x ({r['sc_ms']} / {r['twin_ms']} ms)" if r else "-")
+            mark = "*" if r and _processes(r) else ""
+            cells.append(f"{r['ratio']}x{mark} ({r['sc_ms']} / {r['twin_ms']} ms)" if r else "-")
         lines.append(f"| `{model}` ({size}) | {batch} | {threads} | " + " | ".join(cells) + " |")
     commands = list(dict.fromkeys(r["command"] for r in rows))
     lines += ["", "Commands: " + "; ".join(f"`{c}`" for c in commands) + "."]

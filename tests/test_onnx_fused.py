@@ -558,6 +558,37 @@ def test_the_library_ab_times_each_library_in_a_process_of_its_own(library, tmp_
     assert list(tmp_path.iterdir()) == []  # the file and its input lived in a temporary folder
 
 
+def test_bench_onnx_times_each_file_in_processes_of_its_own(tmp_path):
+    """scripts/bench_onnx.py --processes N: SC and twin each timed in N processes of their own (one session each),
+    the row agreeing with PyTorch and its command saying how it was measured, which the deployment table marks."""
+    import csv
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import load_script
+
+    repo = Path(__file__).resolve().parents[1]
+    table = tmp_path / "onnx.csv"
+    result = subprocess.run([sys.executable, str(repo / "scripts" / "bench_onnx.py"), "--models", "scnn_p_rs_7",
+                             "--batches", "1", "--threads", "1", "--rounds", "1", "--repeats", "2", "--processes", "1",
+                             "--csv", str(table)], capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    found = re.search(r"scnn_p_rs_7 batch 1, threads 1: SC ([0-9.]+) ms, scnn_baseline_7 ([0-9.]+) ms, ratio "
+                      r"[0-9.]+; error ([0-9.e+-]+);", result.stdout)
+    assert found, result.stdout
+    assert float(found.group(1)) > 0 and float(found.group(2)) > 0 and float(found.group(3)) < 1e-5
+    (row,) = list(csv.DictReader(open(table)))
+    assert "--processes 1" in row["command"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["onnx.csv"]  # files and inputs in a temporary folder
+    docs = load_script(repo / "scripts" / "docs.py", "docs")
+    assert docs._processes(row) == 1 and docs._processes(dict(row, command="python scripts/bench_onnx.py")) == 0
+    refused = subprocess.run([sys.executable, str(repo / "scripts" / "bench_onnx.py"), "--processes", "-1"],
+                             capture_output=True, text=True, cwd=tmp_path)
+    assert refused.returncode != 0 and "--processes must be 0 or more" in refused.stderr
+
+
 def test_the_library_ab_takes_a_sortified_timm_model_with_its_sorting(library, tmp_path):
     """scripts/bench_onnx_library_ab.py --models sortify:NAME@SIZE --sorting S: the timm model converted by sortify
     with that sorting, at SIZE x SIZE; a name without its size is refused in one line."""
