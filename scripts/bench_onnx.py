@@ -8,14 +8,14 @@ the TorchScript-based one, ``dynamo=False``, or ``dynamo``) at each batch size, 
 ``InferenceSession`` (CPUExecutionProvider, default graph optimisations) with each ``--threads`` setting (0: all
 cores, onnxruntime's default). After a warm-up call each, the two sessions take turns for ``--rounds`` rounds of
 ``--repeats`` calls, and the least time of a call is kept. With ``--processes N`` each file is instead timed in
-processes of its own, one session each (SC, twin, SC, ... N of each; in each, calls for half a second to warm up, then
-``--rounds`` x ``--repeats`` calls), the least time of a call over them kept: what a program holding one session sees. (In some
-processes holding both sessions, onnxruntime runs a standard-operator file at all threads about twice as slow as in a
-process of its own: results/benchmarks/README.md, "Measuring".) Printed per row: the milliseconds of SC and twin and their
-ratio, the agreement with PyTorch (the largest difference of an output over the largest output), the export's
-seconds, the file's megabytes and nodes, and the nodes per SC layer (the graph's nodes beyond the twin's, per SC
-layer, plus the one convolution it replaces: 0 where each fused node also takes the ReLU after it, which is a node of
-its own in the twin's file).
+processes of its own, one session each (SC, twin, SC, ... N of each; in each, calls for half a second to warm up,
+then ``--rounds`` x ``--repeats`` calls), the least time of a call over them kept: what a program holding one session
+sees. (In some processes holding both sessions, onnxruntime runs a standard-operator file at all threads about twice
+as slow as in a process of its own: results/benchmarks/README.md, "Measuring".) Printed per row: the milliseconds of
+SC and twin and their ratio, the agreement with PyTorch (the largest difference of an output over the largest
+output), the export's seconds, the file's megabytes and nodes, and the nodes per SC layer (the graph's nodes beyond
+the twin's, per SC layer, plus the one convolution it replaces: 0 where each fused node also takes the ReLU after it,
+which is a node of its own in the twin's file).
 
 SC layers export in standard operators (``timm_sortconv.onnx.portable``), as ``--decomposition`` writes them (default:
 the runtime's own, ``network`` for onnxruntime, ``topk`` for OpenVINO), or with ``--fused`` as one custom node each,
@@ -199,8 +199,8 @@ def best_of(runs: List, feed: Dict, rounds: int, repeats: int) -> List[float]:
 
 def time_alone(path: str, threads: int, fused: bool, runtime: str, x: "np.ndarray", calls: int, folder: str,
                spinning: bool = True) -> Tuple[float, "np.ndarray"]:
-    """The least seconds of ``calls`` calls (after a warm-up call) of ``path`` in a process of its own (this script's
-    hidden ``--child``), and its output."""
+    """The least seconds of a call of ``path`` on ``x`` in a process of its own (this script's hidden ``--child``:
+    half a second of warm-up, then ``calls`` calls), and its output."""
     import subprocess
 
     import numpy as np
