@@ -43,6 +43,7 @@ import warnings
 from datetime import datetime, timezone
 from typing import Dict, List, Tuple
 
+import numpy as np
 import timm
 import torch
 import torch.nn as nn
@@ -197,16 +198,13 @@ def best_of(runs: List, feed: Dict, rounds: int, repeats: int) -> List[float]:
     return best
 
 
-def time_alone(path: str, threads: int, fused: bool, runtime: str, x: "np.ndarray", calls: int, folder: str,
-               spinning: bool = True) -> Tuple[float, "np.ndarray"]:
-    """The least seconds of a call of ``path`` on ``x`` in a process of its own (this script's hidden ``--child``:
-    half a second of warm-up, then ``calls`` calls), and its output."""
+def time_alone(path: str, threads: int, fused: bool, runtime: str, inputs: str, calls: int,
+               spinning: bool = True) -> Tuple[float, np.ndarray]:
+    """The least seconds of a call of ``path`` on the input saved in ``inputs`` (a ``.npy``), in a process of its own
+    (this script's hidden ``--child``: half a second of warm-up, then ``calls`` calls), and its output."""
     import subprocess
 
-    import numpy as np
-
-    inputs, outputs = os.path.join(folder, "x.npy"), os.path.join(folder, "out.npy")
-    np.save(inputs, x)
+    outputs = os.path.join(os.path.dirname(inputs), "out.npy")
     command = [sys.executable, os.path.abspath(__file__), "--child", path, inputs, outputs, "--threads", str(threads),
                "--runtime", runtime, "--rounds", "1", "--repeats", str(calls)] + (["--fused"] if fused else []) + (
         [] if spinning else ["--no-spinning"])
@@ -220,8 +218,6 @@ def child(args: argparse.Namespace) -> int:
     """``--child FILE INPUT OUTPUT``: one session of FILE, called on INPUT (its output saved to OUTPUT) for half a
     second to warm up (the caches, onnxruntime's threads: a fresh process's first calls of a small model are slower),
     then ``--repeats`` calls; prints the least seconds of a call."""
-    import numpy as np
-
     path, inputs, outputs = args.child
     feed = {"x": np.load(inputs)}
     run = session(path, args.threads[0], args.fused, args.runtime, not args.no_spinning).run
@@ -338,6 +334,9 @@ def main(argv=None) -> int:
                 nodes = [graph_nodes(p) for p in paths]
                 with torch.no_grad():
                     expected = model(x)
+                inputs = os.path.join(folder, "x.npy")  # (what the processes of --processes read)
+                if args.processes:
+                    np.save(inputs, x.numpy())
                 for threads in args.threads:
                     feed = {"x": x.numpy()}
                     repeats = args.repeats or (5 if batch == 1 else 2)
@@ -346,10 +345,10 @@ def main(argv=None) -> int:
                         for _ in range(args.processes):
                             for i, path in enumerate(paths):
                                 took, output = time_alone(path, threads, args.fused and i == 0, args.runtime,
-                                                          feed["x"], args.rounds * repeats, folder,
-                                                          not args.no_spinning)
+                                                          inputs, args.rounds * repeats, not args.no_spinning)
                                 best[i] = min(best[i], took)
-                                out = output if i == 0 else out
+                                if i == 0:
+                                    out = output
                         sc_s, twin_s = best
                     else:
                         runs = [session(paths[0], threads, args.fused, args.runtime, not args.no_spinning).run,
