@@ -523,8 +523,10 @@ def test_a_library_that_cannot_be_built_says_why_in_one_line(tmp_path, monkeypat
         sc_onnx.build_library("neon")
 
 
-def test_the_library_builds_offline_from_the_vendored_header(tmp_path, monkeypatch):
-    """No download: the build reads onnxruntime's C API header from the package (and nothing amd64-only)."""
+def test_the_library_builds_offline_from_the_vendored_header_and_its_portable_level_agrees(tmp_path, monkeypatch):
+    """No download: the build reads onnxruntime's C API header from the package (and nothing amd64-only). The portable
+    level (16-byte vectors, as on aarch64: a vector holds fewer outputs than a register tile has rows) agrees with the
+    reference where a block ends in a few positions (7 x 7: 49), ring-sorted and aligned, on one and two threads."""
     import urllib.request
 
     def no_network(*args, **kwargs):
@@ -535,6 +537,14 @@ def test_the_library_builds_offline_from_the_vendored_header(tmp_path, monkeypat
     path = sc_onnx.build_library("generic")
     assert path.is_file() and tmp_path in path.parents
     assert sc_onnx.build_library("generic") == path  # cached
+    for sorting in ("ring", "align"):
+        torch.manual_seed(0)
+        layer = SortConv2d(16, 12, 7, padding=3, sampling="polar", sorting=sorting)
+        x = torch.randn(1, 16, 7, 7)
+        data = _fused(layer, x)
+        one, two = _run(data, path, x, threads=1), _run(data, path, x, threads=2)
+        assert torch.equal(one, two)
+        _assert_agrees(one, _reference(layer, x))
 
 
 def test_the_library_ab_times_each_library_in_a_process_of_its_own(library, tmp_path):

@@ -1272,6 +1272,8 @@ void group_spectra(const Plan<scalar_t>& plan, const AlignTables<scalar_t>& t, i
   }
 }
 
+// weight_packed: the harmonic weight (groups, C/g * k*k, O/g) with each panel chunk's rows in gemm_tiles' layout
+// (tile_forward_weights).
 template <typename scalar_t, bool kUnitStride>
 void align_forward_kernel(const Plan<scalar_t>& plan, const AlignTables<scalar_t>& t, const Shape& shape,
                           const scalar_t* input, const scalar_t* weight_packed, const scalar_t* bias,
@@ -1321,10 +1323,9 @@ void align_forward_kernel(const Plan<scalar_t>& plan, const AlignTables<scalar_t
           const scalar_t* w = weight_packed + (g * cg + c0) * slots * og;
           scalar_t* group_tile = tile.data() + g * og * lanes;
           // (a tail follows at most one whole vector: narrow)
-          if (!tail || whole > 0) {
-            gemm_rows(panel, channels * slots, w, og, og, group_tile, true, &rows, narrow || tail);
-          }
-          if (tail) gemm_positions(panel, channels * slots, w, og, rows, group_tile, whole, block.count - whole);
+          const int64_t depth = channels * slots;
+          if (!tail || whole > 0) gemm_tiles(panel, depth, w, og, group_tile, true, &rows, narrow || tail);
+          if (tail) gemm_tiles_positions(panel, depth, w, og, rows, group_tile, whole, block.count - whole);
         }
       }
       for_each_output(shape, rows, [&](int64_t o) {
@@ -1651,9 +1652,12 @@ at::Tensor align_forward_impl(const timm_sortconv_cpu::AlignCall& align) {
                                         call.dilation_h, call.dilation_w, call.pad);
   const auto tables = make_align_tables<scalar_t>(align, plan);
   at::Tensor output = at::empty({shape.batch, shape.out_channels, plan.out_h, plan.out_w}, call.input.options());
-  // The harmonic weight as (groups, C/g * k*k, O/g), the layout of the products.
-  const at::Tensor weight_packed = harmonic_weight(plan, tables, shape, call.weight_slots.contiguous(),
-                                                   slot_order(call.slot_to_grid, plan.slots), true);
+  // The harmonic weight as (groups, C/g * k*k, O/g), then each panel chunk's rows in gemm_tiles' layout: each
+  // register tile's weights one sequential stream for the products.
+  const at::Tensor harmonic = harmonic_weight(plan, tables, shape, call.weight_slots.contiguous(),
+                                              slot_order(call.slot_to_grid, plan.slots), true);
+  at::Tensor weight_packed = at::empty_like(harmonic);
+  tile_forward_weights<scalar_t>(harmonic.data_ptr<scalar_t>(), weight_packed.data_ptr<scalar_t>(), shape, plan.slots);
   const bool has_bias = call.bias.has_value() && call.bias->defined();
   const auto bias_values = has_bias ? call.bias->contiguous() : at::Tensor();
   const scalar_t* in = call.input.data_ptr<scalar_t>();

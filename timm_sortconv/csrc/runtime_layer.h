@@ -208,17 +208,18 @@ class Layer {
     if (aligned_) {
       std::vector<float> packed_here;
       const float* packed = nullptr;
+      const auto harmonic = [&](const float* from, std::vector<float>& to) {
+        std::vector<float> rows(numel(w));
+        harmonic_weight_into<float>(plan, state->tables, shape, from, slot_to_grid_, true, rows.data());
+        to.resize(rows.size());
+        tile_forward_weights<float>(rows.data(), to.data(), shape, kernel_size_ * kernel_size_);
+      };
       if (constant) {
         std::lock_guard<std::mutex> guard(state->lock);
-        if (state->packed.empty()) {
-          state->packed.resize(numel(w));
-          harmonic_weight_into<float>(plan, state->tables, shape, constant_weight_.data(), slot_to_grid_, true,
-                                      state->packed.data());
-        }
+        if (state->packed.empty()) harmonic(constant_weight_.data(), state->packed);
         packed = state->packed.data();
       } else {
-        packed_here.resize(numel(w));
-        harmonic_weight_into<float>(plan, state->tables, shape, weight, slot_to_grid_, true, packed_here.data());
+        harmonic(weight, packed_here);
         packed = packed_here.data();
       }
       if (plan.stride_w == 1) {

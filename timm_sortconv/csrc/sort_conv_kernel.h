@@ -1238,6 +1238,7 @@ void micro_gemm(const scalar_t* panel, int64_t depth, const scalar_t* w, int64_t
   using vec = typename Simd<scalar_t>::vec;
   constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
   vec acc0[kRows], acc1[kRows];
+#pragma GCC unroll 16
   for (int m = 0; m < kRows; ++m) acc0[m] = acc1[m] = vec{};
   for (int64_t k = 0; k < depth; ++k) {
     const vec p0 = load(panel + k * lanes), p1 = load(panel + k * lanes + half);
@@ -1248,6 +1249,7 @@ void micro_gemm(const scalar_t* panel, int64_t depth, const scalar_t* w, int64_t
       acc1[m] += wm * p1;
     }
   }
+#pragma GCC unroll 16
   for (int m = 0; m < kRows; ++m) {
     store(tile + m * lanes, accumulate ? load(tile + m * lanes) + acc0[m] : acc0[m]);
     store(tile + m * lanes + half, accumulate ? load(tile + m * lanes + half) + acc1[m] : acc1[m]);
@@ -1263,12 +1265,14 @@ void micro_gemm_narrow(const scalar_t* panel, int64_t depth, const scalar_t* w, 
   using vec = typename Simd<scalar_t>::vec;
   constexpr int64_t lanes = kLanes<scalar_t>;
   vec acc[kRows];
+#pragma GCC unroll 16
   for (int m = 0; m < kRows; ++m) acc[m] = vec{};
   for (int64_t k = 0; k < depth; ++k) {
     const vec p = load(panel + k * lanes);
     const scalar_t* wk = w + k * ldw;
     for (int m = 0; m < kRows; ++m) acc[m] += splat(wk[m]) * p;
   }
+#pragma GCC unroll 16
   for (int m = 0; m < kRows; ++m) store(tile + m * lanes, accumulate ? load(tile + m * lanes) + acc[m] : acc[m]);
 }
 
@@ -1362,7 +1366,9 @@ void micro_gemm_positions(const scalar_t* panel, int64_t depth, const scalar_t* 
   using vec = typename Simd<scalar_t>::vec;
   constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>, width = kVectors * half;
   vec acc[kPositions][kVectors];
+#pragma GCC unroll 16
   for (int p = 0; p < kPositions; ++p) {
+#pragma GCC unroll 8
     for (int v = 0; v < kVectors; ++v) acc[p][v] = vec{};
   }
   const auto step = [&](const scalar_t* wk, const scalar_t* pk) {
@@ -1427,16 +1433,22 @@ void gemm_positions(const scalar_t* panel, int64_t depth, const scalar_t* w, int
 }
 
 // gemm_positions with w in the layout of tile_weights (`rows` rows in all): each register tile's depth x m weights
-// on the lanes of one vector.
+// (rows m apart) on the lanes of as many vectors as its m outputs take (more than one where a vector holds fewer
+// than kTileRows values: float64, and float32 with 16-byte vectors), in calls of at most position_vectors.
 template <typename scalar_t>
 void gemm_tiles_positions(const scalar_t* panel, int64_t depth, const scalar_t* w, int64_t rows, const RowRange& range,
                           scalar_t* tile, int64_t first, int64_t count) {
   static constexpr auto table = micro_gemm_positions_table<scalar_t>(std::make_integer_sequence<int, kTileRows>{});
-  constexpr int64_t lanes = kLanes<scalar_t>;
-  const int64_t tiles = tile_count(rows);
+  constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
+  const int64_t tiles = tile_count(rows), most = position_vectors(static_cast<int>(count));
   for (int64_t i = range.first_tile, m0 = range.first; i < range.last_tile; ++i) {
     const int64_t m = (rows - m0) / (tiles - i);
-    table[count - 1][0](panel + first, depth, w + m0 * depth, m, (rows - m0) * depth, m, tile + m0 * lanes + first);
+    for (int64_t j = 0; j < m;) {
+      const int64_t outputs = std::min(most * half, m - j), vectors = (outputs + half - 1) / half;
+      table[count - 1][vectors - 1](panel + first, depth, w + m0 * depth + j, m, (rows - m0) * depth - j, outputs,
+                                    tile + (m0 + j) * lanes + first);
+      j += outputs;
+    }
     m0 += m;
   }
 }
@@ -1472,7 +1484,9 @@ void micro_gemm_reduce(const scalar_t* columns, int64_t column_stride, const int
   using vec = typename Simd<scalar_t>::vec;
   constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
   vec acc[kRows][kVectors];
+#pragma GCC unroll 16
   for (int m = 0; m < kRows; ++m) {
+#pragma GCC unroll 8
     for (int v = 0; v < kVectors; ++v) {
       acc[m][v] = vec{};
     }
@@ -2238,16 +2252,21 @@ at::Tensor forward_impl(const at::Tensor& input, const at::Tensor& weight_slots,
                         const Plan<scalar_t>& plan, const Shape& shape, const std::vector<int64_t>& slot_to_grid,
                         bool bf16) {
   at::Tensor output = at::empty({shape.batch, shape.out_channels, plan.out_h, plan.out_w}, input.options());
-  const at::Tensor weight_packed = pack_by_slot<scalar_t>(weight_slots, shape, slot_to_grid);
+  at::Tensor weight_packed = pack_by_slot<scalar_t>(weight_slots, shape, slot_to_grid);
   const std::vector<uint32_t> weight_pairs =
       bf16 ? pack_forward_weights(weight_packed.data_ptr<scalar_t>(), shape, plan.slots) : std::vector<uint32_t>();
+  if (!bf16) {  // the float products read each panel chunk's rows in gemm_tiles' layout: a stream per register tile
+    at::Tensor tiled = at::empty_like(weight_packed);
+    tile_forward_weights<scalar_t>(weight_packed.data_ptr<scalar_t>(), tiled.data_ptr<scalar_t>(), shape, plan.slots);
+    weight_packed = tiled;
+  }
   const uint32_t* wp = weight_pairs.empty() ? nullptr : weight_pairs.data();
   const bool has_bias = bias.has_value() && bias->defined();
   const auto bias_values = has_bias ? bias->contiguous() : at::Tensor();
   const scalar_t* in = input.data_ptr<scalar_t>();
   const scalar_t* w = weight_packed.data_ptr<scalar_t>();
   const scalar_t* b = has_bias ? bias_values.data_ptr<scalar_t>() : nullptr;
-  run_forward(plan, shape, in, w, wp, b, output.data_ptr<scalar_t>());
+  run_forward(plan, shape, in, w, wp, b, output.data_ptr<scalar_t>(), !bf16);
   return output;
 }
 #endif
