@@ -1299,7 +1299,7 @@ void align_forward_kernel(const Plan<scalar_t>& plan, const AlignTables<scalar_t
       const Block& block = blocks[0];
       // A block within the first vector of lanes takes its spectra, turn and products there only (store_lanes
       // writes the block's own lanes). A few positions past the block's last whole vector (a 7 x 7 map's 49th,
-      // 14 x 14's last 4) take their products with the outputs on the lanes instead (gemm_positions).
+      // 14 x 14's last 4) take their products with the outputs on the lanes instead (gemm_tiles_positions).
       const bool narrow = narrow_block<scalar_t>(block.count), tail = position_tail<scalar_t>(block.count);
       const int64_t whole = block.count / half * half;
       const scalar_t* images = ring.images();

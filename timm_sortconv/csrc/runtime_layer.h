@@ -236,7 +236,7 @@ class Layer {
       pack(weight, w, packed_here.data());
       packed = packed_here.data();
     }
-    run_forward<float>(plan, shape, input, packed, nullptr, bias, out, true);
+    run_forward<float>(plan, shape, input, packed, nullptr, bias, out);
   }
 
  private:

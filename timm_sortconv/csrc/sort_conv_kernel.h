@@ -1415,26 +1415,11 @@ micro_gemm_positions_table(std::integer_sequence<int, kPositions...>) {
   return {micro_gemm_positions_row<scalar_t, kPositions + 1>(std::make_integer_sequence<int, kPositionVectors>{})...};
 }
 
-// tile[o][first + p] += sum_k w[k * ldw + o] * panel[k][first + p] for the rows o of `range` and the `count`
-// (1 .. kTileRows) positions from lane `first`, the outputs on the vector lanes (micro_gemm_positions). w holds
-// depth rows of ldw values.
-template <typename scalar_t>
-void gemm_positions(const scalar_t* panel, int64_t depth, const scalar_t* w, int64_t ldw, const RowRange& range,
-                    scalar_t* tile, int64_t first, int64_t count) {
-  static constexpr auto table = micro_gemm_positions_table<scalar_t>(std::make_integer_sequence<int, kTileRows>{});
-  constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
-  const int64_t most = position_vectors(static_cast<int>(count));
-  for (int64_t o = range.first; o < range.last;) {
-    const int64_t outputs = std::min(most * half, range.last - o), vectors = (outputs + half - 1) / half;
-    table[count - 1][vectors - 1](panel + first, depth, w + o, ldw, depth * ldw - o, outputs,
-                                  tile + o * lanes + first);
-    o += outputs;
-  }
-}
-
-// gemm_positions with w in the layout of tile_weights (`rows` rows in all): each register tile's depth x m weights
-// (rows m apart) on the lanes of as many vectors as its m outputs take (more than one where a vector holds fewer
-// than kTileRows values: float64, and float32 with 16-byte vectors), in calls of at most position_vectors.
+// tile[o][first + p] += sum_k w_o[k] * panel[k][first + p] for the rows o of `range` and the `count` (1 .. kTileRows)
+// positions from lane `first`, the outputs on the vector lanes (micro_gemm_positions), w in the layout of
+// tile_weights (`rows` rows in all): each register tile's depth x m weights (rows m apart) on the lanes of as many
+// vectors as its m outputs take (more than one where a vector holds fewer than kTileRows values: float64, and float32
+// with 16-byte vectors), in calls of at most position_vectors.
 template <typename scalar_t>
 void gemm_tiles_positions(const scalar_t* panel, int64_t depth, const scalar_t* w, int64_t rows, const RowRange& range,
                           scalar_t* tile, int64_t first, int64_t count) {
@@ -1453,7 +1438,7 @@ void gemm_tiles_positions(const scalar_t* panel, int64_t depth, const scalar_t* 
   }
 }
 
-// Whether a block of `count` positions takes its positions past its last whole vector of lanes in gemm_positions:
+// Whether a block of `count` positions takes its positions past its last whole vector of lanes in gemm_tiles_positions:
 // where they are a few (1 .. kTileRows), so that a vector of lanes would be mostly empty.
 template <typename scalar_t>
 inline bool position_tail(int64_t count) {
@@ -1740,7 +1725,7 @@ int64_t multiply_adds(const Shape& shape, int64_t positions, int64_t slots) {
 // each computed in `parts` parts of every group's outputs (row_range). A thread takes at least a whole vector of
 // positions. Where the call has fewer blocks (kLanes positions) than the work has threads (a batch of one small
 // map: 7 x 7 has one block and a little), the ranges are cut at the even split (`exact`: 7 x 7 on two threads, 25
-// + 24 positions) if each range then ends in whole vectors and at most kTileRows positions more (gemm_positions
+// + 24 positions) if each range then ends in whole vectors and at most kTileRows positions more (gemm_tiles_positions
 // takes those), so that each thread takes only its own positions' samples, and if a group's weights fit in a core's
 // L2 (kSplitWeightBytes), since each thread then reads all of them; otherwise the outputs are split too: each part
 // gathers and sorts the same samples and multiplies them with its own register tiles of the weight. (The
@@ -2040,12 +2025,12 @@ int64_t blocks_per_pass(const Shape& shape, int64_t slots) {
   return group_weight_bytes<scalar_t>(shape, slots) >= kPassWeightBytes ? kPassBlocks : 1;
 }
 
-// weight_pairs: the forward's weights as bfloat16 pair rows (pack_forward_weights), or nullptr to
-// multiply in float32; tiled: weight_packed is in the layout of tile_forward_weights.
+// weight_packed: the weight as tile_forward_weights writes it, which the float products read; weight_pairs: the
+// forward's weights as bfloat16 pair rows (pack_forward_weights), or nullptr to multiply in float32.
 template <typename scalar_t, bool kUnitStride>
 void forward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scalar_t* input,
                     const scalar_t* weight_packed, const uint32_t* weight_pairs, const scalar_t* bias,
-                    scalar_t* output, bool tiled) {
+                    scalar_t* output) {
   using vec = typename Simd<scalar_t>::vec;
   constexpr int64_t lanes = kLanes<scalar_t>, half = kVecLanes<scalar_t>;
   const int64_t slots = plan.slots, positions = plan.out_h * plan.out_w, plane = plan.in_h * plan.in_w;
@@ -2106,24 +2091,12 @@ void forward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scalar
             // weight_packed is (groups, C/g, k*k, O/g): the rows of these channels' slots.
             const scalar_t* chunk = weight_packed + (g * cg + c0) * slots * og;
             // A few positions past the block's last whole vector take their products with the outputs on the
-            // lanes (gemm_positions).
+            // lanes (gemm_tiles_positions).
             // (a tail follows at most one whole vector: narrow)
             const int64_t depth = channels * slots, whole = block.count / half * half;
             const bool tail = position_tail<scalar_t>(block.count);
-            if (!tail || whole > 0) {
-              if (tiled) {
-                gemm_tiles(panel.data(), depth, chunk, og, tile, true, &rows, narrow || tail);
-              } else {
-                gemm_rows(panel.data(), depth, chunk, og, og, tile, true, &rows, narrow || tail);
-              }
-            }
-            if (tail) {
-              if (tiled) {
-                gemm_tiles_positions(panel.data(), depth, chunk, og, rows, tile, whole, block.count - whole);
-              } else {
-                gemm_positions(panel.data(), depth, chunk, og, rows, tile, whole, block.count - whole);
-              }
-            }
+            if (!tail || whole > 0) gemm_tiles(panel.data(), depth, chunk, og, tile, true, &rows, narrow || tail);
+            if (tail) gemm_tiles_positions(panel.data(), depth, chunk, og, rows, tile, whole, block.count - whole);
           }
         }
       }
@@ -2204,16 +2177,16 @@ void tile_forward_weights(const scalar_t* weight_packed, scalar_t* tiled, const 
   }
 }
 
-// The forward of a planned call on raw memory: input (B, C, src_h, src_w), weight_packed as pack_by_slot writes it
-// (tiled: as tile_forward_weights writes it), weight_pairs (pack_forward_weights) or nullptr, bias (O) or nullptr,
-// output (B, O, out_h, out_w).
+// The forward of a planned call on raw memory: input (B, C, src_h, src_w), weight_packed as tile_forward_weights
+// writes it (unread where weight_pairs is given), weight_pairs (pack_forward_weights) or nullptr, bias (O) or
+// nullptr, output (B, O, out_h, out_w).
 template <typename scalar_t>
 void run_forward(const Plan<scalar_t>& plan, const Shape& shape, const scalar_t* input, const scalar_t* weight_packed,
-                 const uint32_t* weight_pairs, const scalar_t* bias, scalar_t* output, bool tiled = false) {
+                 const uint32_t* weight_pairs, const scalar_t* bias, scalar_t* output) {
   if (plan.stride_w == 1) {
-    forward_kernel<scalar_t, true>(plan, shape, input, weight_packed, weight_pairs, bias, output, tiled);
+    forward_kernel<scalar_t, true>(plan, shape, input, weight_packed, weight_pairs, bias, output);
   } else {
-    forward_kernel<scalar_t, false>(plan, shape, input, weight_packed, weight_pairs, bias, output, tiled);
+    forward_kernel<scalar_t, false>(plan, shape, input, weight_packed, weight_pairs, bias, output);
   }
 }
 
@@ -2266,7 +2239,7 @@ at::Tensor forward_impl(const at::Tensor& input, const at::Tensor& weight_slots,
   const scalar_t* in = input.data_ptr<scalar_t>();
   const scalar_t* w = weight_packed.data_ptr<scalar_t>();
   const scalar_t* b = has_bias ? bias_values.data_ptr<scalar_t>() : nullptr;
-  run_forward(plan, shape, in, w, wp, b, output.data_ptr<scalar_t>(), !bf16);
+  run_forward(plan, shape, in, w, wp, b, output.data_ptr<scalar_t>());
   return output;
 }
 #endif
