@@ -1311,7 +1311,7 @@ void align_forward_kernel(const Plan<scalar_t>& plan, const AlignTables<scalar_t
                                              samples.data(), folded.data(), spectra.data(), states.data(), narrow);
         // Panel by panel, each turned in place just before its product, so that the product reads it from L1
         // (turn_panel: a pair's powers loaded once for the panel's channels).
-        // weight_packed is (groups, C/g * k*k, O/g), the harmonic channels of these channels as rows.
+        // weight_packed holds (groups, C/g * k*k, O/g) values: these channels' harmonic rows, tiled per panel chunk.
         for (int64_t c0 = 0; c0 < cg; c0 += panel_channels) {
           const int64_t channels = std::min(panel_channels, cg - c0);
           scalar_t* panel = spectra.data() + c0 * slots * lanes;

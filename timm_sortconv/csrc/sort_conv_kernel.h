@@ -2088,7 +2088,7 @@ void forward_kernel(const Plan<scalar_t>& plan, const Shape& shape, const scalar
               }
             }
 #endif
-            // weight_packed is (groups, C/g, k*k, O/g): the rows of these channels' slots.
+            // weight_packed holds (groups, C/g, k*k, O/g) values: these channels' slot rows, tiled per panel chunk.
             const scalar_t* chunk = weight_packed + (g * cg + c0) * slots * og;
             // A few positions past the block's last whole vector take their products with the outputs on the
             // lanes (gemm_tiles_positions).
