@@ -114,7 +114,7 @@ def main(argv=None) -> None:
     parser.add_argument("--processes", action="store_true",
                         help="time each library's calls of a round in a process of its own (for two threads or more)")
     args = parser.parse_args(argv)
-    after = args.after or str(sc_onnx.library_path())
+    after = args.after or sc_onnx.library_path()
     for path in (args.before, after):
         if not os.path.isfile(path):
             raise CommandError(f"no library at {path}: give the path of a built timm_sortconv_onnxruntime_*.so")

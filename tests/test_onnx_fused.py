@@ -232,14 +232,16 @@ def test_one_image_cut_into_tasks_agrees_at_every_size(library, size, kernel_siz
 
 
 def test_a_file_runs_on_session_options_of_ones_own(library, tmp_path):
-    """register_custom_ops_library on plain options, as the module docstring describes, without the threads entry."""
+    """register_custom_ops_library(library_path()) on plain options, as the module docstring describes (the path as
+    library_path returns it: onnxruntime refuses a Path), without the threads entry."""
     model = _model(kernel_size=5, padding=2).eval()
     x = torch.randn(1, 3, 12, 12)
     path = tmp_path / "model.onnx"
     sc_onnx.export(model, x, path, fused=True)
     options = onnxruntime.SessionOptions()
     options.intra_op_num_threads = 2
-    options.register_custom_ops_library(str(library))
+    assert sc_onnx.library_path() == str(library)
+    options.register_custom_ops_library(sc_onnx.library_path())
     session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     _assert_agrees(torch.from_numpy(session.run(None, {"x": x.numpy()})[0]), _reference(model, x))
 

@@ -15,7 +15,7 @@ users know as ``get_library_path()``.
 Example:
     >>> import onnxruntime
     >>> options = onnxruntime.SessionOptions()
-    >>> options.register_custom_ops_library(str(library_path()))  # doctest: +SKIP
+    >>> options.register_custom_ops_library(library_path())  # doctest: +SKIP
 """
 from __future__ import annotations
 
@@ -44,10 +44,10 @@ def build_library(isa: Optional[str] = None, verbose: bool = False) -> Path:
     return native.build_library(_NAME, OP_SOURCE, [HEADERS], isa, verbose=verbose)
 
 
-def library_path(isa: Optional[str] = None) -> Path:
-    """The library's path, for ``onnxruntime.SessionOptions.register_custom_ops_library``: built on first use
-    (:func:`build_library`), found in the cache after."""
-    return build_library(isa)
+def library_path(isa: Optional[str] = None) -> str:
+    """The library's path as a ``str``, which ``onnxruntime.SessionOptions.register_custom_ops_library`` takes as it
+    is (it refuses a ``Path``): built on first use (:func:`build_library`), found in the cache after."""
+    return str(build_library(isa))
 
 
 def session(model: Union[str, os.PathLike, bytes], threads: int = 1, *, library: Optional[os.PathLike] = None,
@@ -62,6 +62,6 @@ def session(model: Union[str, os.PathLike, bytes], threads: int = 1, *, library:
     options.intra_op_num_threads = threads
     if threads > 0:
         options.add_session_config_entry(THREADS_KEY, str(threads))
-    options.register_custom_ops_library(str(library_path() if library is None else library))
+    options.register_custom_ops_library(library_path() if library is None else str(library))
     source = model if isinstance(model, bytes) else str(model)
     return onnxruntime.InferenceSession(source, options, providers=["CPUExecutionProvider"])
