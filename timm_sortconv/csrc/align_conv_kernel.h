@@ -96,6 +96,13 @@ struct AlignTables {
   // (polar sampling as PolarTaps<3>, <5> or <7> places it, or square sampling, in float32 where masked loads exist).
   bool rings = false, direct = false;
   std::vector<int64_t> cosine_block, sine_block;
+  // Whether each ring's (c, E) terms sit where ring_dft writes its rows (S_0 at row 0, Re S_m at row m, Im S_m at
+  // row N / 2 + m, the Nyquist term at N / 2; c from m = 1 only) with one energy weight for all its pairs: then the
+  // direct path adds a channel's (c, E) while its rows are in registers (RingOrientation) instead of add_orientation
+  // reading them back. Per segment of the plan (4 values each): its pairs' energy weight, its Nyquist row's, its
+  // S_0's (the LEVEL term), its m = 1 weight.
+  bool ring_orientation = false;
+  std::vector<scalar_t> ring_orientation_weights;
 
   int64_t re(int64_t p) const { return pair_re_row[p]; }
   int64_t im(int64_t p) const { return pair_im_row[p]; }
@@ -191,6 +198,55 @@ struct AlignTableValues {
   int64_t guides = 0;                   // guide channels after each group's weighted ones (0 or 1)
 };
 
+// Fills t.ring_orientation and t.ring_orientation_weights (see AlignTables) from the tables' pairs and fixed rows,
+// for rings that ring_dft computes (t.rings).
+template <typename scalar_t>
+void find_ring_orientation(const Plan<scalar_t>& plan, const AlignTableValues& v, AlignTables<scalar_t>& t) {
+  t.ring_orientation = false;
+  t.ring_orientation_weights.clear();
+  if (!t.rings) return;
+  // Per row: the pair's m (with whether it is the Im row) or a fixed row's m (0 or the Nyquist m), its energy weight
+  // and its weight in c.
+  const int64_t slots = plan.slots, pairs = static_cast<int64_t>(v.pairs.size() / 3);
+  std::vector<int64_t> harmonic(slots, 0);
+  std::vector<double> energy(slots, 0.0), first(slots, 0.0);
+  std::vector<bool> im_row(slots, false);
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int64_t re = v.pairs[3 * p], im = v.pairs[3 * p + 1], m = v.pairs[3 * p + 2];
+    harmonic[re] = harmonic[im] = m;
+    im_row[im] = true;
+    energy[re] = energy[im] = v.energy_pairs[p];
+    first[re] = first[im] = v.first[p];
+  }
+  for (size_t f = 0; f < v.fixed.size() / 2; ++f) {
+    harmonic[v.fixed[2 * f]] = v.fixed[2 * f + 1];
+    energy[v.fixed[2 * f]] = v.energy_fixed[f];
+  }
+  std::vector<scalar_t> weights;
+  for (const auto& segment : plan.segments) {
+    const int64_t s = segment.start, n = segment.size, cos_rows = n / 2 + 1;
+    double pair_energy = n > 2 ? energy[s + 1] : 0.0, nyquist_energy = n > 1 ? energy[s + n / 2] : 0.0;
+    const double first_weight = n > 2 ? first[s + 1] : 0.0, level_energy = energy[s];
+    // S_0, or the centre (whose term RingOrientation leaves out: none in E)
+    if (harmonic[s] != 0 || im_row[s] || first[s] != 0.0 || (n == 1 && level_energy != 0.0)) return;
+    for (int64_t r = 1; r < n; ++r) {
+      const bool im = r >= cos_rows;
+      const int64_t m = im ? r - cos_rows + 1 : r, row = s + r;
+      const bool nyquist = !im && 2 * m == n;
+      if (harmonic[row] != m || im_row[row] != im || energy[row] != (nyquist ? nyquist_energy : pair_energy)
+          || first[row] != (m == 1 && !nyquist ? first_weight : 0.0)) {
+        return;
+      }
+    }
+    weights.push_back(static_cast<scalar_t>(pair_energy));
+    weights.push_back(static_cast<scalar_t>(nyquist_energy));
+    weights.push_back(static_cast<scalar_t>(level_energy));
+    weights.push_back(static_cast<scalar_t>(first_weight));
+  }
+  t.ring_orientation = true;
+  t.ring_orientation_weights = std::move(weights);
+}
+
 template <typename scalar_t>
 AlignTables<scalar_t> make_align_tables(const AlignTableValues& v, const Plan<scalar_t>& plan) {
   const int64_t slots = plan.slots;
@@ -274,6 +330,7 @@ AlignTables<scalar_t> make_align_tables(const AlignTableValues& v, const Plan<sc
       t.energy_weight.push_back(static_cast<scalar_t>(v.energy_fixed[f]));
     }
   }
+  find_ring_orientation(plan, v, t);
   return t;
 }
 
@@ -708,13 +765,51 @@ inline __attribute__((always_inline)) void ring_rows(const Sample& sample, const
   }
 }
 
+// One ring's (c, E) terms, taken from its rows as ring_dft hands them over (row r of N, in registers): the squares of
+// the pairs' rows in four sums (so that the additions' latency does not bound the transform), the Nyquist row's and
+// S_0's squares, the rows of S_1. add() folds them into a unit's state (c_re, c_im and E, kLanes apart) with the
+// ring's 4 weights (AlignTables::ring_orientation_weights): the terms add_orientation adds, summed in another order.
+template <int N>
+struct RingOrientation {
+  static constexpr int kCos = N / 2 + 1;
+  vfloat squares[4] = {}, nyquist{}, level{}, first_re{}, first_im{};
+
+  inline __attribute__((always_inline)) void row(int r, vfloat value) {
+    if (r == 0) {
+      level = value * value;
+      return;
+    }
+    if (2 * r == N) {
+      nyquist = value * value;
+      return;
+    }
+    if (r == 1) first_re = value;
+    if (r == kCos) first_im = value;
+    squares[r & 3] += value * value;
+  }
+
+  inline __attribute__((always_inline)) void add(const float* weights, float* state) const {
+    constexpr int64_t lanes = kLanes<float>;
+    if constexpr (N == 1) return;
+    const vfloat energy = splat(weights[0]) * ((squares[0] + squares[1]) + (squares[2] + squares[3]))
+                          + splat(weights[1]) * nyquist + splat(weights[2]) * level;
+    store(state, load(state) + splat(weights[3]) * first_re);
+    store(state + lanes, load(state + lanes) + splat(weights[3]) * first_im);
+    store(state + 2 * lanes, load(state + 2 * lanes) + energy);
+  }
+};
+
 // One vector of ring [kStart, kStart + N)'s spectra (or samples: kSamples) with its samples read straight from the
-// input: polar taps at compile-time positions (sort_polar_fixed's loads) or square samples (single_tap).
-template <int K, int kStart, int N, bool kTwo, bool kSamples>
+// input: polar taps at compile-time positions (sort_polar_fixed's loads) or square samples (single_tap). kOriented:
+// the ring's (c, E) terms added to `state` too (RingOrientation, with the ring's 4 `weights`).
+template <int K, int kStart, int N, bool kTwo, bool kSamples, bool kOriented>
 void polar_ring_spectra(const Plan<float>& plan, const float* cosine, const float* sine, const float* p0,
-                        const float* p1, PieceMask m0, PieceMask m1, float* out) {
+                        const float* p1, PieceMask m0, PieceMask m1, float* out, const float* weights,
+                        float* state) {
+  static_assert(!(kSamples && kOriented), "a guide's samples carry no spectra to orient by");
   using taps = PolarTaps<K>;
   constexpr int64_t lanes = kLanes<float>;
+  RingOrientation<N> orientation;
   int64_t row[K], col[K];
   for (int i = 0; i < K; ++i) {
     row[i] = plan.grid_offset[i * K];
@@ -736,32 +831,44 @@ void polar_ring_spectra(const Plan<float>& plan, const float* cosine, const floa
         }
         return acc;
       },
-      cosine, sine, [&](int r, vfloat value) __attribute__((always_inline)) { store(out + r * lanes, value); });
+      cosine, sine, [&](int r, vfloat value) __attribute__((always_inline)) {
+        store(out + r * lanes, value);
+        if constexpr (kOriented) orientation.row(r, value);
+      });
+  if constexpr (kOriented) orientation.add(weights, state);
 }
 
-template <int N, bool kTwo, bool kSamples>
+template <int N, bool kTwo, bool kSamples, bool kOriented>
 void square_ring_spectra(const Plan<float>& plan, int64_t start, const float* cosine, const float* sine,
-                         const float* p0, const float* p1, PieceMask m0, PieceMask m1, float* out) {
+                         const float* p0, const float* p1, PieceMask m0, PieceMask m1, float* out,
+                         const float* weights, float* state) {
   constexpr int64_t lanes = kLanes<float>;
   const int64_t* offset = plan.sample_offset.data() + start;
+  RingOrientation<N> orientation;
   ring_rows<kSamples, vfloat, N>([&](int i) __attribute__((always_inline)) { return load_pieces<kTwo>(p0, p1, m0, m1, offset[i]); }, cosine, sine,
-                      [&](int r, vfloat value) __attribute__((always_inline)) { store(out + r * lanes, value); });
+                      [&](int r, vfloat value) __attribute__((always_inline)) {
+                        store(out + r * lanes, value);
+                        if constexpr (kOriented) orientation.row(r, value);
+                      });
+  if constexpr (kOriented) orientation.add(weights, state);
 }
 
-template <bool kTwo, bool kSamples>
+template <bool kTwo, bool kSamples, bool kOriented>
 void direct_ring_spectra(const Plan<float>& plan, const Segment& segment, const float* cosine, const float* sine,
-                         const float* p0, const float* p1, PieceMask m0, PieceMask m1, float* out) {
+                         const float* p0, const float* p1, PieceMask m0, PieceMask m1, float* out,
+                         const float* weights, float* state) {
   if (polar_size(plan) == 0) {
     with_ring_size(segment.size, [&](auto size) {
-      square_ring_spectra<decltype(size)::value, kTwo, kSamples>(plan, segment.start, cosine, sine, p0, p1, m0, m1,
-                                                                 out);
+      square_ring_spectra<decltype(size)::value, kTwo, kSamples, kOriented>(plan, segment.start, cosine, sine, p0, p1,
+                                                                            m0, m1, out, weights, state);
     });
     return;
   }
   const int64_t key = polar_size(plan) * 10000 + segment.start * 100 + segment.size;
-#define TIMM_SORTCONV_CASE(k, start, size) \
-  case k * 10000 + start * 100 + size:    \
-    return polar_ring_spectra<k, start, size, kTwo, kSamples>(plan, cosine, sine, p0, p1, m0, m1, out);
+#define TIMM_SORTCONV_CASE(k, start, size)                                                                    \
+  case k * 10000 + start * 100 + size:                                                                        \
+    return polar_ring_spectra<k, start, size, kTwo, kSamples, kOriented>(plan, cosine, sine, p0, p1, m0, m1, out, \
+                                                                         weights, state);
   switch (key) {
     TIMM_SORTCONV_CASE(3, 0, 1)
     TIMM_SORTCONV_CASE(3, 1, 8)
@@ -781,26 +888,36 @@ void direct_ring_spectra(const Plan<float>& plan, const Segment& segment, const 
 
 // window_spectra straight from the input (gathering, the fold and the DFT in registers, as sort_direct gathers and
 // sorts), or only the samples (kSamples: gather_samples' values); false (nothing done) where the tables or the
-// block do not allow it.
+// block do not allow it. `state` (spectra only, t.ring_orientation): the unit's state, to which the channel's (c, E)
+// are added as its rows are made (RingOrientation); nullptr: none.
 template <bool kSamples = false>
 bool direct_spectra(const Plan<float>& plan, const AlignTables<float>& t, const float* channel_input,
-                    const Block& block, float* spectra, bool narrow = false) {
+                    const Block& block, float* spectra, bool narrow = false, float* state = nullptr) {
   constexpr int64_t lanes = kLanes<float>, half = kVecLanes<float>;
   if (!t.direct || !block.direct) return false;
   for (size_t i = 0; i < plan.segments.size(); ++i) {
     const Segment& segment = plan.segments[i];
     const float* cosine = block_weights(t, t.cosine_block[i], false);
     const float* sine = block_weights(t, t.sine_block[i], false);
+    const float* weights = state != nullptr ? t.ring_orientation_weights.data() + 4 * i : nullptr;
     for (int64_t h = 0; h < (narrow ? 1 : lanes / half); ++h) {
       const VectorSource& source = block.source[h];
       const float* p0 = channel_input + source.base[0];
       const float* p1 = channel_input + source.base[1];
       const PieceMask m0 = piece_mask(source.mask[0]), m1 = piece_mask(source.mask[1]);
       float* out = spectra + segment.start * lanes + h * half;
-      if (source.mask[1] != 0) {
-        direct_ring_spectra<true, kSamples>(plan, segment, cosine, sine, p0, p1, m0, m1, out);
+      const auto ring = [&](auto two, auto oriented) __attribute__((always_inline)) {
+        direct_ring_spectra<decltype(two)::value, kSamples, decltype(oriented)::value>(
+            plan, segment, cosine, sine, p0, p1, m0, m1, out, weights, state != nullptr ? state + h * half : nullptr);
+      };
+      using yes = std::true_type;
+      using no = std::false_type;
+      if constexpr (kSamples) {
+        source.mask[1] != 0 ? ring(yes{}, no{}) : ring(no{}, no{});
+      } else if (state != nullptr) {
+        source.mask[1] != 0 ? ring(yes{}, yes{}) : ring(no{}, yes{});
       } else {
-        direct_ring_spectra<false, kSamples>(plan, segment, cosine, sine, p0, p1, m0, m1, out);
+        source.mask[1] != 0 ? ring(yes{}, no{}) : ring(no{}, no{});
       }
     }
   }
@@ -812,7 +929,7 @@ bool known_polar_segment(int64_t, int64_t, int64_t) { return false; }
 
 template <bool kSamples = false, typename scalar_t>
 bool direct_spectra(const Plan<scalar_t>&, const AlignTables<scalar_t>&, const scalar_t*, const Block&, scalar_t*,
-                    bool = false) {
+                    bool = false, scalar_t* = nullptr) {
   return false;
 }
 
@@ -834,13 +951,19 @@ void samples_to_spectra(const Plan<scalar_t>& plan, const AlignTables<scalar_t>&
   }
 }
 
+// Returns whether the channel's (c, E) were added to `state` on the way (the direct path with t.ring_orientation);
+// otherwise the caller adds them (add_orientation). `state`: the unit's state, or nullptr where nothing turns.
 template <typename scalar_t, bool kUnitStride>
-void window_spectra(const Plan<scalar_t>& plan, const AlignTables<scalar_t>& t, const scalar_t* channel_input,
+bool window_spectra(const Plan<scalar_t>& plan, const AlignTables<scalar_t>& t, const scalar_t* channel_input,
                     const Block& block, scalar_t* grid, scalar_t* samples, scalar_t* folded, scalar_t* spectra,
-                    bool narrow = false) {
-  if (kUnitStride && direct_spectra(plan, t, channel_input, block, spectra, narrow)) return;
+                    bool narrow = false, scalar_t* state = nullptr) {
+  scalar_t* oriented = t.ring_orientation ? state : nullptr;
+  if (kUnitStride && direct_spectra(plan, t, channel_input, block, spectra, narrow, oriented)) {
+    return oriented != nullptr;
+  }
   gather_samples<scalar_t, kUnitStride>(plan, channel_input, block, grid, samples);
   samples_to_spectra(plan, t, samples, folded, spectra);
+  return false;
 }
 
 // The samples' gradient grad_samples[k*k][lanes] from the spectra's, through the DFT's and the fold's transposes.
@@ -1238,8 +1361,8 @@ void add_orientation_gradient(const AlignTables<scalar_t>& t, const scalar_t* gr
 // unit of channel ci, or of every channel's unit in turn.
 inline int64_t units_of(bool shared, int64_t channels_per_group) { return shared ? 1 : channels_per_group; }
 
-// The group's spectra[C/g][k*k][lanes] of the block, each channel's (c, E) added to its unit's state while its
-// spectra are still in L1 (the same sums in the same order as taking them after all the channels), and, where
+// The group's spectra[C/g][k*k][lanes] of the block, each channel's (c, E) added to its unit's state as its rows are
+// made (the direct path, RingOrientation) or while they are still in L1 (add_orientation), and, where
 // anything turns, each unit's gated powers: states[unit] holds state_rows() rows of lanes. A guide channel's rows
 // hold its samples instead where add_guide_orientation serves it (t.guide_re non-empty; spectra then has a vector
 // more than its rows, which gather_samples may write).
@@ -1263,9 +1386,11 @@ void group_spectra(const Plan<scalar_t>& plan, const AlignTables<scalar_t>& t, i
       add_guide_orientation(plan, t, channel_spectra, states);
       continue;
     }
-    window_spectra<scalar_t, kUnitStride>(plan, t, group_input + ci * plane, block, grid, samples, folded,
-                                          channel_spectra, narrow);
-    if (turns) add_orientation(t, channel_spectra, states + (t.shared ? 0 : ci) * state_size, narrow);
+    scalar_t* state = turns ? states + (t.shared ? 0 : ci) * state_size : nullptr;
+    if (!window_spectra<scalar_t, kUnitStride>(plan, t, group_input + ci * plane, block, grid, samples, folded,
+                                               channel_spectra, narrow, state) && turns) {
+      add_orientation(t, channel_spectra, state, narrow);
+    }
   }
   if (turns) {
     for (int64_t u = 0; u < units; ++u) make_turns(t, states + u * state_size);
