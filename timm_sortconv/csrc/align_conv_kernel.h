@@ -815,13 +815,14 @@ void polar_ring_spectra(const Plan<float>& plan, const float* cosine, const floa
     row[i] = plan.grid_offset[i * K];
     col[i] = plan.grid_offset[i];
   }
+  const float* weight = plan.polar_weight.data() + kStart * kPolarTaps;
   ring_rows<kSamples, vfloat, N>(
       [&](int i) __attribute__((always_inline)) {
         const int s = kStart + i;
         const auto tap = [&](int t) __attribute__((always_inline)) {
           return load_pieces<kTwo>(p0, p1, m0, m1, row[taps::kTap[s][t][0]] + col[taps::kTap[s][t][1]]);
         };
-        const auto w = [&](int t) __attribute__((always_inline)) { return polar_tap_weight(plan, s, t); };
+        const auto w = [&](int t) __attribute__((always_inline)) { return splat(weight[i * kPolarTaps + t]); };
         if (taps::kCount[s] == 1) return w(0) * tap(0);
         vfloat acc = fused_multiply_add(w(0), tap(0), w(1) * tap(1));
 #pragma GCC unroll 4

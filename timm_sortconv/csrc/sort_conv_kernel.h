@@ -202,9 +202,6 @@ struct Plan {
   int polar_k = 0;         // polar sampling whose taps sit where PolarTaps<polar_k> says (k = 5, 7)
   bool polar_3 = false;    // polar sampling with k = 3 whose taps sit where PolarTaps<3> says (interpolate_runs)
   std::vector<scalar_t> polar_weight;  // then per sample, kPolarTaps weights in that order (0 past its count)
-  // polar_weight with each weight repeated over a vector's lanes (kVecLanes): where vectors are 32 bytes (AVX2), a
-  // multiply-add reads it as its memory operand (polar_tap_weight) instead of a broadcast before it.
-  std::vector<scalar_t> polar_weight_lanes;
   std::vector<int64_t> sample_offset;    // square sampling: per sample, its flat offset in the window
   std::vector<int64_t> position_sample;  // square sampling: per row-major window position, its sample
   std::vector<int64_t> grid_offset;      // per row-major window position, its flat offset
@@ -433,10 +430,6 @@ Plan<scalar_t> make_plan(const PlanTables& tables, int64_t src_h, int64_t src_w,
       for (size_t t = 0; t < taps_of[s].size(); ++t) {
         plan.polar_weight[s * kPolarTaps + t] = static_cast<scalar_t>(taps_of[s][t].second);
       }
-    }
-    plan.polar_weight_lanes.resize(plan.polar_weight.size() * kVecLanes<scalar_t>);
-    for (size_t i = 0; i < plan.polar_weight_lanes.size(); ++i) {
-      plan.polar_weight_lanes[i] = plan.polar_weight[i / kVecLanes<scalar_t>];
     }
   }
   plan.direct = kUnrolledNetworks<scalar_t> && (plan.single_tap || plan.polar_k != 0) && !plan.segments.empty()
@@ -1134,17 +1127,6 @@ void sort_direct_fixed(const Plan<float>& plan, int64_t start, const float* p0, 
   for (int i = 0; i < N; ++i) store(out + i * lanes, v[i]);
 }
 
-// Tap t of polar sample s as a vector (the plan's weight on every lane): AVX-512's multiply-adds broadcast it from
-// memory in the instruction; with 32-byte vectors a broadcast would take an instruction of its own, so the weight is
-// read as a whole vector of polar_weight_lanes, which the multiply-add takes as its memory operand.
-inline __attribute__((always_inline)) vfloat polar_tap_weight(const Plan<float>& plan, int64_t s, int t) {
-#if TIMM_SORTCONV_VECTOR_BYTES == 32
-  return load(plan.polar_weight_lanes.data() + (s * kPolarTaps + t) * kVecLanes<float>);
-#else
-  return splat(plan.polar_weight[s * kPolarTaps + t]);
-#endif
-}
-
 // Polar sampling: samples [kStart, kStart + N) interpolated from the input. The tap positions are
 // compile-time constants (PolarTaps), so the compiler reads each window value once for all the
 // samples that share it (GCC merges identical loads) instead of once per tap.
@@ -1158,15 +1140,16 @@ void sort_polar_fixed(const Plan<float>& plan, const float* p0, const float* p1,
     row[i] = plan.grid_offset[i * K];
     col[i] = plan.grid_offset[i];
   }
+  const float* weight = plan.polar_weight.data() + kStart * kPolarTaps;
   vfloat v[N];
   load_and_sort<N, false>(v, static_cast<SwapMask<vfloat>*>(nullptr), [&](int i) {
     const int s = kStart + i;
-    vfloat acc = polar_tap_weight(plan, s, 0)
+    vfloat acc = splat(weight[i * kPolarTaps])
                  * load_pieces<kTwo>(p0, p1, m0, m1, row[taps::kTap[s][0][0]] + col[taps::kTap[s][0][1]]);
 #pragma GCC unroll 4
     for (int t = 1; t < kPolarTaps; ++t) {
       if (t < taps::kCount[s]) {
-        acc += polar_tap_weight(plan, s, t)
+        acc += splat(weight[i * kPolarTaps + t])
                * load_pieces<kTwo>(p0, p1, m0, m1, row[taps::kTap[s][t][0]] + col[taps::kTap[s][t][1]]);
       }
     }
