@@ -225,7 +225,7 @@ void find_ring_orientation(const Plan<scalar_t>& plan, const AlignTableValues& v
   std::vector<scalar_t> weights;
   for (const auto& segment : plan.segments) {
     const int64_t s = segment.start, n = segment.size, cos_rows = n / 2 + 1;
-    double pair_energy = n > 2 ? energy[s + 1] : 0.0, nyquist_energy = n > 1 ? energy[s + n / 2] : 0.0;
+    const double pair_energy = n > 2 ? energy[s + 1] : 0.0, nyquist_energy = n > 1 ? energy[s + n / 2] : 0.0;
     const double first_weight = n > 2 ? first[s + 1] : 0.0, level_energy = energy[s];
     // S_0, or the centre (whose term RingOrientation leaves out: none in E)
     if (harmonic[s] != 0 || im_row[s] || first[s] != 0.0 || (n == 1 && level_energy != 0.0)) return;
