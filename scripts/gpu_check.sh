@@ -6,16 +6,19 @@
 # downloads the timm wheel this package needs (the GPU image has an older timm), copies MNIST, and keeps both
 # out of git (.git/info/exclude): .carry/wheels and .carry/mnist. Then, on the device, one call (10 minutes
 # at most per call, so the stages run in order of priority and each is cut off at the time left):
-#     run(command="bash scripts/gpu_check.sh", carry=[".carry"])
-# or name the stages: prewarm host models throughput compile firstcall align profile check tests warmup table mnist
-# (default: all but mnist, in this order: what the GPU issue needs first, the host's share of a call, the models'
-# layers, the training steps eager and compiled, the aligned variants; the check compiles for longer). Results are written to $OUT (the device returns at most 8 files): <stage>.log (the
-# benchmark stages' logs are their markdown tables), results.jsonl (every measurement of the benchmark stages,
-# one JSON object per line, written as it is made), summary.txt with the versions, clocks and each stage's status and time, and
-# triton_cache.tgz.part-aa, -ab, ...: the compiled kernels, a gzipped tar split into 15 MiB parts (the device
-# returns files up to 16 MiB). Copy the parts to .carry/ before the next call, which then starts from them (a
-# machine given back loses its files): on a fresh H200 the check stage compiles for more than 530 s (its rows
-# are printed as they are checked, so a cut-off log keeps what it reached).
+#     run(command="bash scripts/gpu_check.sh", carry=[".carry"], timeout_s=600)
+# or name the stages: prewarm host models throughput firstcall align compile profile check tests warmup table mnist
+# (default: the first seven, in this order: the kernels compiled in parallel, the host's share of a call, the models'
+# layers, the training steps, a new geometry's first call, the aligned variants, then the training steps under
+# torch.compile last, since Inductor's builds of three models and their twins can take what is left of the call; the
+# check compiles for longer). Results are written to $OUT, of which the device returns at most 8 files, 64 MiB in
+# all: logs/<stage>.log as each stage runs (the benchmark stages' logs are their markdown tables; at the end they
+# are packed into logs.tgz where the files would be more than 8), results.jsonl (every measurement of the benchmark
+# stages, one JSON object per line, written as it is made), summary.txt with the versions, clocks and each stage's
+# status and time, and triton_cache.tgz.part-aa, -ab, ...: the compiled kernels, a gzipped tar split into 15 MiB
+# parts (the device returns files up to 16 MiB), left out where they would not fit. Copy the parts to .carry/ before
+# the next call, which then starts from them (a machine given back loses its files): on a fresh H200 the check stage
+# compiles for more than 530 s (its rows are printed as they are checked, so a cut-off log keeps what it reached).
 #
 # Stages:
 #   check       python -m timm_sortconv.check --device cuda: every backend and auto against the reference path
@@ -72,7 +75,8 @@ fi
 
 OUT=${OUT:-$PWD/gpu_check_out}
 mkdir -p "$OUT"
-STAGES=${*:-prewarm host models throughput compile firstcall align profile check tests warmup table}
+mkdir -p "$OUT/logs"
+STAGES=${*:-prewarm host models throughput firstcall align compile}
 
 if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \
@@ -102,7 +106,7 @@ VARIANTS=(polar-ring polar-global square-ring square-global)
 
 left() { echo $(( DEADLINE - ($(date +%s) - START) )); }
 
-stage() {  # stage NAME COMMAND...: runs it with the time left, output to $OUT/NAME.log, status to summary.txt
+stage() {  # stage NAME COMMAND...: runs it with the time left, output to $OUT/logs/NAME.log, status to summary.txt
     local name=$1; shift
     local budget; budget=$(left)
     if [ "$budget" -lt 20 ]; then
@@ -110,11 +114,11 @@ stage() {  # stage NAME COMMAND...: runs it with the time left, output to $OUT/N
         return
     fi
     local begin; begin=$(date +%s)
-    timeout "$budget" bash -c "$*" > "$OUT/$name.log" 2>&1
+    timeout "$budget" bash -c "$*" > "$OUT/logs/$name.log" 2>&1
     local rc=$?
     echo "$name: rc $rc ($([ $rc -eq 124 ] && echo 'cut off at the time limit' || echo done)), $(( $(date +%s) - begin )) s" \
         | tee -a "$OUT/summary.txt"
-    tail -n 5 "$OUT/$name.log"
+    tail -n 5 "$OUT/logs/$name.log"
 }
 
 for name in $STAGES; do
@@ -178,16 +182,21 @@ for name in $STAGES; do
         mkdir -p "$OUT/mnist_run"
         cp /tmp/train/mnist_run/{last.pth.tar,summary.csv,args.yaml} "$OUT/mnist_run/" 2>/dev/null ;;
     *)
-        echo "unknown stage $name; accepted: prepare prewarm host models throughput compile firstcall align profile check tests warmup table mnist" | tee -a "$OUT/summary.txt" ;;
+        echo "unknown stage $name; accepted: prepare prewarm host models throughput firstcall align compile profile check tests warmup table mnist" | tee -a "$OUT/summary.txt" ;;
     esac
 done
+# The device returns at most 8 files of at most 16 MiB, 64 MiB together: the logs as one file where they would be more.
+files() { find "$OUT" -type f | wc -l; }
+if [ "$(files)" -gt 8 ]; then
+    tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -r "$OUT/logs"
+fi
 if [ -d /tmp/triton_cache ]; then
     tar czf - -C /tmp triton_cache | split -b 15M - "$OUT/triton_cache.tgz.part-"
     parts=$(ls "$OUT"/triton_cache.tgz.part-* | wc -l)
-    others=$(ls "$OUT" | grep -vc '^triton_cache.tgz.part-')
-    if [ $(( parts + others )) -gt 8 ]; then  # the device returns at most 8 files, and the results come first
+    bytes=$(du -sb "$OUT" | cut -f1)
+    if [ "$(files)" -gt 8 ] || [ "$bytes" -gt $(( 60 * 1024 * 1024 )) ]; then  # the results come first
         rm "$OUT"/triton_cache.tgz.part-*
-        echo "triton_cache.tgz left out: $parts parts of 15 MiB beside $others result files" | tee -a "$OUT/summary.txt"
+        echo "triton_cache.tgz left out: $parts parts of at most 15 MiB beside $(files) result files" | tee -a "$OUT/summary.txt"
     fi
 fi
 echo "total $(( $(date +%s) - START )) s" | tee -a "$OUT/summary.txt"
