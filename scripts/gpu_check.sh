@@ -74,7 +74,6 @@ if [ "${1:-}" = "prepare" ]; then
 fi
 
 OUT=${OUT:-$PWD/gpu_check_out}
-mkdir -p "$OUT"
 mkdir -p "$OUT/logs"
 STAGES=${*:-prewarm host models throughput firstcall align compile}
 

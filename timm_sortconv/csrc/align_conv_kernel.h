@@ -912,13 +912,13 @@ bool direct_spectra(const Plan<float>& plan, const AlignTables<float>& t, const 
       };
       using yes = std::true_type;
       using no = std::false_type;
-      if constexpr (kSamples) {
-        source.mask[1] != 0 ? ring(yes{}, no{}) : ring(no{}, no{});
-      } else if (state != nullptr) {
-        source.mask[1] != 0 ? ring(yes{}, yes{}) : ring(no{}, yes{});
-      } else {
-        source.mask[1] != 0 ? ring(yes{}, no{}) : ring(no{}, no{});
+      if constexpr (!kSamples) {  // a guide's samples are never oriented (polar_ring_spectra's static_assert)
+        if (state != nullptr) {
+          source.mask[1] != 0 ? ring(yes{}, yes{}) : ring(no{}, yes{});
+          continue;
+        }
       }
+      source.mask[1] != 0 ? ring(yes{}, no{}) : ring(no{}, no{});
     }
   }
   return true;
