@@ -46,6 +46,10 @@ def _fused_nodes(data):
 
 
 def _run(data, library, x, threads=1):
+    """The file's output for ``x`` with the library registered; the file must be valid ONNX (onnx.checker: nodes in
+    order, the custom domain's opset and functions declared), as tools other than onnxruntime require."""
+    if isinstance(data, bytes):
+        onnx.checker.check_model(onnx.load_from_string(data))
     return torch.from_numpy(sc_onnx.session(data, threads, library=library).run(None, {"x": x.numpy()})[0])
 
 
@@ -451,6 +455,39 @@ def test_a_residual_add_and_its_relu_are_merged_into_the_node(library, normalise
     _assert_agrees(torch.from_numpy(out), expected)
 
 
+class _LateShortcut(nn.Module):
+    """A residual whose shortcut is computed after the SC layer, as timm's BasicBlock downsamples its shortcut after
+    conv2."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = SortConv2d(8, 8, 3, padding=1)
+        self.shortcut = nn.Conv2d(8, 8, 1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return torch.relu(y + self.shortcut(x))
+
+
+@pytest.mark.parametrize("dynamo", quick_first([False, True]), ids=["torchscript", "dynamo"])
+def test_a_merged_residual_keeps_the_graph_in_order(library, dynamo):
+    """The node that takes in an Add whose shortcut is made after it moves to the Add's place: every input is made
+    before the node that reads it, the file passes onnx.checker, and it agrees."""
+    torch.manual_seed(0)
+    model = nn.Sequential(SortConv2d(3, 8, 3, padding=1), _LateShortcut()).eval()
+    x = torch.randn(2, 3, 13, 12)
+    buffer = io.BytesIO()
+    sc_onnx.export(model, x, buffer, fused=True, dynamo=dynamo)
+    proto = onnx.load_from_string(buffer.getvalue())
+    assert "Add" not in [node.op_type for node in proto.graph.node]
+    made = {i.name for i in proto.graph.input} | {t.name for t in proto.graph.initializer}
+    for node in proto.graph.node:
+        assert all(not name or name in made for name in node.input), f"{node.name} reads a later node's output"
+        made.update(node.output)
+    onnx.checker.check_model(proto)
+    _assert_agrees(_run(buffer.getvalue(), library, x, 1), _reference(model, x))
+
+
 def test_a_residual_of_another_shape_is_refused_naming_both_shapes(library):
     """A node's S that is not of Y's shape (here a graph input fed one column short) fails the run with one error
     that names Y's shape and S's."""
@@ -599,6 +636,34 @@ def test_bench_onnx_times_each_file_in_processes_of_its_own(tmp_path):
     refused = subprocess.run([sys.executable, str(repo / "scripts" / "bench_onnx.py"), "--processes", "-1"],
                              capture_output=True, text=True, cwd=tmp_path)
     assert refused.returncode != 0 and "--processes must be 0 or more" in refused.stderr
+
+
+def test_bench_onnx_times_each_layer_cut_out_of_the_files(library, tmp_path):
+    """scripts/bench_onnx.py --fused --layers: each SC node cut out of the file with the activations it reads (its
+    output that of the whole network) and the twin's convolution at the same place, timed, then what the networks
+    spend outside those layers; refused without --fused."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_onnx.py"
+    result = subprocess.run([sys.executable, str(script), "--fused", "--layers", "--models", "scnn_p_rs_3", "--batches",
+                             "1", "--threads", "1", "--rounds", "1", "--repeats", "2"], capture_output=True, text=True,
+                            cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    layers = re.findall(r"layer /features/features\.([0-9])/conv \(1x([0-9]+)x([0-9]+)x[0-9]+\): SC ([0-9.]+) ms, twin "
+                        r"([0-9.]+) ms, ratio [0-9.]+; error ([0-9.e+-]+)", result.stdout)
+    assert [(index, channels, size) for index, channels, size, *_ in layers] == [
+        ("0", "1", "28"), ("1", "32", "28"), ("3", "32", "14"), ("4", "64", "14"), ("6", "64", "7"),
+        ("7", "128", "7")], result.stdout
+    for *_, sc, twin, error in layers:
+        assert float(sc) > 0 and float(twin) > 0 and float(error) < 1e-6
+    assert re.search(r"the 6 layers: SC [0-9.]+ ms, twin [0-9.]+ ms, ratio [0-9.]+; outside them", result.stdout)
+    assert list(tmp_path.iterdir()) == []  # the cuts and their inputs lived in a temporary folder
+    refused = subprocess.run([sys.executable, str(script), "--layers", "--models", "scnn_p_rs_3"], capture_output=True,
+                             text=True, cwd=tmp_path)
+    assert refused.returncode != 0 and "add --fused" in refused.stderr and "Traceback" not in refused.stderr
 
 
 def test_the_library_ab_takes_a_sortified_timm_model_with_its_sorting(library, tmp_path):

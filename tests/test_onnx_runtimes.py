@@ -78,6 +78,7 @@ def _runs(data, x):
 
 
 def _assert_agrees(model, data, x):
+    onnx.checker.check_model(onnx.load_from_string(data))  # valid ONNX, as tools other than the runtimes require
     with torch.no_grad():
         expected = model(x).numpy()
     for runtime, got in _runs(data, x).items():

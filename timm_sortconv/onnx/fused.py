@@ -343,8 +343,9 @@ def fuse_residuals(model) -> int:
     ``onnx.ModelProto`` whose nodes are in order): the other operand becomes the node's fourth input ``S``, which the
     library adds to each output tile before the activation, as onnxruntime fuses a residual ``Add`` into its own
     ``Conv``; a zero ``B`` is given to a node without one. The node's standard-operator form (:mod:`.functions`) adds
-    ``S`` too. A ``Relu`` that then alone reads the node's output :func:`fuse_activations` merges. Returns the number
-    merged."""
+    ``S`` too. The node moves to the Add's place, so the nodes stay in order where the shortcut is made after the
+    node (a downsampling convolution, as in timm's ``BasicBlock``). A ``Relu`` that then alone reads the node's output
+    :func:`fuse_activations` merges. Returns the number merged."""
     import numpy as np
     from onnx import numpy_helper
 
@@ -381,9 +382,15 @@ def fuse_residuals(model) -> int:
             node.input.append(bias.name)
         node.input.append(other)
         node.output[0] = add.output[0]
-        merged.append(add)
-    for add in merged:
-        graph.node.remove(add)
+        merged.append((node, add))
+    # ONNX requires each input made before the node that reads it (onnx.checker and tools other than onnxruntime
+    # refuse the file otherwise). Only the Add read the node's output, so nothing between the two needs it; both now
+    # write the Add's output, which no other node writes.
+    at_add = {add.output[0]: node for node, add in merged}
+    nodes = [at_add.get(n.output[0], n) if n.op_type == "Add" else n for n in graph.node
+             if not (n.domain == DOMAIN and n.output and n.output[0] in at_add)]
+    del graph.node[:]
+    graph.node.extend(nodes)
     return len(merged)
 
 
