@@ -23,6 +23,11 @@ run by the package's onnxruntime library (``timm_sortconv.onnx``: ``session`` re
 ``--runtime openvino`` runs the files in OpenVINO (CPU, float32 inference precision, ``INFERENCE_NUM_THREADS``; 0:
 its default) instead, with ``--fused`` the package's OpenVINO extension loaded (``timm_sortconv.onnx.openvino``);
 ``--profile PATH`` then appends OpenVINO's per-node profile (``PERF_COUNT``) by node type.
+``--layers`` (with ``--fused``, onnxruntime) also times each SC layer on its own: its node cut out of the SC file
+(``onnx.utils.extract_model``, from the tensors it reads to its output) and the twin's convolution at the same place
+with what follows it up to the same tensor (its ReLU), each fed the activations the whole networks compute there and
+timed as the networks are (taking turns, or with ``--processes``); printed per layer with the cut's agreement with the
+whole network, then what the networks spend outside those layers (the whole network's time less the layers').
 The files go to a temporary folder, removed at the end. ``--csv PATH`` appends the rows, with the machine and the
 command, to a CSV (``results/benchmarks/onnx.csv``, which ``scripts/docs.py`` turns into BENCHMARKS.md's table).
 
@@ -36,6 +41,7 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import re
 import sys
 import tempfile
 import time
@@ -90,6 +96,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--profile", default=None, metavar="PATH",
                         help="also profile the SC session (onnxruntime's profiler, 3 calls) and append its time per "
                              "operator type to this CSV")
+    parser.add_argument("--layers", action="store_true",
+                        help="with --fused: also time each SC layer and the twin's convolution there on their own")
     parser.add_argument("--child", nargs=3, default=None, help=argparse.SUPPRESS,
                         metavar=("FILE", "INPUT", "OUTPUT"))  # (a process of --processes: times one file)
     args = parser.parse_args(argv)
@@ -99,6 +107,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--no-spinning is an onnxruntime setting that BENCHMARKS.md's table does not show: run it "
                      "without --csv, with --runtime onnxruntime")
 
+    if args.layers and (not args.fused or args.runtime != "onnxruntime"):
+        parser.error("--layers cuts each fused SortConv2d node out of the file: add --fused (runtime onnxruntime)")
     if args.decomposition is None:
         args.decomposition = OPENVINO if args.runtime == "openvino" else ONNXRUNTIME
     for name in args.models.split(","):
@@ -132,6 +142,8 @@ def build(name: str) -> Tuple[nn.Module, nn.Module, Tuple[int, int, int], str]:
         return model, twin, (3, int(size), int(size)), base
     model = trained_like(timm.create_model(name)).eval()
     twin_name = TWINS.get(name, f"{name}_baseline")
+    if name.startswith("scnn_") and name not in TWINS:  # an SCNN's twin: the plain SCNN of its kernel size
+        twin_name = f"scnn_baseline_{re.search(r'_([0-9]+)', name).group(1)}"
     twin = timm.create_model(twin_name).eval()
     twin.load_state_dict(model.state_dict())
     cfg = model.pretrained_cfg
@@ -215,11 +227,12 @@ def time_alone(path: str, threads: int, fused: bool, runtime: str, inputs: str, 
 
 
 def child(args: argparse.Namespace) -> int:
-    """``--child FILE INPUT OUTPUT``: one session of FILE, called on INPUT (its output saved to OUTPUT) for half a
+    """``--child FILE INPUT OUTPUT``: one session of FILE, called on INPUT (a ``.npy`` of ``x``, or an ``.npz`` of
+    the file's inputs by name; its first output saved to OUTPUT) for half a
     second to warm up (the caches, onnxruntime's threads: a fresh process's first calls of a small model are slower),
     then ``--repeats`` calls; prints the least seconds of a call."""
     path, inputs, outputs = args.child
-    feed = {"x": np.load(inputs)}
+    feed = dict(np.load(inputs)) if inputs.endswith(".npz") else {"x": np.load(inputs)}
     run = session(path, args.threads[0], args.fused, args.runtime, not args.no_spinning).run
     np.save(outputs, run(None, feed)[0])
     start = time.perf_counter()
@@ -272,6 +285,112 @@ def openvino_profile(path: str, threads: int, feed: Dict, calls: int = 3,
         entry[0] += info.real_time.total_seconds() * 1e3
         entry[1] += 1
     return {op: (ms, count) for op, (ms, count) in totals.items() if ms > 0}
+
+
+def activations(path: str, names: List[str], feed: Dict, fused: bool) -> Dict[str, np.ndarray]:
+    """The tensors ``names`` of the network at ``path`` on ``feed`` (the file run once with them as outputs too)."""
+    import onnx
+
+    model = onnx.load(path)
+    model.graph.output.extend([onnx.ValueInfoProto(name=name) for name in names])
+    with tempfile.TemporaryDirectory() as folder:
+        probe = os.path.join(folder, "probe.onnx")
+        onnx.save(model, probe)
+        values = session(probe, 1, fused).run(None, feed)
+    return dict(zip(names, values[-len(names):]))
+
+
+def layer_cuts(sc_path: str, twin_path: str, feed: Dict, folder: str) -> List[Dict[str, object]]:
+    """Each fused SC node of ``sc_path`` and the twin's convolution at the same place, cut into files of their own in
+    ``folder`` with the activations they read: per layer ``name``, ``shape`` (its input's), and per side (``sc``,
+    ``twin``) the cut's ``file``, ``inputs`` (an ``.npz`` of its inputs) and ``expected`` (the whole network's value of
+    its output). The twin's cut ends at the SC node's output where the twin's graph has that tensor (the ReLU after
+    its convolution), else at the convolution's output; a twin without a convolution there has no cut (None)."""
+    import onnx
+    import onnx.utils
+
+    graphs = [onnx.load(p, load_external_data=False).graph for p in (sc_path, twin_path)]
+    constants = [{i.name for i in g.initializer} | {o for n in g.node if n.op_type == "Constant" for o in n.output}
+                 for g in graphs]
+    tensors = {o for n in graphs[1].node for o in n.output} | {i.name for i in graphs[1].input}
+    plans = []
+    for node in graphs[0].node:
+        if node.op_type != "SortConv2d":
+            continue
+        reads = [i for i in node.input if i and i not in constants[0]]
+        prefix = node.name.rsplit("/", 1)[0] + "/"
+        conv = next((n for n in graphs[1].node if n.op_type == "Conv" and n.name.startswith(prefix)), None)
+        twin = None
+        if conv is not None:
+            end = node.output[0] if node.output[0] in tensors else conv.output[0]
+            # a residual the fused node adds (its input S) is read by the twin's Add on the way to that tensor
+            extra = [i for i in reads[1:] if i in tensors] if end == node.output[0] else []
+            twin = ([conv.input[0]] + extra, [end])
+        plans.append((prefix.rstrip("/"), (reads, [node.output[0]]), twin))
+    wanted = [sorted({t for _, sc, _ in plans for t in sc[0] + sc[1]}),
+              sorted({t for _, _, twin in plans if twin for t in twin[0] + twin[1]})]
+    values = [activations(sc_path, wanted[0], feed, True), activations(twin_path, wanted[1], feed, False)]
+    cuts = []
+    for index, (name, *ends) in enumerate(plans):
+        cut: Dict[str, object] = dict(name=name, shape="x".join(map(str, values[0][ends[0][0][0]].shape)))
+        for tag, path, found, end in zip(("sc", "twin"), (sc_path, twin_path), values, ends):
+            if end is None:
+                cut[tag] = None
+                continue
+            file = os.path.join(folder, f"{tag}_layer{index}.onnx")
+            onnx.utils.extract_model(path, file, end[0], end[1])
+            inputs = os.path.join(folder, f"{tag}_layer{index}.npz")
+            np.savez(inputs, **{i: found[i] for i in end[0]})
+            cut[tag] = dict(file=file, inputs=inputs, expected=found[end[1][0]])
+        cuts.append(cut)
+    return cuts
+
+
+def time_layers(cuts: List[Dict[str, object]], threads: int, processes: int, rounds: int, repeats: int,
+                spinning: bool) -> List[Dict[str, object]]:
+    """Each cut of :func:`layer_cuts` timed as the networks are: the SC cut and the twin's taking turns in this
+    process (``rounds`` of ``repeats`` calls), or with ``processes`` each in that many processes of its own. Per layer
+    the least seconds of a call (``sc``, ``twin``; None where there is no cut) and the largest difference of the SC
+    cut's output from the whole network's, over the largest (``error``)."""
+    rows = []
+    for cut in cuts:
+        row: Dict[str, object] = dict(name=cut["name"], shape=cut["shape"], sc=None, twin=None, error=None)
+        tags = [tag for tag in ("sc", "twin") if cut[tag] is not None]
+        if processes:
+            for _ in range(processes):
+                for tag in tags:
+                    took, output = time_alone(cut[tag]["file"], threads, tag == "sc", "onnxruntime",
+                                              cut[tag]["inputs"], rounds * repeats, spinning)
+                    row[tag] = took if row[tag] is None else min(row[tag], took)
+                    if tag == "sc":
+                        out = output
+        else:
+            runs = []
+            for tag in tags:
+                run, feed = session(cut[tag]["file"], threads, tag == "sc", spinning=spinning).run, dict(
+                    np.load(cut[tag]["inputs"]))
+                runs.append(lambda names, _, run=run, feed=feed: run(names, feed))
+            out = runs[0](None, None)[0]
+            for tag, took in zip(tags, best_of(runs, {}, rounds, repeats)):
+                row[tag] = took
+        expected = cut["sc"]["expected"]
+        row["error"] = float(np.abs(out - expected).max() / max(np.abs(expected).max(), 1e-30))
+        rows.append(row)
+    return rows
+
+
+def print_layers(rows: List[Dict[str, object]], sc_s: float, twin_s: float) -> None:
+    """One line per layer (milliseconds and ratio), then the networks' time outside the layers timed."""
+    for row in rows:
+        twin = f"twin {row['twin'] * 1e3:.3f} ms, ratio {row['sc'] / row['twin']:.2f}" if row["twin"] else "no twin cut"
+        print(f"  layer {row['name']} ({row['shape']}): SC {row['sc'] * 1e3:.3f} ms, {twin}; error "
+              f"{row['error']:.1e}", flush=True)
+    paired = [r for r in rows if r["twin"]]
+    sc_layers = sum(r["sc"] for r in paired)
+    twin_layers = sum(r["twin"] for r in paired)
+    print(f"  the {len(paired)} layers: SC {sc_layers * 1e3:.3f} ms, twin {twin_layers * 1e3:.3f} ms, ratio "
+          f"{sc_layers / twin_layers:.2f}; outside them (the network less its layers): SC "
+          f"{(sc_s - sc_layers) * 1e3:.3f} ms, twin {(twin_s - twin_layers) * 1e3:.3f} ms", flush=True)
 
 
 def graph_nodes(path: str) -> int:
@@ -337,6 +456,7 @@ def main(argv=None) -> int:
                 inputs = os.path.join(folder, "x.npy")  # (what the processes of --processes read)
                 if args.processes:
                     np.save(inputs, x.numpy())
+                cuts = layer_cuts(paths[0], paths[1], {"x": x.numpy()}, folder) if args.layers else []
                 for threads in args.threads:
                     feed = {"x": x.numpy()}
                     repeats = args.repeats or (5 if batch == 1 else 2)
@@ -384,6 +504,9 @@ def main(argv=None) -> int:
                           f"{row['twin_ms']} ms, ratio {row['ratio']}; error {row['error']}; export {row['sc_export_s']} "
                           f"/ {row['twin_export_s']} s; {row['sc_mb']} / {row['twin_mb']} MB; nodes {nodes[0]} / "
                           f"{nodes[1]} ({row['nodes_per_sc_layer']} per SC layer)", flush=True)
+                    if cuts:
+                        print_layers(time_layers(cuts, threads, args.processes, args.rounds, repeats,
+                                                 not args.no_spinning), sc_s, twin_s)
     for path, fields, table in ((args.csv, header, rows), (args.profile, list(profiles[0]) if profiles else [],
                                                              profiles)):
         if path and table:
