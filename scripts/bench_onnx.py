@@ -226,13 +226,41 @@ def time_alone(path: str, threads: int, fused: bool, runtime: str, inputs: str, 
     return float(done.stdout.split()[-1]), np.load(outputs)
 
 
+def load_feed(inputs: str) -> Dict[str, np.ndarray]:
+    """A file's inputs by name from ``inputs``: a ``.npy`` of ``x``, or an ``.npz`` of the inputs by name."""
+    return dict(np.load(inputs)) if inputs.endswith(".npz") else {"x": np.load(inputs)}
+
+
+def time_files(paths: List[str], inputs: List[str], threads: int, fused: bool, runtime: str, processes: int,
+               rounds: int, repeats: int, spinning: bool) -> Tuple[List[float], np.ndarray]:
+    """The least seconds of a call of each file of ``paths`` (the first with the package's library or extension where
+    ``fused``), each on its ``inputs`` file (:func:`load_feed`): the sessions taking turns in this process for
+    ``rounds`` of ``repeats`` calls, or with ``processes`` each file in that many processes of its own; and the first
+    file's output."""
+    if processes:
+        best = [float("inf")] * len(paths)
+        for _ in range(processes):
+            for i, (path, given) in enumerate(zip(paths, inputs)):
+                took, output = time_alone(path, threads, fused and i == 0, runtime, given, rounds * repeats, spinning)
+                best[i] = min(best[i], took)
+                if i == 0:
+                    out = output
+        return best, out
+    runs = []
+    for i, (path, given) in enumerate(zip(paths, inputs)):
+        run, feed = session(path, threads, fused and i == 0, runtime, spinning).run, load_feed(given)
+        runs.append(lambda names, _, run=run, feed=feed: run(names, feed))
+    (out,) = runs[0](None, None)
+    return best_of(runs, {}, rounds, repeats), out
+
+
 def child(args: argparse.Namespace) -> int:
     """``--child FILE INPUT OUTPUT``: one session of FILE, called on INPUT (a ``.npy`` of ``x``, or an ``.npz`` of
     the file's inputs by name; its first output saved to OUTPUT) for half a
     second to warm up (the caches, onnxruntime's threads: a fresh process's first calls of a small model are slower),
     then ``--repeats`` calls; prints the least seconds of a call."""
     path, inputs, outputs = args.child
-    feed = dict(np.load(inputs)) if inputs.endswith(".npz") else {"x": np.load(inputs)}
+    feed = load_feed(inputs)
     run = session(path, args.threads[0], args.fused, args.runtime, not args.no_spinning).run
     np.save(outputs, run(None, feed)[0])
     start = time.perf_counter()
@@ -348,34 +376,17 @@ def layer_cuts(sc_path: str, twin_path: str, feed: Dict, folder: str) -> List[Di
 
 def time_layers(cuts: List[Dict[str, object]], threads: int, processes: int, rounds: int, repeats: int,
                 spinning: bool) -> List[Dict[str, object]]:
-    """Each cut of :func:`layer_cuts` timed as the networks are: the SC cut and the twin's taking turns in this
-    process (``rounds`` of ``repeats`` calls), or with ``processes`` each in that many processes of its own. Per layer
-    the least seconds of a call (``sc``, ``twin``; None where there is no cut) and the largest difference of the SC
-    cut's output from the whole network's, over the largest (``error``)."""
+    """Each cut of :func:`layer_cuts` timed as the networks are (:func:`time_files`, the SC cut first). Per layer the
+    least seconds of a call (``sc``, ``twin``; None where there is no cut) and the largest difference of the SC cut's
+    output from the whole network's, over the largest (``error``)."""
     rows = []
     for cut in cuts:
-        row: Dict[str, object] = dict(name=cut["name"], shape=cut["shape"], sc=None, twin=None, error=None)
-        tags = [tag for tag in ("sc", "twin") if cut[tag] is not None]
-        if processes:
-            for _ in range(processes):
-                for tag in tags:
-                    took, output = time_alone(cut[tag]["file"], threads, tag == "sc", "onnxruntime",
-                                              cut[tag]["inputs"], rounds * repeats, spinning)
-                    row[tag] = took if row[tag] is None else min(row[tag], took)
-                    if tag == "sc":
-                        out = output
-        else:
-            runs = []
-            for tag in tags:
-                run, feed = session(cut[tag]["file"], threads, tag == "sc", spinning=spinning).run, dict(
-                    np.load(cut[tag]["inputs"]))
-                runs.append(lambda names, _, run=run, feed=feed: run(names, feed))
-            out = runs[0](None, None)[0]
-            for tag, took in zip(tags, best_of(runs, {}, rounds, repeats)):
-                row[tag] = took
+        sides = [cut[tag] for tag in ("sc", "twin") if cut[tag] is not None]
+        best, out = time_files([side["file"] for side in sides], [side["inputs"] for side in sides], threads, True,
+                               "onnxruntime", processes, rounds, repeats, spinning)
         expected = cut["sc"]["expected"]
-        row["error"] = float(np.abs(out - expected).max() / max(np.abs(expected).max(), 1e-30))
-        rows.append(row)
+        rows.append(dict(name=cut["name"], shape=cut["shape"], sc=best[0], twin=best[1] if len(best) > 1 else None,
+                         error=float(np.abs(out - expected).max() / max(np.abs(expected).max(), 1e-30))))
     return rows
 
 
@@ -453,28 +464,14 @@ def main(argv=None) -> int:
                 nodes = [graph_nodes(p) for p in paths]
                 with torch.no_grad():
                     expected = model(x)
-                inputs = os.path.join(folder, "x.npy")  # (what the processes of --processes read)
-                if args.processes:
-                    np.save(inputs, x.numpy())
+                inputs = os.path.join(folder, "x.npy")  # (what the sessions, or the processes of --processes, read)
+                np.save(inputs, x.numpy())
                 cuts = layer_cuts(paths[0], paths[1], {"x": x.numpy()}, folder) if args.layers else []
                 for threads in args.threads:
                     feed = {"x": x.numpy()}
                     repeats = args.repeats or (5 if batch == 1 else 2)
-                    if args.processes:
-                        best = [float("inf")] * 2
-                        for _ in range(args.processes):
-                            for i, path in enumerate(paths):
-                                took, output = time_alone(path, threads, args.fused and i == 0, args.runtime,
-                                                          inputs, args.rounds * repeats, not args.no_spinning)
-                                best[i] = min(best[i], took)
-                                if i == 0:
-                                    out = output
-                        sc_s, twin_s = best
-                    else:
-                        runs = [session(paths[0], threads, args.fused, args.runtime, not args.no_spinning).run,
-                                session(paths[1], threads, runtime=args.runtime, spinning=not args.no_spinning).run]
-                        (out,) = runs[0](None, feed)
-                        sc_s, twin_s = best_of(runs, feed, args.rounds, repeats)
+                    (sc_s, twin_s), out = time_files(paths, [inputs, inputs], threads, args.fused, args.runtime,
+                                                     args.processes, args.rounds, repeats, not args.no_spinning)
                     error = float((torch.from_numpy(out) - expected).abs().max() / expected.abs().max())
                     row = dict(model=name, twin=twin_name, input="x".join(map(str, shape)), batch=batch,
                                threads=threads or "all", runtime=args.runtime, decomposition=mode,

@@ -382,11 +382,11 @@ def fuse_residuals(model) -> int:
             node.input.append(bias.name)
         node.input.append(other)
         node.output[0] = add.output[0]
-        merged.append((node, add))
+        merged.append(node)
     # ONNX requires each input made before the node that reads it (onnx.checker and tools other than onnxruntime
     # refuse the file otherwise). Only the Add read the node's output, so nothing between the two needs it; both now
     # write the Add's output, which no other node writes.
-    at_add = {add.output[0]: node for node, add in merged}
+    at_add = {node.output[0]: node for node in merged}
     nodes = [at_add.get(n.output[0], n) if n.op_type == "Add" else n for n in graph.node
              if not (n.domain == DOMAIN and n.output and n.output[0] in at_add)]
     del graph.node[:]
